@@ -1,0 +1,41 @@
+# Two commands do everything on a fresh clone:
+#   make test   create .venv, install, run the test suite
+#   make demo   create .venv, install, run the CPU demo
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Without a CUDA driver we install the CPU build of torch first, so the project's
+# `torch>=2.3` range is already satisfied and pip pulls no multi-GB CUDA wheels.
+# On a GPU machine pip resolves torch itself (or keeps the build you already have).
+CPU_TORCH ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-fast lint demo clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+		$(BIN)/pip install -q "$(CPU_TORCH)"; fi
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -x -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check megatron tests tools bench *.py
+	$(BIN)/ruff format --check megatron tests tools bench *.py
+
+demo: $(STAMP)
+	@echo "make demo: the CPU training demo arrives with the training issue (#4):"
+	@echo "  it will build a corpus from the Python standard library, train a tokenizer,"
+	@echo "  preprocess it and train a small GPT with TP=2 x DP=2 on 4 CPU ranks."
+	@echo "Today you can run the test suite: make test"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,139 @@
+"""Start-up: torch.distributed from the launcher's environment, device, process groups, seeds.
+
+Launchers supported: `torchrun` and the `deepspeed` launcher (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), Slurm `srun` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with
+MASTER_ADDR/MASTER_PORT exported by the batch script), and a plain `python` (one process).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.config import ConfigError, MegatronConfig
+from megatron.mpu import ParallelState, RNGStatesTracker, initialize_model_parallel
+from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int | None
+    master_addr: str | None
+    master_port: str | None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What initialization produced; passed explicitly to everything that needs it."""
+
+    config: MegatronConfig
+    state: ParallelState
+    device: torch.device
+    rng_tracker: RNGStatesTracker
+
+
+def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
+    """Rank, world size and local rank from torchrun/deepspeed variables, else Slurm's, else 1."""
+    env = os.environ if env is None else env
+
+    def first(*names: str) -> str | None:
+        return next((env[n] for n in names if env.get(n)), None)
+
+    rank = first("RANK", "SLURM_PROCID")
+    world = first("WORLD_SIZE", "SLURM_NTASKS")
+    local = first("LOCAL_RANK", "SLURM_LOCALID")
+    return LaunchEnv(
+        rank=int(rank or 0),
+        world_size=int(world or 1),
+        local_rank=int(local) if local is not None else None,
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=env.get("MASTER_PORT"),
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str | None, device: torch.device) -> str:
+    if requested == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "--distributed-backend nccl: no CUDA device is visible. Fix: use "
+            "--distributed-backend gloo (or drop the flag) to run on CPU."
+        )
+    return requested or ("nccl" if device.type == "cuda" else "gloo")
+
+
+def init_distributed(cfg: MegatronConfig, env: LaunchEnv, device: torch.device) -> None:
+    """Create the default process group (skipped when already initialized by the caller)."""
+    if dist.is_initialized():
+        return
+    if env.world_size != cfg.parallel.world_size:
+        raise ConfigError(
+            f"the launcher started {env.world_size} processes but the config was validated for "
+            f"{cfg.parallel.world_size}. Fix: parse the arguments in the launched processes."
+        )
+    if env.world_size > 1 and not (env.master_addr and env.master_port):
+        raise ConfigError(
+            "MASTER_ADDR/MASTER_PORT are not set for a multi-process run. Fix: launch with "
+            "torchrun or deepspeed, or export both (e.g. the first node's hostname and 29500)."
+        )
+    # A single process needs no launcher: it rendezvouses with itself on a free local port.
+    os.environ.setdefault("MASTER_ADDR", env.master_addr or "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", env.master_port or str(free_port()))
+    backend = pick_backend(cfg.distributed.backend, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
+    )
+
+
+def set_random_seeds(seed: int, state: ParallelState, device: torch.device) -> RNGStatesTracker:
+    """Seed python/numpy/torch with seed + 100 x PP rank; add the per-TP-rank dropout stream.
+
+    TP peers share the default seed (their replicated activations must see the same dropout);
+    the tracker's stream differs per TP rank for dropout on split tensors.
+    """
+    base = seed + 100 * state.pp_rank
+    random.seed(base)
+    np.random.seed(base)
+    torch.manual_seed(base)
+    tracker = RNGStatesTracker(device)
+    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(base, state.tp_rank))
+    return tracker
+
+
+def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Runtime:
+    env = env or read_launch_env()
+    local_rank = env.local_rank if env.local_rank is not None else cfg.distributed.local_rank or 0
+    device = pick_device(local_rank)
+    init_distributed(cfg, env, device)
+    state = initialize_model_parallel(
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_size,
+        cfg.parallel.virtual_pipeline_size(cfg.model.num_layers),
+    )
+    tracker = set_random_seeds(cfg.training.seed, state, device)
+    return Runtime(config=cfg, state=state, device=device, rng_tracker=tracker)

@@ -1,0 +1,168 @@
+"""GPTModel: an ordered list of layers (embedding, N transformer layers, final norm + head).
+
+Parameter names do not depend on the parallel layout (`layers.7.mlp...` is layer 7 wherever it
+lives), and every weight is drawn from a generator seeded by (seed, name) on its full,
+unsharded shape before being sliced, so one seed gives one model at any TP size.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.transformer import NORM_TYPES, TransformerLayer, build_norm
+from megatron.mpu import (
+    ColumnParallelLinear,
+    ParallelState,
+    RNGStatesTracker,
+    VocabParallelEmbedding,
+    copy_full_into_param,
+    copy_to_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+# Output projections of residual branches get std / sqrt(2 x num_layers) (GPT-2's scaled init).
+_SCALED_INIT_SUFFIXES = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHTS = "head.output_layer.weight"
+
+
+class Embedding(nn.Module):
+    """tokens (b, s) -> dropout(word embedding + learned position embedding) (b, s, h)."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, device=None, dtype=None):
+        super().__init__()
+        self.dropout = cfg.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.padded_vocab_size(state.tp_size), cfg.hidden_size, group=state.tp_group,
+            init_method=None, device=device, dtype=dtype,
+        )
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned":
+            self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size,
+                                                    device=device, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None):
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(tokens.size(1), device=tokens.device)
+            x = x + self.position_embeddings(position_ids)
+        return nn.functional.dropout(x, self.dropout if self.training else 0.0)
+
+
+class OutputHead(nn.Module):
+    """h (b, s, h) -> final norm -> this rank's vocab slice of the logits (b, s, V_pad / p).
+
+    Logits of padding rows (ids >= the real vocab size) are -inf, so padding never takes softmax
+    mass: the loss is the same whatever the padding, hence whatever the TP size.
+    """
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, device=None, dtype=None):
+        super().__init__()
+        self.tp_group = state.tp_group
+        self.final_layernorm = build_norm(cfg, device, dtype)
+        padded = cfg.padded_vocab_size(state.tp_size)
+        local = padded // state.tp_size
+        self.num_valid = max(0, min(local, cfg.vocab_size - state.tp_rank * local))
+        self.output_layer = None
+        if cfg.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size, padded, group=state.tp_group, bias=False, init_method=None,
+                device=device, dtype=dtype,
+            )
+
+    def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
+        x = self.final_layernorm(x)
+        if self.output_layer is not None:
+            logits = self.output_layer(x)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            logits = nn.functional.linear(x, word_embeddings)
+        if self.num_valid < logits.size(-1):
+            logits[..., self.num_valid :] = float("-inf")
+        return logits
+
+
+class GPTModel(nn.Module):
+    """The GPT of `cfg`, split over the TP group of `state`.
+
+    forward(tokens, labels) -> per-token loss (b, s) in float32; without labels, this rank's
+    vocab slice of the logits.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state: ParallelState,
+        *,
+        rng_tracker: RNGStatesTracker | None = None,
+        seed: int = 1234,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.cfg, self.state = cfg, state
+        self.embedding = Embedding(cfg, state, device, dtype)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype)
+             for i in range(cfg.num_layers)}
+        )
+        self.head = OutputHead(cfg, state, device, dtype)
+        init_weights(self, cfg, state, seed)
+
+    def layer_list(self) -> list[nn.Module]:
+        """The ordered layers; pipeline stages are contiguous slices of this list."""
+        return [self.embedding, *self.layers.values(), self.head]
+
+    def forward(self, tokens, position_ids=None, labels=None):
+        x = self.embedding(tokens, position_ids)
+        for layer in self.layers.values():
+            x = layer(x, position_ids)
+        logits = self.head(x, self.embedding.word_embeddings.weight)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.state.tp_group)
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    # crc32 is stable across processes and Python versions (hash() is salted).
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def _full_shape(param: torch.Tensor, tp_size: int) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return shape
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig, state: ParallelState, seed: int) -> None:
+    """Initialize every parameter from (seed, name) on its full shape, then keep this rank's slice.
+
+    Norm weights 1, biases 0, other weights N(0, std) with std / sqrt(2 L) for the output
+    projections of residual branches. Vocab-sized weights draw only the real vocab rows, with
+    zero padding rows, so the draw does not depend on how far the vocab was padded.
+    """
+    norm_params = {
+        f"{mname}.{pname}" for mname, m in model.named_modules() if isinstance(m, NORM_TYPES)
+        for pname, _ in m.named_parameters(recurse=False)
+    }
+    scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    for name, param in model.named_parameters():
+        full = torch.empty(_full_shape(param, state.tp_size), dtype=torch.float32)
+        if name in norm_params:
+            full.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            full.zero_()
+        else:
+            std = scaled_std if name.endswith(_SCALED_INIT_SUFFIXES) else cfg.init_method_std
+            rows = cfg.vocab_size if name in (WORD_EMBEDDINGS, OUTPUT_WEIGHTS) else full.shape[0]
+            full.zero_()
+            full[:rows].normal_(0.0, std, generator=_generator(seed, name))
+        copy_full_into_param(param, full, state.tp_group)

@@ -1,0 +1,153 @@
+"""One transformer layer: pre-norm attention and MLP with residuals (GPT-2), TP-split.
+
+Activations are batch-first, (b, s, h). Attention heads and the MLP's inner dimension are split
+over the TP group: query_key_value and dense_h_to_4h are column-parallel, dense and
+dense_4h_to_h row-parallel, so each layer does one all-reduce forward and one backward per block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.mpu import ColumnParallelLinear, ParallelState, RNGStatesTracker, RowParallelLinear
+from megatron.mpu.utils import divide
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+NORM_TYPES = (nn.LayerNorm, RMSNorm)
+
+
+def build_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
+    if cfg.normalization == "RMSNorm":
+        return RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, dtype=dtype)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half layout (as Megatron-core and HF Llama): the pair (i, i + d/2)."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, device=None):
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # (max_positions, d)
+        self.register_buffer("cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().to(device), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # x: (b, s, n, d); position_ids: (b, s)
+        cos = self.cos[position_ids].unsqueeze(2).to(x.dtype)  # (b, s, 1, d)
+        sin = self.sin[position_ids].unsqueeze(2).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention over this rank's heads, through torch SDPA.
+
+    query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
+    head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
+    """
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, rng_tracker: RNGStatesTracker | None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.rng_tracker = rng_tracker
+        self.head_dim = cfg.head_dim
+        self.heads = divide(cfg.num_attention_heads, state.tp_size)  # local query heads
+        self.groups = divide(cfg.query_groups, state.tp_size)  # local key/value heads
+        self.q_per_group = cfg.num_attention_heads // cfg.query_groups
+        self.dropout = cfg.attention_dropout
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+        kw = {"group": state.tp_group, "bias": cfg.add_bias_linear, "init_method": None,
+              "device": device, "dtype": dtype}
+        self.query_key_value = ColumnParallelLinear(cfg.hidden_size, qkv_size, **kw)
+        self.dense = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                       input_is_parallel=True, **kw)
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base, device)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x).view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # (b, s, g, d)
+        if self.rotary is not None:
+            if position_ids is None:
+                position_ids = torch.arange(s, device=x.device).expand(b, s)
+            q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
+        if self.q_per_group > 1:
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        p = self.dropout if self.training else 0.0
+        # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
+        rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
+        with rng:
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.dense(ctx)
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn (GeLU, or SwiGLU: silu(gate) * up) -> h, the ffn dimension split over TP."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, device=None, dtype=None):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        kw = {"group": state.tp_group, "bias": cfg.add_bias_linear, "init_method": None,
+              "device": device, "dtype": dtype}
+        # SwiGLU stacks [gate; up] in one weight; stride 2 gives each rank [gate_r; up_r].
+        self.dense_h_to_4h = ColumnParallelLinear(
+            cfg.hidden_size, cfg.ffn_size * (2 if cfg.swiglu else 1),
+            stride=2 if cfg.swiglu else 1, **kw,
+        )
+        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_size, cfg.hidden_size,
+                                               input_is_parallel=True, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dense_h_to_4h(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.dense_4h_to_h(y)
+
+
+class TransformerLayer(nn.Module):
+    """x + drop(attn(norm(x))), then + drop(mlp(norm(.))). Residual dropout uses the default
+    generator, identical on every TP rank, because these tensors are replicated over TP."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, rng_tracker: RNGStatesTracker | None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.hidden_dropout = cfg.hidden_dropout
+        self.input_layernorm = build_norm(cfg, device, dtype)
+        self.self_attention = ParallelAttention(cfg, state, rng_tracker, device, dtype)
+        self.post_attention_layernorm = build_norm(cfg, device, dtype)
+        self.mlp = ParallelMLP(cfg, state, device, dtype)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
+        x = x + F.dropout(self.self_attention(self.input_layernorm(x), position_ids), p)
+        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), p)

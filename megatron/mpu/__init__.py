@@ -1,0 +1,53 @@
+"""Model-parallel utilities. Imports nothing from the rest of `megatron`."""
+
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron.mpu.data import broadcast_data
+from megatron.mpu.grads import clip_grad_norm, grad_norm
+from megatron.mpu.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_full_into_param,
+    init_normal,
+    is_tensor_parallel,
+)
+from megatron.mpu.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.mpu.parallel_state import (
+    ParallelState,
+    destroy_model_parallel,
+    initialize_model_parallel,
+    single_process_state,
+)
+from megatron.mpu.random import MODEL_PARALLEL_RNG, RNGStatesTracker, checkpoint
+from megatron.mpu.utils import shard, unshard
+
+__all__ = [
+    "MODEL_PARALLEL_RNG",
+    "ColumnParallelLinear",
+    "ParallelState",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "broadcast_data",
+    "checkpoint",
+    "clip_grad_norm",
+    "copy_full_into_param",
+    "copy_to_tensor_model_parallel_region",
+    "destroy_model_parallel",
+    "gather_from_tensor_model_parallel_region",
+    "grad_norm",
+    "init_normal",
+    "initialize_model_parallel",
+    "is_tensor_parallel",
+    "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "shard",
+    "single_process_state",
+    "unshard",
+    "vocab_parallel_cross_entropy",
+]

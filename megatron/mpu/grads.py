@@ -1,0 +1,75 @@
+"""Global gradient norm and clipping over a model split across TP and PP ranks.
+
+A parameter split over TP contributes its shard on every TP rank; a replicated one (norm weights,
+row-parallel biases, position embeddings) is counted on TP rank 0 only, and a parameter marked
+`shared` (the last stage's copy of a tied embedding) is not counted at all, so every weight
+enters the norm exactly once. Partial sums are then all-reduced over the model-parallel group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron.mpu.layers import is_tensor_parallel
+from megatron.mpu.utils import group_size
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulate in float32, or wider if the gradient already is."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def counts_once(param: torch.Tensor, tp_rank: int) -> bool:
+    if getattr(param, "shared", False):
+        return False
+    return is_tensor_parallel(param) or tp_rank == 0
+
+
+def grad_norm(
+    parameters: Iterable[torch.Tensor],
+    *,
+    tp_rank: int = 0,
+    model_parallel_group=None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """The norm of all gradients of the whole model (float32 scalar, same on every MP rank)."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad.detach() for p in params if counts_once(p, tp_rank)]
+    device = params[0].grad.device if params else torch.device("cpu")
+    if norm_type == math.inf:
+        local = [g.abs().max().to(_acc(g)) for g in grads]
+        total = torch.stack(local).max() if local else torch.zeros((), device=device)
+        if group_size(model_parallel_group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+        return total
+    local = [torch.linalg.vector_norm(g, norm_type, dtype=_acc(g)) ** norm_type for g in grads]
+    total = torch.stack(local).sum() if local else torch.zeros((), device=device)
+    if group_size(model_parallel_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    return total ** (1.0 / norm_type)
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    tp_rank: int = 0,
+    model_parallel_group=None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / norm); returns the norm before clipping.
+
+    A non-finite norm is returned untouched and nothing is scaled: the caller skips the step.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params, tp_rank=tp_rank, model_parallel_group=model_parallel_group,
+                      norm_type=norm_type)
+    if max_norm > 0 and torch.isfinite(total):
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_([p.grad for p in params], coef)
+    return total

@@ -1,0 +1,190 @@
+"""Tensor-parallel layers. At TP = 1 each is exactly its torch twin (nn.Linear, nn.Embedding).
+
+Weights are initialized on a full-size CPU "master" tensor and then sliced, so a seed gives the
+same model at every TP size. Every sharded parameter carries `tensor_model_parallel = True`,
+`partition_dim` and `partition_stride`, which grads/checkpoint code use to count or rebuild it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.mpu.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.mpu.utils import divide, group_rank, group_size, shard
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def init_normal(std: float = 0.02, generator: torch.Generator | None = None) -> InitMethod:
+    def init_(tensor: torch.Tensor) -> None:
+        tensor.normal_(0.0, std, generator=generator)
+
+    return init_
+
+
+_DEFAULT_INIT = init_normal(0.02)
+
+
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, is_parallel: bool, dim: int = 0, stride: int = 1
+) -> None:
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+@torch.no_grad()
+def copy_full_into_param(param: torch.Tensor, full: torch.Tensor, group) -> None:
+    """Load this rank's slice of the full (unsharded) tensor `full` into `param`."""
+    if is_tensor_parallel(param):
+        full = shard(full, param.partition_dim, group_rank(group), group_size(group),
+                     param.partition_stride)
+    if full.shape != param.shape:
+        raise ValueError(f"shape {tuple(full.shape)} does not fit parameter {tuple(param.shape)}")
+    param.copy_(full)
+
+
+def _init_param(param: nn.Parameter, full_shape, init_method: InitMethod | None, group) -> None:
+    """Fill the full-size master with `init_method` and keep this rank's slice.
+
+    `init_method=None` leaves the parameter uninitialized: the owner (e.g. GPTModel, which seeds
+    each weight by its name) loads it afterwards.
+    """
+    if init_method is None:
+        return
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    copy_full_into_param(param, master, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b, A split along its output dimension: A = [A_1, ..., A_p], rank i holds A_i.
+
+    Forward: copy_to (identity) -> Y_i = X A_i + b_i -> optional all-gather of [Y_1 .. Y_p].
+    Backward: all-reduce of dL/dX over TP (from copy_to).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        group=None,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_method: InitMethod | None = _DEFAULT_INIT,
+        stride: int = 1,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.input_size, self.output_size = input_size, output_size
+        local = divide(output_size, group_size(group))
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(local, input_size, **kw))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        _init_param(self.weight, (output_size, input_size), init_method, group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(local, **kw))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)  # (..., output_size / p)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.group)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b, A split along its input dimension: A = [A_1; ...; A_p], X = [X_1, ..., X_p].
+
+    Forward: (scatter X unless input_is_parallel) -> X_i A_i -> all-reduce (sum) -> + b.
+    Backward: identity through the reduce; all-gather of dL/dX if the input was scattered.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        group=None,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        init_method: InitMethod | None = _DEFAULT_INIT,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.input_size, self.output_size = input_size, output_size
+        local = divide(input_size, group_size(group))
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(output_size, local, **kw))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        _init_param(self.weight, (output_size, input_size), init_method, group)
+        if bias:
+            # The bias is added once, after the reduce, so every rank holds all of it.
+            self.bias = nn.Parameter(torch.zeros(output_size, **kw))
+            set_tensor_model_parallel_attributes(self.bias, False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
+        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[ids] with the vocab rows split over TP: rank i holds rows [i V/p, (i+1) V/p).
+
+    Forward: each rank looks up the ids it owns (zeros elsewhere) -> all-reduce (sum).
+    Backward: identity; each rank's weight gradient lands only on its own rows.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group=None,
+        init_method: InitMethod | None = _DEFAULT_INIT,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group = group
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = divide(num_embeddings, group_size(group))
+        self.vocab_start = group_rank(group) * local
+        self.vocab_end = self.vocab_start + local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        _init_param(self.weight, (num_embeddings, embedding_dim),
+                    init_method, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.group)

@@ -1,0 +1,163 @@
+"""The rank grid and its process groups, built once and handed out as a value.
+
+Ranks are laid out as `arange(world).reshape(PP, DP, TP)`: TP is the fastest axis (TP peers
+share a node and its fast links), then DP, then PP, as in Megatron-LM. `None` as a group means
+"no group": a single process needs no torch.distributed at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's place in the TP x DP x PP grid and the groups it belongs to."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_ranks: tuple[int, ...]
+    pp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    embedding_ranks: tuple[int, ...]
+    tp_group: object | None = None
+    pp_group: object | None = None
+    dp_group: object | None = None
+    mp_group: object | None = None  # TP x PP: every rank holding a piece of one model replica
+    embedding_group: object | None = None  # first and last pipeline stage (tied embeddings)
+    virtual_pp_size: int | None = None
+
+    @property
+    def mp_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group (the one that reads data)."""
+        return self.tp_ranks[0]
+
+    @property
+    def next_pp_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_pp_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.embedding_ranks
+
+
+def single_process_state() -> ParallelState:
+    """The trivial layout (TP = PP = DP = 1) for one process, with no process groups."""
+    return ParallelState(
+        rank=0, world_size=1, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
+        tp_ranks=(0,), pp_ranks=(0,), dp_ranks=(0,), embedding_ranks=(0,),
+    )
+
+
+def rank_grid(world_size: int, tp: int, pp: int) -> np.ndarray:
+    """Global ranks as a [PP, DP, TP] array; raises ValueError when the sizes do not divide."""
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor-parallel {tp} x "
+            f"pipeline-parallel {pp}; launch a multiple of {tp * pp} processes"
+        )
+    return np.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
+
+
+def _groups_along(grid: np.ndarray, axis: str) -> list[tuple[int, ...]]:
+    """Every group of ranks that differ only along `axis` of the [PP, DP, TP] grid."""
+    pp, dp, tp = grid.shape
+    if axis == "tp":
+        return [tuple(int(r) for r in grid[p, d, :]) for p in range(pp) for d in range(dp)]
+    if axis == "dp":
+        return [tuple(int(r) for r in grid[p, :, t]) for p in range(pp) for t in range(tp)]
+    if axis == "pp":
+        return [tuple(int(r) for r in grid[:, d, t]) for d in range(dp) for t in range(tp)]
+    if axis == "mp":  # TP x PP of one data-parallel replica
+        return [tuple(int(r) for r in grid[:, d, :].flatten()) for d in range(dp)]
+    raise ValueError(f"unknown axis {axis!r}")
+
+
+def _embedding_ranks(pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
+    return (pp_ranks[0],) if len(pp_ranks) == 1 else (pp_ranks[0], pp_ranks[-1])
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+) -> ParallelState:
+    """Build every process group from the rank grid; all ranks must call this together.
+
+    torch.distributed must already be initialized. Groups are created in the same order on every
+    rank (a requirement of `new_group`), and this rank keeps the ones it belongs to.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("initialize torch.distributed before building model-parallel groups")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+    mine: dict[str, tuple[tuple[int, ...], object]] = {}
+    for axis in ("tp", "dp", "pp", "mp"):
+        for ranks in _groups_along(grid, axis):
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine[axis] = (ranks, group)
+    emb_ranks: tuple[int, ...] = ()
+    emb_group = None
+    for ranks in _groups_along(grid, "pp"):
+        e = _embedding_ranks(ranks)
+        group = dist.new_group(list(e))
+        if rank in ranks:
+            emb_ranks = e
+            emb_group = group if rank in e else None
+    pp_idx, dp_idx, tp_idx = (int(i[0]) for i in np.nonzero(grid == rank))
+    return ParallelState(
+        rank=rank,
+        world_size=world,
+        tp_size=tensor_model_parallel_size,
+        pp_size=pipeline_model_parallel_size,
+        dp_size=grid.shape[1],
+        tp_rank=tp_idx,
+        pp_rank=pp_idx,
+        dp_rank=dp_idx,
+        tp_ranks=mine["tp"][0],
+        pp_ranks=mine["pp"][0],
+        dp_ranks=mine["dp"][0],
+        embedding_ranks=emb_ranks,
+        tp_group=mine["tp"][1],
+        pp_group=mine["pp"][1],
+        dp_group=mine["dp"][1],
+        mp_group=mine["mp"][1],
+        embedding_group=emb_group,
+        virtual_pp_size=virtual_pipeline_model_parallel_size,
+    )
+
+
+def destroy_model_parallel(state: ParallelState) -> None:
+    """Destroy this state's groups. Nothing else holds them, so no state is left behind."""
+    seen = set()
+    for group in (state.tp_group, state.pp_group, state.dp_group, state.mp_group,
+                  state.embedding_group):
+        if group is not None and id(group) not in seen:
+            seen.add(id(group))
+            dist.destroy_process_group(group)

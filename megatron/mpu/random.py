@@ -1,0 +1,104 @@
+"""Named RNG streams on any device, and an activation checkpoint that replays them exactly.
+
+Dropout on tensors that are split over TP (attention probabilities of local heads) must differ
+between TP ranks, while dropout on replicated tensors must agree. The default generator serves
+the replicated case (same seed on every TP rank); `RNGStatesTracker.fork(name)` swaps in a
+separate stream, seeded per TP rank, for the split case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def default_generator(device: torch.device | str) -> torch.Generator:
+    """The generator that dropout on `device` draws from."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return torch.cuda.default_generators[index]
+    if device.type == "cpu":
+        return torch.default_generator
+    raise ValueError(f"no RNG tracker support for device type {device.type!r}")
+
+
+class RNGStatesTracker:
+    """Named generator states for one device; `fork(name)` runs a block on that stream."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+
+    def reset(self) -> None:
+        self._states.clear()
+        self._seeds.clear()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self._seeds:
+            raise ValueError(f"seed {seed} already used by another RNG stream")
+        if name in self._states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        gen = default_generator(self.device)
+        saved = gen.get_state()
+        gen.manual_seed(seed)
+        self._states[name] = gen.get_state()
+        gen.set_state(saved)
+        self._seeds.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        if name not in self._states:
+            raise KeyError(f"RNG stream {name!r} was never added (initialize the seeds first)")
+        gen = default_generator(self.device)
+        saved = gen.get_state()
+        gen.set_state(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = gen.get_state()
+            gen.set_state(saved)
+
+
+def model_parallel_seed(seed: int, tp_rank: int) -> int:
+    """Seed of the TP-split stream: distinct per TP rank, never equal to the default seed."""
+    return seed + 2718 + tp_rank
+
+
+def checkpoint(function: Callable, tracker: RNGStatesTracker | None, *args, **kwargs):
+    """Run `function(*args, **kwargs)` without keeping its activations; recompute in backward.
+
+    The recompute sees the same default-generator state (torch restores it) and the same
+    tracker streams (restored here), so dropout masks replay exactly and checkpointing changes
+    memory, never the numbers. The tracker's streams are left where the first pass left them.
+    """
+    entry_states = tracker.get_states() if tracker is not None else None
+    calls = 0
+
+    def run(*a, **kw):
+        nonlocal calls
+        calls += 1
+        if tracker is None or calls == 1:
+            return function(*a, **kw)
+        current = tracker.get_states()
+        tracker.set_states(entry_states)
+        try:
+            return function(*a, **kw)
+        finally:
+            tracker.set_states(current)
+
+    return torch_checkpoint.checkpoint(
+        run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+    )

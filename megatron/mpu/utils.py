@@ -1,0 +1,37 @@
+"""Small helpers shared by the mpu modules: group sizes and stride-aware (un)sharding."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    """Ranks in `group`; None means no group (a single process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """This rank's slice of `full` along `dim`.
+
+    With stride s the dimension holds s stacked blocks (e.g. SwiGLU's [gate; up]); each rank
+    takes its 1/size of every block, so the local tensor is [gate_r; up_r].
+    """
+    pieces = torch.chunk(full, size * stride, dim=dim)
+    return torch.cat(pieces[rank::size], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of `shard`: rebuild the full tensor from every rank's slice (in rank order)."""
+    per_rank = [torch.chunk(s, stride, dim=dim) for s in shards]
+    return torch.cat([p[j] for j in range(stride) for p in per_rank], dim=dim)

@@ -1,0 +1,30 @@
+"""Installs the `megatron` package: a Megatron-style 3D-parallel GPT pretraining codebase."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+README = Path(__file__).with_name("README.md")
+
+setup(
+    name="megatron-3d",
+    version="0.1.0",
+    description="Megatron-style GPT pretraining with tensor x pipeline x data parallelism on PyTorch",
+    long_description=README.read_text(encoding="utf-8") if README.exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    # Ranges only: a GPU user keeps the CUDA build of torch they already have.
+    install_requires=[
+        "torch>=2.3",
+        "numpy>=1.24",
+        "regex",
+        "tensorboard",
+        "tokenizers>=0.15",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout", "ruff"],
+        # DeepSpeed must be installed after torch with --no-build-isolation (see README).
+        "deepspeed": ["deepspeed>=0.14"],
+    },
+)
