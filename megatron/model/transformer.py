@@ -19,7 +19,7 @@ from megatron.mpu.utils import divide
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32."""
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (or wider)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()
@@ -27,9 +27,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 NORM_TYPES = (nn.LayerNorm, RMSNorm)
@@ -44,13 +44,15 @@ def build_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half layout (as Megatron-core and HF Llama): the pair (i, i + d/2)."""
 
-    def __init__(self, head_dim: int, max_positions: int, base: float, device=None):
+    def __init__(self, head_dim: int, max_positions: int, base: float, device=None, dtype=None):
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # Angles in float64; tables kept in float32 (or the model dtype when that is wider).
+        table_dtype = torch.promote_types(dtype or torch.float32, torch.float32)
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (max_positions, d)
-        self.register_buffer("cos", angles.cos().to(device), persistent=False)
-        self.register_buffer("sin", angles.sin().to(device), persistent=False)
+        self.register_buffer("cos", angles.cos().to(device, table_dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(device, table_dtype), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # x: (b, s, n, d); position_ids: (b, s)
@@ -84,7 +86,8 @@ class ParallelAttention(nn.Module):
                                        input_is_parallel=True, **kw)
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base, device)
+            self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base,
+                                          device, dtype)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
