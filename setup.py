@@ -9,7 +9,7 @@ README = Path(__file__).with_name("README.md")
 setup(
     name="megatron-3d",
     version="0.1.0",
-    description="Megatron-style GPT pretraining with tensor x pipeline x data parallelism on PyTorch",
+    description="Megatron-style GPT pretraining with tensor x pipeline x data parallelism",
     long_description=README.read_text(encoding="utf-8") if README.exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",

@@ -21,6 +21,7 @@ from megatron.config import (
     validate,
 )
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Megatron-style GPT pretraining (tensor x pipeline x data parallel)",
@@ -39,44 +40,64 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers", type=int, default=2, help="transformer layers (default 2)")
     g.add_argument("--hidden-size", type=int, default=64, help="model width h (default 64)")
     g.add_argument(
-        "--ffn-hidden-size", type=int, default=None,
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
         help="MLP inner width (default 4h; with --swiglu 2/3 x 4h rounded down to 64)",
     )
     g.add_argument("--num-attention-heads", type=int, default=4, help="query heads (default 4)")
     g.add_argument(
-        "--num-query-groups", type=int, default=None,
+        "--num-query-groups",
+        type=int,
+        default=None,
         help="key/value heads for grouped-query attention (default: one per query head)",
     )
     g.add_argument(
-        "--kv-channels", type=int, default=None,
+        "--kv-channels",
+        type=int,
+        default=None,
         help="size of each head (default hidden-size / num-attention-heads)",
     )
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample (default 128)")
     g.add_argument(
-        "--max-position-embeddings", type=int, default=None,
+        "--max-position-embeddings",
+        type=int,
+        default=None,
         help="rows of the learned position table (default: seq-length)",
     )
     g.add_argument(
-        "--vocab-size", type=int, default=None,
+        "--vocab-size",
+        type=int,
+        default=None,
         help="vocabulary size when no tokenizer sets it (e.g. the null tokenizer)",
     )
     g.add_argument(
-        "--make-vocab-size-divisible-by", type=int, default=128,
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
         help="pad the vocab to a multiple of this x TP size (default 128); padding is masked out",
     )
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout on residual branches")
-    g.add_argument("--attention-dropout", type=float, default=0.1, help="dropout on attention probs")
     g.add_argument(
-        "--init-method-std", type=float, default=0.02,
+        "--attention-dropout", type=float, default=0.1, help="dropout on attention probs"
+    )
+    g.add_argument(
+        "--init-method-std",
+        type=float,
+        default=0.02,
         help="std of the normal init (output projections get std / sqrt(2 x num-layers))",
     )
     g.add_argument(
-        "--position-embedding-type", choices=["learned", "rope"], default="learned",
+        "--position-embedding-type",
+        choices=["learned", "rope"],
+        default="learned",
         help="learned absolute positions (GPT-2) or rotary embeddings",
     )
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base (default 10000)")
     g.add_argument(
-        "--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+        "--normalization",
+        choices=["LayerNorm", "RMSNorm"],
+        default="LayerNorm",
         help="normalization layer (default LayerNorm)",
     )
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="norm epsilon (1e-5)")
@@ -85,7 +106,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--disable-bias-linear", action="store_true", help="no bias in the linear layers"
     )
     g.add_argument(
-        "--untie-embeddings-and-output-weights", action="store_true",
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
         help="separate output head instead of reusing the input embedding",
     )
 
@@ -93,15 +115,23 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallel", "ranks are laid out TP fastest, then DP, then PP")
     g.add_argument(
-        "--tensor-model-parallel-size", "--model-parallel-size", type=int, default=1,
-        dest="tensor_model_parallel_size", help="tensor-parallel ranks per layer (default 1)",
+        "--tensor-model-parallel-size",
+        "--model-parallel-size",
+        type=int,
+        default=1,
+        dest="tensor_model_parallel_size",
+        help="tensor-parallel ranks per layer (default 1)",
     )
     g.add_argument(
-        "--pipeline-model-parallel-size", type=int, default=1,
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
         help="pipeline stages (default 1)",
     )
     g.add_argument(
-        "--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
         help="layers per model chunk for the interleaved pipeline schedule",
     )
 
@@ -110,11 +140,17 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--seed", type=int, default=1234, help="base random seed (default 1234)")
     g.add_argument(
-        "--micro-batch-size", "--batch-size", type=int, default=1, dest="micro_batch_size",
+        "--micro-batch-size",
+        "--batch-size",
+        type=int,
+        default=1,
+        dest="micro_batch_size",
         help="samples per forward pass on one data-parallel rank (default 1)",
     )
     g.add_argument(
-        "--global-batch-size", type=int, default=None,
+        "--global-batch-size",
+        type=int,
+        default=None,
         help="samples per optimizer step over all data-parallel ranks "
         "(default micro-batch-size x DP; the rest is gradient accumulation)",
     )
@@ -129,15 +165,23 @@ def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument(
-        "--distributed-backend", choices=["nccl", "gloo"], default=None,
+        "--distributed-backend",
+        choices=["nccl", "gloo"],
+        default=None,
         help="collective backend (default nccl on CUDA, gloo on CPU)",
     )
     g.add_argument(
-        "--distributed-timeout-minutes", type=float, default=10.0,
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
         help="a collective that waits longer fails the job (default 10 minutes)",
     )
     g.add_argument(
-        "--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
+        "--local-rank",
+        "--local_rank",
+        type=int,
+        default=None,
+        dest="local_rank",
         help="set by some launchers; LOCAL_RANK from the environment wins",
     )
 

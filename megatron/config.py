@@ -24,12 +24,16 @@ class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # None: 4h (GeLU) or Megatron's 2/3 * 4h rounded to 64 (SwiGLU)
+    ffn_hidden_size: int | None = (
+        None  # None: 4h (GeLU) or Megatron's 2/3 * 4h rounded to 64 (SwiGLU)
+    )
     num_query_groups: int | None = None  # None: one per head (plain multi-head attention)
     kv_channels: int | None = None  # None: hidden_size / num_attention_heads
     seq_length: int = 128
     max_position_embeddings: int | None = None  # None: seq_length
-    vocab_size: int | None = None  # real tokenizer vocab; None until a tokenizer or --vocab-size sets it
+    vocab_size: int | None = (
+        None  # real tokenizer vocab; None until a tokenizer or --vocab-size sets it
+    )
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -86,7 +90,9 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.world_size // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        )
 
     def virtual_pipeline_size(self, num_layers: int) -> int | None:
         """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""
@@ -175,13 +181,15 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
         if m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups:
             _fail(
                 "--num-query-groups",
-                f"{m.num_query_groups} does not divide --num-attention-heads {m.num_attention_heads}",
+                f"{m.num_query_groups} does not divide "
+                f"--num-attention-heads {m.num_attention_heads}",
                 "use a group count that divides the number of heads",
             )
         if m.num_query_groups % tp:
             _fail(
                 "--num-query-groups",
-                f"{m.num_query_groups} groups cannot be split over --tensor-model-parallel-size {tp}",
+                f"{m.num_query_groups} groups cannot be split over "
+                f"--tensor-model-parallel-size {tp}",
                 "use a group count divisible by the tensor-parallel size",
             )
     if m.ffn_size % tp:
@@ -190,17 +198,32 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
             f"{m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
             "choose an FFN size that is a multiple of the tensor-parallel size",
         )
-    for flag, p in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
+    for flag, p in (
+        ("--hidden-dropout", m.hidden_dropout),
+        ("--attention-dropout", m.attention_dropout),
+    ):
         if not 0.0 <= p < 1.0:
-            _fail(flag, f"{p} is not a probability in [0, 1)", "pass a value such as 0.1 (0 disables it)")
+            _fail(
+                flag,
+                f"{p} is not a probability in [0, 1)",
+                "pass a value such as 0.1 (0 disables it)",
+            )
     if m.init_method_std <= 0:
         _fail("--init-method-std", f"must be positive, got {m.init_method_std}", "pass e.g. 0.02")
     if m.position_embedding_type not in ("learned", "rope"):
-        _fail("--position-embedding-type", f"unknown {m.position_embedding_type!r}", "use learned or rope")
+        _fail(
+            "--position-embedding-type",
+            f"unknown {m.position_embedding_type!r}",
+            "use learned or rope",
+        )
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         _fail("--normalization", f"unknown {m.normalization!r}", "use LayerNorm or RMSNorm")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
-        _fail("--position-embedding-type rope", f"head size {m.head_dim} is odd", "use an even head size")
+        _fail(
+            "--position-embedding-type rope",
+            f"head size {m.head_dim} is odd",
+            "use an even head size",
+        )
     if m.seq_length > m.max_positions:
         _fail(
             "--seq-length",
@@ -213,7 +236,10 @@ def validate(cfg: MegatronConfig) -> None:
     """Every cross-group rule; raises ConfigError on the first broken one."""
     par, m = cfg.parallel, cfg.model
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+    for flag, value in (
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+    ):
         if value < 1:
             _fail(flag, f"must be >= 1, got {value}", f"pass {flag} 1 or more")
     if par.world_size % (tp * pp):
@@ -259,6 +285,7 @@ def _validate_batch(t: TrainingConfig, dp: int) -> None:
     if gbs % (t.micro_batch_size * dp):
         _fail(
             "--global-batch-size",
-            f"{gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x data-parallel size {dp}",
+            f"{gbs} is not divisible by --micro-batch-size {t.micro_batch_size} "
+            f"x data-parallel size {dp}",
             f"use a multiple of {t.micro_batch_size * dp}",
         )

@@ -42,8 +42,9 @@ def _entry(fn, rank, world_size, port, results, args, init, extra_env):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240, init: bool = True,
-                    env_per_rank=None):
+def run_distributed(
+    fn, world_size: int, *args, timeout: float = 240, init: bool = True, env_per_rank=None
+):
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return values by rank.
 
     `init=False` leaves process-group creation to `fn` (to test our own initialization); then
@@ -64,16 +65,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240, init: bool
         while len(values) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(values))} "
-                                   f"did not finish within {timeout:.0f}s")
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(values))} "
+                    f"did not finish within {timeout:.0f}s"
+                )
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in values]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in values
+                ]
                 if dead:
-                    raise RuntimeError(f"rank(s) {dead} died (exit codes "
-                                       f"{[procs[r].exitcode for r in dead]})") from None
+                    raise RuntimeError(
+                        f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                    ) from None
                 continue
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")

@@ -36,8 +36,11 @@ class RefBlock(nn.Module):
         super().__init__()
         h, nq, ng, d = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim
         bias = c.add_bias_linear
-        norm = (lambda: RefRMSNorm(h, c.layernorm_epsilon)) if c.normalization == "RMSNorm" \
+        norm = (
+            (lambda: RefRMSNorm(h, c.layernorm_epsilon))
+            if c.normalization == "RMSNorm"
             else (lambda: nn.LayerNorm(h, eps=c.layernorm_epsilon))
+        )
         self.c, self.nq, self.ng, self.d = c, nq, ng, d
         self.ln1, self.ln2 = norm(), norm()
         self.q = nn.Linear(h, nq * d, bias=bias)
@@ -75,11 +78,17 @@ class RefGPT(nn.Module):
         super().__init__()
         self.c = c
         self.wte = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.wpe = nn.Embedding(c.max_positions, c.hidden_size) \
-            if c.position_embedding_type == "learned" else None
+        self.wpe = (
+            nn.Embedding(c.max_positions, c.hidden_size)
+            if c.position_embedding_type == "learned"
+            else None
+        )
         self.blocks = nn.ModuleList(RefBlock(c) for _ in range(c.num_layers))
-        self.ln_f = RefRMSNorm(c.hidden_size, c.layernorm_epsilon) \
-            if c.normalization == "RMSNorm" else nn.LayerNorm(c.hidden_size, eps=c.layernorm_epsilon)
+        self.ln_f = (
+            RefRMSNorm(c.hidden_size, c.layernorm_epsilon)
+            if c.normalization == "RMSNorm"
+            else nn.LayerNorm(c.hidden_size, eps=c.layernorm_epsilon)
+        )
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if not c.untie_embeddings_and_output_weights:
             self.lm_head.weight = self.wte.weight
@@ -94,7 +103,8 @@ class RefGPT(nn.Module):
         if labels is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(
-            labels)
+            labels
+        )
 
 
 @torch.no_grad()
@@ -109,8 +119,9 @@ def load_from_megatron(ref: RefGPT, model) -> None:
         p = f"layers.{i}."
         qpg = c.num_attention_heads // c.query_groups
         # fused rows: (groups, [q_1..q_qpg, k, v], head_dim)
-        w = sd[p + "self_attention.query_key_value.weight"].view(c.query_groups, qpg + 2,
-                                                                 c.head_dim, -1)
+        w = sd[p + "self_attention.query_key_value.weight"].view(
+            c.query_groups, qpg + 2, c.head_dim, -1
+        )
         blk.q.weight.copy_(w[:, :qpg].reshape(-1, c.hidden_size))
         blk.k.weight.copy_(w[:, qpg].reshape(-1, c.hidden_size))
         blk.v.weight.copy_(w[:, qpg + 1].reshape(-1, c.hidden_size))
@@ -136,9 +147,15 @@ def load_from_megatron(ref: RefGPT, model) -> None:
                 blk.up.bias.copy_(fc1b)
             blk.down.bias.copy_(sd[p + "mlp.dense_4h_to_h.bias"])
         for ref_norm, ours in ((blk.ln1, "input_layernorm"), (blk.ln2, "post_attention_layernorm")):
-            ref_norm.load_state_dict({k[len(p + ours) + 1 :]: v for k, v in sd.items()
-                                      if k.startswith(p + ours + ".")})
-    ref.ln_f.load_state_dict({k[len("head.final_layernorm.") :]: v for k, v in sd.items()
-                              if k.startswith("head.final_layernorm.")})
+            ref_norm.load_state_dict(
+                {k[len(p + ours) + 1 :]: v for k, v in sd.items() if k.startswith(p + ours + ".")}
+            )
+    ref.ln_f.load_state_dict(
+        {
+            k[len("head.final_layernorm.") :]: v
+            for k, v in sd.items()
+            if k.startswith("head.final_layernorm.")
+        }
+    )
     if c.untie_embeddings_and_output_weights:
         ref.lm_head.weight.copy_(sd["head.output_layer.weight"][:V])

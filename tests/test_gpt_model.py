@@ -14,13 +14,26 @@ from tests.distributed import run_distributed
 from tests.reference_gpt import RefGPT, load_from_megatron
 
 # vocab 100 pads to 104 / 112 / 128 at TP 1 / 2 / 4: the padding differs, the model must not.
-BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, seq_length=16, vocab_size=100,
-            make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
+BASE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    seq_length=16,
+    vocab_size=100,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 VARIANTS = {
     "gpt2": ModelConfig(**BASE),
     "rope-rmsnorm-swiglu-gqa-untied": ModelConfig(
-        **BASE, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-        num_query_groups=4, untie_embeddings_and_output_weights=True, add_bias_linear=False,
+        **BASE,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        num_query_groups=4,
+        untie_embeddings_and_output_weights=True,
+        add_bias_linear=False,
     ),
 }
 DT = torch.float64
@@ -49,10 +62,17 @@ def test_tp1_model_equals_plain_reference_gpt(name):
     loss.mean().backward()
     ref_loss.mean().backward()
     torch.testing.assert_close(
-        model.embedding.word_embeddings.weight.grad[: cfg.vocab_size], ref.wte.weight.grad,
-        rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(model.layers["0"].self_attention.dense.weight.grad,
-                               ref.blocks[0].o.weight.grad, rtol=1e-9, atol=1e-12)
+        model.embedding.word_embeddings.weight.grad[: cfg.vocab_size],
+        ref.wte.weight.grad,
+        rtol=1e-9,
+        atol=1e-12,
+    )
+    torch.testing.assert_close(
+        model.layers["0"].self_attention.dense.weight.grad,
+        ref.blocks[0].o.weight.grad,
+        rtol=1e-9,
+        atol=1e-12,
+    )
 
 
 def test_weight_init_statistics():
@@ -67,16 +87,18 @@ def test_weight_init_statistics():
     assert torch.equal(sd["layers.0.mlp.dense_h_to_4h.bias"], torch.zeros(1024))
     assert not sd["embedding.word_embeddings.weight"][1000:].any(), "padding rows are zero"
     other = GPTModel(cfg, mpu.single_process_state(), seed=2).state_dict()
-    assert not torch.equal(sd["layers.0.mlp.dense_4h_to_h.weight"],
-                           other["layers.0.mlp.dense_4h_to_h.weight"])
+    assert not torch.equal(
+        sd["layers.0.mlp.dense_4h_to_h.weight"], other["layers.0.mlp.dense_4h_to_h.weight"]
+    )
 
 
 def _gather_full(param, state):
     """The full tensor of a (possibly TP-split) parameter or gradient, via all-gather."""
     if not mpu.is_tensor_parallel(param) or state.tp_size == 1:
         return None
-    return lambda t: mpu.unshard(_all_gather(t, state.tp_group, state.tp_size),
-                                 param.partition_dim, param.partition_stride)
+    return lambda t: mpu.unshard(
+        _all_gather(t, state.tp_group, state.tp_size), param.partition_dim, param.partition_stride
+    )
 
 
 def _all_gather(t, group, size):
@@ -101,10 +123,16 @@ def _compare_to_reference(cfg, state, ref, ref_loss, tokens, labels):
             assert not grad[rows:].any(), f"{name}: padding rows got gradient"
             weight, grad = weight[:rows], grad[:rows]
             expected_w, expected_g = expected_w[:rows], expected_g[:rows]
-        torch.testing.assert_close(weight, expected_w, rtol=0, atol=0,
-                                   msg=lambda m, n=name: f"weight {n}: {m}")
-        torch.testing.assert_close(grad, expected_g, rtol=1e-8, atol=1e-12,
-                                   msg=lambda m, n=name: f"grad {n} at TP={state.tp_size}: {m}")
+        torch.testing.assert_close(
+            weight, expected_w, rtol=0, atol=0, msg=lambda m, n=name: f"weight {n}: {m}"
+        )
+        torch.testing.assert_close(
+            grad,
+            expected_g,
+            rtol=1e-8,
+            atol=1e-12,
+            msg=lambda m, n=name: f"grad {n} at TP={state.tp_size}: {m}",
+        )
 
 
 def _tp_worker(rank, world):
@@ -141,8 +169,15 @@ def test_activation_checkpoint_replays_dropout_exactly():
         x = x0.clone().requires_grad_()
         y = mpu.checkpoint(layer, tracker, x) if use_checkpoint else layer(x)
         y.pow(2).sum().backward()
-        results.append((y.detach(), x.grad, [p.grad.clone() for p in layer.parameters()],
-                        torch.get_rng_state(), tracker.get_states()[mpu.MODEL_PARALLEL_RNG]))
+        results.append(
+            (
+                y.detach(),
+                x.grad,
+                [p.grad.clone() for p in layer.parameters()],
+                torch.get_rng_state(),
+                tracker.get_states()[mpu.MODEL_PARALLEL_RNG],
+            )
+        )
     (y0, dx0, g0, cpu0, mp0), (y1, dx1, g1, cpu1, mp1) = results
     assert not torch.equal(layer.eval()(x0), y0), "dropout must be active in this test"
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)

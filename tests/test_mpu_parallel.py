@@ -38,21 +38,29 @@ def _check_column(state):
     xr = x.clone().requires_grad_()
     ref(xr).backward(grad_out)
     for gather in (True, False):
-        layer = mpu.ColumnParallelLinear(8, 12, group=g, gather_output=gather, init_method=None,
-                                         dtype=DT)
+        layer = mpu.ColumnParallelLinear(
+            8, 12, group=g, gather_output=gather, init_method=None, dtype=DT
+        )
         mpu.copy_full_into_param(layer.weight, w, g)
         mpu.copy_full_into_param(layer.bias, b, g)
         xp = x.clone().requires_grad_()
         y = layer(xp)
         go = grad_out if gather else mpu.shard(grad_out, -1, state.tp_rank, state.tp_size)
-        _close(f"column gather={gather} output", y,
-               ref(x) if gather else mpu.shard(ref(x), -1, state.tp_rank, state.tp_size))
+        _close(
+            f"column gather={gather} output",
+            y,
+            ref(x) if gather else mpu.shard(ref(x), -1, state.tp_rank, state.tp_size),
+        )
         y.backward(go)
         _close(f"column gather={gather} dX", xp.grad, xr.grad)
-        _close("column dW", layer.weight.grad, mpu.shard(ref.weight.grad, 0, state.tp_rank,
-                                                          state.tp_size))
-        _close("column db", layer.bias.grad, mpu.shard(ref.bias.grad, 0, state.tp_rank,
-                                                        state.tp_size))
+        _close(
+            "column dW",
+            layer.weight.grad,
+            mpu.shard(ref.weight.grad, 0, state.tp_rank, state.tp_size),
+        )
+        _close(
+            "column db", layer.bias.grad, mpu.shard(ref.bias.grad, 0, state.tp_rank, state.tp_size)
+        )
 
 
 def _check_row(state):
@@ -66,8 +74,9 @@ def _check_row(state):
     xr = x.clone().requires_grad_()
     ref(xr).backward(grad_out)
     for parallel_input in (False, True):
-        layer = mpu.RowParallelLinear(8, 6, group=g, input_is_parallel=parallel_input,
-                                      init_method=None, dtype=DT)
+        layer = mpu.RowParallelLinear(
+            8, 6, group=g, input_is_parallel=parallel_input, init_method=None, dtype=DT
+        )
         mpu.copy_full_into_param(layer.weight, w, g)
         mpu.copy_full_into_param(layer.bias, b, g)
         xin = mpu.shard(x, -1, r, p) if parallel_input else x
@@ -116,26 +125,34 @@ def _check_mappings(state):
     g, r, p = state.tp_group, state.tp_rank, state.tp_size
     x = _randn(2, 4 * p, seed=15).requires_grad_()
     y = mpu.gather_from_tensor_model_parallel_region(
-        mpu.scatter_to_tensor_model_parallel_region(x, g), g)
+        mpu.scatter_to_tensor_model_parallel_region(x, g), g
+    )
     _close("scatter->gather is identity", y, x)
     y.backward(torch.ones_like(y))
     _close("scatter->gather backward", x.grad, torch.ones_like(x))
     # copy_to's backward sums every rank's gradient.
     z = torch.ones(3, dtype=DT, requires_grad=True)
-    mpu.copy_to_tensor_model_parallel_region(z, g).backward(torch.full((3,), float(r + 1), dtype=DT))
+    mpu.copy_to_tensor_model_parallel_region(z, g).backward(
+        torch.full((3,), float(r + 1), dtype=DT)
+    )
     _close("copy_to backward all-reduces", z.grad, torch.full((3,), p * (p + 1) / 2, dtype=DT))
 
 
 def _check_grad_norm(state):
     g, r = state.tp_group, state.tp_rank
     torch.manual_seed(0)  # same replicated data on every rank
-    full = nn.Sequential(nn.Linear(8, 12, dtype=DT), nn.LayerNorm(12, dtype=DT),
-                         nn.Linear(12, 8, dtype=DT))
+    full = nn.Sequential(
+        nn.Linear(8, 12, dtype=DT), nn.LayerNorm(12, dtype=DT), nn.Linear(12, 8, dtype=DT)
+    )
     col = mpu.ColumnParallelLinear(8, 12, group=g, init_method=None, dtype=DT)
     norm = nn.LayerNorm(12, dtype=DT)  # replicated over TP: counted once
     row = mpu.RowParallelLinear(12, 8, group=g, init_method=None, dtype=DT)
-    for p_, ref in ((col.weight, full[0].weight), (col.bias, full[0].bias),
-                    (row.weight, full[2].weight), (row.bias, full[2].bias)):
+    for p_, ref in (
+        (col.weight, full[0].weight),
+        (col.bias, full[0].bias),
+        (row.weight, full[2].weight),
+        (row.bias, full[2].bias),
+    ):
         mpu.copy_full_into_param(p_, ref.detach(), g)
     x = _randn(5, 8, seed=16)
     # LayerNorm sits after the column-parallel layer here only to create a replicated param;
@@ -149,8 +166,11 @@ def _check_grad_norm(state):
     got = mpu.grad_norm(params, tp_rank=r, model_parallel_group=g)
     _close("grad norm", got, ref_norm)
     inf_ref = max(q.grad.abs().max() for q in ref_params)
-    _close("inf grad norm", mpu.grad_norm(params, tp_rank=r, model_parallel_group=g,
-                                          norm_type=float("inf")), inf_ref)
+    _close(
+        "inf grad norm",
+        mpu.grad_norm(params, tp_rank=r, model_parallel_group=g, norm_type=float("inf")),
+        inf_ref,
+    )
     max_norm = float(ref_norm) / 4
     mpu.clip_grad_norm(params, max_norm, tp_rank=r, model_parallel_group=g)
     torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
@@ -162,8 +182,9 @@ def _check_broadcast_and_rng(state):
     g = state.tp_group
     src_batch = {"tokens": torch.arange(12).view(3, 4), "labels": torch.arange(5) * 7}
     data = src_batch if state.rank == state.tp_src_rank else None
-    got = mpu.broadcast_data(["tokens", "labels"], data, torch.int64, src_rank=state.tp_src_rank,
-                             group=g)
+    got = mpu.broadcast_data(
+        ["tokens", "labels"], data, torch.int64, src_rank=state.tp_src_rank, group=g
+    )
     _close("broadcast tokens", got["tokens"], src_batch["tokens"])
     _close("broadcast labels", got["labels"], src_batch["labels"])
 
@@ -190,9 +211,11 @@ def _check_groups(rank, world):
         if state.pp_ranks != tuple(grid[:, state.dp_rank, state.tp_rank].tolist()):
             raise AssertionError(f"tp={tp} pp={pp}: wrong PP group {state.pp_ranks}")
         # A sum over each group equals the sum of its ranks: the groups really connect them.
-        for name, group, ranks in (("tp", state.tp_group, state.tp_ranks),
-                                   ("dp", state.dp_group, state.dp_ranks),
-                                   ("pp", state.pp_group, state.pp_ranks)):
+        for name, group, ranks in (
+            ("tp", state.tp_group, state.tp_ranks),
+            ("dp", state.dp_group, state.dp_ranks),
+            ("pp", state.pp_group, state.pp_ranks),
+        ):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=group)
             if t.item() != sum(ranks):
@@ -206,8 +229,14 @@ def _worker(rank, world):
     _check_groups(rank, world)
     for tp in (4, 2):
         state = initialize_model_parallel(tp, 1)
-        for check in (_check_column, _check_row, _check_embedding_and_cross_entropy,
-                      _check_mappings, _check_grad_norm, _check_broadcast_and_rng):
+        for check in (
+            _check_column,
+            _check_row,
+            _check_embedding_and_cross_entropy,
+            _check_mappings,
+            _check_grad_norm,
+            _check_broadcast_and_rng,
+        ):
             check(state)
         destroy_model_parallel(state)
     return True

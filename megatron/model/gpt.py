@@ -38,13 +38,18 @@ class Embedding(nn.Module):
         super().__init__()
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            cfg.padded_vocab_size(state.tp_size), cfg.hidden_size, group=state.tp_group,
-            init_method=None, device=device, dtype=dtype,
+            cfg.padded_vocab_size(state.tp_size),
+            cfg.hidden_size,
+            group=state.tp_group,
+            init_method=None,
+            device=device,
+            dtype=dtype,
         )
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned":
-            self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size,
-                                                    device=device, dtype=dtype)
+            self.position_embeddings = nn.Embedding(
+                cfg.max_positions, cfg.hidden_size, device=device, dtype=dtype
+            )
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None):
         x = self.word_embeddings(tokens)
@@ -72,8 +77,13 @@ class OutputHead(nn.Module):
         self.output_layer = None
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
-                cfg.hidden_size, padded, group=state.tp_group, bias=False, init_method=None,
-                device=device, dtype=dtype,
+                cfg.hidden_size,
+                padded,
+                group=state.tp_group,
+                bias=False,
+                init_method=None,
+                device=device,
+                dtype=dtype,
             )
 
     def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
@@ -109,8 +119,10 @@ class GPTModel(nn.Module):
         self.cfg, self.state = cfg, state
         self.embedding = Embedding(cfg, state, device, dtype)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype)
-             for i in range(cfg.num_layers)}
+            {
+                str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype)
+                for i in range(cfg.num_layers)
+            }
         )
         self.head = OutputHead(cfg, state, device, dtype)
         init_weights(self, cfg, state, seed)
@@ -150,7 +162,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig, state: ParallelState, seed:
     zero padding rows, so the draw does not depend on how far the vocab was padded.
     """
     norm_params = {
-        f"{mname}.{pname}" for mname, m in model.named_modules() if isinstance(m, NORM_TYPES)
+        f"{mname}.{pname}"
+        for mname, m in model.named_modules()
+        if isinstance(m, NORM_TYPES)
         for pname, _ in m.named_parameters(recurse=False)
     }
     scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)

@@ -69,8 +69,14 @@ class ParallelAttention(nn.Module):
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
     """
 
-    def __init__(self, cfg: ModelConfig, state: ParallelState, rng_tracker: RNGStatesTracker | None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state: ParallelState,
+        rng_tracker: RNGStatesTracker | None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.rng_tracker = rng_tracker
         self.head_dim = cfg.head_dim
@@ -79,15 +85,22 @@ class ParallelAttention(nn.Module):
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
         self.dropout = cfg.attention_dropout
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
-        kw = {"group": state.tp_group, "bias": cfg.add_bias_linear, "init_method": None,
-              "device": device, "dtype": dtype}
+        kw = {
+            "group": state.tp_group,
+            "bias": cfg.add_bias_linear,
+            "init_method": None,
+            "device": device,
+            "dtype": dtype,
+        }
         self.query_key_value = ColumnParallelLinear(cfg.hidden_size, qkv_size, **kw)
-        self.dense = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                       input_is_parallel=True, **kw)
+        self.dense = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, input_is_parallel=True, **kw
+        )
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base,
-                                          device, dtype)
+            self.rotary = RotaryEmbedding(
+                cfg.head_dim, cfg.max_positions, cfg.rotary_base, device, dtype
+            )
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -117,15 +130,23 @@ class ParallelMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, state: ParallelState, device=None, dtype=None):
         super().__init__()
         self.swiglu = cfg.swiglu
-        kw = {"group": state.tp_group, "bias": cfg.add_bias_linear, "init_method": None,
-              "device": device, "dtype": dtype}
+        kw = {
+            "group": state.tp_group,
+            "bias": cfg.add_bias_linear,
+            "init_method": None,
+            "device": device,
+            "dtype": dtype,
+        }
         # SwiGLU stacks [gate; up] in one weight; stride 2 gives each rank [gate_r; up_r].
         self.dense_h_to_4h = ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_size * (2 if cfg.swiglu else 1),
-            stride=2 if cfg.swiglu else 1, **kw,
+            cfg.hidden_size,
+            cfg.ffn_size * (2 if cfg.swiglu else 1),
+            stride=2 if cfg.swiglu else 1,
+            **kw,
         )
-        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_size, cfg.hidden_size,
-                                               input_is_parallel=True, **kw)
+        self.dense_4h_to_h = RowParallelLinear(
+            cfg.ffn_size, cfg.hidden_size, input_is_parallel=True, **kw
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.dense_h_to_4h(x)
@@ -141,8 +162,14 @@ class TransformerLayer(nn.Module):
     """x + drop(attn(norm(x))), then + drop(mlp(norm(.))). Residual dropout uses the default
     generator, identical on every TP rank, because these tensors are replicated over TP."""
 
-    def __init__(self, cfg: ModelConfig, state: ParallelState, rng_tracker: RNGStatesTracker | None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state: ParallelState,
+        rng_tracker: RNGStatesTracker | None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         self.input_layernorm = build_norm(cfg, device, dtype)

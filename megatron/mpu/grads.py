@@ -66,8 +66,9 @@ def clip_grad_norm(
     A non-finite norm is returned untouched and nothing is scaled: the caller skips the step.
     """
     params = [p for p in parameters if p.grad is not None]
-    total = grad_norm(params, tp_rank=tp_rank, model_parallel_group=model_parallel_group,
-                      norm_type=norm_type)
+    total = grad_norm(
+        params, tp_rank=tp_rank, model_parallel_group=model_parallel_group, norm_type=norm_type
+    )
     if max_norm > 0 and torch.isfinite(total):
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:

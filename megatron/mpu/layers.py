@@ -50,8 +50,9 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
 def copy_full_into_param(param: torch.Tensor, full: torch.Tensor, group) -> None:
     """Load this rank's slice of the full (unsharded) tensor `full` into `param`."""
     if is_tensor_parallel(param):
-        full = shard(full, param.partition_dim, group_rank(group), group_size(group),
-                     param.partition_stride)
+        full = shard(
+            full, param.partition_dim, group_rank(group), group_size(group), param.partition_stride
+        )
     if full.shape != param.shape:
         raise ValueError(f"shape {tuple(full.shape)} does not fit parameter {tuple(param.shape)}")
     param.copy_(full)
@@ -178,8 +179,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + local
         self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-        _init_param(self.weight, (num_embeddings, embedding_dim),
-                    init_method, group)
+        _init_param(self.weight, (num_embeddings, embedding_dim), init_method, group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:

@@ -69,8 +69,18 @@ class ParallelState:
 def single_process_state() -> ParallelState:
     """The trivial layout (TP = PP = DP = 1) for one process, with no process groups."""
     return ParallelState(
-        rank=0, world_size=1, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-        tp_ranks=(0,), pp_ranks=(0,), dp_ranks=(0,), embedding_ranks=(0,),
+        rank=0,
+        world_size=1,
+        tp_size=1,
+        pp_size=1,
+        dp_size=1,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+        tp_ranks=(0,),
+        pp_ranks=(0,),
+        dp_ranks=(0,),
+        embedding_ranks=(0,),
     )
 
 
@@ -156,8 +166,13 @@ def initialize_model_parallel(
 def destroy_model_parallel(state: ParallelState) -> None:
     """Destroy this state's groups. Nothing else holds them, so no state is left behind."""
     seen = set()
-    for group in (state.tp_group, state.pp_group, state.dp_group, state.mp_group,
-                  state.embedding_group):
+    for group in (
+        state.tp_group,
+        state.pp_group,
+        state.dp_group,
+        state.mp_group,
+        state.embedding_group,
+    ):
         if group is not None and id(group) not in seen:
             seen.add(id(group))
             dist.destroy_process_group(group)

@@ -1,0 +1,160 @@
+"""Flags parse into the config tree; every validation rule fails fast naming its flag."""
+
+import pytest
+import torch
+
+from megatron.arguments import parse_args
+from megatron.config import ConfigError, ModelConfig
+
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "1000",
+]
+
+
+def test_defaults_are_gpt2_style():
+    cfg = parse_args(BASE, world_size=1)
+    m = cfg.model
+    assert (m.position_embedding_type, m.normalization, m.swiglu) == ("learned", "LayerNorm", False)
+    assert not m.untie_embeddings_and_output_weights and m.add_bias_linear
+    assert m.ffn_size == 256 and m.max_positions == 32 and m.query_groups == 8
+    assert cfg.precision.params_dtype == torch.float32
+    assert cfg.parallel.data_parallel_size == 1
+
+
+def test_classic_and_current_spellings_are_one_flag():
+    a = parse_args([*BASE, "--model-parallel-size", "2", "--batch-size", "3"], world_size=4)
+    b = parse_args(
+        [*BASE, "--tensor-model-parallel-size", "2", "--micro-batch-size", "3"], world_size=4
+    )
+    assert a == b
+    assert a.parallel.tensor_model_parallel_size == 2 and a.training.micro_batch_size == 3
+    assert a.parallel.data_parallel_size == 2
+
+
+def test_full_flag_set_parses():
+    cfg = parse_args(
+        [
+            *BASE,
+            "--ffn-hidden-size",
+            "96",
+            "--num-query-groups",
+            "2",
+            "--max-position-embeddings",
+            "64",
+            "--make-vocab-size-divisible-by",
+            "64",
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0.2",
+            "--init-method-std",
+            "0.01",
+            "--position-embedding-type",
+            "rope",
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--untie-embeddings-and-output-weights",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--distributed-backend",
+            "gloo",
+            "--distributed-timeout-minutes",
+            "3",
+            "--seed",
+            "7",
+            "--bf16",
+            "--global-batch-size",
+            "8",
+        ],
+        world_size=4,
+    )
+    m = cfg.model
+    assert (m.ffn_size, m.query_groups, m.max_positions, m.swiglu) == (96, 2, 64, True)
+    assert cfg.model.padded_vocab_size(2) == 1024
+    assert cfg.parallel.virtual_pipeline_size(m.num_layers) == 2
+    assert cfg.precision.params_dtype == torch.bfloat16
+    assert cfg.distributed.timeout_minutes == 3 and cfg.training.seed == 7
+
+
+def test_swiglu_default_ffn_matches_megatron():
+    assert ModelConfig(hidden_size=768, num_attention_heads=12, swiglu=True).ffn_size == 2048
+
+
+def test_config_is_frozen():
+    cfg = parse_args(BASE, world_size=1)
+    with pytest.raises(AttributeError):
+        cfg.model.hidden_size = 3
+
+
+RULES = [
+    # (extra flags, world size, flag the message must name)
+    (["--hidden-size", "60"], 1, "--hidden-size"),
+    (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads"),
+    (["--num-query-groups", "3"], 1, "--num-query-groups"),
+    (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4, "--num-query-groups"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--pipeline-model-parallel-size"),
+    (
+        ["--num-layers-per-virtual-pipeline-stage", "1"],
+        1,
+        "--num-layers-per-virtual-pipeline-stage",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+        2,
+        "--num-layers-per-virtual-pipeline-stage",
+    ),
+    (["--fp16", "--bf16"], 1, "--fp16/--bf16"),
+    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4, "--ffn-hidden-size"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--seq-length"),
+    (["--hidden-dropout", "1.5"], 1, "--hidden-dropout"),
+    (["--attention-dropout", "-0.1"], 1, "--attention-dropout"),
+    (["--init-method-std", "0"], 1, "--init-method-std"),
+    (["--kv-channels", "7", "--position-embedding-type", "rope"], 1, "rope"),
+    (["--num-layers", "0"], 1, "--num-layers"),
+    (["--vocab-size", "0"], 1, "--vocab-size"),
+    (["--micro-batch-size", "0"], 1, "--micro-batch-size"),
+    (["--micro-batch-size", "2", "--global-batch-size", "6"], 2, "--global-batch-size"),
+    (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes"),
+    (["--tensor-model-parallel-size", "0"], 1, "--tensor-model-parallel-size"),
+]
+
+
+@pytest.mark.parametrize(
+    "extra,world,flag", RULES, ids=[r[2] + str(i) for i, r in enumerate(RULES)]
+)
+def test_each_rule_fails_fast_naming_the_flag_and_fix(extra, world, flag):
+    with pytest.raises(ConfigError) as err:
+        parse_args([*BASE, *extra], world_size=world)
+    assert flag in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_unknown_choice_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--normalization", "BatchNorm"], world_size=1)
+    assert "--normalization" in capsys.readouterr().err
+
+
+def test_world_size_comes_from_launcher_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert parse_args([*BASE, "--tensor-model-parallel-size", "2"]).parallel.data_parallel_size == 2
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert parse_args(BASE).parallel.world_size == 8
+
+
+def test_unknown_vocab_size_is_a_clear_error():
+    with pytest.raises(ConfigError, match="--vocab-size"):
+        ModelConfig().padded_vocab_size(1)
