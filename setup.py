@@ -23,7 +23,7 @@ setup(
         "tokenizers>=0.15",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "ruff"],
+        "dev": ["pytest>=7", "pytest-timeout", "ruff", "sentencepiece"],
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

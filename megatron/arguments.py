@@ -12,11 +12,13 @@ import os
 from collections.abc import Sequence
 
 from megatron.config import (
+    DataConfig,
     DistributedConfig,
     MegatronConfig,
     ModelConfig,
     ParallelConfig,
     PrecisionConfig,
+    TokenizerConfig,
     TrainingConfig,
     validate,
 )
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_args(parser)
     _add_mixed_precision_args(parser)
     _add_distributed_args(parser)
+    _add_data_args(parser)
     return parser
 
 
@@ -186,6 +189,70 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The tokenizer flags, shared with tools/preprocess_data.py and the other tools."""
+    from megatron.data.tokenizers import TOKENIZER_TYPES
+
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="tokenizer kind (e.g. GPT2BPETokenizer)",
+    )
+    g.add_argument(
+        "--vocab-file",
+        default=None,
+        help="vocab.json (GPT-2 BPE / whitespace vocab) or vocab.txt (BERT WordPiece)",
+    )
+    g.add_argument("--merge-file", default=None, help="merges.txt of a GPT-2 BPE tokenizer")
+    g.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="tokenizer.json (or its directory) for HuggingFaceTokenizer, "
+        ".model for SentencePieceTokenizer",
+    )
+    return g
+
+
+def tokenizer_config(ns: argparse.Namespace) -> TokenizerConfig:
+    return TokenizerConfig(
+        tokenizer_type=ns.tokenizer_type,
+        vocab_file=ns.vocab_file,
+        merge_file=ns.merge_file,
+        tokenizer_model=ns.tokenizer_model,
+    )
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data", "mmap .bin/.idx datasets written by preprocess_data.py")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=[],
+        help="PREFIX, or a blend W1 PREFIX1 W2 PREFIX2 ... (weights are normalized)",
+    )
+    g.add_argument(
+        "--split",
+        default="969,30,1",
+        help="train,valid,test weights over the documents of --data-path (969,30,1)",
+    )
+    g.add_argument(
+        "--train-data-path",
+        nargs="*",
+        default=[],
+        help="separate train data (PREFIX or a blend); replaces --data-path/--split",
+    )
+    g.add_argument("--valid-data-path", nargs="*", default=[], help="separate validation data")
+    g.add_argument("--test-data-path", nargs="*", default=[], help="separate test data")
+    g.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="directory for the cached sample indices (default: beside the data)",
+    )
+    add_tokenizer_args(parser)
+
+
 def world_size_from_env() -> int:
     """Processes in the job, as torchrun / deepspeed (WORLD_SIZE) or Slurm (SLURM_NTASKS) say."""
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
@@ -236,6 +303,15 @@ def config_from_namespace(ns: argparse.Namespace, world_size: int) -> MegatronCo
             seed=ns.seed,
             micro_batch_size=ns.micro_batch_size,
             global_batch_size=ns.global_batch_size,
+        ),
+        data=DataConfig(
+            data_path=tuple(ns.data_path),
+            split=ns.split,
+            train_data_path=tuple(ns.train_data_path),
+            valid_data_path=tuple(ns.valid_data_path),
+            test_data_path=tuple(ns.test_data_path),
+            data_cache_path=ns.data_cache_path,
+            tokenizer=tokenizer_config(ns),
         ),
     )
 

@@ -8,6 +8,7 @@ or a global. Every rule lives in `validate()`, which runs before any work and ra
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +125,35 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class TokenizerConfig:
+    tokenizer_type: str | None = None  # None: ids come pre-tokenized (--vocab-size sets the vocab)
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of megatron.data.tokenizers.build_tokenizer."""
+        return {
+            "vocab_file": self.vocab_file,
+            "merge_file": self.merge_file,
+            "tokenizer_model": self.tokenizer_model,
+        }
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the mmap datasets are and how they are split and blended (Megatron's flags)."""
+
+    data_path: tuple[str, ...] = ()  # PREFIX, or W1 PREFIX1 W2 PREFIX2 ...
+    split: str = "969,30,1"
+    train_data_path: tuple[str, ...] = ()
+    valid_data_path: tuple[str, ...] = ()
+    test_data_path: tuple[str, ...] = ()
+    data_cache_path: str | None = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     seed: int = 1234
     micro_batch_size: int = 1
@@ -142,6 +172,7 @@ class MegatronConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def replace(self, **groups) -> MegatronConfig:
         """A copy with whole groups swapped, e.g. cfg.replace(model=new_model_cfg)."""
@@ -276,6 +307,65 @@ def validate(cfg: MegatronConfig) -> None:
     if cfg.distributed.timeout_minutes <= 0:
         _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
     _validate_batch(cfg.training, par.data_parallel_size)
+    _validate_data(cfg.data)
+
+
+def _validate_data(d: DataConfig) -> None:
+    separate = d.train_data_path or d.valid_data_path or d.test_data_path
+    if d.data_path and separate:
+        _fail(
+            "--data-path",
+            "given together with --train/valid/test-data-path",
+            "use either --data-path with --split, or the three separate paths",
+        )
+    for flag, paths in (
+        ("--data-path", d.data_path),
+        ("--train-data-path", d.train_data_path),
+        ("--valid-data-path", d.valid_data_path),
+        ("--test-data-path", d.test_data_path),
+    ):
+        parse_blend(paths, flag)
+    try:
+        split_weights(d.split)
+    except ValueError as e:
+        _fail("--split", str(e), "pass three non-negative weights such as 969,30,1")
+
+
+def parse_blend(paths: Sequence[str], flag: str = "--data-path") -> list[tuple[float, str]]:
+    """`PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> [(normalized weight, prefix)]."""
+    if not paths:
+        return []
+    if len(paths) == 1:
+        return [(1.0, paths[0])]
+    if len(paths) % 2:
+        _fail(
+            flag,
+            f"{len(paths)} values: a blend needs weight/prefix pairs",
+            "write W1 PREFIX1 W2 PREFIX2 ... (or a single prefix)",
+        )
+    pairs = []
+    for w, prefix in zip(paths[0::2], paths[1::2], strict=True):
+        try:
+            weight = float(w)
+        except ValueError:
+            _fail(flag, f"{w!r} is not a weight", "put a number before each prefix")
+        if weight < 0:
+            _fail(flag, f"negative weight {weight}", "use weights >= 0")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        _fail(flag, "the weights sum to 0", "give at least one dataset a positive weight")
+    return [(w / total, p) for w, p in pairs]
+
+
+def split_weights(split: str) -> list[float]:
+    """'949,50,1' (or '949/50/1', or fewer values) -> three normalized weights."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    values = [float(p) for p in parts]
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"{split!r} is not up to three non-negative weights with a positive sum")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
 
 
 def _validate_batch(t: TrainingConfig, dp: int) -> None:

@@ -1,0 +1,1 @@
+"""Data pipeline: tokenizers, the `.bin/.idx` indexed dataset, and GPT sample building."""

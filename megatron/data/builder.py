@@ -1,0 +1,115 @@
+"""Train / valid / test datasets from DataConfig: one prefix with --split, a weighted blend of
+prefixes, or separate --train/valid/test-data-path blends."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+from megatron.config import DataConfig, parse_blend, split_weights
+from megatron.data.blendable_dataset import BlendableDataset
+from megatron.data.gpt_dataset import GPTDataset, split_document_ranges
+from megatron.data.indexed_dataset import MMapIndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _split_datasets(
+    prefix: str,
+    weights: list[float],
+    num_samples: list[int],
+    seq_length: int,
+    seed: int,
+    common: dict,
+) -> list[GPTDataset | None]:
+    indexed = MMapIndexedDataset(prefix)
+    ranges = split_document_ranges(len(indexed), weights)
+    return [
+        GPTDataset(name, indexed, r, n, seq_length, seed, **common) if n > 0 and len(r) else None
+        for name, r, n in zip(SPLIT_NAMES, ranges, num_samples, strict=True)
+    ]
+
+
+def _blend(blend, weights, num_samples, seq_length, seed, common) -> list:
+    if len(blend) == 1:
+        return _split_datasets(blend[0][1], weights, num_samples, seq_length, seed, common)
+    # Ask each part for slightly more than its share so rounding never runs a part dry.
+    parts = [
+        _split_datasets(
+            prefix,
+            weights,
+            [math.ceil(n * w * 1.005) for n in num_samples],
+            seq_length,
+            seed,
+            common,
+        )
+        for w, prefix in blend
+    ]
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        members = [(w, p[s]) for (w, _), p in zip(blend, parts, strict=True) if p[s] is not None]
+        if not members or num_samples[s] <= 0:
+            out.append(None)
+            continue
+        out.append(
+            BlendableDataset(
+                [d for _, d in members],
+                [w for w, _ in members],
+                num_samples[s],
+                name=name,
+                cache_dir=common.get("cache_dir") or _cache_dir_of(members[0][1]),
+                is_builder=common["is_builder"],
+                barrier=common["barrier"],
+                description={"parts": [p for _, p in blend], "seed": seed, "seq": seq_length},
+            )
+        )
+    return out
+
+
+def _cache_dir_of(ds: GPTDataset) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(ds.indexed.prefix)), "index-cache")
+
+
+def build_train_valid_test_datasets(
+    data: DataConfig,
+    num_samples: tuple[int, int, int],
+    seq_length: int,
+    seed: int,
+    *,
+    vocab_size: int | None = None,
+    is_builder: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> list:
+    """[train, valid, test] datasets (None where a split is empty or not asked for)."""
+    common = {
+        "cache_dir": data.data_cache_path,
+        "vocab_size": vocab_size,
+        "is_builder": is_builder,
+        "barrier": barrier,
+    }
+    if data.data_path:
+        return _blend(
+            parse_blend(data.data_path),
+            split_weights(data.split),
+            list(num_samples),
+            seq_length,
+            seed,
+            common,
+        )
+    out = []
+    for s, (flag, paths) in enumerate(
+        (
+            ("--train-data-path", data.train_data_path),
+            ("--valid-data-path", data.valid_data_path),
+            ("--test-data-path", data.test_data_path),
+        )
+    ):
+        only = [1.0 if i == s else 0.0 for i in range(3)]
+        wanted = [num_samples[s] if i == s else 0 for i in range(3)]
+        out.append(
+            _blend(parse_blend(paths, flag), only, wanted, seq_length, seed, common)[s]
+            if paths
+            else None
+        )
+    return out

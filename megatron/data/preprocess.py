@@ -1,0 +1,339 @@
+"""tools/preprocess_data.py: text corpora -> Megatron mmap datasets (PREFIX_{key}_document.*).
+
+Pipeline: the main process streams raw records in chunks of a few MB (preprocess_inputs) ->
+workers decode, check and batch-tokenize a whole chunk at a time (HF tokenizers' Rust batch
+encoder) and return flat numpy arrays -> the main process appends them in input order. At most
+2 chunks per worker are in flight, so memory stays flat for any corpus size. Outputs are written
+under temporary names and renamed only when the whole run succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+from megatron.data.preprocess_inputs import (
+    TEXT,
+    BadRecord,
+    Chunk,
+    ProgressFile,
+    decode_record,
+    expand_inputs,
+    input_kind,
+    read_chunks,
+    split_sentences,
+)
+from megatron.data.tokenizers import build_tokenizer
+
+_MAX_REPORTED = 20
+
+
+@dataclass
+class KeyResult:
+    tokens: np.ndarray  # all documents' tokens, flat
+    seq_lengths: np.ndarray  # int32, one per sequence
+    seqs_per_doc: np.ndarray  # int32, one per kept document
+    empty: int  # documents dropped because they have no tokens
+
+
+@dataclass
+class ChunkResult:
+    bad: list[BadRecord]
+    per_key: dict[str, KeyResult] = field(default_factory=dict)
+    documents: int = 0
+
+
+_TOKENIZER = None
+_OPTIONS: dict = {}
+
+
+def _init_worker(tokenizer_type: str, tokenizer_kwargs: dict, options: dict) -> None:
+    global _TOKENIZER, _OPTIONS
+    _TOKENIZER = build_tokenizer(tokenizer_type, **tokenizer_kwargs)
+    _OPTIONS = options
+
+
+def encode_chunk(chunk: Chunk) -> ChunkResult:
+    """Decode, check and tokenize one chunk (runs in a worker)."""
+    keys, dtype = _OPTIONS["keys"], _OPTIONS["dtype"]
+    result = ChunkResult(bad=list(chunk.bad))
+    docs: dict[str, list[str]] = {k: [] for k in keys}
+    for line, payload in chunk.items:
+        record, reason = decode_record(chunk.kind, payload, keys)
+        if reason is not None:
+            result.bad.append(BadRecord(chunk.path, line, reason))
+            continue
+        for k in keys:
+            docs[k].append(record[k])
+    result.documents = len(docs[keys[0]])
+    for k in keys:
+        result.per_key[k] = _tokenize_docs(docs[k], dtype)
+    return result
+
+
+def _tokenize_docs(texts: list[str], dtype) -> KeyResult:
+    tok, eod = _TOKENIZER, _OPTIONS["append_eod"]
+    if _OPTIONS["split_sentences"]:
+        sentences = [split_sentences(t) for t in texts]
+        flat = tok.tokenize_batch(list(itertools.chain.from_iterable(sentences)))
+        it = iter(flat)
+        per_doc = [[ids for ids in (next(it) for _ in s) if ids] for s in sentences]
+    else:
+        per_doc = [[ids] if ids else [] for ids in tok.tokenize_batch(texts)]
+    kept = [seqs for seqs in per_doc if seqs]
+    if eod:
+        for seqs in kept:
+            seqs[-1] = [*seqs[-1], tok.eod]
+    seqs = list(itertools.chain.from_iterable(kept))
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=len(seqs))
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum())
+    )
+    return KeyResult(
+        tokens=tokens.astype(dtype),
+        seq_lengths=lengths,
+        seqs_per_doc=np.fromiter((len(s) for s in kept), dtype=np.int32, count=len(kept)),
+        empty=len(per_doc) - len(kept),
+    )
+
+
+def _encode_in_order(chunks, workers: int, init_args):
+    """Yield encode_chunk results in input order, with at most 2 chunks per worker in flight."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        for chunk in chunks:
+            yield encode_chunk(chunk)
+        return
+    with mp.get_context("spawn").Pool(workers, _init_worker, init_args) as pool:
+        pending = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _Outputs:
+    """One builder per key, writing to temporary names until `commit()` renames them."""
+
+    def __init__(self, prefix: str, keys: list[str], level: str, dtype):
+        self.final = {k: f"{prefix}_{k}_{level}" for k in keys}
+        self.tag = f".tmp-{os.getpid()}"
+        self.builders = {
+            k: MMapIndexedDatasetBuilder(f"{p}.bin{self.tag}", dtype) for k, p in self.final.items()
+        }
+
+    def add(self, result: ChunkResult) -> None:
+        for k, r in result.per_key.items():
+            self.builders[k].add_batch(r.tokens, r.seq_lengths, r.seqs_per_doc)
+
+    def commit(self) -> list[str]:
+        for k, p in self.final.items():
+            self.builders[k].finalize(f"{p}.idx{self.tag}")
+            os.replace(f"{p}.bin{self.tag}", f"{p}.bin")
+            os.replace(f"{p}.idx{self.tag}", f"{p}.idx")
+        return list(self.final.values())
+
+    def discard(self) -> None:
+        for k, p in self.final.items():
+            self.builders[k].abort()
+            for path in (f"{p}.bin{self.tag}", f"{p}.idx{self.tag}"):
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+@dataclass
+class Stats:
+    documents: int = 0
+    empty: int = 0
+    tokens: int = 0
+    bad: list[BadRecord] = field(default_factory=list)
+    bad_count: int = 0
+    start: float = field(default_factory=time.monotonic)
+
+    def add(self, result: ChunkResult, first_key: str) -> None:
+        r = result.per_key.get(first_key)
+        self.documents += len(r.seqs_per_doc) if r is not None else 0
+        self.empty += r.empty if r is not None else 0
+        self.tokens += int(sum(len(x.tokens) for x in result.per_key.values()))
+        self.bad_count += len(result.bad)
+        self.bad.extend(result.bad[: max(0, _MAX_REPORTED - len(self.bad))])
+
+
+def _progress_line(stats: Stats, read: int, total: int) -> str:
+    elapsed = max(time.monotonic() - stats.start, 1e-9)
+    rate = read / elapsed / 1e6
+    eta = (total - read) / (read / elapsed) if read else float("nan")
+    eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+    return (
+        f"processed {stats.documents} documents ({read / 1e6:.1f} of {total / 1e6:.1f} MB) "
+        f"| {rate:.2f} MB/s | ETA {eta_s}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = expand_inputs(args.input)
+    keys = list(args.json_keys)
+    if len(keys) > 1:
+        for p in paths:
+            if input_kind(p) == TEXT:
+                raise ValueError(
+                    f"--json-keys {' '.join(keys)}: {p} is plain text, which has no "
+                    "keys; give one key (it names the output) or use JSON input"
+                )
+    tok_kwargs = {
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_size": args.vocab_size,
+    }
+    tokenizer = build_tokenizer(args.tokenizer_type, **tok_kwargs)  # fail fast on bad flags
+    dtype = best_dtype(tokenizer.vocab_size)
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    options = {
+        "keys": keys,
+        "dtype": dtype,
+        "append_eod": args.append_eod,
+        "split_sentences": args.split_sentences,
+    }
+    level = "sentence" if args.split_sentences else "document"
+    outputs = _Outputs(args.output_prefix, keys, level, dtype)
+    progress, stats = ProgressFile(), Stats()
+    total = sum(os.path.getsize(p) for p in paths)
+    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs)
+    ok, next_log = False, args.log_interval
+    results = _encode_in_order(chunks, args.workers, (args.tokenizer_type, tok_kwargs, options))
+    try:
+        for result in results:
+            stats.add(result, keys[0])
+            if result.bad and args.bad_records == "fail":
+                _report_bad(stats, failed=True)
+                return 1
+            outputs.add(result)
+            if stats.documents >= next_log:
+                print(
+                    _progress_line(stats, progress.bytes_read, total), file=sys.stderr, flush=True
+                )
+                next_log = stats.documents + args.log_interval
+        written = outputs.commit()
+        ok = True
+    finally:
+        results.close()  # stops the worker pool at once on failure
+        if not ok:
+            outputs.discard()
+    _summary(stats, progress.bytes_read, written, dtype)
+    return 0
+
+
+def _report_bad(stats: Stats, failed: bool) -> None:
+    for b in stats.bad:
+        print(f"bad record: {b}", file=sys.stderr)
+    more = stats.bad_count - len(stats.bad)
+    if more > 0:
+        print(f"... and {more} more bad records", file=sys.stderr)
+    if failed:
+        print(
+            f"error: stopped at {stats.bad_count} bad record(s) (--bad-records fail); no output "
+            "was written. Fix the records above, or pass --bad-records skip to leave them out.",
+            file=sys.stderr,
+        )
+
+
+def _summary(stats: Stats, read: int, written: list[str], dtype) -> None:
+    elapsed = time.monotonic() - stats.start
+    if stats.bad_count:
+        print(f"skipped {stats.bad_count} bad record(s) (--bad-records skip):", file=sys.stderr)
+        _report_bad(stats, failed=False)
+    print(
+        f"done: {stats.documents} documents, {stats.tokens} tokens ({np.dtype(dtype).name}), "
+        f"{stats.empty} empty documents dropped, {stats.bad_count} bad records skipped, "
+        f"{read / 1e6:.1f} MB in {elapsed:.1f} s ({read / 1e6 / max(elapsed, 1e-9):.2f} MB/s)",
+        file=sys.stderr,
+    )
+    for prefix in written:
+        print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron.arguments import add_tokenizer_args
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    g = p.add_argument_group("input")
+    g.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, globs or directories: .jsonl (one JSON object per line), .json "
+        "(lines, or one array of strings/objects), .txt (one document per line); "
+        "any of them .gz",
+    )
+    g.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys to extract; one output dataset per key (default: text)",
+    )
+    g.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="one sequence per sentence (built-in rule-based splitter)",
+    )
+    g.add_argument(
+        "--txt-paragraphs",
+        action="store_true",
+        help=".txt inputs: documents are separated by blank lines, not one per line",
+    )
+    g.add_argument(
+        "--bad-records",
+        choices=["fail", "skip"],
+        default="fail",
+        help="malformed JSON, non-UTF-8 bytes, missing keys: fail (default; exit 1 and "
+        "write nothing) or skip (leave them out and list where they were)",
+    )
+    add_tokenizer_args(p)
+    p.add_argument("--vocab-size", type=int, default=None, help="vocab of the NullTokenizer")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    g.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to every document",
+    )
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    g.add_argument(
+        "--log-interval",
+        type=int,
+        default=10000,
+        help="print progress every this many documents (default 10000)",
+    )
+    g.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=1 << 20,
+        help="input bytes per worker task (default 1 MiB)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tokenizer_type is None:
+        print("error: --tokenizer-type is required (e.g. GPT2BPETokenizer)", file=sys.stderr)
+        return 2
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
