@@ -21,6 +21,7 @@ setup(
         "regex",
         "tensorboard",
         "tokenizers>=0.15",
+        "tiktoken>=0.5",  # the fast engine for GPT-2 BPE preprocessing (checked against HF)
     ],
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout", "ruff", "sentencepiece"],

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily: the data tools start faster without it
+    import torch
 
 
 class ConfigError(ValueError):
@@ -117,6 +119,8 @@ class PrecisionConfig:
 
     @property
     def params_dtype(self) -> torch.dtype:
+        import torch
+
         if self.fp16:
             return torch.float16
         if self.bf16:

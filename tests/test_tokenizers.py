@@ -269,3 +269,23 @@ def test_train_tokenizer_missing_input_names_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_tokenizer.main([*argv, "--output-dir", str(tmp_path)])
     assert "--input nope.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_fast_gpt2_engine_matches_hf_and_falls_back_on_disagreement(monkeypatch):
+    import numpy as np
+
+    from megatron.data import fast_bpe
+
+    texts = [json.loads(line)["text"] for line in (FIXTURES / "corpus.jsonl").open()]
+    tok = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=FIXTURES / "vocab.json", merge_file=FIXTURES / "merges.txt"
+    )
+    assert tok._fast is not None, "tiktoken is installed with the project"
+    flat, lengths = tok._fast.encode_arrays(texts)
+    assert np.split(flat, np.cumsum(lengths)[:-1])[5].tolist() == tok.tokenize(texts[5])
+    assert flat.tolist() == [i for t in texts for i in tok.tokenize(t)]
+    # A fast engine that disagrees is caught on the first batch and HF takes over.
+    tok._fast = fast_bpe.TiktokenBPE(tok._fast._enc, tok._fast._lut[::-1].copy())
+    with pytest.warns(UserWarning, match="tiktoken disagrees"):
+        bad_flat, _ = tok.tokenize_batch_arrays(texts)
+    assert bad_flat.tolist() == flat.tolist() and tok._fast is None

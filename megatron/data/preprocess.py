@@ -81,28 +81,31 @@ def encode_chunk(chunk: Chunk) -> ChunkResult:
 
 
 def _tokenize_docs(texts: list[str], dtype) -> KeyResult:
-    tok, eod = _TOKENIZER, _OPTIONS["append_eod"]
+    """Tokenize a batch of documents into flat arrays; drop empty sequences and documents, and
+    append the end-of-document id after each document's last sequence."""
+    tok = _TOKENIZER
     if _OPTIONS["split_sentences"]:
         sentences = [split_sentences(t) for t in texts]
-        flat = tok.tokenize_batch(list(itertools.chain.from_iterable(sentences)))
-        it = iter(flat)
-        per_doc = [[ids for ids in (next(it) for _ in s) if ids] for s in sentences]
+        per_doc = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
+        flat, seq_len = tok.tokenize_batch_arrays(list(itertools.chain.from_iterable(sentences)))
     else:
-        per_doc = [[ids] if ids else [] for ids in tok.tokenize_batch(texts)]
-    kept = [seqs for seqs in per_doc if seqs]
-    if eod:
-        for seqs in kept:
-            seqs[-1] = [*seqs[-1], tok.eod]
-    seqs = list(itertools.chain.from_iterable(kept))
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=len(seqs))
-    tokens = np.fromiter(
-        itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum())
-    )
+        per_doc = np.ones(len(texts), dtype=np.int64)
+        flat, seq_len = tok.tokenize_batch_arrays(texts)
+    doc_of_seq = np.repeat(np.arange(len(texts)), per_doc)
+    keep = seq_len > 0
+    seq_len, doc_of_seq = seq_len[keep], doc_of_seq[keep]
+    seqs_per_doc = np.bincount(doc_of_seq, minlength=len(texts))
+    seqs_per_doc = seqs_per_doc[seqs_per_doc > 0]
+    if _OPTIONS["append_eod"] and len(seq_len):
+        last = np.cumsum(seqs_per_doc) - 1  # each kept document's last sequence
+        flat = np.insert(flat, np.cumsum(seq_len)[last], tok.eod)
+        seq_len = seq_len.copy()
+        seq_len[last] += 1
     return KeyResult(
-        tokens=tokens.astype(dtype),
-        seq_lengths=lengths,
-        seqs_per_doc=np.fromiter((len(s) for s in kept), dtype=np.int32, count=len(kept)),
-        empty=len(per_doc) - len(kept),
+        tokens=flat.astype(dtype),
+        seq_lengths=seq_len.astype(np.int32),
+        seqs_per_doc=seqs_per_doc.astype(np.int32),
+        empty=len(texts) - len(seqs_per_doc),
     )
 
 

@@ -11,15 +11,20 @@ instead of receiving a copy of its tables.
 
 from __future__ import annotations
 
+import itertools
 import json
 import numbers
 import os
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+from megatron.data.fast_bpe import TiktokenBPE
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -77,6 +82,15 @@ class Tokenizer(ABC):
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Many documents at once; backends with a native batch path override this."""
         return [self.tokenize(t) for t in texts]
+
+    def tokenize_batch_arrays(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Many documents -> (all their ids as one int64 array, the number of ids of each)."""
+        docs = self.tokenize_batch(texts)
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(docs), dtype=np.int64, count=int(lengths.sum())
+        )
+        return flat, lengths
 
     def __repr__(self) -> str:
         return f"{self.name}(vocab_size={self.vocab_size}, eod={self.eod})"
@@ -147,6 +161,26 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         tok.decoder = decoders.ByteLevel()
         kwargs = {"vocab_file": vocab_file, "merge_file": merge_file}
         super().__init__(name, kwargs, tok, vocab["<|endoftext|>"])
+        self._fast = TiktokenBPE.build(vocab, merges)
+        self._fast_checked = False
+
+    def tokenize_batch_arrays(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """tiktoken when it is installed and agrees with HF on the first batch; else HF."""
+        if self._fast is None:
+            return super().tokenize_batch_arrays(texts)
+        flat, lengths = self._fast.encode_arrays(list(texts))
+        if not self._fast_checked:
+            ref_flat, ref_lengths = super().tokenize_batch_arrays(texts)
+            if not (np.array_equal(flat, ref_flat) and np.array_equal(lengths, ref_lengths)):
+                warnings.warn(
+                    "tiktoken disagrees with HF tokenizers on this vocab; using HF "
+                    "(slower, same ids as Megatron-LM)",
+                    stacklevel=2,
+                )
+                self._fast = None
+                return ref_flat, ref_lengths
+            self._fast_checked = True
+        return flat, lengths
 
 
 class HuggingFaceTokenizer(_HFBackedTokenizer):
