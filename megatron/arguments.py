@@ -11,6 +11,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron.arguments_train import add_loop_args, add_training_run_args, fill, training_run_groups
 from megatron.config import (
     DataConfig,
     DistributedConfig,
@@ -20,8 +21,8 @@ from megatron.config import (
     PrecisionConfig,
     TokenizerConfig,
     TrainingConfig,
-    validate,
 )
+from megatron.validation import validate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mixed_precision_args(parser)
     _add_distributed_args(parser)
     _add_data_args(parser)
+    add_training_run_args(parser)
     return parser
 
 
@@ -157,6 +159,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="samples per optimizer step over all data-parallel ranks "
         "(default micro-batch-size x DP; the rest is gradient accumulation)",
     )
+    add_loop_args(g)
 
 
 def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +189,18 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         dest="local_rank",
         help="set by some launchers; LOCAL_RANK from the environment wins",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=40_000_000,
+        help="gradient elements per data-parallel all-reduce bucket (40M)",
+    )
+    g.add_argument(
+        "--no-overlap-grad-reduce",
+        action="store_false",
+        dest="overlap_grad_reduce",
+        help="all-reduce gradients after backward instead of during it",
     )
 
 
@@ -297,13 +312,16 @@ def config_from_namespace(ns: argparse.Namespace, world_size: int) -> MegatronCo
             backend=ns.distributed_backend,
             timeout_minutes=ns.distributed_timeout_minutes,
             local_rank=ns.local_rank,
+            ddp_bucket_size=ns.ddp_bucket_size,
+            overlap_grad_reduce=ns.overlap_grad_reduce,
         ),
         precision=PrecisionConfig(fp16=ns.fp16, bf16=ns.bf16),
-        training=TrainingConfig(
-            seed=ns.seed,
-            micro_batch_size=ns.micro_batch_size,
-            global_batch_size=ns.global_batch_size,
+        training=fill(
+            TrainingConfig,
+            ns,
+            rampup_batch_size=tuple(ns.rampup_batch_size) if ns.rampup_batch_size else None,
         ),
+        **training_run_groups(ns),
         data=DataConfig(
             data_path=tuple(ns.data_path),
             split=ns.split,

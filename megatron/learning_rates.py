@@ -1,0 +1,275 @@
+"""Learning-rate (and weight-decay) schedule, following Megatron's OptimizerParamScheduler.
+
+With n = steps done, W = warmup_steps, D = decay_steps:
+
+    n <= W (W > 0)               lr = max_lr * n / W
+    'constant'                   lr = max_lr
+    n > D                        lr = min_lr
+    'inverse-square-root'        lr = max(min_lr, max_lr * sqrt(max(W, 1)) / sqrt(max(n, 1)))
+    otherwise, r = (n - W) / (D - W) and lr = min_lr + c * (max_lr - min_lr) with
+      'linear'  c = 1 - r
+      'cosine'  c = (cos(pi * r) + 1) / 2
+      'WSD'     c = 1 until n = D - S (S = wsd_decay_steps), then with s = (n - D + S) / S
+                c = 1 - s | (cos(pi * s) + 1) / 2 | 2 * 0.5**s - 1 | 1 - sqrt(s)
+                for wsd_decay_style linear | cosine | exponential | minus_sqrt.
+
+A "step" is whatever unit the trainer counts: an iteration (step() after each optimizer step),
+or a sample under --train-samples (step(increment=global_batch_size)). See scheduler_steps().
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+# Annealing coefficient after a fraction r of an annealing phase: 1 at r = 0, 0 at r = 1.
+_ANNEAL = {
+    "linear": lambda r: 1.0 - r,
+    "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+    "exponential": lambda r: 2.0 * 0.5**r - 1.0,
+    "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+}
+WSD_DECAY_STYLES = tuple(_ANNEAL)
+
+# Fields that define the schedule; saved by state_dict() and compared on load.
+_SCHEDULE_FIELDS = tuple(
+    "max_lr min_lr warmup_steps decay_steps decay_style wsd_decay_steps wsd_decay_style"
+    " start_wd end_wd wd_incr_steps wd_incr_style".split()
+)
+# Key names of classic (2020) and of current Megatron checkpoints.
+_LEGACY_KEYS = {
+    "num_iters": "num_steps",
+    "warmup_iter": "warmup_steps",
+    "end_iter": "decay_steps",
+    "start_lr": "max_lr",
+    "lr_warmup_steps": "warmup_steps",
+    "lr_decay_steps": "decay_steps",
+    "lr_decay_style": "decay_style",
+    "lr_wsd_decay_style": "wsd_decay_style",
+}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
+    """Warmup then decay of lr (and optional ramp of weight decay), set on every param group.
+
+    Step convention: `num_steps` (== torch's `last_epoch`) counts the steps already done. A fresh
+    scheduler has num_steps = 0 and the groups hold get_lr(0); call step() after each optimizer
+    step, so the k-th optimizer step (0-based) runs with get_lr(k * increment). Each group gets
+    lr * group.get('lr_mult', 1) and, when start_wd/end_wd are given,
+    wd * group.get('wd_mult', 1) (give no-decay groups wd_mult=0).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_lr: float,
+        min_lr: float = 0.0,
+        warmup_steps: int = 0,
+        decay_steps: int,
+        decay_style: str = "linear",
+        wsd_decay_steps: int | None = None,
+        wsd_decay_style: str = "exponential",
+        start_wd: float | None = None,
+        end_wd: float | None = None,
+        wd_incr_steps: int | None = None,
+        wd_incr_style: str = "constant",
+        override_lr_scheduler: bool = False,
+        use_checkpoint_lr_scheduler: bool = False,
+    ) -> None:
+        _check(
+            not (override_lr_scheduler and use_checkpoint_lr_scheduler),
+            "--override-lr-scheduler and --use-checkpoint-lr-scheduler exclude each other",
+        )
+        self.max_lr, self.min_lr = float(max_lr), float(min_lr)
+        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
+        self.decay_style = decay_style
+        self.wsd_decay_steps, self.wsd_decay_style = wsd_decay_steps, wsd_decay_style
+        if start_wd is not None or end_wd is not None:  # one given: the ramp is flat
+            start_wd = end_wd if start_wd is None else start_wd
+            end_wd = start_wd if end_wd is None else end_wd
+            wd_incr_steps = decay_steps if wd_incr_steps is None else wd_incr_steps
+        self.start_wd, self.end_wd = start_wd, end_wd
+        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
+        self.override_lr_scheduler = override_lr_scheduler
+        self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
+        self._validate()
+        self.num_steps = 0
+        super().__init__(optimizer)  # sets last_epoch = -1, then calls self.step() once
+
+    def _validate(self) -> None:
+        warm, decay, wsd = self.warmup_steps, self.decay_steps, self.wsd_decay_steps
+        _check(self.min_lr >= 0.0, f"--min-lr must be >= 0, got {self.min_lr}")
+        _check(self.max_lr >= self.min_lr, f"--lr {self.max_lr} is below --min-lr {self.min_lr}")
+        _check(self.decay_style in DECAY_STYLES, f"--lr-decay-style must be one of {DECAY_STYLES}")
+        _check(decay > 0, f"--lr-decay-iters/--lr-decay-samples must be > 0, got {decay}")
+        _check(warm >= 0, f"--lr-warmup-iters/--lr-warmup-samples must be >= 0, got {warm}")
+        _check(
+            self.decay_style == "constant" or warm < decay,
+            f"--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction give {warm} warmup steps,"
+            f" not fewer than the {decay} of --lr-decay-iters/--lr-decay-samples",
+        )
+        if self.decay_style == "WSD":
+            _check(
+                wsd is not None and 0 < wsd <= decay - warm,
+                "--lr-decay-style WSD needs --lr-wsd-decay-iters/--lr-wsd-decay-samples in"
+                f" (0, decay - warmup = {decay - warm}], got {wsd}",
+            )
+            _check(
+                self.wsd_decay_style in WSD_DECAY_STYLES,
+                f"--lr-wsd-decay-style must be one of {WSD_DECAY_STYLES}",
+            )
+        if self.start_wd is not None:
+            start, end, style = self.start_wd, self.end_wd, self.wd_incr_style
+            _check(
+                0.0 <= start <= end and self.wd_incr_steps > 0,
+                f"need 0 <= --start-weight-decay {start} <= --end-weight-decay {end}",
+            )
+            _check(
+                style in ("linear", "cosine") or (style == "constant" and start == end),
+                f"--weight-decay-incr-style {style!r}: use linear or cosine, or constant with"
+                " equal --start-weight-decay and --end-weight-decay",
+            )
+
+    def get_lr(self, num_steps: int | None = None) -> float:  # type: ignore[override]
+        """The base lr (before lr_mult) after `num_steps` steps (default: the current count).
+
+        Unlike torch's get_lr(), this returns one float; get_last_lr() has the per-group list.
+        """
+        n = self.num_steps if num_steps is None else num_steps
+        w, d = self.warmup_steps, self.decay_steps
+        if w > 0 and n <= w:
+            return self.max_lr * n / w
+        if self.decay_style == "constant":
+            return self.max_lr
+        if n > d:
+            return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(w, 1)) / math.sqrt(max(n, 1)))
+        s = self.wsd_decay_steps
+        if self.decay_style != "WSD":  # linear or cosine over the whole decay phase
+            coeff = _ANNEAL[self.decay_style]((n - w) / (d - w))
+        elif n <= d - s:  # WSD: stable at max_lr, then anneal over the last s steps
+            coeff = 1.0
+        else:
+            coeff = _ANNEAL[self.wsd_decay_style]((n - d + s) / s)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def get_wd(self, num_steps: int | None = None) -> float | None:
+        """Weight decay: start_wd -> end_wd over wd_incr_steps (None if not scheduled)."""
+        if self.start_wd is None:
+            return None
+        n = self.num_steps if num_steps is None else num_steps
+        if self.wd_incr_style == "constant" or n > self.wd_incr_steps:
+            return self.end_wd
+        coeff = 1.0 - _ANNEAL[self.wd_incr_style](n / self.wd_incr_steps)  # rises 0 -> 1
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def step(self, increment: int = 1) -> None:  # type: ignore[override]
+        """Record `increment` more steps done and set lr (and wd) on every param group."""
+        _check(increment >= 0, f"step increment must be >= 0, got {increment}")
+        if self.last_epoch >= 0:  # torch's __init__ call (last_epoch -1) only installs step 0
+            self.num_steps += increment
+        self._apply()
+
+    def _apply(self) -> None:
+        self.last_epoch = self.num_steps
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            if wd is not None:
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain python numbers and strings only, so torch.load(weights_only=True) can read it."""
+        sd = {name: getattr(self, name) for name in _SCHEDULE_FIELDS}
+        sd["num_steps"] = self.num_steps
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the checkpoint's num_steps; its schedule must match unless a flag says.
+
+        --override-lr-scheduler keeps the constructor's schedule, --use-checkpoint-lr-scheduler
+        takes the checkpoint's; with neither, any difference raises ValueError.
+        """
+        sd = {_LEGACY_KEYS.get(k, k): v for k, v in state_dict.items()}
+        _check("num_steps" in sd, "lr scheduler checkpoint has no 'num_steps' (or 'num_iters')")
+        for name in _SCHEDULE_FIELDS:
+            if name not in sd or self.override_lr_scheduler:
+                continue  # old checkpoints lack the newer fields
+            _check(
+                self.use_checkpoint_lr_scheduler or sd[name] == getattr(self, name),
+                f"lr scheduler {name}: checkpoint has {sd[name]!r}, this run"
+                f" {getattr(self, name)!r}; pass --override-lr-scheduler to keep this run's"
+                " value or --use-checkpoint-lr-scheduler to take the checkpoint's",
+            )
+            setattr(self, name, sd[name])
+        self._validate()
+        self.num_steps = int(sd["num_steps"])
+        self._apply()
+
+
+def _warmup_steps(
+    fraction: float | None, warmup: float | None, absolute: int, flag: str, decay: int
+) -> int:
+    """round(fraction * decay) from --lr-warmup-fraction or --warmup (one meaning), else absolute"""
+    _check(fraction is None or warmup is None, "--warmup is the old --lr-warmup-fraction; pass one")
+    fraction = warmup if fraction is None else fraction
+    if fraction is None:
+        return absolute
+    _check(not absolute, f"pass --lr-warmup-fraction (or --warmup) or {flag}, not both")
+    _check(0.0 <= fraction <= 1.0, f"--lr-warmup-fraction must be in [0, 1], got {fraction}")
+    return round(fraction * decay)
+
+
+def scheduler_steps(
+    *,
+    train_iters: int | None = None,
+    train_samples: int | None = None,
+    global_batch_size: int | None = None,
+    lr_decay_iters: int | None = None,
+    lr_decay_samples: int | None = None,
+    lr_warmup_iters: int = 0,
+    lr_warmup_samples: int = 0,
+    lr_warmup_fraction: float | None = None,
+    warmup: float | None = None,
+    lr_wsd_decay_iters: int | None = None,
+    lr_wsd_decay_samples: int | None = None,
+) -> dict[str, int | None]:
+    """Megatron's schedule flags -> AnnealingLR's warmup_steps, decay_steps, wsd_decay_steps and
+    the step() increment.
+
+    --train-iters: steps are iterations, increment 1, decay = --lr-decay-iters or --train-iters.
+    --train-samples: steps are samples, increment = global batch, decay = --lr-decay-samples or
+    --train-samples. Warmup is round(fraction * decay) or the absolute warmup flag of the mode.
+    """
+    _check(
+        (train_iters is None) != (train_samples is None),
+        "pass exactly one of --train-iters and --train-samples",
+    )
+    by_iters = train_iters is not None
+    iters = (train_iters, lr_decay_iters, lr_warmup_iters, lr_wsd_decay_iters)
+    samples = (train_samples, lr_decay_samples, lr_warmup_samples, lr_wsd_decay_samples)
+    (train, decay, warm, wsd), unused = (iters, samples) if by_iters else (samples, iters)
+    unit, other = ("iters", "samples") if by_iters else ("samples", "iters")
+    for stem, value in zip(("lr-decay", "lr-warmup", "lr-wsd-decay"), unused[1:], strict=True):
+        _check(not value, f"--{stem}-{other} contradicts --train-{unit}; use --{stem}-{unit}")
+    increment = 1
+    if not by_iters:
+        _check(
+            global_batch_size is not None and global_batch_size > 0,
+            f"--train-samples needs --global-batch-size > 0, got {global_batch_size}",
+        )
+        increment = global_batch_size
+    decay = train if decay is None else decay
+    warm = _warmup_steps(lr_warmup_fraction, warmup, warm, f"--lr-warmup-{unit}", decay)
+    return dict(warmup_steps=warm, decay_steps=decay, wsd_decay_steps=wsd, increment=increment)

@@ -1,0 +1,193 @@
+"""AdamW / SGD over fp32 main weights, with fp16 loss scaling and global skip-on-overflow.
+
+Gradients arrive in each parameter's fp32 `main_grad` (see megatron.distributed). For fp32
+models the optimizer updates the parameters themselves; for bf16/fp16 models it keeps an fp32
+master copy of every parameter, updates that, and copies it back. Before each step, one scalar
+all-reduce over all ranks decides whether any gradient is inf/NaN: if so every rank skips the
+update together (and fp16 lowers its loss scale).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config import OptimizerConfig
+from megatron.mpu import ParallelState, clip_grad_norm
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on matrices only: biases and norm weights (all 1-D) get wd_mult 0."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim == 1 else decay).append(p)
+    return [g for g in ({"params": decay, "wd_mult": 1.0},
+                        {"params": no_decay, "wd_mult": 0.0}) if g["params"]]
+
+
+class DynamicGradScaler:
+    """Loss scale: halved after `hysteresis` overflows, doubled after `window` clean steps."""
+
+    def __init__(self, initial: float, minimum: float, window: int, hysteresis: int):
+        self.scale, self.min_scale = float(initial), float(minimum)
+        self.window, self.hysteresis = window, hysteresis
+        self._growth, self._hysteresis_left = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self._growth = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+        else:
+            self._growth += 1
+            if self._growth == self.window:
+                self._growth, self._hysteresis_left = 0, self.hysteresis
+                self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self._growth,
+                "hysteresis_tracker": self._hysteresis_left}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale = float(sd["scale"])
+        self._growth = int(sd["growth_tracker"])
+        self._hysteresis_left = int(sd["hysteresis_tracker"])
+
+
+class ConstantGradScaler:
+    def __init__(self, scale: float):
+        self.scale = float(scale)
+
+    def update(self, found_inf: bool) -> None:
+        pass  # a static scale never changes; overflowing steps are still skipped
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale = float(sd["scale"])
+
+
+def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    for g in groups:
+        g["weight_decay"] = cfg.weight_decay * g["wd_mult"]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
+    kw = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+    try:
+        from apex.optimizers import FusedAdam  # NVIDIA apex, only if the user installed it
+
+        if all(p.is_cuda for g in groups for p in g["params"]):
+            return FusedAdam(groups, adam_w_mode=True, **kw)
+    except ImportError:
+        pass
+    try:  # torch's fused kernel (CUDA, and CPU since torch 2.4)
+        return torch.optim.AdamW(groups, fused=True, **kw)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+def _fp32_copy(p: torch.Tensor) -> torch.Tensor:
+    """fp32 master of a half parameter, keeping the attributes grad-norm counting relies on."""
+    main = p.detach().clone().float()
+    for attr in _PARALLEL_ATTRS:
+        if hasattr(p, attr):
+            setattr(main, attr, getattr(p, attr))
+    return main
+
+
+class MegatronOptimizer:
+    """step() -> (updated?, grad norm or None). Skips are global and counted by the caller."""
+
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, *, params_dtype: torch.dtype,
+                 state: ParallelState, clip_grad: float):
+        self.state, self.clip_grad = state, clip_grad
+        self.model_groups = param_groups(model)
+        self.half = params_dtype in (torch.float16, torch.bfloat16)
+        if self.half:
+            main_groups = [{**g, "params": [_fp32_copy(p) for p in g["params"]]}
+                           for g in self.model_groups]
+        else:
+            main_groups = [dict(g) for g in self.model_groups]
+        self.optimizer = _torch_optimizer(main_groups, cfg)
+        self.scaler = None
+        if params_dtype == torch.float16:
+            self.scaler = (ConstantGradScaler(cfg.loss_scale) if cfg.loss_scale else
+                           DynamicGradScaler(cfg.initial_loss_scale, cfg.min_loss_scale,
+                                             cfg.loss_scale_window, cfg.hysteresis))
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.scaler else loss
+
+    def _pairs(self):
+        for model_g, main_g in zip(self.model_groups, self.optimizer.param_groups, strict=True):
+            yield from zip(model_g["params"], main_g["params"], strict=True)
+
+    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Divide by the loss scale and test for inf/NaN in one pass; agreed by all ranks."""
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = torch.zeros(1, device=device)
+        inv_scale = torch.full((1,), 1.0 / self.loss_scale, device=device)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank skips together
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None]:
+        grads = []
+        for model_p, main_p in self._pairs():
+            main_p.grad = model_p.main_grad  # fp32 view of the DP-reduced gradient, no copy
+            grads.append(main_p.grad)
+        found_inf = self._unscale_and_check(grads)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            return False, None
+        main_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = clip_grad_norm(main_params, self.clip_grad, tp_rank=self.state.tp_rank,
+                              model_parallel_group=self.state.mp_group)
+        self.optimizer.step()
+        if self.half:
+            for model_p, main_p in self._pairs():
+                model_p.copy_(main_p)
+        return True, float(norm)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 masters from the model (after loading weights without optimizer)."""
+        if self.half:
+            for model_p, main_p in self._pairs():
+                main_p.copy_(model_p)
+
+    def state_dict(self) -> dict:
+        sd = {"optimizer": self.optimizer.state_dict()}
+        if self.scaler is not None:
+            sd["grad_scaler"] = self.scaler.state_dict()
+        if self.half:
+            sd["fp32_from_fp16_params"] = [p for _, p in self._pairs()]
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.scaler is not None and "grad_scaler" in sd:
+            self.scaler.load_state_dict(sd["grad_scaler"])
+        if self.half and "fp32_from_fp16_params" in sd:
+            for (_, main_p), saved in zip(self._pairs(), sd["fp32_from_fp16_params"], strict=True):
+                main_p.copy_(saved)

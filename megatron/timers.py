@@ -1,0 +1,65 @@
+"""Named wall-clock timers with levels, reported like Megatron's `--timing-log-level`.
+
+Level 0 timers are always on (the iteration); level 1 adds forward/backward/optimizer; level 2
+everything else (e.g. data loading, gradient all-reduce). CUDA work is synchronized before a
+timer reads the clock, so times mean the device's time, not the launch time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.device, self.elapsed_s, self._start = device, 0.0, None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._start is None:
+            raise RuntimeError("timer stopped without being started")
+        self._sync()
+        self.elapsed_s += time.perf_counter() - self._start
+        self._start = None
+
+
+class _NullTimer:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class Timers:
+    def __init__(self, log_level: int = 0, device: torch.device | str = "cpu"):
+        self.log_level, self.device = log_level, torch.device(device)
+        self._timers: dict[str, _Timer] = {}
+        self._null = _NullTimer()
+
+    def __call__(self, name: str, level: int = 0):
+        if level > self.log_level:
+            return self._null
+        return self._timers.setdefault(name, _Timer(self.device))
+
+    def pop_elapsed(self) -> dict[str, float]:
+        """Seconds accumulated per timer since the last call; resets them."""
+        out = {name: t.elapsed_s for name, t in self._timers.items()}
+        for t in self._timers.values():
+            t.elapsed_s = 0.0
+        return out
+
+    @staticmethod
+    def format(elapsed: dict[str, float], iterations: int) -> str:
+        parts = [f"{name}: {1000.0 * s / max(iterations, 1):.2f}"
+                 for name, s in sorted(elapsed.items())]
+        return "(ms per iteration) " + " | ".join(parts) if parts else ""

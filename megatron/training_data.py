@@ -1,0 +1,64 @@
+"""Data for the trainer: train/valid/test datasets sized for the run, resumable loaders, batches.
+
+Every rank of a TP group reads the same samples (same DP rank): the mmap reads are cheap, and
+no broadcast is needed. Index files are built by global rank 0 while the others wait.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.config import MegatronConfig
+from megatron.data.builder import build_train_valid_test_datasets
+from megatron.data.samplers import MegatronPretrainingSampler
+from megatron.initialize import Runtime
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def split_sample_counts(cfg: MegatronConfig, dp_size: int) -> tuple[int, int, int]:
+    """Samples each split must provide (Megatron's sizing)."""
+    t = cfg.training
+    gbs = t.resolved_global_batch_size(dp_size)
+    train = t.train_samples if t.train_samples is not None else t.train_iters * gbs
+    iters = t.train_iters if t.train_iters is not None else -(-train // gbs)
+    valid = (iters // t.eval_interval + 1) * t.eval_iters * gbs
+    return train, valid, t.eval_iters * gbs
+
+
+def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime):
+    if dataset is None:
+        return None
+    sampler = MegatronPretrainingSampler(len(dataset), consumed, cfg.training.micro_batch_size,
+                                         rt.state.dp_rank, rt.state.dp_size)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=cfg.training.num_workers,
+        pin_memory=rt.device.type == "cuda",
+        persistent_workers=cfg.training.num_workers > 0,
+    )
+    return iter(loader)
+
+
+def build_data_iterators(cfg: MegatronConfig, rt: Runtime, consumed_train: int,
+                         consumed_valid: int):
+    counts = split_sample_counts(cfg, rt.state.dp_size)
+    datasets = build_train_valid_test_datasets(
+        cfg.data, counts, cfg.model.seq_length, cfg.training.seed,
+        vocab_size=cfg.model.vocab_size, is_builder=rt.state.rank == 0, barrier=_barrier,
+    )
+    train, valid, test = datasets
+    if train is None:
+        raise ValueError("no training data: pass --data-path (with --split) or --train-data-path")
+    return (_loader(train, consumed_train, cfg, rt), _loader(valid, consumed_valid, cfg, rt),
+            _loader(test, 0, cfg, rt))
+
+
+def get_batch(data_iterator, device: torch.device):
+    """(tokens, labels, loss_mask) of the next micro batch: text[:, :-1] predicts text[:, 1:]."""
+    text = next(data_iterator)["text"].to(device, non_blocking=True)
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    return tokens, labels, torch.ones_like(labels, dtype=torch.float32)

@@ -1,0 +1,95 @@
+"""Megatron-style log lines, model FLOPs for throughput/MFU, and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import math
+import resource
+
+import torch
+
+from megatron.config import ModelConfig
+
+# Dense bf16/fp16 tensor-core peak of one device, TFLOP/s (for MFU when --peak-tflops is unset).
+KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10": 125.0, "L40": 181.0,
+                     "V100": 125.0}
+
+
+def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) -> float:
+    """Matmul FLOPs to train on one sample: 3x the forward (4x with full recompute).
+
+    Per layer forward: QKV 2sh(h + 2 g d), scores and weighted sum 2 x 2s^2 h, output 2sh^2,
+    MLP 2sh f x (3 with SwiGLU, else 2); plus the logits 2shV.
+    """
+    h, d, f = m.hidden_size, m.head_dim, m.ffn_size
+    attn_out = m.num_attention_heads * d
+    per_layer = (2 * seq * h * (attn_out + 2 * m.query_groups * d) + 4 * seq * seq * attn_out
+                 + 2 * seq * attn_out * h + 2 * seq * h * f * (3 if m.swiglu else 2))
+    forward = m.num_layers * per_layer + 2 * seq * h * m.padded_vocab_size(1)
+    return (4 if recompute else 3) * forward
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k in name), None)
+
+
+def memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def iteration_line(*, iteration, train_iters, consumed, ms_per_iter, lr, global_batch, loss,
+                   loss_scale, grad_norm, skipped, nan, tokens_per_s, tflops, mfu) -> str:
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed:12d}",
+        f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
+        f"learning rate: {lr:.3E}",
+        f"global batch size: {global_batch:5d}",
+        f"lm loss: {loss:.6E}",
+        f"loss scale: {loss_scale:.1f}",
+        f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: -",
+        f"number of skipped iterations: {skipped:3d}",
+        f"number of nan iterations: {nan:3d}",
+        f"tokens per second: {tokens_per_s:.1f}",
+        f"TFLOP/s per device: {tflops:.2f}",
+    ]
+    if mfu is not None:
+        parts.append(f"MFU: {mfu:.1f}%")
+    return " | ".join(parts) + " |"
+
+
+def validation_line(iteration: int, loss: float, split: str = "validation") -> str:
+    ppl = math.exp(min(20.0, loss))
+    return (f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |")
+
+
+class TensorBoard:
+    """Scalars on the logging rank only; a no-op without --tensorboard-dir."""
+
+    def __init__(self, log_dir: str | None, enabled: bool):
+        self.writer = None
+        if log_dir and enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def scalars(self, values: dict[str, float], iteration: int, consumed: int) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is None:
+                continue
+            self.writer.add_scalar(name, value, iteration)
+            if name in ("lm-loss", "validation lm-loss"):
+                self.writer.add_scalar(f"{name} vs samples", value, consumed)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

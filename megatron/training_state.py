@@ -1,0 +1,124 @@
+"""What a training checkpoint holds and how the trainer saves and resumes it.
+
+Each TP x PP shard (written by DP rank 0) holds the model shard, optimizer (with fp32 masters
+and the loss scaler), LR scheduler, RNG states (python, numpy, torch, device, the TP dropout
+stream), iteration, consumed samples, and the arguments that fix the shapes, so tools can load
+it without repeating them. Storage, atomic pointer and crash safety: megatron.checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron.checkpointing import (
+    CheckpointError,
+    finalize_checkpoint,
+    load_shard,
+    resolve_load_iteration,
+    rng_state_dict,
+    save_shard,
+    set_rng_state,
+)
+from megatron.config import MegatronConfig
+from megatron.initialize import Runtime
+
+CHECKPOINT_VERSION = 3.0
+# Fields of ModelConfig that change parameter shapes: a resume must match them.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "kv_channels", "max_position_embeddings", "vocab_size",
+                "make_vocab_size_divisible_by", "position_embedding_type", "normalization",
+                "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def checkpoint_args(cfg: MegatronConfig) -> dict:
+    p = cfg.parallel
+    return {
+        "model": dataclasses.asdict(cfg.model),
+        "tokenizer": dataclasses.asdict(cfg.data.tokenizer),
+        "tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "padded_vocab_size": cfg.model.padded_vocab_size(p.tensor_model_parallel_size),
+        "params_dtype": str(cfg.precision.params_dtype),
+    }
+
+
+def save_training_state(cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler,
+                        state: TrainState) -> None:
+    st = rt.state
+    rng = rng_state_dict(rt.device)
+    rng["tracker"] = rt.rng_tracker.get_states()
+    shard = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": rng,
+        "args": checkpoint_args(cfg),
+    }
+    root = cfg.checkpoint.save
+    save_shard(root, state.iteration, shard, tp_rank=st.tp_rank, pp_rank=st.pp_rank,
+               pp_size=st.pp_size, write=st.dp_rank == 0)
+    finalize_checkpoint(root, state.iteration, barrier=_barrier, is_rank0=st.rank == 0,
+                        num_shards_expected=st.tp_size * st.pp_size,
+                        retain_last=cfg.checkpoint.save_retain_last)
+
+
+def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
+    saved_model = saved.get("args", {}).get("model", {})
+    current = dataclasses.asdict(cfg.model)
+    for name in SHAPE_FIELDS:
+        if name in saved_model and saved_model[name] != current[name]:
+            raise CheckpointError(
+                f"{path}: the checkpoint was saved with {name}={saved_model[name]!r} but this run "
+                f"has {current[name]!r}; pass the same model flags (or convert the checkpoint)"
+            )
+
+
+def load_training_state(cfg: MegatronConfig, rt: Runtime, model, optimizer,
+                        scheduler) -> TrainState:
+    """Restore from --load; a fresh (empty) directory starts at iteration 0 with a notice."""
+    c, st = cfg.checkpoint, rt.state
+    iteration = resolve_load_iteration(c.load)
+    if iteration is None:
+        if st.rank == 0:
+            print(f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr)
+        return TrainState()
+    shard = load_shard(c.load, iteration, tp_rank=st.tp_rank, pp_rank=st.pp_rank,
+                       pp_size=st.pp_size, map_location=rt.device)
+    _check_shapes(shard, cfg, c.load)
+    model.load_state_dict(shard["model"])
+    if c.finetune:
+        optimizer.reload_model_params()
+        return TrainState()
+    if not c.no_load_optim:
+        optimizer.load_state_dict(shard["optimizer"])
+        scheduler.load_state_dict(shard["opt_param_scheduler"])
+    else:
+        optimizer.reload_model_params()
+    if not c.no_load_rng:
+        set_rng_state(shard["rng_state"], rt.device)
+        rt.rng_tracker.set_states(shard["rng_state"]["tracker"])
+    if st.rank == 0:
+        print(f" loaded checkpoint from {c.load} at iteration {iteration}", file=sys.stderr)
+    return TrainState(iteration=shard["iteration"],
+                      consumed_train_samples=shard["consumed_train_samples"],
+                      consumed_valid_samples=shard["consumed_valid_samples"])

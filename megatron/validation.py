@@ -1,0 +1,308 @@
+"""Every rule of the configuration, checked once before any work.
+
+Each broken rule raises `ConfigError` naming the flag and the fix (never an `assert`, which
+`python -O` would remove).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megatron.config import (
+    ConfigError,
+    DataConfig,
+    MegatronConfig,
+    ModelConfig,
+    TrainingConfig,
+)
+
+
+def _fail(flag: str, problem: str, fix: str) -> None:
+    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
+
+
+def validate_model(m: ModelConfig, tp: int = 1) -> None:
+    """Shape rules of the model alone (and of its split over `tp` tensor-parallel ranks)."""
+    for flag, value in (
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length),
+        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
+    ):
+        if value < 1:
+            _fail(flag, f"must be a positive integer, got {value}", f"pass {flag} >= 1")
+    if m.vocab_size is not None and m.vocab_size < 1:
+        _fail("--vocab-size", f"must be positive, got {m.vocab_size}", "pass the tokenizer's size")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        _fail(
+            "--hidden-size",
+            f"{m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}",
+            "choose a hidden size that is a multiple of the head count (or set --kv-channels)",
+        )
+    if m.num_attention_heads % tp:
+        _fail(
+            "--num-attention-heads",
+            f"{m.num_attention_heads} heads cannot be split over --tensor-model-parallel-size {tp}",
+            "use a head count divisible by the tensor-parallel size, or a smaller TP size",
+        )
+    if m.num_query_groups is not None:
+        if m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups:
+            _fail(
+                "--num-query-groups",
+                f"{m.num_query_groups} does not divide "
+                f"--num-attention-heads {m.num_attention_heads}",
+                "use a group count that divides the number of heads",
+            )
+        if m.num_query_groups % tp:
+            _fail(
+                "--num-query-groups",
+                f"{m.num_query_groups} groups cannot be split over "
+                f"--tensor-model-parallel-size {tp}",
+                "use a group count divisible by the tensor-parallel size",
+            )
+    if m.ffn_size % tp:
+        _fail(
+            "--ffn-hidden-size",
+            f"{m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
+            "choose an FFN size that is a multiple of the tensor-parallel size",
+        )
+    for flag, p in (
+        ("--hidden-dropout", m.hidden_dropout),
+        ("--attention-dropout", m.attention_dropout),
+    ):
+        if not 0.0 <= p < 1.0:
+            _fail(
+                flag,
+                f"{p} is not a probability in [0, 1)",
+                "pass a value such as 0.1 (0 disables it)",
+            )
+    if m.init_method_std <= 0:
+        _fail("--init-method-std", f"must be positive, got {m.init_method_std}", "pass e.g. 0.02")
+    if m.position_embedding_type not in ("learned", "rope"):
+        _fail(
+            "--position-embedding-type",
+            f"unknown {m.position_embedding_type!r}",
+            "use learned or rope",
+        )
+    if m.normalization not in ("LayerNorm", "RMSNorm"):
+        _fail("--normalization", f"unknown {m.normalization!r}", "use LayerNorm or RMSNorm")
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        _fail(
+            "--position-embedding-type rope",
+            f"head size {m.head_dim} is odd",
+            "use an even head size",
+        )
+    if m.seq_length > m.max_positions:
+        _fail(
+            "--seq-length",
+            f"{m.seq_length} exceeds --max-position-embeddings {m.max_positions}",
+            "raise --max-position-embeddings to at least the sequence length",
+        )
+
+
+def validate(cfg: MegatronConfig) -> None:
+    """Every cross-group rule; raises ConfigError on the first broken one."""
+    par, m = cfg.parallel, cfg.model
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    for flag, value in (
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+    ):
+        if value < 1:
+            _fail(flag, f"must be >= 1, got {value}", f"pass {flag} 1 or more")
+    if par.world_size % (tp * pp):
+        _fail(
+            "--tensor-model-parallel-size/--pipeline-model-parallel-size",
+            f"world size {par.world_size} is not divisible by TP x PP = {tp} x {pp}",
+            "launch a multiple of TP x PP processes or change the parallel sizes",
+        )
+    validate_model(m, tp)
+    if m.num_layers % pp:
+        _fail(
+            "--pipeline-model-parallel-size",
+            f"--num-layers {m.num_layers} does not divide into {pp} pipeline stages",
+            "use a layer count divisible by the pipeline-parallel size",
+        )
+    vlayers = par.num_layers_per_virtual_pipeline_stage
+    if vlayers is not None:
+        if pp < 2:
+            _fail(
+                "--num-layers-per-virtual-pipeline-stage",
+                "the interleaved schedule needs --pipeline-model-parallel-size of 2 or more",
+                "drop the flag or raise the pipeline-parallel size",
+            )
+        if vlayers < 1 or (m.num_layers // pp) % vlayers:
+            _fail(
+                "--num-layers-per-virtual-pipeline-stage",
+                f"{vlayers} does not divide the {m.num_layers // pp} layers of each pipeline stage",
+                "choose a divisor of num-layers / pipeline-model-parallel-size",
+            )
+    if cfg.precision.fp16 and cfg.precision.bf16:
+        _fail("--fp16/--bf16", "both are set", "choose one mixed-precision mode")
+    if cfg.distributed.backend not in (None, "nccl", "gloo"):
+        _fail("--distributed-backend", f"unknown {cfg.distributed.backend!r}", "use nccl or gloo")
+    if cfg.distributed.timeout_minutes <= 0:
+        _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
+    _validate_batch(cfg.training, par.data_parallel_size)
+    _validate_data(cfg.data)
+
+
+def _validate_data(d: DataConfig) -> None:
+    separate = d.train_data_path or d.valid_data_path or d.test_data_path
+    if d.data_path and separate:
+        _fail(
+            "--data-path",
+            "given together with --train/valid/test-data-path",
+            "use either --data-path with --split, or the three separate paths",
+        )
+    for flag, paths in (
+        ("--data-path", d.data_path),
+        ("--train-data-path", d.train_data_path),
+        ("--valid-data-path", d.valid_data_path),
+        ("--test-data-path", d.test_data_path),
+    ):
+        parse_blend(paths, flag)
+    try:
+        split_weights(d.split)
+    except ValueError as e:
+        _fail("--split", str(e), "pass three non-negative weights such as 969,30,1")
+
+
+def parse_blend(paths: Sequence[str], flag: str = "--data-path") -> list[tuple[float, str]]:
+    """`PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> [(normalized weight, prefix)]."""
+    if not paths:
+        return []
+    if len(paths) == 1:
+        return [(1.0, paths[0])]
+    if len(paths) % 2:
+        _fail(
+            flag,
+            f"{len(paths)} values: a blend needs weight/prefix pairs",
+            "write W1 PREFIX1 W2 PREFIX2 ... (or a single prefix)",
+        )
+    pairs = []
+    for w, prefix in zip(paths[0::2], paths[1::2], strict=True):
+        try:
+            weight = float(w)
+        except ValueError:
+            _fail(flag, f"{w!r} is not a weight", "put a number before each prefix")
+        if weight < 0:
+            _fail(flag, f"negative weight {weight}", "use weights >= 0")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        _fail(flag, "the weights sum to 0", "give at least one dataset a positive weight")
+    return [(w / total, p) for w, p in pairs]
+
+
+def split_weights(split: str) -> list[float]:
+    """'949,50,1' (or '949/50/1', or fewer values) -> three normalized weights."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    values = [float(p) for p in parts]
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"{split!r} is not up to three non-negative weights with a positive sum")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def _validate_batch(t: TrainingConfig, dp: int) -> None:
+    if t.micro_batch_size < 1:
+        _fail("--micro-batch-size", f"must be >= 1, got {t.micro_batch_size}", "pass 1 or more")
+    gbs = t.resolved_global_batch_size(dp)
+    if gbs % (t.micro_batch_size * dp):
+        _fail(
+            "--global-batch-size",
+            f"{gbs} is not divisible by --micro-batch-size {t.micro_batch_size} "
+            f"x data-parallel size {dp}",
+            f"use a multiple of {t.micro_batch_size * dp}",
+        )
+
+
+def validate_training(cfg: MegatronConfig) -> None:
+    """The rules that only a training run needs (pretrain_gpt2.py checks them at start-up)."""
+    t, o, c = cfg.training, cfg.optimizer, cfg.checkpoint
+    if (t.train_iters is None) == (t.train_samples is None):
+        _fail(
+            "--train-iters/--train-samples",
+            "give exactly one of them",
+            "pass --train-iters N (steps) or --train-samples N (samples)",
+        )
+    for flag, value in (
+        ("--train-iters", t.train_iters),
+        ("--train-samples", t.train_samples),
+        ("--eval-interval", t.eval_interval),
+        ("--log-interval", cfg.logging.log_interval),
+        ("--save-interval", c.save_interval),
+        ("--exit-interval", t.exit_interval),
+        ("--loss-scale-window", o.loss_scale_window),
+        ("--hysteresis", o.hysteresis),
+        ("--max-skipped-in-a-row", t.max_skipped_in_a_row),
+    ):
+        if value is not None and value < 1:
+            _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
+    if t.eval_iters < 0:
+        _fail("--eval-iters", f"must be >= 0, got {t.eval_iters}", "pass 0 to skip validation")
+    if o.lr is None or o.lr <= 0:
+        _fail("--lr", "a positive peak learning rate is required", "pass e.g. --lr 1.5e-4")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        _fail("--min-lr", f"{o.min_lr} is not in [0, --lr {o.lr}]", "lower --min-lr")
+    for flag, frac in (("--lr-warmup-fraction", o.lr_warmup_fraction), ("--warmup", o.warmup)):
+        if frac is not None and not 0 <= frac < 1:
+            _fail(flag, f"{frac} is not a fraction in [0, 1)", "pass e.g. 0.01")
+    if (o.lr_warmup_fraction is not None or o.warmup is not None) and (
+        o.lr_warmup_iters or o.lr_warmup_samples
+    ):
+        _fail(
+            "--lr-warmup-fraction",
+            "given together with --lr-warmup-iters/-samples",
+            "use one way to set the warmup",
+        )
+    if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
+        _fail(
+            "--override-lr-scheduler",
+            "given with --use-checkpoint-lr-scheduler",
+            "choose which schedule wins on resume",
+        )
+    if o.loss_scale is not None and o.loss_scale <= 0:
+        _fail("--loss-scale", f"must be positive, got {o.loss_scale}", "drop it for dynamic")
+    if o.min_loss_scale <= 0 or o.initial_loss_scale < o.min_loss_scale:
+        _fail(
+            "--initial-loss-scale/--min-loss-scale",
+            "need 0 < min <= initial",
+            "e.g. --initial-loss-scale 65536 --min-loss-scale 1",
+        )
+    if t.clip_grad < 0:
+        _fail("--clip-grad", f"must be >= 0, got {t.clip_grad}", "pass 0 to disable clipping")
+    if c.save_interval is not None and c.save is None:
+        _fail("--save-interval", "given without --save", "pass --save DIR")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
+    _validate_rampup(t, cfg.parallel.data_parallel_size)
+
+
+def _validate_rampup(t: TrainingConfig, dp: int) -> None:
+    if t.rampup_batch_size is None:
+        return
+    start, incr, samples = t.rampup_batch_size
+    unit = t.micro_batch_size * dp
+    gbs = t.resolved_global_batch_size(dp)
+    if t.train_samples is None:
+        _fail(
+            "--rampup-batch-size",
+            "a batch-size ramp needs sample-based training",
+            "use --train-samples (and --lr-decay-samples) instead of --train-iters",
+        )
+    if start < 1 or incr < 1 or samples < 0 or start > gbs or (gbs - start) % incr:
+        _fail(
+            "--rampup-batch-size",
+            f"{start} {incr} {samples} does not step from START to "
+            f"--global-batch-size {gbs} in whole INCREMENTs",
+            "adjust START or INCREMENT",
+        )
+    if start % unit or incr % unit:
+        _fail(
+            "--rampup-batch-size",
+            f"START and INCREMENT must be multiples of micro-batch x DP = {unit}",
+            f"use multiples of {unit}",
+        )
