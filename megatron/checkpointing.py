@@ -105,7 +105,7 @@ def save_shard(
     with contextlib.suppress(FileNotFoundError):
         os.remove(_marker_path(root, iteration))
         _fsync_dir(checkpoint_dir(root, iteration))
-    torch.save(state, path)
+    _atomic_write(path, lambda f: torch.save(state, f))
 
 
 def _shard_files(directory: str) -> dict[str, int]:

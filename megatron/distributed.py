@@ -31,8 +31,15 @@ class _Bucket:
 
 
 class DistributedDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, dp_group=None, *, bucket_size: int = 40_000_000,
-                 overlap_grad_reduce: bool = True, grad_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_group=None,
+        *,
+        bucket_size: int = 40_000_000,
+        overlap_grad_reduce: bool = True,
+        grad_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.module = module
         self.dp_group, self.dp_size = dp_group, group_size(dp_group)
@@ -40,8 +47,9 @@ class DistributedDataParallel(nn.Module):
         self.sync_enabled = True
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
-        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=grad_dtype,
-                                       device=device)
+        self.grad_buffer = torch.zeros(
+            sum(p.numel() for p in params), dtype=grad_dtype, device=device
+        )
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         offset = 0

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 
 class MicroBatchCalculator:
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 rampup: tuple[int, int, int] | None = None):
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        rampup: tuple[int, int, int] | None = None,
+    ):
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp, self.rampup = data_parallel_size, rampup
 

@@ -23,8 +23,11 @@ def param_groups(model: nn.Module) -> list[dict]:
     for _, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim == 1 else decay).append(p)
-    return [g for g in ({"params": decay, "wd_mult": 1.0},
-                        {"params": no_decay, "wd_mult": 0.0}) if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0})
+        if g["params"]
+    ]
 
 
 class DynamicGradScaler:
@@ -48,8 +51,11 @@ class DynamicGradScaler:
                 self.scale *= 2.0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self._growth,
-                "hysteresis_tracker": self._hysteresis_left}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self._growth,
+            "hysteresis_tracker": self._hysteresis_left,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.scale = float(sd["scale"])
@@ -105,22 +111,37 @@ def _fp32_copy(p: torch.Tensor) -> torch.Tensor:
 class MegatronOptimizer:
     """step() -> (updated?, grad norm or None). Skips are global and counted by the caller."""
 
-    def __init__(self, model: nn.Module, cfg: OptimizerConfig, *, params_dtype: torch.dtype,
-                 state: ParallelState, clip_grad: float):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: OptimizerConfig,
+        *,
+        params_dtype: torch.dtype,
+        state: ParallelState,
+        clip_grad: float,
+    ):
         self.state, self.clip_grad = state, clip_grad
         self.model_groups = param_groups(model)
         self.half = params_dtype in (torch.float16, torch.bfloat16)
         if self.half:
-            main_groups = [{**g, "params": [_fp32_copy(p) for p in g["params"]]}
-                           for g in self.model_groups]
+            main_groups = [
+                {**g, "params": [_fp32_copy(p) for p in g["params"]]} for g in self.model_groups
+            ]
         else:
             main_groups = [dict(g) for g in self.model_groups]
         self.optimizer = _torch_optimizer(main_groups, cfg)
         self.scaler = None
         if params_dtype == torch.float16:
-            self.scaler = (ConstantGradScaler(cfg.loss_scale) if cfg.loss_scale else
-                           DynamicGradScaler(cfg.initial_loss_scale, cfg.min_loss_scale,
-                                             cfg.loss_scale_window, cfg.hysteresis))
+            self.scaler = (
+                ConstantGradScaler(cfg.loss_scale)
+                if cfg.loss_scale
+                else DynamicGradScaler(
+                    cfg.initial_loss_scale,
+                    cfg.min_loss_scale,
+                    cfg.loss_scale_window,
+                    cfg.hysteresis,
+                )
+            )
 
     @property
     def param_groups(self):
@@ -150,6 +171,15 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
+        try:
+            return self._step()
+        finally:
+            # Drop the aliases of main_grad: for fp32 models main params are the model's, and a
+            # .grad left set would make autograd accumulate the next gradient into it directly.
+            for _, main_p in self._pairs():
+                main_p.grad = None
+
+    def _step(self) -> tuple[bool, float | None]:
         grads = []
         for model_p, main_p in self._pairs():
             main_p.grad = model_p.main_grad  # fp32 view of the DP-reduced gradient, no copy
@@ -160,8 +190,12 @@ class MegatronOptimizer:
         if found_inf:
             return False, None
         main_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = clip_grad_norm(main_params, self.clip_grad, tp_rank=self.state.tp_rank,
-                              model_parallel_group=self.state.mp_group)
+        norm = clip_grad_norm(
+            main_params,
+            self.clip_grad,
+            tp_rank=self.state.tp_rank,
+            model_parallel_group=self.state.mp_group,
+        )
         self.optimizer.step()
         if self.half:
             for model_p, main_p in self._pairs():

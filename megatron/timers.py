@@ -60,6 +60,7 @@ class Timers:
 
     @staticmethod
     def format(elapsed: dict[str, float], iterations: int) -> str:
-        parts = [f"{name}: {1000.0 * s / max(iterations, 1):.2f}"
-                 for name, s in sorted(elapsed.items())]
+        parts = [
+            f"{name}: {1000.0 * s / max(iterations, 1):.2f}" for name, s in sorted(elapsed.items())
+        ]
         return "(ms per iteration) " + " | ".join(parts) if parts else ""

@@ -65,8 +65,9 @@ def resolve_vocab(cfg: MegatronConfig):
     tok_cfg = cfg.data.tokenizer
     if tok_cfg.tokenizer_type is None:
         return cfg, None
-    tokenizer = build_tokenizer(tok_cfg.tokenizer_type, vocab_size=cfg.model.vocab_size,
-                                **tok_cfg.kwargs())
+    tokenizer = build_tokenizer(
+        tok_cfg.tokenizer_type, vocab_size=cfg.model.vocab_size, **tok_cfg.kwargs()
+    )
     model = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     validate_model(model, cfg.parallel.tensor_model_parallel_size)
     return cfg.replace(model=model), tokenizer
@@ -74,26 +75,46 @@ def resolve_vocab(cfg: MegatronConfig):
 
 def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
     dtype = cfg.precision.params_dtype
-    model = GPTModel(cfg.model, rt.state, rng_tracker=rt.rng_tracker, seed=cfg.training.seed,
-                     device=rt.device, dtype=dtype)
-    ddp = DistributedDataParallel(model, rt.state.dp_group,
-                                  bucket_size=cfg.distributed.ddp_bucket_size,
-                                  overlap_grad_reduce=cfg.distributed.overlap_grad_reduce)
-    optimizer = MegatronOptimizer(model, cfg.optimizer, params_dtype=dtype, state=rt.state,
-                                  clip_grad=cfg.training.clip_grad)
+    model = GPTModel(
+        cfg.model,
+        rt.state,
+        rng_tracker=rt.rng_tracker,
+        seed=cfg.training.seed,
+        device=rt.device,
+        dtype=dtype,
+    )
+    ddp = DistributedDataParallel(
+        model,
+        rt.state.dp_group,
+        bucket_size=cfg.distributed.ddp_bucket_size,
+        overlap_grad_reduce=cfg.distributed.overlap_grad_reduce,
+    )
+    optimizer = MegatronOptimizer(
+        model, cfg.optimizer, params_dtype=dtype, state=rt.state, clip_grad=cfg.training.clip_grad
+    )
     o, t = cfg.optimizer, cfg.training
     steps = scheduler_steps(
-        train_iters=t.train_iters, train_samples=t.train_samples,
+        train_iters=t.train_iters,
+        train_samples=t.train_samples,
         global_batch_size=t.resolved_global_batch_size(rt.state.dp_size),
-        lr_decay_iters=o.lr_decay_iters, lr_decay_samples=o.lr_decay_samples,
-        lr_warmup_iters=o.lr_warmup_iters, lr_warmup_samples=o.lr_warmup_samples,
-        lr_warmup_fraction=o.lr_warmup_fraction, warmup=o.warmup,
-        lr_wsd_decay_iters=o.lr_wsd_decay_iters, lr_wsd_decay_samples=o.lr_wsd_decay_samples,
+        lr_decay_iters=o.lr_decay_iters,
+        lr_decay_samples=o.lr_decay_samples,
+        lr_warmup_iters=o.lr_warmup_iters,
+        lr_warmup_samples=o.lr_warmup_samples,
+        lr_warmup_fraction=o.lr_warmup_fraction,
+        warmup=o.warmup,
+        lr_wsd_decay_iters=o.lr_wsd_decay_iters,
+        lr_wsd_decay_samples=o.lr_wsd_decay_samples,
     )
     scheduler = AnnealingLR(
-        optimizer.optimizer, max_lr=o.lr, min_lr=o.min_lr, warmup_steps=steps["warmup_steps"],
-        decay_steps=steps["decay_steps"], decay_style=o.lr_decay_style,
-        wsd_decay_steps=steps["wsd_decay_steps"], wsd_decay_style=o.lr_wsd_decay_style,
+        optimizer.optimizer,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        warmup_steps=steps["warmup_steps"],
+        decay_steps=steps["decay_steps"],
+        decay_style=o.lr_decay_style,
+        wsd_decay_steps=steps["wsd_decay_steps"],
+        wsd_decay_style=o.lr_wsd_decay_style,
         override_lr_scheduler=o.override_lr_scheduler,
         use_checkpoint_lr_scheduler=o.use_checkpoint_lr_scheduler,
     )
@@ -127,12 +148,26 @@ def _mean_over_dp(values: list[torch.Tensor], rt: Runtime) -> float:
     return float(t.item())
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, increment,
-               num_micro_batches, rt: Runtime, timers: Timers) -> dict:
+def train_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    optimizer,
+    scheduler,
+    increment,
+    num_micro_batches,
+    rt: Runtime,
+    timers: Timers,
+) -> dict:
     model.zero_grad_buffer()
-    stats = forward_backward_no_pipelining(forward_step_func, data_iterator, model,
-                                           num_micro_batches, scale_loss=optimizer.scale_loss,
-                                           timers=timers)
+    stats = forward_backward_no_pipelining(
+        forward_step_func,
+        data_iterator,
+        model,
+        num_micro_batches,
+        scale_loss=optimizer.scale_loss,
+        timers=timers,
+    )
     timers("grads-all-reduce", 2).start()
     model.finish_grad_sync()
     timers("grads-all-reduce", 2).stop()
@@ -150,15 +185,21 @@ def evaluate(forward_step_func, data_iterator, model, eval_iters, num_micro_batc
     model.eval()
     losses = []
     for _ in range(eval_iters):
-        stats = forward_backward_no_pipelining(forward_step_func, data_iterator, model,
-                                               num_micro_batches, forward_only=True)
+        stats = forward_backward_no_pipelining(
+            forward_step_func, data_iterator, model, num_micro_batches, forward_only=True
+        )
         losses.extend(s["lm loss"] for s in stats)
     model.train()
     return _mean_over_dp(losses, rt)
 
 
-def pretrain(cfg: MegatronConfig, *, forward_step_func=forward_step, runtime: Runtime | None = None,
-             out=sys.stdout) -> TrainResult:
+def pretrain(
+    cfg: MegatronConfig,
+    *,
+    forward_step_func=forward_step,
+    runtime: Runtime | None = None,
+    out=sys.stdout,
+) -> TrainResult:
     """Train as the config says; returns the per-iteration history (the last rank logs it)."""
     cfg, _ = resolve_vocab(cfg)
     rt = runtime or initialize_megatron(cfg)
@@ -166,8 +207,9 @@ def pretrain(cfg: MegatronConfig, *, forward_step_func=forward_step, runtime: Ru
     state = TrainState()
     if cfg.checkpoint.load:
         state = load_training_state(cfg, rt, model, optimizer, scheduler)
-    iters = build_data_iterators(cfg, rt, state.consumed_train_samples,
-                                 state.consumed_valid_samples)
+    iters = build_data_iterators(
+        cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
+    )
     loop = _TrainLoop(cfg, rt, model, optimizer, scheduler, increment, forward_step_func, out)
     try:
         return loop.run(state, *iters)
@@ -206,9 +248,12 @@ class _TrainLoop:
         self.optimizer, self.scheduler, self.increment = optimizer, scheduler, increment
         self.forward_step, self.out = forward_step_func, out
         t = cfg.training
-        self.micro = MicroBatchCalculator(t.resolved_global_batch_size(rt.state.dp_size),
-                                          t.micro_batch_size, rt.state.dp_size,
-                                          t.rampup_batch_size)
+        self.micro = MicroBatchCalculator(
+            t.resolved_global_batch_size(rt.state.dp_size),
+            t.micro_batch_size,
+            rt.state.dp_size,
+            t.rampup_batch_size,
+        )
         self.is_logger = rt.state.rank == rt.state.world_size - 1
         self.tensorboard = TensorBoard(cfg.logging.tensorboard_dir, self.is_logger)
         self.timers = Timers(cfg.logging.timing_log_level, rt.device)
@@ -264,25 +309,39 @@ class _TrainLoop:
         gbs = self.micro.global_batch_at(state.consumed_train_samples)
         tic = time.perf_counter()
         self.timers("iteration").start()
-        step = train_step(self.forward_step, train_iter, self.model, self.optimizer,
-                          self.scheduler, self.increment,
-                          self.micro.num_micro_batches(state.consumed_train_samples),
-                          self.rt, self.timers)
+        step = train_step(
+            self.forward_step,
+            train_iter,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.increment,
+            self.micro.num_micro_batches(state.consumed_train_samples),
+            self.rt,
+            self.timers,
+        )
         self.timers("iteration").stop()
         state.iteration += 1
         state.consumed_train_samples += gbs
         window.add(step, time.perf_counter() - tic)
         self.skipped_in_a_row = 0 if step["updated"] else self.skipped_in_a_row + 1
-        result.history.append({"iteration": state.iteration, "lm_loss": step["lm_loss"],
-                               "grad_norm": step["grad_norm"], "updated": step["updated"],
-                               "lr": self.optimizer.param_groups[0]["lr"],
-                               "loss_scale": self.optimizer.loss_scale})
+        result.history.append(
+            {
+                "iteration": state.iteration,
+                "lm_loss": step["lm_loss"],
+                "grad_norm": step["grad_norm"],
+                "updated": step["updated"],
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "loss_scale": self.optimizer.loss_scale,
+            }
+        )
         limit = self.cfg.training.max_skipped_in_a_row
         if self.skipped_in_a_row >= limit:
             raise TrainingError(
                 f"{self.skipped_in_a_row} iterations in a row were skipped (inf/NaN gradients "
                 f"or loss) up to iteration {state.iteration}; the run is diverging. Lower --lr, "
-                "check the data, or raise --max-skipped-in-a-row")
+                "check the data, or raise --max-skipped-in-a-row"
+            )
         return gbs
 
     def _exit_reason(self, state: TrainState, start_time: float) -> str | None:
@@ -292,7 +351,8 @@ class _TrainLoop:
         if not (t.exit_signal_handler or t.exit_duration_in_mins):
             return None
         over_time = bool(t.exit_duration_in_mins) and (
-            time.monotonic() - start_time > 60.0 * t.exit_duration_in_mins)
+            time.monotonic() - start_time > 60.0 * t.exit_duration_in_mins
+        )
         signal_any, time_any = _any_rank([self.signal.received, over_time], self.rt.device)
         if signal_any:
             self._print(f" exiting on SIGTERM at iteration {state.iteration} (saving first)")
@@ -305,22 +365,31 @@ class _TrainLoop:
         self.timers("save-checkpoint", 0).start()
         save_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler, state)
         self.timers("save-checkpoint", 0).stop()
-        self._print(f" saved checkpoint at iteration {state.iteration} to "
-                    f"{self.cfg.checkpoint.save}")
+        self._print(
+            f" saved checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
+        )
 
     def _validate(self, state, data_iter, result, split: str) -> None:
         num_micro = self.micro.num_micro_batches(state.consumed_train_samples)
-        loss = evaluate(self.forward_step, data_iter, self.model, self.cfg.training.eval_iters,
-                        num_micro, self.rt)
+        loss = evaluate(
+            self.forward_step,
+            data_iter,
+            self.model,
+            self.cfg.training.eval_iters,
+            num_micro,
+            self.rt,
+        )
         if split == "validation":
-            state.consumed_valid_samples += (self.cfg.training.eval_iters
-                                             * self.micro.global_batch_at(
-                                                 state.consumed_train_samples))
+            state.consumed_valid_samples += (
+                self.cfg.training.eval_iters
+                * self.micro.global_batch_at(state.consumed_train_samples)
+            )
         result.validation.append({"iteration": state.iteration, "split": split, "lm_loss": loss})
         bar = "-" * 100
         self._print(f"{bar}\n{validation_line(state.iteration, loss, split)}\n{bar}")
-        self.tensorboard.scalars({f"{split} lm-loss": loss}, state.iteration,
-                                 state.consumed_train_samples)
+        self.tensorboard.scalars(
+            {f"{split} lm-loss": loss}, state.iteration, state.consumed_train_samples
+        )
 
     def _log(self, state: TrainState, gbs: int, w: _Window) -> None:
         iters = max(w.iters, 1)
@@ -331,16 +400,35 @@ class _TrainLoop:
         mfu = 100.0 * tflops / self.peak if self.peak else None
         grad_norm = w.grad_norm
         lr = self.optimizer.param_groups[0]["lr"]
-        self._print(iteration_line(
-            iteration=state.iteration, train_iters=self._total_iters(),
-            consumed=state.consumed_train_samples, ms_per_iter=1000.0 * sec, lr=lr,
-            global_batch=gbs, loss=loss, loss_scale=self.optimizer.loss_scale,
-            grad_norm=grad_norm, skipped=w.skipped, nan=w.nan,
-            tokens_per_s=tokens_per_s, tflops=tflops, mfu=mfu))
+        self._print(
+            iteration_line(
+                iteration=state.iteration,
+                train_iters=self._total_iters(),
+                consumed=state.consumed_train_samples,
+                ms_per_iter=1000.0 * sec,
+                lr=lr,
+                global_batch=gbs,
+                loss=loss,
+                loss_scale=self.optimizer.loss_scale,
+                grad_norm=grad_norm,
+                skipped=w.skipped,
+                nan=w.nan,
+                tokens_per_s=tokens_per_s,
+                tflops=tflops,
+                mfu=mfu,
+            )
+        )
         if self.cfg.logging.timing_log_level > 0:
             self._print(Timers.format(self.timers.pop_elapsed(), iters))
-        self.tensorboard.scalars({"lm-loss": loss, "learning-rate": lr,
-                                  "loss-scale": self.optimizer.loss_scale,
-                                  "tokens-per-second": tokens_per_s, "tflops-per-device": tflops,
-                                  "memory-mib": memory_mib(self.rt.device)},
-                                 state.iteration, state.consumed_train_samples)
+        self.tensorboard.scalars(
+            {
+                "lm-loss": loss,
+                "learning-rate": lr,
+                "loss-scale": self.optimizer.loss_scale,
+                "tokens-per-second": tokens_per_s,
+                "tflops-per-device": tflops,
+                "memory-mib": memory_mib(self.rt.device),
+            },
+            state.iteration,
+            state.consumed_train_samples,
+        )

@@ -33,28 +33,40 @@ def split_sample_counts(cfg: MegatronConfig, dp_size: int) -> tuple[int, int, in
 def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime):
     if dataset is None:
         return None
-    sampler = MegatronPretrainingSampler(len(dataset), consumed, cfg.training.micro_batch_size,
-                                         rt.state.dp_rank, rt.state.dp_size)
+    sampler = MegatronPretrainingSampler(
+        len(dataset), consumed, cfg.training.micro_batch_size, rt.state.dp_rank, rt.state.dp_size
+    )
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.training.num_workers,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.training.num_workers,
         pin_memory=rt.device.type == "cuda",
         persistent_workers=cfg.training.num_workers > 0,
     )
     return iter(loader)
 
 
-def build_data_iterators(cfg: MegatronConfig, rt: Runtime, consumed_train: int,
-                         consumed_valid: int):
+def build_data_iterators(
+    cfg: MegatronConfig, rt: Runtime, consumed_train: int, consumed_valid: int
+):
     counts = split_sample_counts(cfg, rt.state.dp_size)
     datasets = build_train_valid_test_datasets(
-        cfg.data, counts, cfg.model.seq_length, cfg.training.seed,
-        vocab_size=cfg.model.vocab_size, is_builder=rt.state.rank == 0, barrier=_barrier,
+        cfg.data,
+        counts,
+        cfg.model.seq_length,
+        cfg.training.seed,
+        vocab_size=cfg.model.vocab_size,
+        is_builder=rt.state.rank == 0,
+        barrier=_barrier,
     )
     train, valid, test = datasets
     if train is None:
         raise ValueError("no training data: pass --data-path (with --split) or --train-data-path")
-    return (_loader(train, consumed_train, cfg, rt), _loader(valid, consumed_valid, cfg, rt),
-            _loader(test, 0, cfg, rt))
+    return (
+        _loader(train, consumed_train, cfg, rt),
+        _loader(valid, consumed_valid, cfg, rt),
+        _loader(test, 0, cfg, rt),
+    )
 
 
 def get_batch(data_iterator, device: torch.device):

@@ -10,8 +10,14 @@ import torch
 from megatron.config import ModelConfig
 
 # Dense bf16/fp16 tensor-core peak of one device, TFLOP/s (for MFU when --peak-tflops is unset).
-KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10": 125.0, "L40": 181.0,
-                     "V100": 125.0}
+KNOWN_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "A10": 125.0,
+    "L40": 181.0,
+    "V100": 125.0,
+}
 
 
 def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) -> float:
@@ -22,8 +28,12 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     """
     h, d, f = m.hidden_size, m.head_dim, m.ffn_size
     attn_out = m.num_attention_heads * d
-    per_layer = (2 * seq * h * (attn_out + 2 * m.query_groups * d) + 4 * seq * seq * attn_out
-                 + 2 * seq * attn_out * h + 2 * seq * h * f * (3 if m.swiglu else 2))
+    per_layer = (
+        2 * seq * h * (attn_out + 2 * m.query_groups * d)
+        + 4 * seq * seq * attn_out
+        + 2 * seq * attn_out * h
+        + 2 * seq * h * f * (3 if m.swiglu else 2)
+    )
     forward = m.num_layers * per_layer + 2 * seq * h * m.padded_vocab_size(1)
     return (4 if recompute else 3) * forward
 
@@ -43,8 +53,23 @@ def memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def iteration_line(*, iteration, train_iters, consumed, ms_per_iter, lr, global_batch, loss,
-                   loss_scale, grad_norm, skipped, nan, tokens_per_s, tflops, mfu) -> str:
+def iteration_line(
+    *,
+    iteration,
+    train_iters,
+    consumed,
+    ms_per_iter,
+    lr,
+    global_batch,
+    loss,
+    loss_scale,
+    grad_norm,
+    skipped,
+    nan,
+    tokens_per_s,
+    tflops,
+    mfu,
+) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed:12d}",
@@ -66,8 +91,10 @@ def iteration_line(*, iteration, train_iters, consumed, ms_per_iter, lr, global_
 
 def validation_line(iteration: int, loss: float, split: str = "validation") -> str:
     ppl = math.exp(min(20.0, loss))
-    return (f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-            f"lm loss PPL: {ppl:.6E} |")
+    return (
+        f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+        f"lm loss PPL: {ppl:.6E} |"
+    )
 
 
 class TensorBoard:

@@ -28,10 +28,22 @@ from megatron.initialize import Runtime
 
 CHECKPOINT_VERSION = 3.0
 # Fields of ModelConfig that change parameter shapes: a resume must match them.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "kv_channels", "max_position_embeddings", "vocab_size",
-                "make_vocab_size_divisible_by", "position_embedding_type", "normalization",
-                "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "max_position_embeddings",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+)
 
 
 @dataclass
@@ -58,8 +70,9 @@ def checkpoint_args(cfg: MegatronConfig) -> dict:
     }
 
 
-def save_training_state(cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler,
-                        state: TrainState) -> None:
+def save_training_state(
+    cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler, state: TrainState
+) -> None:
     st = rt.state
     rng = rng_state_dict(rt.device)
     rng["tracker"] = rt.rng_tracker.get_states()
@@ -75,11 +88,23 @@ def save_training_state(cfg: MegatronConfig, rt: Runtime, model, optimizer, sche
         "args": checkpoint_args(cfg),
     }
     root = cfg.checkpoint.save
-    save_shard(root, state.iteration, shard, tp_rank=st.tp_rank, pp_rank=st.pp_rank,
-               pp_size=st.pp_size, write=st.dp_rank == 0)
-    finalize_checkpoint(root, state.iteration, barrier=_barrier, is_rank0=st.rank == 0,
-                        num_shards_expected=st.tp_size * st.pp_size,
-                        retain_last=cfg.checkpoint.save_retain_last)
+    save_shard(
+        root,
+        state.iteration,
+        shard,
+        tp_rank=st.tp_rank,
+        pp_rank=st.pp_rank,
+        pp_size=st.pp_size,
+        write=st.dp_rank == 0,
+    )
+    finalize_checkpoint(
+        root,
+        state.iteration,
+        barrier=_barrier,
+        is_rank0=st.rank == 0,
+        num_shards_expected=st.tp_size * st.pp_size,
+        retain_last=cfg.checkpoint.save_retain_last,
+    )
 
 
 def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
@@ -93,8 +118,9 @@ def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
             )
 
 
-def load_training_state(cfg: MegatronConfig, rt: Runtime, model, optimizer,
-                        scheduler) -> TrainState:
+def load_training_state(
+    cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler
+) -> TrainState:
     """Restore from --load; a fresh (empty) directory starts at iteration 0 with a notice."""
     c, st = cfg.checkpoint, rt.state
     iteration = resolve_load_iteration(c.load)
@@ -102,8 +128,14 @@ def load_training_state(cfg: MegatronConfig, rt: Runtime, model, optimizer,
         if st.rank == 0:
             print(f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr)
         return TrainState()
-    shard = load_shard(c.load, iteration, tp_rank=st.tp_rank, pp_rank=st.pp_rank,
-                       pp_size=st.pp_size, map_location=rt.device)
+    shard = load_shard(
+        c.load,
+        iteration,
+        tp_rank=st.tp_rank,
+        pp_rank=st.pp_rank,
+        pp_size=st.pp_size,
+        map_location=rt.device,
+    )
     _check_shapes(shard, cfg, c.load)
     model.load_state_dict(shard["model"])
     if c.finetune:
@@ -119,6 +151,8 @@ def load_training_state(cfg: MegatronConfig, rt: Runtime, model, optimizer,
         rt.rng_tracker.set_states(shard["rng_state"]["tracker"])
     if st.rank == 0:
         print(f" loaded checkpoint from {c.load} at iteration {iteration}", file=sys.stderr)
-    return TrainState(iteration=shard["iteration"],
-                      consumed_train_samples=shard["consumed_train_samples"],
-                      consumed_valid_samples=shard["consumed_valid_samples"])
+    return TrainState(
+        iteration=shard["iteration"],
+        consumed_train_samples=shard["consumed_train_samples"],
+        consumed_valid_samples=shard["consumed_valid_samples"],
+    )

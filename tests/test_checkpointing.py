@@ -50,13 +50,22 @@ def _save(root, iteration: int, tp_size: int = 1, pp_size: int = 1, retain_last=
     for tp in range(tp_size):
         for pp in range(pp_size):
             save_shard(
-                root, iteration, _state(iteration, tp, pp),
-                tp_rank=tp, pp_rank=pp, pp_size=pp_size, write=True,
-            )  # fmt: skip
+                root,
+                iteration,
+                _state(iteration, tp, pp),
+                tp_rank=tp,
+                pp_rank=pp,
+                pp_size=pp_size,
+                write=True,
+            )
     finalize_checkpoint(
-        root, iteration, barrier=_noop, is_rank0=True,
-        num_shards_expected=tp_size * pp_size, retain_last=retain_last,
-    )  # fmt: skip
+        root,
+        iteration,
+        barrier=_noop,
+        is_rank0=True,
+        num_shards_expected=tp_size * pp_size,
+        retain_last=retain_last,
+    )
 
 
 def _crash(root, iteration: int) -> None:
@@ -74,9 +83,11 @@ def _iterations(root) -> list[int]:
 @pytest.mark.parametrize("pp_size", [1, 2])
 def test_round_trip(tmp_path, pp_size):
     _save(tmp_path, 1000, tp_size=2, pp_size=pp_size)
-    names = {"mp_rank_00", "mp_rank_01"} if pp_size == 1 else {
-        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"
-    }  # fmt: skip
+    names = (
+        {"mp_rank_00", "mp_rank_01"}
+        if pp_size == 1
+        else {"mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"}
+    )
     it_dir = tmp_path / "iter_0001000"
     assert {p.name for p in it_dir.iterdir() if p.is_dir()} == names
     assert shard_path(tmp_path, 1000, 1, 1, pp_size) == str(
@@ -156,8 +167,10 @@ def test_sigkill_during_save_never_moves_pointer_to_partial_checkpoint(tmp_path)
     children = {
         point: subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(tmp_path / point), point],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for point in KILL_POINTS
     }
     for point, child in children.items():
@@ -348,7 +361,9 @@ def test_rng_round_trip_is_bit_exact(tmp_path):
     assert got[0] == expected[0]
     assert np.array_equal(got[1], expected[1])
     assert torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
-    assert torch.equal(loaded["tracker"]["model-parallel-rng"], state["tracker"]["model-parallel-rng"])
+    assert torch.equal(
+        loaded["tracker"]["model-parallel-rng"], state["tracker"]["model-parallel-rng"]
+    )
     assert loaded["cuda"] is None
 
 

@@ -44,7 +44,8 @@ class RNGStatesTracker:
         return {name: state.clone() for name, state in self._states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self._states = {name: state.clone() for name, state in states.items()}
+        # Generator states are CPU byte tensors, even when a checkpoint was loaded onto a GPU.
+        self._states = {name: state.detach().to("cpu", copy=True) for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
         if seed in self._seeds:

@@ -1,0 +1,232 @@
+"""End-to-end training on gloo: parallel layouts equal one process, skips are global, resume is
+bit-exact, SIGTERM saves and exits cleanly."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.arguments import parse_args
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+from megatron.training import forward_step, pretrain
+from megatron.validation import validate_training
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).parent.parent
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("data") / "toy"
+    rng = np.random.default_rng(0)
+    b = MMapIndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
+    for _ in range(400):  # counting sequences with random starts and strides: learnable
+        start, stride, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(5, 60)
+        b.add_document([(start + stride * np.arange(n)) % VOCAB])
+    b.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def flags(data_prefix, *extra, iters=6):
+    return [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--vocab-size",
+        str(VOCAB),
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        str(iters),
+        "--lr-decay-iters",
+        "12",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-iters",
+        "2",
+        "--data-path",
+        data_prefix,
+        "--split",
+        "90,10,0",
+        "--eval-interval",
+        "100",
+        "--eval-iters",
+        "1",
+        "--num-workers",
+        "0",
+        "--log-interval",
+        "1",
+        "--seed",
+        "7",
+        *extra,
+    ]
+
+
+def _train(rank, world, argv, hook=None):
+    cfg = parse_args(argv, world_size=world)
+    validate_training(cfg)
+    step = forward_step if hook is None else hook
+    result = pretrain(cfg, forward_step_func=step, out=open(os.devnull, "w"))
+    return result.history, result.exit_reason, result.iteration
+
+
+def _losses(history):
+    return [h["lm_loss"] for h in history]
+
+
+def test_tp_dp_layouts_log_the_same_losses_as_one_process(data_prefix):
+    # Adam's first steps turn any nonzero gradient into a +-lr update, so a gradient that is
+    # 0 up to rounding (summed in another order on another layout) would move a weight by lr;
+    # a larger epsilon keeps rounding-sized gradients rounding-sized.
+    argv = flags(data_prefix, "--adam-eps", "1e-4")
+    ((ref, _, _),) = run_distributed(_train, 1, argv)
+    assert _losses(ref)[-1] < _losses(ref)[0], "the toy run must learn"
+    for world, extra in (
+        (2, ["--tensor-model-parallel-size", "2"]),
+        (2, []),
+        (4, ["--tensor-model-parallel-size", "2"]),
+    ):
+        results = run_distributed(_train, world, argv + extra)
+        for rank, (history, _, _) in enumerate(results):
+            np.testing.assert_allclose(
+                _losses(history),
+                _losses(ref),
+                rtol=2e-5,
+                err_msg=f"world {world} {extra} rank {rank}",
+            )
+            np.testing.assert_allclose(
+                [h["grad_norm"] for h in history], [h["grad_norm"] for h in ref], rtol=1e-4
+            )
+
+
+_CALLS = {"n": 0}
+
+
+def _poison_third_micro_batch_on_rank1(data_iterator, model):
+    """Rank 1's third micro batch returns an infinite (fp16) or NaN (fp32) loss."""
+    loss, stats = forward_step(data_iterator, model)
+    _CALLS["n"] += 1
+    if torch.distributed.get_rank() == 1 and _CALLS["n"] == 3:
+        bad = float("inf") if next(model.parameters()).dtype == torch.float16 else float("nan")
+        loss = loss * bad
+        stats = {"lm loss": loss.detach()}
+    return loss, stats
+
+
+def _skip_worker(rank, world, argv_fp16, argv_fp32):
+    out = []
+    for argv in (argv_fp16, argv_fp32):
+        _CALLS["n"] = 0
+        out.append(_train(rank, world, argv, _poison_third_micro_batch_on_rank1)[0])
+    return out
+
+
+def test_overflow_and_nan_on_one_rank_skip_the_step_everywhere(data_prefix):
+    # DP=2, 2 micro batches per rank per step: rank 1's 3rd micro batch is in iteration 2.
+    fp16 = flags(
+        data_prefix,
+        "--fp16",
+        "--hysteresis",
+        "1",
+        "--initial-loss-scale",
+        "1024",
+        "--loss-scale-window",
+        "100",
+        iters=4,
+    )
+    fp32 = flags(data_prefix, iters=4)
+    for rank, (h16, h32) in enumerate(run_distributed(_skip_worker, 2, fp16, fp32)):
+        assert [h["updated"] for h in h16] == [True, False, True, True], f"rank {rank}"
+        assert [h["loss_scale"] for h in h16] == [1024.0, 512.0, 512.0, 512.0]
+        assert [h["updated"] for h in h32] == [True, False, True, True], f"rank {rank}"
+        assert math.isnan(h32[1]["lm_loss"]) and h32[1]["grad_norm"] is None
+        # The skipped step changed nothing: the lr schedule did not advance either.
+        assert h32[1]["lr"] == h32[0]["lr"] < h32[2]["lr"]
+
+
+def _resume_worker(rank, world, argv, save_dir):
+    straight = _train(rank, world, argv + ["--save", f"{save_dir}/a", "--save-interval", "3"])
+    first = _train(
+        rank, world, [a if a != "6" else "3" for a in argv] + ["--save", f"{save_dir}/b"]
+    )
+    second = _train(rank, world, argv + ["--load", f"{save_dir}/b", "--save", f"{save_dir}/b"])
+    return straight[0], first[0], second[0], second[2]
+
+
+@pytest.mark.parametrize("world,extra", [(1, []), (4, ["--tensor-model-parallel-size", "2"])])
+def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
+    argv = flags(data_prefix, *extra)
+    for straight, first, second, final_iter in run_distributed(
+        _resume_worker, world, argv, str(tmp_path)
+    ):
+        assert final_iter == 6 and len(first) == 3 and len(second) == 3
+        assert _losses(first) == _losses(straight)[:3]
+        assert _losses(second) == _losses(straight)[3:], "resume must be bit-exact on CPU"
+        assert [h["lr"] for h in second] == [h["lr"] for h in straight[3:]]
+    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+def _sigterm_on_rank1_iteration3(data_iterator, model):
+    _CALLS["n"] += 1
+    if torch.distributed.get_rank() == 1 and _CALLS["n"] == 5:  # 2 micro batches per step
+        os.kill(os.getpid(), signal.SIGTERM)
+    return forward_step(data_iterator, model)
+
+
+def _sigterm_worker(rank, world, argv):
+    _CALLS["n"] = 0
+    return _train(rank, world, argv, _sigterm_on_rank1_iteration3)
+
+
+def test_sigterm_on_one_rank_saves_everywhere_and_exits_cleanly(data_prefix, tmp_path):
+    argv = flags(data_prefix, "--exit-signal-handler", "--save", str(tmp_path), iters=10)
+    for history, reason, iteration in run_distributed(_sigterm_worker, 2, argv):
+        assert reason == "signal" and iteration == 3 and len(history) == 3
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp_path):
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *flags(data_prefix, iters=2)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert " iteration        2/       2 | consumed samples:           16 |" in out.stdout
+    for field in (
+        "elapsed time per iteration (ms):",
+        "learning rate:",
+        "lm loss:",
+        "loss scale: 1.0",
+        "grad norm:",
+        "number of skipped iterations:   0",
+        "number of nan iterations:   0",
+        "tokens per second:",
+        "TFLOP/s per device:",
+        "validation loss at iteration 2 | lm loss value:",
+        "lm loss PPL:",
+    ):
+        assert field in out.stdout
+    no_lr = flags(data_prefix)
+    del no_lr[no_lr.index("--lr") : no_lr.index("--lr") + 2]
+    bad = subprocess.run(
+        [*cmd[:2], *no_lr], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert bad.returncode == 1 and "error: --lr: a positive peak learning rate" in bad.stderr
