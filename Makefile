@@ -32,10 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check megatron tests tools bench *.py
 
 demo: $(STAMP)
-	@echo "make demo: the CPU training demo arrives with the training issue (#4):"
-	@echo "  it will build a corpus from the Python standard library, train a tokenizer,"
-	@echo "  preprocess it and train a small GPT with TP=2 x DP=2 on 4 CPU ranks."
-	@echo "Today you can run the test suite: make test"
+	PYTHON=$(BIN)/python bash examples/cpu_demo.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

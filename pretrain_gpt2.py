@@ -11,6 +11,7 @@ import sys
 
 from megatron.arguments import parse_args
 from megatron.checkpointing import CheckpointError
+from megatron.initialize import shutdown_distributed
 from megatron.training import TrainingError, pretrain
 from megatron.validation import validate_training
 
@@ -24,6 +25,8 @@ def main(argv=None) -> int:
         # ConfigError and DataError are ValueErrors: bad flags, data or checkpoints, named.
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        shutdown_distributed()
     return 0
 
 

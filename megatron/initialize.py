@@ -137,3 +137,9 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
     return Runtime(config=cfg, state=state, device=device, rng_tracker=tracker)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly (gloo can abort at interpreter exit otherwise)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -9,6 +9,7 @@ it without repeating them. Storage, atomic pointer and crash safety: megatron.ch
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ SHAPE_FIELDS = (
 )
 
 
+_TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
@@ -62,7 +66,11 @@ def checkpoint_args(cfg: MegatronConfig) -> dict:
     p = cfg.parallel
     return {
         "model": dataclasses.asdict(cfg.model),
-        "tokenizer": dataclasses.asdict(cfg.data.tokenizer),
+        # Absolute paths: tools load the tokenizer from wherever they are started.
+        "tokenizer": {
+            k: os.path.abspath(v) if k in _TOKENIZER_FILES and v else v
+            for k, v in dataclasses.asdict(cfg.data.tokenizer).items()
+        },
         "tensor_model_parallel_size": p.tensor_model_parallel_size,
         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
         "padded_vocab_size": cfg.model.padded_vocab_size(p.tensor_model_parallel_size),

@@ -1,0 +1,54 @@
+"""Build a model for inference from a training checkpoint: shapes and tokenizer come from the
+checkpoint's recorded arguments, so the user repeats none of the model flags."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.checkpointing import CheckpointError, load_shard, resolve_load_iteration
+from megatron.config import ModelConfig, TokenizerConfig
+from megatron.data.tokenizers import build_tokenizer
+from megatron.model import GPTModel
+
+
+def load_model_for_inference(load_dir: str, rt, dtype=None):
+    """(model, tokenizer or None, model config, iteration) for this rank's TP/PP position."""
+    iteration = resolve_load_iteration(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"--load {load_dir}: no checkpoint there")
+    st = rt.state
+    shard = load_shard(
+        load_dir,
+        iteration,
+        tp_rank=st.tp_rank,
+        pp_rank=st.pp_rank,
+        pp_size=st.pp_size,
+        map_location=rt.device,
+    )
+    args = shard["args"]
+    saved_tp = args["tensor_model_parallel_size"]
+    saved_pp = args["pipeline_model_parallel_size"]
+    if (saved_tp, saved_pp) != (st.tp_size, st.pp_size):
+        raise CheckpointError(
+            f"--load {load_dir}: saved with TP={saved_tp} x PP={saved_pp}, but this run has "
+            f"TP={st.tp_size} x PP={st.pp_size}; launch {saved_tp * saved_pp} processes with "
+            "those sizes"
+        )
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in args["model"].items() if k in fields})
+    model_cfg = dataclasses.replace(model_cfg, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(
+        model_cfg,
+        st,
+        rng_tracker=rt.rng_tracker,
+        device=rt.device,
+        dtype=dtype or next(iter(shard["model"].values())).dtype,
+    )
+    model.load_state_dict(shard["model"])
+    tok_cfg = TokenizerConfig(**args.get("tokenizer", {}))
+    tokenizer = None
+    if tok_cfg.tokenizer_type:
+        tokenizer = build_tokenizer(
+            tok_cfg.tokenizer_type, vocab_size=model_cfg.vocab_size, **tok_cfg.kwargs()
+        )
+    return model, tokenizer, model_cfg, iteration
