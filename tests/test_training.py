@@ -206,10 +206,20 @@ def test_sigterm_on_one_rank_saves_everywhere_and_exits_cleanly(data_prefix, tmp
 
 
 def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp_path):
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *flags(data_prefix, iters=2)]
+    extra = [
+        "--exit-interval",
+        "2",
+        "--save",
+        str(tmp_path / "ck"),
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+        "--timing-log-level",
+        "2",
+    ]
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *flags(data_prefix, *extra, iters=3)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert " iteration        2/       2 | consumed samples:           16 |" in out.stdout
+    assert " iteration        2/       3 | consumed samples:           16 |" in out.stdout
     for field in (
         "elapsed time per iteration (ms):",
         "learning rate:",
@@ -220,13 +230,32 @@ def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp
         "number of nan iterations:   0",
         "tokens per second:",
         "TFLOP/s per device:",
-        "validation loss at iteration 2 | lm loss value:",
-        "lm loss PPL:",
+        "(ms per iteration) backward-compute:",
+        "grads-all-reduce:",
     ):
         assert field in out.stdout
+    assert " iteration        3/" not in out.stdout, "--exit-interval 2 stops after iteration 2"
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     no_lr = flags(data_prefix)
     del no_lr[no_lr.index("--lr") : no_lr.index("--lr") + 2]
     bad = subprocess.run(
         [*cmd[:2], *no_lr], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert bad.returncode == 1 and "error: --lr: a positive peak learning rate" in bad.stderr
+
+
+def test_batch_size_ramp_up():
+    from megatron.microbatches import MicroBatchCalculator
+
+    calc = MicroBatchCalculator(32, 2, 2, rampup=(8, 8, 300))  # 8 -> 32 in 3 steps of 100
+    assert [calc.global_batch_at(c) for c in (0, 99, 100, 200, 299, 300, 10**6)] == [
+        8,
+        8,
+        16,
+        24,
+        24,
+        32,
+        32,
+    ]
+    assert calc.num_micro_batches(0) == 2 and calc.num_micro_batches(400) == 8
