@@ -26,7 +26,7 @@ from megatron.config import ModelConfig, OptimizerConfig  # noqa: E402
 from megatron.distributed import DistributedDataParallel  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
 from megatron.learning_rates import AnnealingLR  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.model.stages import build_model  # noqa: E402
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
 from megatron.optimizer import MegatronOptimizer  # noqa: E402
 from megatron.timers import Timers  # noqa: E402
@@ -71,12 +71,17 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _mean_loss(per_token):
+    loss = per_token.mean()
+    return loss, {"lm loss": loss.detach()}
+
+
 def build_ours(cfg: ModelConfig, device, dtype):
     state = single_process_state()
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, 1)
     rt = Runtime(config=None, state=state, device=device, rng_tracker=tracker)
-    model = GPTModel(cfg, state, rng_tracker=tracker, device=device, dtype=dtype)
+    model = build_model(cfg, state, rng_tracker=tracker, seed=1, device=device, dtype=dtype)
     ddp = DistributedDataParallel(model, None)
     opt = MegatronOptimizer(
         model,
@@ -97,8 +102,7 @@ def build_ours(cfg: ModelConfig, device, dtype):
 
     def forward_step(batches, model_):
         tokens, labels = next(batches)
-        loss = model_(tokens, labels=labels).mean()
-        return loss, {"lm loss": loss.detach()}
+        return model_(tokens, labels=labels), _mean_loss
 
     def step(batches):
         train_step(forward_step, batches, ddp, opt, sched, 1, 1, rt, timers)

@@ -115,6 +115,33 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="separate output head instead of reusing the input embedding",
     )
+    g = parser.add_argument_group("activation checkpointing", "trade compute for memory")
+    g.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="classic flag: --recompute-granularity full --recompute-method uniform",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="full: recompute whole layers in backward; selective: only the attention core",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default="uniform",
+        help="full: checkpoint every group of N layers (uniform) or only the first "
+        "N layers of each stage (block)",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        "--checkpoint-num-layers",
+        type=int,
+        default=1,
+        dest="recompute_num_layers",
+        help="N for --recompute-method (1)",
+    )
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +325,9 @@ def config_from_namespace(ns: argparse.Namespace, world_size: int) -> MegatronCo
         swiglu=ns.swiglu,
         add_bias_linear=not ns.disable_bias_linear,
         untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights,
+        recompute_granularity="full" if ns.checkpoint_activations else ns.recompute_granularity,
+        recompute_method=ns.recompute_method,
+        recompute_num_layers=ns.recompute_num_layers,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=ns.tensor_model_parallel_size,

@@ -47,6 +47,9 @@ class ModelConfig:
     swiglu: bool = False
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
+    recompute_granularity: str | None = None  # None | full | selective
+    recompute_method: str = "uniform"  # uniform | block (with full)
+    recompute_num_layers: int = 1
 
     @property
     def ffn_size(self) -> int:

@@ -1,18 +1,27 @@
-"""Forward/backward schedules. One contract for all of them:
+"""Forward/backward schedules behind one contract, chosen by the parallel layout.
 
-    forward_step(data_iterator, model) -> (loss, stats)
+    forward_step(data_iterator, model) -> (output, loss_func)
+    loss_func(output) -> (loss, stats)
 
-where `loss` is the scalar to minimise for one micro batch and `stats` a dict of detached
-scalars to report. The schedule runs `num_micro_batches` of them, scales each loss by
-1 / num_micro_batches (so gradients are those of the global-batch mean) and by the fp16 loss
-scale, and returns the per-micro-batch stats. Gradients are all-reduced over DP only after the
-last micro batch (the model's `no_sync`).
+`output` is what the model chunk returned (hidden states on all but the last pipeline stage);
+`loss_func` is applied on the last stage only and gives the micro batch's scalar loss and a
+dict of detached scalars to report. Every schedule runs `num_micro_batches` micro batches,
+scales each loss by 1 / num_micro_batches (gradients of the global-batch mean) and by the fp16
+loss scale, and returns the last stage's stats. Gradients are all-reduced over DP only after
+the last micro batch (the model's `no_sync`).
+
+- no pipelining: gradient accumulation (PP = 1)
+- 1F1B: megatron.pipeline (PP > 1)
+- interleaved 1F1B: megatron.pipeline with V model chunks (--num-layers-per-virtual-pipeline-stage)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
+
+from megatron.pipeline import forward_backward_pipelining
 
 
 def forward_backward_no_pipelining(
@@ -24,16 +33,20 @@ def forward_backward_no_pipelining(
     scale_loss: Callable = lambda loss: loss,
     forward_only: bool = False,
     timers=None,
+    report: dict | None = None,
 ) -> list[dict]:
     """Gradient accumulation over micro batches on one pipeline stage."""
     stats = []
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    chunk = getattr(model, "module", model)
+    chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
     for i in range(num_micro_batches):
         last = i == num_micro_batches - 1
         with contextlib.nullcontext() if (last or forward_only) else no_sync():
             if timers:
                 timers("forward-compute", 1).start()
-            loss, micro_stats = forward_step(data_iterator, model)
+            output, loss_func = forward_step(data_iterator, chunk)
+            loss, micro_stats = loss_func(output)
             if timers:
                 timers("forward-compute", 1).stop()
             stats.append(micro_stats)
@@ -43,4 +56,20 @@ def forward_backward_no_pipelining(
                 scale_loss(loss / num_micro_batches).backward()
                 if timers:
                     timers("backward-compute", 1).stop()
+    if report is not None:
+        report["max_in_flight"] = 1
     return stats
+
+
+def get_forward_backward_func(
+    state, *, micro_batch_size: int, seq_length: int, hidden_size: int, dtype
+) -> Callable:
+    """The schedule for this layout, with the pipeline's activation shape bound."""
+    if state.pp_size == 1:
+        return forward_backward_no_pipelining
+    return functools.partial(
+        forward_backward_pipelining,
+        state=state,
+        shape=(micro_batch_size, seq_length, hidden_size),
+        dtype=dtype,
+    )

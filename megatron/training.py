@@ -4,6 +4,7 @@ logging, checkpoints and exit conditions. pretrain_gpt2.py is a thin wrapper aro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import signal
 import sys
@@ -19,9 +20,9 @@ from megatron.distributed import DistributedDataParallel
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.learning_rates import AnnealingLR, scheduler_steps
 from megatron.microbatches import MicroBatchCalculator
-from megatron.model import GPTModel
+from megatron.model.stages import build_model
 from megatron.optimizer import MegatronOptimizer
-from megatron.schedules import forward_backward_no_pipelining
+from megatron.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron.timers import Timers
 from megatron.training_data import build_data_iterators, get_batch
 from megatron.training_log import (
@@ -46,12 +47,18 @@ class TrainResult:
     exit_reason: str  # "finished" | "exit-interval" | "exit-duration" | "signal"
     history: list[dict] = field(default_factory=list)  # one entry per iteration
     validation: list[dict] = field(default_factory=list)
+    model: object = None  # the trained (DDP-wrapped) model of this rank
 
 
 def forward_step(data_iterator, model):
-    """GPT language-model loss of one micro batch: mean over the unmasked tokens."""
+    """One GPT micro batch: the chunk's output and the loss function for the last stage."""
     tokens, labels, loss_mask = get_batch(data_iterator, _device_of(model))
-    per_token = model(tokens, labels=labels)  # (b, s) float32
+    output = model(tokens, labels=labels)  # per-token loss (b, s) on the last stage
+    return output, functools.partial(lm_loss, loss_mask)
+
+
+def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor):
+    """Mean language-model loss over the unmasked tokens of a micro batch."""
     loss = (per_token * loss_mask).sum() / loss_mask.sum()
     return loss, {"lm loss": loss.detach()}
 
@@ -75,7 +82,7 @@ def resolve_vocab(cfg: MegatronConfig):
 
 def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
     dtype = cfg.precision.params_dtype
-    model = GPTModel(
+    model = build_model(
         cfg.model,
         rt.state,
         rng_tracker=rt.rng_tracker,
@@ -140,12 +147,39 @@ def _any_rank(flags: list[bool], device) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-def _mean_over_dp(values: list[torch.Tensor], rt: Runtime) -> float:
-    t = torch.stack([v.float() for v in values]).mean().reshape(1).to(rt.device)
-    if rt.state.dp_size > 1:
-        dist.all_reduce(t, group=rt.state.dp_group)
-        t /= rt.state.dp_size
+def _reported_loss(stats: list[dict], rt: Runtime) -> float:
+    """Mean loss of the global batch: averaged over DP on the last stage, then sent to all
+    pipeline stages so every rank logs (and decides on) the same number."""
+    st = rt.state
+    t = torch.zeros(1, device=rt.device)
+    if st.is_last_stage:
+        t = torch.stack([s["lm loss"].float() for s in stats]).mean().reshape(1).to(rt.device)
+        if st.dp_size > 1:
+            dist.all_reduce(t, group=st.dp_group)
+            t /= st.dp_size
+    if st.pp_size > 1:
+        dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
     return float(t.item())
+
+
+def sync_embedding_grads(model, state) -> None:
+    """Tied embeddings on the first and last stage: sum their gradients so both copies take
+    the same step and stay equal."""
+    if state.pp_size == 1 or state.embedding_group is None:
+        return
+    weight = model.module.word_embeddings_weight()
+    if weight is not None:
+        dist.all_reduce(weight.main_grad, group=state.embedding_group)
+
+
+def _schedule(cfg: MegatronConfig, rt: Runtime):
+    return get_forward_backward_func(
+        rt.state,
+        micro_batch_size=cfg.training.micro_batch_size,
+        seq_length=cfg.model.seq_length,
+        hidden_size=cfg.model.hidden_size,
+        dtype=cfg.precision.params_dtype,
+    )
 
 
 def train_step(
@@ -158,39 +192,46 @@ def train_step(
     num_micro_batches,
     rt: Runtime,
     timers: Timers,
+    schedule=None,
+    report: dict | None = None,
 ) -> dict:
+    """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
     model.zero_grad_buffer()
-    stats = forward_backward_no_pipelining(
+    schedule = schedule or forward_backward_no_pipelining
+    stats = schedule(
         forward_step_func,
         data_iterator,
         model,
         num_micro_batches,
         scale_loss=optimizer.scale_loss,
         timers=timers,
+        report=report,
     )
     timers("grads-all-reduce", 2).start()
     model.finish_grad_sync()
+    sync_embedding_grads(model, rt.state)
     timers("grads-all-reduce", 2).stop()
     timers("optimizer", 1).start()
     updated, grad_norm = optimizer.step()
     timers("optimizer", 1).stop()
     if updated:
         scheduler.step(increment)
-    loss = _mean_over_dp([s["lm loss"] for s in stats], rt)
-    return {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
+    return {"lm_loss": _reported_loss(stats, rt), "updated": updated, "grad_norm": grad_norm}
 
 
 @torch.no_grad()
-def evaluate(forward_step_func, data_iterator, model, eval_iters, num_micro_batches, rt) -> float:
+def evaluate(
+    forward_step_func, data_iterator, model, eval_iters, num_micro_batches, rt, schedule=None
+) -> float:
     model.eval()
-    losses = []
+    schedule = schedule or forward_backward_no_pipelining
+    stats = []
     for _ in range(eval_iters):
-        stats = forward_backward_no_pipelining(
+        stats += schedule(
             forward_step_func, data_iterator, model, num_micro_batches, forward_only=True
         )
-        losses.extend(s["lm loss"] for s in stats)
     model.train()
-    return _mean_over_dp(losses, rt)
+    return _reported_loss(stats, rt)
 
 
 def pretrain(
@@ -212,7 +253,9 @@ def pretrain(
     )
     loop = _TrainLoop(cfg, rt, model, optimizer, scheduler, increment, forward_step_func, out)
     try:
-        return loop.run(state, *iters)
+        result = loop.run(state, *iters)
+        result.model = model
+        return result
     finally:
         loop.tensorboard.close()
 
@@ -261,6 +304,7 @@ class _TrainLoop:
         self.flops_per_sample = model_flops_per_sample(cfg.model, cfg.model.seq_length)
         self.peak = peak_tflops(rt.device, cfg.logging.peak_tflops)
         self.skipped_in_a_row = 0
+        self.schedule = _schedule(cfg, rt)
 
     def _print(self, line: str) -> None:
         if self.is_logger:
@@ -319,6 +363,7 @@ class _TrainLoop:
             self.micro.num_micro_batches(state.consumed_train_samples),
             self.rt,
             self.timers,
+            self.schedule,
         )
         self.timers("iteration").stop()
         state.iteration += 1
@@ -378,6 +423,7 @@ class _TrainLoop:
             self.cfg.training.eval_iters,
             num_micro,
             self.rt,
+            self.schedule,
         )
         if split == "validation":
             state.consumed_valid_samples += (

@@ -93,6 +93,12 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
             f"head size {m.head_dim} is odd",
             "use an even head size",
         )
+    if m.recompute_num_layers < 1:
+        _fail(
+            "--recompute-num-layers",
+            f"must be >= 1, got {m.recompute_num_layers}",
+            "pass 1 or more",
+        )
     if m.seq_length > m.max_positions:
         _fail(
             "--seq-length",
@@ -279,6 +285,18 @@ def validate_training(cfg: MegatronConfig) -> None:
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
+    par = cfg.parallel
+    if par.num_layers_per_virtual_pipeline_stage is not None:
+        dp, pp = par.data_parallel_size, par.pipeline_model_parallel_size
+        micro = t.resolved_global_batch_size(dp) // (t.micro_batch_size * dp)
+        if micro % pp:
+            _fail(
+                "--num-layers-per-virtual-pipeline-stage",
+                f"the interleaved schedule needs the number of micro batches per step "
+                f"({micro} = global batch / (micro batch x DP)) to be a multiple of "
+                f"--pipeline-model-parallel-size {pp}",
+                "change --global-batch-size or --micro-batch-size",
+            )
 
 
 def _validate_rampup(t: TrainingConfig, dp: int) -> None:

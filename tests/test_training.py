@@ -82,11 +82,15 @@ def flags(data_prefix, *extra, iters=6):
     ]
 
 
+_LAST_MODEL = {}  # the last run's trained model in this process (for weight checks)
+
+
 def _train(rank, world, argv, hook=None):
     cfg = parse_args(argv, world_size=world)
     validate_training(cfg)
     step = forward_step if hook is None else hook
     result = pretrain(cfg, forward_step_func=step, out=open(os.devnull, "w"))
+    _LAST_MODEL["model"] = result.model
     return result.history, result.exit_reason, result.iteration
 
 
@@ -124,13 +128,17 @@ _CALLS = {"n": 0}
 
 def _poison_third_micro_batch_on_rank1(data_iterator, model):
     """Rank 1's third micro batch returns an infinite (fp16) or NaN (fp32) loss."""
-    loss, stats = forward_step(data_iterator, model)
+    output, loss_func = forward_step(data_iterator, model)
     _CALLS["n"] += 1
-    if torch.distributed.get_rank() == 1 and _CALLS["n"] == 3:
-        bad = float("inf") if next(model.parameters()).dtype == torch.float16 else float("nan")
-        loss = loss * bad
-        stats = {"lm loss": loss.detach()}
-    return loss, stats
+    if torch.distributed.get_rank() != 1 or _CALLS["n"] != 3:
+        return output, loss_func
+    bad = float("inf") if next(model.parameters()).dtype == torch.float16 else float("nan")
+
+    def poisoned(out):
+        loss = loss_func(out)[0] * bad
+        return loss, {"lm loss": loss.detach()}
+
+    return output, poisoned
 
 
 def _skip_worker(rank, world, argv_fp16, argv_fp32):

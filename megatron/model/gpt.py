@@ -20,6 +20,7 @@ from megatron.mpu import (
     ParallelState,
     RNGStatesTracker,
     VocabParallelEmbedding,
+    checkpoint,
     copy_full_into_param,
     copy_to_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
@@ -32,9 +33,20 @@ OUTPUT_WEIGHTS = "head.output_layer.weight"
 
 
 class Embedding(nn.Module):
-    """tokens (b, s) -> dropout(word embedding + learned position embedding) (b, s, h)."""
+    """tokens (b, s) -> dropout(word embedding + learned position embedding) (b, s, h).
 
-    def __init__(self, cfg: ModelConfig, state: ParallelState, device=None, dtype=None):
+    `word_only`: just the word-embedding table, the last pipeline stage's copy of a tied
+    embedding (same name, same init; kept equal by all-reducing its gradient with stage 0's).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state: ParallelState,
+        device=None,
+        dtype=None,
+        word_only: bool = False,
+    ):
         super().__init__()
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
@@ -46,7 +58,7 @@ class Embedding(nn.Module):
             dtype=dtype,
         )
         self.position_embeddings = None
-        if cfg.position_embedding_type == "learned":
+        if cfg.position_embedding_type == "learned" and not word_only:
             self.position_embeddings = nn.Embedding(
                 cfg.max_positions, cfg.hidden_size, device=device, dtype=dtype
             )
@@ -99,10 +111,12 @@ class OutputHead(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """The GPT of `cfg`, split over the TP group of `state`.
+    """The GPT of `cfg` (or the slice `layer_range` of it, for a pipeline stage), TP-split.
 
     forward(tokens, labels) -> per-token loss (b, s) in float32; without labels, this rank's
-    vocab slice of the logits.
+    vocab slice of the logits. A stage without the embedding (`pre_process=False`) takes its
+    input from `set_input_tensor`; one without the head (`post_process=False`) returns hidden
+    states.
     """
 
     def __init__(
@@ -114,31 +128,81 @@ class GPTModel(nn.Module):
         seed: int = 1234,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        layer_range: range | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
     ):
         super().__init__()
-        self.cfg, self.state = cfg, state
-        self.embedding = Embedding(cfg, state, device, dtype)
+        self.cfg, self.state, self.rng_tracker = cfg, state, rng_tracker
+        self.pre_process, self.post_process = pre_process, post_process
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        layer_range = range(cfg.num_layers) if layer_range is None else layer_range
+        self.embedding = None
+        if pre_process or (post_process and self.tied):
+            self.embedding = Embedding(cfg, state, device, dtype, word_only=not pre_process)
+            if not pre_process:
+                self.embedding.word_embeddings.weight.shared = True  # counted once in norms
         self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype)
-                for i in range(cfg.num_layers)
-            }
+            {str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype) for i in layer_range}
         )
-        self.head = OutputHead(cfg, state, device, dtype)
+        self.head = OutputHead(cfg, state, device, dtype) if post_process else None
+        self._input: torch.Tensor | None = None
         init_weights(self, cfg, state, seed)
 
     def layer_list(self) -> list[nn.Module]:
         """The ordered layers; pipeline stages are contiguous slices of this list."""
-        return [self.embedding, *self.layers.values(), self.head]
+        first = [self.embedding] if self.pre_process else []
+        return [*first, *self.layers.values(), *([self.head] if self.head else [])]
 
-    def forward(self, tokens, position_ids=None, labels=None):
-        x = self.embedding(tokens, position_ids)
-        for layer in self.layers.values():
-            x = layer(x, position_ids)
-        logits = self.head(x, self.embedding.word_embeddings.weight)
+    def word_embeddings_weight(self) -> torch.Tensor | None:
+        return self.embedding.word_embeddings.weight if self.embedding is not None else None
+
+    def set_input_tensor(self, x: torch.Tensor | None) -> None:
+        """The activation received from the previous pipeline stage."""
+        self._input = x
+
+    def forward(self, tokens=None, position_ids=None, labels=None):
+        x = self.embedding(tokens, position_ids) if self.pre_process else self._input
+        x = run_layers(
+            list(self.layers.values()), x, position_ids, self.cfg, self.rng_tracker, self.training
+        )
+        if not self.post_process:
+            return x
+        logits = self.head(x, self.word_embeddings_weight())
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.state.tp_group)
+
+
+def run_layers(layers, x, position_ids, cfg: ModelConfig, tracker, training: bool):
+    """Run the transformer layers, recomputing activations as --recompute-* asks.
+
+    full + uniform: checkpoint every group of N consecutive layers; full + block: checkpoint
+    the first N layers only. (Selective recompute lives inside the attention layer.)
+    """
+    if cfg.recompute_granularity != "full" or not training:
+        for layer in layers:
+            x = layer(x, position_ids)
+        return x
+    n = cfg.recompute_num_layers
+    if cfg.recompute_method == "block":
+        for i, layer in enumerate(layers):
+            x = checkpoint(layer, tracker, x, position_ids) if i < n else layer(x, position_ids)
+        return x
+    for start in range(0, len(layers), n):
+        group = layers[start : start + n]
+        x = checkpoint(_Sequential(group), tracker, x, position_ids)
+    return x
+
+
+class _Sequential:
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x, position_ids):
+        for layer in self.layers:
+            x = layer(x, position_ids)
+        return x
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.mpu import ColumnParallelLinear, ParallelState, RNGStatesTracker, RowParallelLinear
+from megatron.mpu import (
+    ColumnParallelLinear,
+    ParallelState,
+    RNGStatesTracker,
+    RowParallelLinear,
+    checkpoint,
+)
 from megatron.mpu.utils import divide
 
 
@@ -84,6 +90,7 @@ class ParallelAttention(nn.Module):
         self.groups = divide(cfg.query_groups, state.tp_size)  # local key/value heads
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
         self.dropout = cfg.attention_dropout
+        self.recompute_core = cfg.recompute_granularity == "selective"
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         kw = {
             "group": state.tp_group,
@@ -115,13 +122,20 @@ class ParallelAttention(nn.Module):
         if self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
+        if self.recompute_core and self.training:  # --recompute-granularity selective
+            ctx = checkpoint(self._core_attention, self.rng_tracker, q, k, v)
+        else:
+            ctx = self._core_attention(q, k, v)
+        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.dense(ctx)
+
+    def _core_attention(self, q, k, v):
+        # q, k, v: (b, heads, s, d)
         p = self.dropout if self.training else 0.0
         # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with rng:
-            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        return self.dense(ctx)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class ParallelMLP(nn.Module):

@@ -1,0 +1,100 @@
+"""Pipeline stages: which slice of the layer list each (pipeline rank, model chunk) owns.
+
+With P stages and V model chunks per stage (the interleaved schedule), the L layers form P x V
+virtual stages of L / (P V) layers; chunk c of stage s is virtual stage c P + s. The first
+virtual stage adds the embedding, the last the final norm and head. Parameter names stay global
+(`layers.7...` wherever layer 7 lives), so a checkpoint's names never depend on the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.gpt import GPTModel
+from megatron.mpu import ParallelState, RNGStatesTracker
+
+
+def stage_layer_range(
+    num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None, vp_rank: int = 0
+) -> range:
+    chunks = vp_size or 1
+    per = num_layers // (pp_size * chunks)
+    start = (vp_rank * pp_size + pp_rank) * per
+    return range(start, start + per)
+
+
+class ModelChunks(nn.Module):
+    """The model chunks of one pipeline rank (one chunk unless interleaved).
+
+    Its state dict is the union of the chunks' (their names are global and never collide), so
+    a shard looks the same whatever V is.
+    """
+
+    def __init__(self, chunks: list[GPTModel]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, i: int) -> GPTModel:
+        return self.chunks[i]
+
+    def forward(self, *args, **kwargs):
+        if len(self.chunks) != 1:
+            raise RuntimeError("call a chunk of an interleaved model, not the container")
+        return self.chunks[0](*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        merged = {}
+        for chunk in self.chunks:
+            merged.update(chunk.state_dict())
+        return merged
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        for chunk in self.chunks:
+            own = chunk.state_dict().keys()
+            chunk.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=strict)
+        if strict:
+            unused = set(state_dict) - {k for c in self.chunks for k in c.state_dict()}
+            if unused:
+                raise KeyError(f"checkpoint keys not in this stage: {sorted(unused)[:5]}")
+
+    def word_embeddings_weight(self) -> torch.Tensor | None:
+        """This rank's copy of the tied word embedding, if it is in the embedding group."""
+        for chunk in (self.chunks[0], self.chunks[-1]):
+            if chunk.tied and (chunk.pre_process or chunk.post_process):
+                return chunk.word_embeddings_weight()
+        return None
+
+
+def build_model(
+    cfg: ModelConfig,
+    state: ParallelState,
+    *,
+    rng_tracker: RNGStatesTracker | None,
+    seed: int,
+    device=None,
+    dtype=torch.float32,
+) -> ModelChunks:
+    """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V."""
+    vp = state.virtual_pp_size
+    chunks = []
+    for c in range(vp or 1):
+        last_chunk = c == (vp or 1) - 1
+        chunks.append(
+            GPTModel(
+                cfg,
+                state,
+                rng_tracker=rng_tracker,
+                seed=seed,
+                device=device,
+                dtype=dtype,
+                layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank, vp, c),
+                pre_process=state.is_first_stage and c == 0,
+                post_process=state.is_last_stage and last_chunk,
+            )
+        )
+    return ModelChunks(chunks)

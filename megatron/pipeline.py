@@ -1,0 +1,218 @@
+"""Pipeline-parallel schedules: 1F1B and interleaved 1F1B, as static per-stage action lists.
+
+With P stages, V model chunks per stage and M micro batches, stage s runs a list of actions
+('F' or 'B', chunk, micro batch) fixed ahead of time (`pipeline_actions`): some warm-up
+forwards, then one-forward-one-backward, then the remaining backwards. Activations go to the
+next virtual stage and gradients to the previous one with asynchronous sends; a stage blocks
+only when it receives, and the time spent waiting there is the pipeline bubble it sees
+(timer 'pipeline-wait'). Messages carry a tag naming (direction, receiving virtual stage,
+micro batch); every pair of ranks also sends and receives them in the same order
+(`check_message_order`), which is what NCCL, which ignores tags, needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+FORWARD, BACKWARD = 0, 1
+
+
+def _forward_order(k: int, P: int, V: int) -> tuple[int, int]:
+    """The k-th forward of a stage: (chunk, micro batch). Groups of P micro batches per chunk."""
+    return (k // P) % V, (k // (P * V)) * P + k % P
+
+
+def pipeline_actions(P: int, s: int, M: int, V: int = 1, forward_only: bool = False):
+    total = M * V
+    forwards = [("F", *_forward_order(k, P, V)) for k in range(total)]
+    if forward_only:
+        return forwards
+    backwards = [("B", V - 1 - c, mb) for c, mb in (_forward_order(k, P, V) for k in range(total))]
+    warmup = min(P - s - 1, M) if V == 1 else min((P - s - 1) * 2 + (V - 1) * P, total)
+    actions = forwards[:warmup]
+    for i in range(total - warmup):  # steady state: one forward, one backward
+        actions += [forwards[warmup + i], backwards[i]]
+    return actions + backwards[total - warmup :]
+
+
+def check_message_order(P: int, M: int, V: int = 1) -> None:
+    """Raise if some rank pair would send and receive messages in different orders."""
+    sent, received = {}, {}
+    for s in range(P):
+        for kind, c, mb in pipeline_actions(P, s, M, V):
+            v = c * P + s
+            if kind == "F" and v < P * V - 1:
+                sent.setdefault((s, (s + 1) % P), []).append(("F", v + 1, mb))
+            if kind == "F" and v > 0:
+                received.setdefault(((s - 1) % P, s), []).append(("F", v, mb))
+            if kind == "B" and v > 0:
+                sent.setdefault((s, (s - 1) % P), []).append(("B", v - 1, mb))
+            if kind == "B" and v < P * V - 1:
+                received.setdefault(((s + 1) % P, s), []).append(("B", v, mb))
+    if sent != received:
+        raise RuntimeError(f"pipeline schedule P={P} V={V} M={M}: send/receive orders differ")
+
+
+def _tag(kind: int, virtual_stage: int, mb: int) -> int:
+    return (kind << 24) | (virtual_stage << 16) | mb
+
+
+class _Comm:
+    def __init__(self, state, shape, dtype, device, timers):
+        self.state, self.shape, self.dtype, self.device = state, shape, dtype, device
+        self.timers, self.pending = timers, []
+
+    def send(self, tensor: torch.Tensor, dst_stage: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self.pending.append((dist.isend(tensor, self.state.pp_ranks[dst_stage], tag=tag), tensor))
+
+    def recv(self, src_stage: int, tag: int) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        timer = self.timers("pipeline-wait", 1) if self.timers else None
+        if timer:
+            timer.start()
+        dist.recv(out, self.state.pp_ranks[src_stage], tag=tag)
+        if timer:
+            timer.stop()
+        return out
+
+    def wait_all(self) -> None:
+        for handle, _ in self.pending:
+            handle.wait()
+        self.pending.clear()
+
+
+class _SharedBatches:
+    """Micro batches read once per step and served to every chunk in micro-batch order."""
+
+    def __init__(self, data_iterator):
+        self.source, self.batches = data_iterator, []
+
+    def chunk_iterator(self):
+        mb = 0
+        while True:
+            while len(self.batches) <= mb:
+                self.batches.append(next(self.source))
+            yield self.batches[mb]
+            mb += 1
+
+
+def forward_backward_pipelining(
+    forward_step,
+    data_iterator,
+    model,
+    num_micro_batches,
+    *,
+    state,
+    shape,
+    dtype,
+    scale_loss=lambda x: x,
+    forward_only=False,
+    timers=None,
+    report: dict | None = None,
+) -> list[dict]:
+    """Run one step of the (interleaved when V > 1) 1F1B schedule on this stage.
+
+    `model` holds V chunks (`model[c]`); `shape` is the (micro batch, seq, hidden) activation
+    shape. Returns the last stage's per-micro-batch stats (empty on other stages); `report`,
+    if given, receives 'max_in_flight' (most micro batches whose activations were alive).
+    """
+    chunks = getattr(model, "module", model)  # DDP-wrapped ModelChunks, or the chunks
+    P, s, V, M = state.pp_size, state.pp_rank, len(chunks), num_micro_batches
+    if V > 1 and M % P:
+        raise ValueError(
+            f"the interleaved schedule needs the number of micro batches ({M}) to "
+            f"be a multiple of --pipeline-model-parallel-size {P}; change "
+            "--global-batch-size or --micro-batch-size"
+        )
+    device = next(model.parameters()).device
+    comm = _Comm(state, shape, dtype, device, timers)
+    shared = _SharedBatches(data_iterator)
+    iters = [shared.chunk_iterator() for _ in range(V)]
+    inputs, outputs, stats = {}, {}, []
+    run = _Runner(
+        chunks,
+        comm,
+        iters,
+        inputs,
+        outputs,
+        stats,
+        forward_step,
+        P,
+        s,
+        V,
+        M,
+        scale_loss,
+        forward_only,
+    )
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    with no_sync():
+        for kind, c, mb in pipeline_actions(P, s, M, V, forward_only):
+            if kind == "F":
+                run.forward(c, mb)
+            else:
+                run.backward(c, mb)
+        comm.wait_all()
+    if report is not None:
+        report["max_in_flight"] = run.max_in_flight
+    return stats
+
+
+class _Runner:
+    def __init__(
+        self,
+        model,
+        comm,
+        iters,
+        inputs,
+        outputs,
+        stats,
+        forward_step,
+        P,
+        s,
+        V,
+        M,
+        scale_loss,
+        forward_only,
+    ):
+        self.model, self.comm, self.iters = model, comm, iters
+        self.inputs, self.outputs, self.stats = inputs, outputs, stats
+        self.forward_step, self.P, self.s, self.V, self.M = forward_step, P, s, V, M
+        self.scale_loss, self.forward_only = scale_loss, forward_only
+        self.max_in_flight = 0
+
+    def _virtual(self, c: int) -> int:
+        return c * self.P + self.s
+
+    def forward(self, c: int, mb: int) -> None:
+        v, last = self._virtual(c), self.P * self.V - 1
+        chunk = self.model[c]
+        if v > 0:
+            x = self.comm.recv((self.s - 1) % self.P, _tag(FORWARD, v, mb))
+            x.requires_grad_(not self.forward_only)
+            chunk.set_input_tensor(x)
+            self.inputs[(c, mb)] = x
+        output, loss_func = self.forward_step(self.iters[c], chunk)
+        if v == last:
+            loss, micro_stats = loss_func(output)
+            self.stats.append(micro_stats)
+            output = loss
+        else:
+            self.comm.send(output, (self.s + 1) % self.P, _tag(FORWARD, v + 1, mb))
+        if not self.forward_only:
+            self.outputs[(c, mb)] = output
+            self.max_in_flight = max(self.max_in_flight, len(self.outputs))
+
+    def backward(self, c: int, mb: int) -> None:
+        v, last = self._virtual(c), self.P * self.V - 1
+        output, x = self.outputs.pop((c, mb)), self.inputs.pop((c, mb), None)
+        if v == last:
+            self.scale_loss(output / self.M).backward()
+        else:
+            grad = self.comm.recv((self.s + 1) % self.P, _tag(BACKWARD, v, mb))
+            torch.autograd.backward(output, grad)
+        if v > 0:
+            self.comm.send(x.grad, (self.s - 1) % self.P, _tag(BACKWARD, v - 1, mb))

@@ -1,0 +1,207 @@
+"""Pipeline parallelism: the schedules themselves, and PP / interleaved / TP x PP x DP training
+that equals one process; activation checkpointing that changes memory, never the numbers."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron import mpu
+from megatron.config import ModelConfig
+from megatron.model import GPTModel
+from megatron.pipeline import check_message_order, pipeline_actions
+from tests.distributed import run_distributed
+from tests.test_training import _losses, _resume_worker, _train, data_prefix, flags  # noqa: F401
+
+
+def _simulate(P, M, V):
+    """Run every stage's action list with async sends and blocking receives; return the most
+    forwards alive on each stage. Raises on a deadlock."""
+    todo = {s: list(pipeline_actions(P, s, M, V)) for s in range(P)}
+    sent, alive, peak = set(), [0] * P, [0] * P
+    while any(todo.values()):
+        progressed = False
+        for s in range(P):
+            while todo[s]:
+                kind, c, mb = todo[s][0]
+                v = c * P + s
+                need = (
+                    ("F", v, mb)
+                    if kind == "F" and v > 0
+                    else ("B", v, mb)
+                    if kind == "B" and v < P * V - 1
+                    else None
+                )
+                if need is not None and need not in sent:
+                    break
+                todo[s].pop(0)
+                progressed = True
+                if kind == "F":
+                    sent.add(("F", v + 1, mb))
+                    alive[s] += 1
+                    peak[s] = max(peak[s], alive[s])
+                else:
+                    sent.add(("B", v - 1, mb))
+                    alive[s] -= 1
+        if not progressed:
+            raise AssertionError(f"deadlock: P={P} V={V} M={M}")
+    return peak
+
+
+@pytest.mark.parametrize(
+    "P,V,Ms",
+    [
+        (2, 1, [1, 2, 3, 8]),
+        (4, 1, [1, 3, 4, 9]),
+        (2, 2, [2, 4, 6]),
+        (4, 2, [4, 8]),
+        (3, 3, [3, 6, 9]),
+    ],
+)
+def test_schedules_are_complete_deadlock_free_and_ordered(P, V, Ms):
+    for M in Ms:
+        for s in range(P):
+            actions = pipeline_actions(P, s, M, V)
+            assert sorted(a for a in actions if a[0] == "F") == sorted(
+                ("F", c, mb) for c in range(V) for mb in range(M)
+            )
+            assert len(actions) == 2 * M * V
+        peak = _simulate(P, M, V)
+        if V == 1:  # 1F1B: stage s keeps at most P - s micro batches of activations
+            assert all(peak[s] <= min(P - s, M) for s in range(P)), peak
+        check_message_order(P, M, V)
+
+
+CFG = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=64,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.2,
+    attention_dropout=0.2,
+)
+
+
+@pytest.mark.parametrize(
+    "granularity,method,n",
+    [
+        ("full", "uniform", 1),
+        ("full", "uniform", 2),
+        ("full", "block", 3),
+        ("selective", "uniform", 1),
+    ],
+)
+def test_activation_checkpointing_gives_identical_losses_and_grads(granularity, method, n):
+    tracker = mpu.RNGStatesTracker("cpu")
+    tracker.add(mpu.MODEL_PARALLEL_RNG, 5)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for cfg in (
+        CFG,
+        dataclasses.replace(
+            CFG, recompute_granularity=granularity, recompute_method=method, recompute_num_layers=n
+        ),
+    ):
+        model = GPTModel(
+            cfg, mpu.single_process_state(), rng_tracker=tracker, seed=3, dtype=torch.float64
+        )
+        torch.manual_seed(11)
+        tracker.set_states({mpu.MODEL_PARALLEL_RNG: torch.Generator().manual_seed(5).get_state()})
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, labels=tokens).mean()
+        loss.backward()
+        results.append(
+            (loss.detach(), {k: p.grad for k, p in model.named_parameters()}, sum(saved))
+        )
+    (l0, g0, saved0), (l1, g1, saved1) = results
+    assert saved1 < saved0, "recompute must keep fewer activations alive during forward"
+    with torch.no_grad():
+        assert not torch.equal(model.eval()(tokens, labels=tokens).mean(), l1), "dropout is on"
+    assert torch.equal(l0, l1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+def _shard_of(full, param, tp_rank, tp_size):
+    if not mpu.is_tensor_parallel(param) or tp_size == 1:
+        return full
+    return mpu.shard(full, param.partition_dim, tp_rank, tp_size, param.partition_stride)
+
+
+def _pp_worker(rank, world, argv, ref_weights, resume_dir=None):
+    history, _, _ = _train(rank, world, argv)
+    from tests.test_training import _LAST_MODEL  # set by _train in this process
+
+    model = _LAST_MODEL["model"].module
+    st = model.chunks[0].state
+    for chunk in model.chunks:
+        for name, p in chunk.named_parameters():
+            full = torch.from_numpy(ref_weights[name])
+            expected = _shard_of(full, p, st.tp_rank, st.tp_size)
+            torch.testing.assert_close(
+                p.detach(),
+                expected,
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m, n=name: f"final weight {n}: {m}",
+            )
+    tied = model.word_embeddings_weight()
+    if st.pp_size > 1 and tied is not None:  # first and last stage hold equal copies
+        other = tied.detach().clone()
+        dist.broadcast(other, st.embedding_ranks[0], group=st.embedding_group)
+        assert torch.equal(other, tied.detach()), "tied embeddings drifted apart"
+    out = {"history": history}
+    if resume_dir is not None:
+        out["resume"] = _resume_worker(rank, world, argv, resume_dir)
+    return out
+
+
+def test_pipeline_layouts_match_one_process_and_resume_exactly(data_prefix, tmp_path):  # noqa: F811
+    argv = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4")
+    ((ref_history, ref_weights),) = run_distributed(_ref_worker, 1, argv)
+    layouts = [
+        (2, ["--pipeline-model-parallel-size", "2"], False),
+        (
+            2,
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+            False,
+        ),
+        (4, ["--pipeline-model-parallel-size", "4"], False),
+        (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], True),
+    ]
+    for world, extra, resume in layouts:
+        results = run_distributed(
+            _pp_worker,
+            world,
+            argv + extra,
+            ref_weights,
+            str(tmp_path / f"w{world}") if resume else None,
+        )
+        for rank, out in enumerate(results):
+            np.testing.assert_allclose(
+                _losses(out["history"]),
+                _losses(ref_history),
+                rtol=2e-5,
+                err_msg=f"{extra} rank {rank}",
+            )
+            if resume:
+                straight, first, second, final_iter = out["resume"]
+                assert final_iter == 6 and _losses(second) == _losses(straight)[3:]
+
+
+def _ref_worker(rank, world, argv):
+    history, _, _ = _train(rank, world, argv)
+    from tests.test_training import _LAST_MODEL
+
+    # numpy, not tensors: tensors would travel through shared memory the exiting rank frees
+    return history, {k: v.numpy().copy() for k, v in _LAST_MODEL["model"].state_dict().items()}
