@@ -19,6 +19,8 @@ $(STAMP): setup.py pyproject.toml
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		$(BIN)/pip install -q "$(CPU_TORCH)"; fi
 	$(BIN)/pip install -q -e '.[dev]'
+	# DeepSpeed builds against the torch already installed (no isolated build env, no 2nd torch)
+	$(BIN)/pip install -q --no-build-isolation "deepspeed>=0.14"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -105,7 +105,7 @@ def build_ours(cfg: ModelConfig, device, dtype):
         return model_(tokens, labels=labels), _mean_loss
 
     def step(batches):
-        train_step(forward_step, batches, ddp, opt, sched, 1, 1, rt, timers)
+        train_step(forward_step, batches, ddp, opt, sched, 1, rt, timers)
 
     return step
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron.config import CheckpointConfig, LoggingConfig, OptimizerConfig
+from megatron.config import CheckpointConfig, DeepSpeedConfig, LoggingConfig, OptimizerConfig
 
 
 def fill(cls, ns: argparse.Namespace, **overrides):
@@ -221,7 +221,87 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("deepspeed", "hand ZeRO, pipeline and recompute to DeepSpeed")
+    # The names deepspeed.add_config_arguments defines, without importing deepspeed to parse.
+    g.add_argument(
+        "--deepspeed",
+        action="store_true",
+        dest="enabled",
+        help="train through DeepSpeed (pip install --no-build-isolation deepspeed)",
+    )
+    g.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="config",
+        default=None,
+        help="DeepSpeed JSON; filled from these flags where it is silent",
+    )
+    g.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=None,
+        help="ZeRO stage (overrides the JSON)",
+    )
+    g.add_argument(
+        "--zero-reduce-scatter",
+        action="store_true",
+        default=None,
+        help="ZeRO: reduce-scatter gradients (overrides the JSON)",
+    )
+    g.add_argument(
+        "--zero-contigious-gradients",
+        action="store_true",
+        default=None,
+        help="ZeRO: copy gradients to a contiguous buffer (overrides the JSON)",
+    )
+    g.add_argument(
+        "--zero-reduce-bucket-size",
+        type=int,
+        default=None,
+        help="ZeRO: elements per reduce bucket (overrides the JSON)",
+    )
+    g.add_argument(
+        "--zero-allgather-bucket-size",
+        type=int,
+        default=None,
+        help="ZeRO: elements per all-gather bucket (overrides the JSON)",
+    )
+    g.add_argument(
+        "--cpu-optimizer",
+        action="store_true",
+        help="ZeRO: keep optimizer states on the CPU (offload_optimizer)",
+    )
+    g.add_argument(
+        "--partition-activations",
+        action="store_true",
+        help="DeepSpeed recompute: split checkpointed activations over TP ranks",
+    )
+    g.add_argument(
+        "--checkpoint-in-cpu",
+        action="store_true",
+        help="DeepSpeed recompute: keep checkpointed activations on the CPU",
+    )
+    g.add_argument(
+        "--contigious-checkpointing",
+        action="store_true",
+        help="DeepSpeed recompute: copy checkpoints into one buffer",
+    )
+    g.add_argument(
+        "--synchronize-each-layer",
+        action="store_true",
+        help="DeepSpeed recompute: synchronize the device after each layer",
+    )
+    g.add_argument(
+        "--profile-backward",
+        action="store_true",
+        help="DeepSpeed recompute: time the backward of each layer",
+    )
+
+
 def add_training_run_args(parser: argparse.ArgumentParser) -> None:
+    _add_deepspeed_args(parser)
     _add_optimizer_args(parser)
     _add_lr_args(parser)
     _add_loss_scale_args(parser)
@@ -234,4 +314,5 @@ def training_run_groups(ns: argparse.Namespace) -> dict:
         "optimizer": fill(OptimizerConfig, ns),
         "checkpoint": fill(CheckpointConfig, ns),
         "logging": fill(LoggingConfig, ns),
+        "deepspeed": fill(DeepSpeedConfig, ns),
     }

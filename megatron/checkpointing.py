@@ -108,6 +108,19 @@ def save_shard(
     _atomic_write(path, lambda f: torch.save(state, f))
 
 
+def _all_files(directory: str) -> dict[str, int]:
+    """{relative path: size} of every file under `directory` but the marker (DeepSpeed's layout:
+    mp_rank_XX_model_states.pt, zero_pp_rank_*_optim_states.pt, ...)."""
+    found = {}
+    for dirpath, _, names in os.walk(directory):
+        for name in sorted(names):
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, directory)
+            if rel != MARKER_NAME and ".tmp" not in name:
+                found[rel] = os.path.getsize(path)
+    return found
+
+
 def _shard_files(directory: str) -> dict[str, int]:
     """{'mp_rank_../model_optim_rng.pt': size in bytes} for the shards present in `directory`."""
     if not os.path.isdir(directory):
@@ -128,6 +141,7 @@ def finalize_checkpoint(
     is_rank0: bool,
     num_shards_expected: int | None = None,
     retain_last: int | None = None,
+    layout: str = "megatron",
 ) -> None:
     """Commit `iteration` on every rank: barrier, marker, pointer, keep-last-K, barrier.
 
@@ -139,7 +153,10 @@ def finalize_checkpoint(
     barrier()  # every writing rank has replaced its shard file
     if is_rank0:
         directory = checkpoint_dir(root, iteration)
-        shards = _shard_files(directory)
+        # megatron: mp_rank_*/model_optim_rng.pt shards; deepspeed: every file the engine wrote.
+        shards = _shard_files(directory) if layout == "megatron" else _all_files(directory)
+        if layout != "megatron":
+            num_shards_expected = None
         if not shards or (num_shards_expected is not None and len(shards) != num_shards_expected):
             raise CheckpointError(
                 f"{directory}: expected {num_shards_expected or 'some'} shard files, found "

@@ -233,6 +233,25 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class DeepSpeedConfig:
+    """--deepspeed and the classic Megatron-DeepSpeed flags (None: not given, the JSON decides)."""
+
+    enabled: bool = False
+    config: str | None = None  # --deepspeed_config JSON
+    zero_stage: int | None = None
+    zero_reduce_scatter: bool | None = None
+    zero_contigious_gradients: bool | None = None
+    zero_reduce_bucket_size: int | None = None
+    zero_allgather_bucket_size: int | None = None
+    cpu_optimizer: bool = False  # offload optimizer states to CPU (ZeRO >= 1)
+    partition_activations: bool = False
+    checkpoint_in_cpu: bool = False
+    contigious_checkpointing: bool = False
+    synchronize_each_layer: bool = False
+    profile_backward: bool = False
+
+
+@dataclass(frozen=True)
 class MegatronConfig:
     """The whole run configuration; one field per argument group."""
 
@@ -245,6 +264,7 @@ class MegatronConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def replace(self, **groups) -> MegatronConfig:
         """A copy with whole groups swapped, e.g. cfg.replace(model=new_model_cfg)."""

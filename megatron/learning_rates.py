@@ -173,8 +173,13 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
         coeff = 1.0 - _ANNEAL[self.wd_incr_style](n / self.wd_incr_steps)  # rises 0 -> 1
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
-    def step(self, increment: int = 1) -> None:  # type: ignore[override]
+    # What a bare step() counts: 1 per iteration, or the global batch when steps are samples
+    # (set by the trainer; DeepSpeed's pipeline engine calls step() without arguments).
+    default_increment: int = 1
+
+    def step(self, increment: int | None = None) -> None:  # type: ignore[override]
         """Record `increment` more steps done and set lr (and wd) on every param group."""
+        increment = self.default_increment if increment is None else increment
         _check(increment >= 0, f"step increment must be >= 0, got {increment}")
         if self.last_epoch >= 0:  # torch's __init__ call (last_epoch -1) only installs step 0
             self.num_steps += increment

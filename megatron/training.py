@@ -99,11 +99,16 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
     optimizer = MegatronOptimizer(
         model, cfg.optimizer, params_dtype=dtype, state=rt.state, clip_grad=cfg.training.clip_grad
     )
+    return ddp, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
+
+
+def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
+    """AnnealingLR from the schedule flags; step() counts iterations or samples as they say."""
     o, t = cfg.optimizer, cfg.training
     steps = scheduler_steps(
         train_iters=t.train_iters,
         train_samples=t.train_samples,
-        global_batch_size=t.resolved_global_batch_size(rt.state.dp_size),
+        global_batch_size=t.resolved_global_batch_size(dp_size),
         lr_decay_iters=o.lr_decay_iters,
         lr_decay_samples=o.lr_decay_samples,
         lr_warmup_iters=o.lr_warmup_iters,
@@ -114,7 +119,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
         lr_wsd_decay_samples=o.lr_wsd_decay_samples,
     )
     scheduler = AnnealingLR(
-        optimizer.optimizer,
+        optimizer,
         max_lr=o.lr,
         min_lr=o.min_lr,
         warmup_steps=steps["warmup_steps"],
@@ -125,7 +130,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
         override_lr_scheduler=o.override_lr_scheduler,
         use_checkpoint_lr_scheduler=o.use_checkpoint_lr_scheduler,
     )
-    return ddp, optimizer, scheduler, steps["increment"]
+    scheduler.default_increment = steps["increment"]
+    return scheduler
 
 
 class _ExitSignal:
@@ -188,7 +194,6 @@ def train_step(
     model,
     optimizer,
     scheduler,
-    increment,
     num_micro_batches,
     rt: Runtime,
     timers: Timers,
@@ -215,7 +220,7 @@ def train_step(
     updated, grad_norm = optimizer.step()
     timers("optimizer", 1).stop()
     if updated:
-        scheduler.step(increment)
+        scheduler.step()  # by its default_increment: 1 iteration, or the global batch
     return {"lm_loss": _reported_loss(stats, rt), "updated": updated, "grad_norm": grad_norm}
 
 
@@ -244,20 +249,70 @@ def pretrain(
     """Train as the config says; returns the per-iteration history (the last rank logs it)."""
     cfg, _ = resolve_vocab(cfg)
     rt = runtime or initialize_megatron(cfg)
-    model, optimizer, scheduler, increment = setup_model_and_optimizer(cfg, rt)
-    state = TrainState()
-    if cfg.checkpoint.load:
-        state = load_training_state(cfg, rt, model, optimizer, scheduler)
+    if cfg.deepspeed.enabled:
+        from megatron.deepspeed_backend import DeepSpeedBackend
+
+        backend = DeepSpeedBackend(cfg, rt, forward_step_func)
+    else:
+        backend = NativeBackend(cfg, rt, forward_step_func)
+    state = backend.load() if cfg.checkpoint.load else TrainState()
     iters = build_data_iterators(
         cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
     )
-    loop = _TrainLoop(cfg, rt, model, optimizer, scheduler, increment, forward_step_func, out)
+    loop = _TrainLoop(cfg, rt, backend, out)
     try:
         result = loop.run(state, *iters)
-        result.model = model
+        result.model = backend.model
         return result
     finally:
         loop.tensorboard.close()
+
+
+class NativeBackend:
+    """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
+
+    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func):
+        self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
+        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(cfg, rt)
+        self.schedule = _schedule(cfg, rt)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> dict:
+        return train_step(
+            self.forward_step,
+            data_iterator,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            num_micro_batches,
+            self.rt,
+            timers,
+            self.schedule,
+        )
+
+    def evaluate(self, data_iterator, eval_iters: int, num_micro_batches: int) -> float:
+        return evaluate(
+            self.forward_step,
+            data_iterator,
+            self.model,
+            eval_iters,
+            num_micro_batches,
+            self.rt,
+            self.schedule,
+        )
+
+    def save(self, state: TrainState) -> None:
+        save_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler, state)
+
+    def load(self) -> TrainState:
+        return load_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler)
 
 
 @dataclass
@@ -286,10 +341,8 @@ class _Window:
 
 
 class _TrainLoop:
-    def __init__(self, cfg, rt, model, optimizer, scheduler, increment, forward_step_func, out):
-        self.cfg, self.rt, self.model = cfg, rt, model
-        self.optimizer, self.scheduler, self.increment = optimizer, scheduler, increment
-        self.forward_step, self.out = forward_step_func, out
+    def __init__(self, cfg, rt, backend, out):
+        self.cfg, self.rt, self.backend, self.out = cfg, rt, backend, out
         t = cfg.training
         self.micro = MicroBatchCalculator(
             t.resolved_global_batch_size(rt.state.dp_size),
@@ -304,7 +357,6 @@ class _TrainLoop:
         self.flops_per_sample = model_flops_per_sample(cfg.model, cfg.model.seq_length)
         self.peak = peak_tflops(rt.device, cfg.logging.peak_tflops)
         self.skipped_in_a_row = 0
-        self.schedule = _schedule(cfg, rt)
 
     def _print(self, line: str) -> None:
         if self.is_logger:
@@ -353,17 +405,8 @@ class _TrainLoop:
         gbs = self.micro.global_batch_at(state.consumed_train_samples)
         tic = time.perf_counter()
         self.timers("iteration").start()
-        step = train_step(
-            self.forward_step,
-            train_iter,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.increment,
-            self.micro.num_micro_batches(state.consumed_train_samples),
-            self.rt,
-            self.timers,
-            self.schedule,
+        step = self.backend.train_step(
+            train_iter, self.micro.num_micro_batches(state.consumed_train_samples), self.timers
         )
         self.timers("iteration").stop()
         state.iteration += 1
@@ -376,8 +419,8 @@ class _TrainLoop:
                 "lm_loss": step["lm_loss"],
                 "grad_norm": step["grad_norm"],
                 "updated": step["updated"],
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "loss_scale": self.optimizer.loss_scale,
+                "lr": self.backend.lr,
+                "loss_scale": self.backend.loss_scale,
             }
         )
         limit = self.cfg.training.max_skipped_in_a_row
@@ -408,7 +451,7 @@ class _TrainLoop:
         if not self.cfg.checkpoint.save:
             return
         self.timers("save-checkpoint", 0).start()
-        save_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler, state)
+        self.backend.save(state)
         self.timers("save-checkpoint", 0).stop()
         self._print(
             f" saved checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
@@ -416,15 +459,7 @@ class _TrainLoop:
 
     def _validate(self, state, data_iter, result, split: str) -> None:
         num_micro = self.micro.num_micro_batches(state.consumed_train_samples)
-        loss = evaluate(
-            self.forward_step,
-            data_iter,
-            self.model,
-            self.cfg.training.eval_iters,
-            num_micro,
-            self.rt,
-            self.schedule,
-        )
+        loss = self.backend.evaluate(data_iter, self.cfg.training.eval_iters, num_micro)
         if split == "validation":
             state.consumed_valid_samples += (
                 self.cfg.training.eval_iters
@@ -445,7 +480,7 @@ class _TrainLoop:
         tflops = gbs * self.flops_per_sample / max(sec, 1e-9) / self.rt.state.world_size / 1e12
         mfu = 100.0 * tflops / self.peak if self.peak else None
         grad_norm = w.grad_norm
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.backend.lr
         self._print(
             iteration_line(
                 iteration=state.iteration,
@@ -455,7 +490,7 @@ class _TrainLoop:
                 lr=lr,
                 global_batch=gbs,
                 loss=loss,
-                loss_scale=self.optimizer.loss_scale,
+                loss_scale=self.backend.loss_scale,
                 grad_norm=grad_norm,
                 skipped=w.skipped,
                 nan=w.nan,
@@ -470,7 +505,7 @@ class _TrainLoop:
             {
                 "lm-loss": loss,
                 "learning-rate": lr,
-                "loss-scale": self.optimizer.loss_scale,
+                "loss-scale": self.backend.loss_scale,
                 "tokens-per-second": tokens_per_s,
                 "tflops-per-device": tflops,
                 "memory-mib": memory_mib(self.rt.device),

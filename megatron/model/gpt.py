@@ -131,9 +131,11 @@ class GPTModel(nn.Module):
         layer_range: range | None = None,
         pre_process: bool = True,
         post_process: bool = True,
+        checkpoint_impl=None,
     ):
         super().__init__()
         self.cfg, self.state, self.rng_tracker = cfg, state, rng_tracker
+        self.checkpoint_impl = checkpoint_impl  # e.g. DeepSpeed's, for --deepspeed recompute
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = not cfg.untie_embeddings_and_output_weights
         layer_range = range(cfg.num_layers) if layer_range is None else layer_range
@@ -164,7 +166,13 @@ class GPTModel(nn.Module):
     def forward(self, tokens=None, position_ids=None, labels=None):
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
         x = run_layers(
-            list(self.layers.values()), x, position_ids, self.cfg, self.rng_tracker, self.training
+            list(self.layers.values()),
+            x,
+            position_ids,
+            self.cfg,
+            self.rng_tracker,
+            self.training,
+            self.checkpoint_impl,
         )
         if not self.post_process:
             return x
@@ -174,7 +182,7 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.state.tp_group)
 
 
-def run_layers(layers, x, position_ids, cfg: ModelConfig, tracker, training: bool):
+def run_layers(layers, x, position_ids, cfg: ModelConfig, tracker, training: bool, impl=None):
     """Run the transformer layers, recomputing activations as --recompute-* asks.
 
     full + uniform: checkpoint every group of N consecutive layers; full + block: checkpoint
@@ -187,11 +195,15 @@ def run_layers(layers, x, position_ids, cfg: ModelConfig, tracker, training: boo
     n = cfg.recompute_num_layers
     if cfg.recompute_method == "block":
         for i, layer in enumerate(layers):
-            x = checkpoint(layer, tracker, x, position_ids) if i < n else layer(x, position_ids)
+            x = (
+                checkpoint(layer, tracker, x, position_ids, impl=impl)
+                if i < n
+                else layer(x, position_ids)
+            )
         return x
     for start in range(0, len(layers), n):
         group = layers[start : start + n]
-        x = checkpoint(_Sequential(group), tracker, x, position_ids)
+        x = checkpoint(_Sequential(group), tracker, x, position_ids, impl=impl)
     return x
 
 
@@ -218,8 +230,13 @@ def _full_shape(param: torch.Tensor, tp_size: int) -> list[int]:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig, state: ParallelState, seed: int) -> None:
+def init_weights(
+    model: nn.Module, cfg: ModelConfig, state: ParallelState, seed: int, prefix: str = ""
+) -> None:
     """Initialize every parameter from (seed, name) on its full shape, then keep this rank's slice.
+
+    `prefix` names a piece built on its own (a DeepSpeed pipeline layer) as it is named inside
+    GPTModel, so it draws exactly the same weights.
 
     Norm weights 1, biases 0, other weights N(0, std) with std / sqrt(2 L) for the output
     projections of residual branches. Vocab-sized weights draw only the real vocab rows, with
@@ -232,9 +249,10 @@ def init_weights(model: nn.Module, cfg: ModelConfig, state: ParallelState, seed:
         for pname, _ in m.named_parameters(recurse=False)
     }
     scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-    for name, param in model.named_parameters():
+    for local_name, param in model.named_parameters():
+        name = prefix + local_name
         full = torch.empty(_full_shape(param, state.tp_size), dtype=torch.float32)
-        if name in norm_params:
+        if local_name in norm_params:
             full.fill_(1.0 if name.endswith("weight") else 0.0)
         elif name.endswith("bias"):
             full.zero_()

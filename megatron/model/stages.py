@@ -78,6 +78,7 @@ def build_model(
     seed: int,
     device=None,
     dtype=torch.float32,
+    checkpoint_impl=None,
 ) -> ModelChunks:
     """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V."""
     vp = state.virtual_pp_size
@@ -93,6 +94,7 @@ def build_model(
                 device=device,
                 dtype=dtype,
                 layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank, vp, c),
+                checkpoint_impl=checkpoint_impl,
                 pre_process=state.is_first_stage and c == 0,
                 post_process=state.is_last_stage and last_chunk,
             )

@@ -78,12 +78,14 @@ def model_parallel_seed(seed: int, tp_rank: int) -> int:
     return seed + 2718 + tp_rank
 
 
-def checkpoint(function: Callable, tracker: RNGStatesTracker | None, *args, **kwargs):
+def checkpoint(function: Callable, tracker: RNGStatesTracker | None, *args, impl=None, **kwargs):
     """Run `function(*args, **kwargs)` without keeping its activations; recompute in backward.
 
-    The recompute sees the same default-generator state (torch restores it) and the same
-    tracker streams (restored here), so dropout masks replay exactly and checkpointing changes
-    memory, never the numbers. The tracker's streams are left where the first pass left them.
+    The recompute sees the same default-generator state (the checkpoint implementation restores
+    it) and the same tracker streams (restored here), so dropout masks replay exactly and
+    checkpointing changes memory, never the numbers. The tracker's streams are left where the
+    first pass left them. `impl(fn, *args)`: another checkpoint implementation (DeepSpeed's,
+    with activation partitioning / CPU offload); default torch's non-reentrant one.
     """
     entry_states = tracker.get_states() if tracker is not None else None
     calls = 0
@@ -100,6 +102,8 @@ def checkpoint(function: Callable, tracker: RNGStatesTracker | None, *args, **kw
         finally:
             tracker.set_states(current)
 
+    if impl is not None:
+        return impl(run, *args, **kwargs)
     return torch_checkpoint.checkpoint(
         run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
     )

@@ -1,0 +1,142 @@
+"""The DeepSpeed JSON, filled and checked against the command line (no deepspeed import).
+
+Batch sizes, gradient accumulation, precision, loss scaling and clipping have one source: the
+command line. Where the JSON is silent it is filled from the flags; where it states a value
+that differs from the flags, that is a ConfigError naming the JSON key and the flag. The
+classic ZeRO flags (--zero-stage, --zero-reduce-scatter, ...) override the JSON when given.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+from megatron.config import ConfigError, MegatronConfig
+
+
+def _load(path: str | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed_config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object")
+    return data
+
+
+def _agree(section: dict, key: str, value, flag: str, where: str) -> None:
+    """Fill section[key] with value, or fail if the JSON already says something else."""
+    if key not in section or section[key] == "auto":
+        section[key] = value
+    elif section[key] != value:
+        raise ConfigError(
+            f"{where}{key}={section[key]!r} in the DeepSpeed JSON contradicts {flag} ({value!r}). "
+            f"Fix: make them equal, or drop {key} from the JSON so the flag fills it."
+        )
+
+
+def _precision(ds: dict, cfg: MegatronConfig) -> None:
+    p, o = cfg.precision, cfg.optimizer
+    fp16, bf16 = ds.setdefault("fp16", {}), ds.setdefault("bf16", {})
+    _agree(fp16, "enabled", p.fp16, "--fp16", "fp16.")
+    _agree(bf16, "enabled", p.bf16, "--bf16", "bf16.")
+    if p.fp16:
+        _agree(fp16, "loss_scale", o.loss_scale or 0, "--loss-scale", "fp16.")
+        _agree(
+            fp16,
+            "initial_scale_power",
+            int(math.log2(o.initial_loss_scale)),
+            "--initial-loss-scale",
+            "fp16.",
+        )
+        _agree(fp16, "loss_scale_window", o.loss_scale_window, "--loss-scale-window", "fp16.")
+        _agree(fp16, "hysteresis", o.hysteresis, "--hysteresis", "fp16.")
+        _agree(fp16, "min_loss_scale", o.min_loss_scale, "--min-loss-scale", "fp16.")
+
+
+def _zero(ds: dict, cfg: MegatronConfig) -> None:
+    d = cfg.deepspeed
+    zero = ds.setdefault("zero_optimization", {})
+    for key, value in (
+        ("stage", d.zero_stage),
+        ("reduce_scatter", d.zero_reduce_scatter),
+        ("contiguous_gradients", d.zero_contigious_gradients),
+        ("reduce_bucket_size", d.zero_reduce_bucket_size),
+        ("allgather_bucket_size", d.zero_allgather_bucket_size),
+    ):
+        if value is not None:  # a classic flag given on the command line wins
+            zero[key] = value
+    zero.setdefault("stage", 0)
+    if d.cpu_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", **zero.get("offload_optimizer", {})}
+    if zero["stage"] not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage={zero['stage']}: use 0, 1, 2 or 3")
+    if zero.get("offload_optimizer") and zero["stage"] == 0:
+        raise ConfigError("offload_optimizer needs ZeRO stage 1 or more. Fix: pass --zero-stage 1")
+    if cfg.parallel.pipeline_model_parallel_size > 1 and zero["stage"] > 1:
+        raise ConfigError(
+            f"ZeRO stage {zero['stage']} with --pipeline-model-parallel-size "
+            f"{cfg.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine does not "
+            "support ZeRO-2/3 (their gradient partitioning conflicts with pipelined gradient "
+            "accumulation). Fix: use --zero-stage 1 (or 0) with pipeline parallelism, or ZeRO-2/3 "
+            "with --pipeline-model-parallel-size 1"
+        )
+
+
+def _activation_checkpointing(ds: dict, cfg: MegatronConfig) -> None:
+    d = cfg.deepspeed
+    if cfg.model.recompute_granularity != "full":
+        return
+    ac = ds.setdefault("activation_checkpointing", {})
+    for key, value in (
+        ("partition_activations", d.partition_activations),
+        ("cpu_checkpointing", d.checkpoint_in_cpu),
+        ("contiguous_memory_optimization", d.contigious_checkpointing),
+        ("synchronize_checkpoint_boundary", d.synchronize_each_layer),
+        ("profile", d.profile_backward),
+    ):
+        ac[key] = value or ac.get(key, False)
+    ac["number_checkpoints"] = cfg.model.num_layers
+
+
+def build_ds_config(cfg: MegatronConfig) -> dict:
+    """The JSON of --deepspeed_config, completed and checked against the command line."""
+    ds = copy.deepcopy(_load(cfg.deepspeed.config))
+    for section, flags in (
+        ("optimizer", "--optimizer/--lr/--weight-decay/--adam-*"),
+        ("scheduler", "--lr-decay-style/--lr-warmup-*/--min-lr"),
+    ):
+        if section in ds:
+            raise ConfigError(
+                f"'{section}' in the DeepSpeed JSON: the optimizer and the LR schedule come from "
+                f"{flags}, so the two can never disagree. Fix: remove '{section}' from the JSON"
+            )
+    t, dp = cfg.training, cfg.parallel.data_parallel_size
+    gbs = t.resolved_global_batch_size(dp)
+    if t.rampup_batch_size is not None:
+        raise ConfigError(
+            "--rampup-batch-size is not supported with --deepspeed (its batch "
+            "size is fixed in the JSON). Fix: drop one of them"
+        )
+    _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", "")
+    _agree(
+        ds,
+        "gradient_accumulation_steps",
+        gbs // (t.micro_batch_size * dp),
+        "--global-batch-size / (--micro-batch-size x DP)",
+        "",
+    )
+    _agree(ds, "train_batch_size", gbs, "--global-batch-size", "")
+    _agree(ds, "gradient_clipping", t.clip_grad, "--clip-grad", "")
+    _precision(ds, cfg)
+    _zero(ds, cfg)
+    _activation_checkpointing(ds, cfg)
+    ds.setdefault("steps_per_print", 10**9)  # we log; DeepSpeed stays quiet
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds

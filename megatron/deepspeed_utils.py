@@ -1,0 +1,332 @@
+"""--deepspeed: the same model, optimizer and schedule handed to a DeepSpeed engine.
+
+- PP = 1: the GPT (our TP layers) in `deepspeed.initialize` with our torch AdamW, AnnealingLR
+  and an `mpu` adapter over our process groups, so ZeRO partitions over DP only.
+- PP > 1: a `deepspeed.pipe.PipelineModule` built from the same layers (embedding, transformer
+  layers, final norm, head; the tied embedding through `TiedLayerSpec`), trained with
+  `train_batch`. Every layer draws the weights GPTModel would (same names, same seed).
+- Activation recompute through `deepspeed.checkpointing` (partitioning, CPU offload, ...) with
+  our TP dropout stream replayed on recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config import MegatronConfig, ModelConfig
+from megatron.deepspeed_config import build_ds_config
+from megatron.model.gpt import Embedding, OutputHead, init_weights
+from megatron.model.stages import build_model
+from megatron.model.transformer import TransformerLayer, build_norm
+from megatron.mpu import (
+    ParallelState,
+    checkpoint,
+    copy_to_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from megatron.optimizer import _torch_optimizer, param_groups
+
+
+def import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError:
+        raise ImportError(
+            "--deepspeed needs DeepSpeed: pip install --no-build-isolation deepspeed "
+            "(after torch is installed)"
+        ) from None
+    return deepspeed
+
+
+class MpuAdapter:
+    """The `mpu` object DeepSpeed asks for, answered from our ParallelState. DeepSpeed's "model
+    parallel" is our tensor parallel (pipeline parallelism runs inside DeepSpeed or not at all)."""
+
+    def __init__(self, state: ParallelState):
+        self.s = state
+
+    def get_model_parallel_group(self):
+        return self.s.tp_group
+
+    def get_model_parallel_rank(self):
+        return self.s.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.s.tp_size
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.s.tp_src_rank
+
+    def get_data_parallel_group(self):
+        return self.s.dp_group
+
+    def get_data_parallel_rank(self):
+        return self.s.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.s.dp_size
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.s.dp_ranks)
+
+    def get_pipeline_model_parallel_group(self):
+        return self.s.pp_group
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.s.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.s.pp_size
+
+
+# ---- pipeline layers: the GPT's pieces with one tensor in and one out ----
+
+
+class EmbeddingPipe(Embedding):
+    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
+        super().__init__(cfg, state, device, dtype)
+        init_weights(self, cfg, state, seed, prefix="embedding.")
+
+    def forward(self, tokens):
+        return super().forward(tokens)
+
+
+class TransformerLayerPipe(TransformerLayer):
+    def __init__(self, cfg, state, tracker, seed: int, number: int, device, dtype):
+        super().__init__(cfg, state, tracker, device, dtype)
+        init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+class FinalNormPipe(nn.Module):
+    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
+        super().__init__()
+        self.final_layernorm = build_norm(cfg, device, dtype)
+        init_weights(self, cfg, state, seed, prefix="head.")
+
+    def forward(self, x):
+        return self.final_layernorm(x)
+
+
+class HeadPipe(OutputHead):
+    """The untied output layer (the final norm is FinalNormPipe)."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
+        super().__init__(cfg, state, device, dtype)
+        del self.final_layernorm
+        init_weights(self, cfg, state, seed, prefix="head.")
+
+    def forward(self, x):
+        logits = self.output_layer(x)
+        return _mask_padding(logits, self.num_valid)
+
+
+def _mask_padding(logits, num_valid: int):
+    if num_valid < logits.size(-1):
+        logits[..., num_valid:] = float("-inf")
+    return logits
+
+
+def _tied_logits(num_valid: int, tp_group, module: EmbeddingPipe, x):
+    x = copy_to_tensor_model_parallel_region(x, tp_group)
+    return _mask_padding(nn.functional.linear(x, module.word_embeddings.weight), num_valid)
+
+
+class _LossPipe:
+    def __init__(self, tp_group):
+        self.tp_group = tp_group
+
+    def __call__(self, logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
+
+
+def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
+    deepspeed = import_deepspeed()
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    m, st, seed = cfg.model, rt.state, cfg.training.seed
+    common = (cfg.model, st, seed, rt.device, cfg.precision.params_dtype)
+    tied = not m.untie_embeddings_and_output_weights
+    embed = (
+        TiedLayerSpec("embed", EmbeddingPipe, *common, tied_weight_attr="word_embeddings.weight")
+        if tied
+        else LayerSpec(EmbeddingPipe, *common)
+    )
+    head_probe = OutputHead(m, st)  # which logits are vocab padding on this TP rank
+    if tied:
+        head = TiedLayerSpec(
+            "embed",
+            EmbeddingPipe,
+            *common,
+            tied_weight_attr="word_embeddings.weight",
+            forward_fn=functools.partial(_tied_logits, head_probe.num_valid, st.tp_group),
+        )
+    else:
+        head = LayerSpec(HeadPipe, *common)
+    layers = [
+        embed,
+        *(
+            LayerSpec(
+                TransformerLayerPipe,
+                m,
+                st,
+                rt.rng_tracker,
+                seed,
+                i,
+                rt.device,
+                cfg.precision.params_dtype,
+            )
+            for i in range(m.num_layers)
+        ),
+        LayerSpec(FinalNormPipe, *common),
+        head,
+    ]
+    topology = PipeModelDataParallelTopology(
+        num_pp=st.pp_size, num_mp=st.tp_size, num_dp=st.dp_size
+    )
+    recompute = m.recompute_granularity == "full"
+    del deepspeed
+    return PipelineModule(
+        layers=layers,
+        loss_fn=_LossPipe(st.tp_group),
+        topology=topology,
+        partition_method="type:TransformerLayerPipe",
+        activation_checkpoint_interval=m.recompute_num_layers if recompute else 0,
+        activation_checkpoint_func=checkpoint_fn,
+    )
+
+
+def _checkpoint_fn(cfg: MegatronConfig, rt):
+    """DeepSpeed's checkpoint with our TP dropout stream replayed, configured from the flags."""
+    deepspeed = import_deepspeed()
+    d = cfg.deepspeed
+    deepspeed.checkpointing.configure(
+        MpuAdapter(rt.state),
+        partition_activations=d.partition_activations,
+        contiguous_checkpointing=d.contigious_checkpointing,
+        num_checkpoints=cfg.model.num_layers,
+        checkpoint_in_cpu=d.checkpoint_in_cpu,
+        synchronize=d.synchronize_each_layer,
+        profile=d.profile_backward,
+    )
+    impl = deepspeed.checkpointing.checkpoint
+
+    def tracked(function, *args):
+        return checkpoint(function, rt.rng_tracker, *args, impl=impl)
+
+    return impl, tracked
+
+
+def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
+    """(engine, scheduler, is_pipeline): the model, our optimizer and LR schedule in DeepSpeed."""
+    deepspeed = import_deepspeed()
+    # Our process group already exists; DeepSpeed's comm layer adopts it. DeepSpeed also insists
+    # on LOCAL_RANK, which a launcher other than torchrun/deepspeed may not set.
+    os.environ.setdefault("LOCAL_RANK", str(rt.device.index or 0))
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    ds_config = build_ds_config(cfg)
+    impl, tracked = _checkpoint_fn(cfg, rt)
+    pipeline = rt.state.pp_size > 1
+    if pipeline:
+        model = build_pipeline_module(cfg, rt, tracked)
+    else:
+        model = build_model(
+            cfg.model,
+            rt.state,
+            rng_tracker=rt.rng_tracker,
+            seed=cfg.training.seed,
+            device=rt.device,
+            dtype=cfg.precision.params_dtype,
+            checkpoint_impl=impl,
+        )
+        if ds_config["zero_optimization"]["stage"] == 3 and model[0].tied:
+            # The head reads the embedding's weight outside the module that owns it.
+            deepspeed.zero.register_external_parameter(
+                model[0].head, model[0].word_embeddings_weight()
+            )
+    optimizer = _torch_optimizer(param_groups(model), cfg.optimizer)
+    scheduler = make_scheduler(optimizer)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=None if pipeline else MpuAdapter(rt.state),
+        dist_init_required=False,
+    )
+    return engine, scheduler, pipeline
+
+
+def _dp_mean(value: torch.Tensor, rt) -> float:
+    t = value.detach().float().reshape(1).to(rt.device)
+    if rt.state.dp_size > 1:
+        dist.all_reduce(t, group=rt.state.dp_group)
+        t /= rt.state.dp_size
+    return float(t.item())
+
+
+class PipeBatches:
+    """Our loader's {"text"} micro batches as the (inputs, labels) pairs DeepSpeed's pipe wants."""
+
+    def __init__(self, data_iterator, device):
+        self.source, self.device = data_iterator, device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        text = next(self.source)["text"].to(self.device)
+        return text[:, :-1].contiguous(), text[:, 1:].contiguous()
+
+
+def ds_train_step(
+    engine, pipeline, forward_step_func, data_iterator, num_micro_batches, rt
+) -> dict:
+    """One global batch. The LR schedule steps by its default_increment (iterations/samples)."""
+    if pipeline:
+        loss = engine.train_batch(PipeBatches(data_iterator, rt.device))
+        value = float(loss.item())
+    else:
+        losses = []
+        for _ in range(num_micro_batches):
+            output, loss_func = forward_step_func(data_iterator, engine)
+            loss, stats = loss_func(output)
+            engine.backward(loss)
+            engine.step()
+            losses.append(stats["lm loss"])
+        value = _dp_mean(torch.stack([x.float() for x in losses]).mean(), rt)
+    norm = engine.get_global_grad_norm()
+    return {
+        "lm_loss": value,
+        "updated": bool(engine.was_step_applied()),
+        "grad_norm": None if norm is None else float(norm),
+    }
+
+
+@torch.no_grad()
+def ds_evaluate(
+    engine, pipeline, forward_step_func, data_iterator, eval_iters, num_micro_batches, rt
+) -> float:
+    engine.eval()
+    values = []
+    for _ in range(eval_iters):
+        if pipeline:
+            values.append(float(engine.eval_batch(PipeBatches(data_iterator, rt.device)).item()))
+        else:
+            for _ in range(num_micro_batches):
+                output, loss_func = forward_step_func(data_iterator, engine)
+                values.append(_dp_mean(loss_func(output)[0], rt))
+    engine.train()
+    return sum(values) / len(values)
