@@ -8,11 +8,12 @@ import dataclasses
 from megatron.checkpointing import CheckpointError, load_shard, resolve_load_iteration
 from megatron.config import ModelConfig, TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.model import GPTModel
+from megatron.model.stages import build_model
 
 
 def load_model_for_inference(load_dir: str, rt, dtype=None):
-    """(model, tokenizer or None, model config, iteration) for this rank's TP/PP position."""
+    """(model chunks, tokenizer or None, model config, iteration) for this rank's TP/PP
+    position; `model[0]` is this stage's GPTModel."""
     iteration = resolve_load_iteration(load_dir)
     if iteration is None:
         raise CheckpointError(f"--load {load_dir}: no checkpoint there")
@@ -37,10 +38,13 @@ def load_model_for_inference(load_dir: str, rt, dtype=None):
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model_cfg = ModelConfig(**{k: v for k, v in args["model"].items() if k in fields})
     model_cfg = dataclasses.replace(model_cfg, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(
+    # Recompute is a training setting; weights are overwritten right after, so seed is moot.
+    model_cfg = dataclasses.replace(model_cfg, recompute_granularity=None)
+    model = build_model(
         model_cfg,
         st,
         rng_tracker=rt.rng_tracker,
+        seed=0,
         device=rt.device,
         dtype=dtype or next(iter(shard["model"].values())).dtype,
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -60,12 +59,6 @@ def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pick_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -95,18 +88,22 @@ def init_distributed(cfg: MegatronConfig, env: LaunchEnv, device: torch.device) 
             "MASTER_ADDR/MASTER_PORT are not set for a multi-process run. Fix: launch with "
             "torchrun or deepspeed, or export both (e.g. the first node's hostname and 29500)."
         )
-    # A single process needs no launcher: it rendezvouses with itself on a free local port.
-    os.environ.setdefault("MASTER_ADDR", env.master_addr or "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", env.master_port or str(free_port()))
     backend = pick_backend(cfg.distributed.backend, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
+    if env.world_size == 1 and not env.master_port:
+        # A single process needs no launcher and no port: an in-memory store is enough.
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
     dist.init_process_group(
         backend=backend,
         init_method="env://",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
+        timeout=timeout,
     )
 
 

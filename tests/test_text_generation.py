@@ -1,37 +1,244 @@
-"""Greedy generation picks the argmax of the real-vocab logits and stops at end-of-document."""
+"""Generation: KV cache == recomputing the prefix, TP/PP == one process, top-k 1 == greedy,
+batches of different lengths; the CLI and the HTTP server agree and reject bad requests."""
 
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
 import torch
 
+from megatron import mpu
+from megatron.checkpointing import finalize_checkpoint, save_shard
 from megatron.config import ModelConfig
+from megatron.inference import InferenceModel
 from megatron.model import GPTModel
-from megatron.mpu import single_process_state
-from megatron.text_generation import generate_greedy
+from megatron.model.stages import build_model
+from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron.text_generation import SamplingParams, generate, generate_greedy
+from tests.distributed import free_port, run_distributed
 
+ROOT = Path(__file__).parent.parent
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
 CFG = ModelConfig(
-    num_layers=2,
+    num_layers=4,
     hidden_size=32,
     num_attention_heads=4,
-    seq_length=16,
+    seq_length=32,
     vocab_size=50,
-    make_vocab_size_divisible_by=64,
+    make_vocab_size_divisible_by=16,
     hidden_dropout=0.0,
     attention_dropout=0.0,
 )
+ROPE = ModelConfig(
+    **{
+        **CFG.__dict__,
+        "position_embedding_type": "rope",
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "num_query_groups": 2,
+    }
+)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+
+
+def _engine(cfg, state=None, seed=3):
+    state = state or mpu.single_process_state()
+    chunks = build_model(cfg, state, rng_tracker=None, seed=seed)
+    return InferenceModel(chunks, state, cfg.vocab_size, cfg.hidden_size)
 
 
 def test_greedy_equals_a_manual_argmax_loop_and_never_picks_padding():
-    model = GPTModel(CFG, single_process_state(), seed=3)
-    prompt = [1, 2, 3]
-    got = generate_greedy(model, prompt, 8, max_length=CFG.seq_length)
-    expected = list(prompt)
+    model = GPTModel(CFG, mpu.single_process_state(), seed=3)
+    model.eval()
+    got = generate_greedy(model, [1, 2, 3], 8, max_length=CFG.seq_length)
+    expected = [1, 2, 3]
     with torch.no_grad():
         for _ in range(8):
-            logits = model(torch.tensor([expected[-CFG.seq_length :]]))[0, -1, : CFG.vocab_size]
+            logits = model(torch.tensor([expected]))[0, -1, : CFG.vocab_size]
             expected.append(int(logits.argmax()))
     assert got == expected and all(t < CFG.vocab_size for t in got)
 
 
-def test_generation_stops_after_eod():
-    model = GPTModel(CFG, single_process_state(), seed=3)
-    first = generate_greedy(model, [1, 2, 3], 1)[-1]
-    assert generate_greedy(model, [1, 2, 3], 10, eod=first) == [1, 2, 3, first]
+@pytest.mark.parametrize("cfg", [CFG, ROPE], ids=["gpt2", "rope-gqa"])
+def test_kv_cache_equals_recomputing_the_prefix_for_a_ragged_batch(cfg):
+    engine = _engine(cfg)
+    for params in (
+        SamplingParams(10, greedy=True),
+        SamplingParams(10, top_k=5, seed=4),
+        SamplingParams(10, top_p=0.8, temperature=0.7, seed=5),
+    ):
+        cached = generate(engine, PROMPTS, params, use_cache=True)
+        full = generate(engine, PROMPTS, params, use_cache=False)
+        assert cached == full
+        assert [c[: len(p)] for c, p in zip(cached, PROMPTS, strict=True)] == PROMPTS
+        assert [len(c) - len(p) for c, p in zip(cached, PROMPTS, strict=True)] == [10] * 3
+    # A row of a batch equals the same prompt generated alone (no padding leaks in).
+    alone = generate(engine, [PROMPTS[1]], SamplingParams(10, greedy=True))[0]
+    assert generate(engine, PROMPTS, SamplingParams(10, greedy=True))[1] == alone
+
+
+def test_top_k_1_is_greedy_and_eod_stops_a_row():
+    engine = _engine(CFG)
+    greedy = generate(engine, PROMPTS, SamplingParams(8, greedy=True))
+    assert generate(engine, PROMPTS, SamplingParams(8, top_k=1, temperature=0.3)) == greedy
+    eod = greedy[0][3]  # the first generated token of row 0
+    stopped = generate(engine, PROMPTS, SamplingParams(8, greedy=True), eod=eod)
+    assert stopped[0] == PROMPTS[0] + [eod]
+
+
+def _parallel_worker(rank, world, prompts):
+    out = {}
+    for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
+        state = initialize_model_parallel(tp, pp)
+        for label, cfg in (("gpt2", CFG), ("rope", ROPE)):
+            engine = _engine(cfg, state)
+            out[f"{name}-{label}"] = generate(engine, prompts, SamplingParams(8, top_k=4, seed=11))
+        destroy_model_parallel(state)
+    return out
+
+
+def test_tp2_and_pp2_generate_what_one_process_generates():
+    expected = {
+        label: generate(_engine(cfg), PROMPTS, SamplingParams(8, top_k=4, seed=11))
+        for label, cfg in (("gpt2", CFG), ("rope", ROPE))
+    }
+    for out in run_distributed(_parallel_worker, 2, PROMPTS):
+        for key, value in out.items():
+            assert value == expected[key.split("-")[1]], key
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny GPT with the fixture tokenizer, saved the way the trainer saves it."""
+    root = tmp_path_factory.mktemp("ckpt")
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=64,
+        vocab_size=8192,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(cfg, mpu.single_process_state(), seed=5)
+    args = {
+        "model": cfg.__dict__,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "tokenizer": {
+            "tokenizer_type": "GPT2BPETokenizer",
+            "vocab_file": str(FIXTURES / "vocab.json"),
+            "merge_file": str(FIXTURES / "merges.txt"),
+            "tokenizer_model": None,
+        },
+    }
+    save_shard(
+        str(root),
+        7,
+        {"model": model.state_dict(), "args": args, "iteration": 7},
+        tp_rank=0,
+        pp_rank=0,
+        pp_size=1,
+        write=True,
+    )
+    finalize_checkpoint(str(root), 7, barrier=lambda: None, is_rank0=True)
+    return str(root)
+
+
+def _put(port, payload: bytes):
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api",
+        data=payload,
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_matches_the_cli_handles_concurrency_and_rejects_bad_requests(checkpoint, tmp_path):
+    prompts = ["def main(", "The quick brown fox", "import os"]
+    cli = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "generate_text.py"),
+            "--load",
+            checkpoint,
+            *sum((["--prompt", p] for p in prompts), []),
+            "--max-new-tokens",
+            "12",
+            "--top-k",
+            "5",
+            "--seed",
+            "9",
+            "--sample-output-file",
+            str(tmp_path / "out.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    cli_text = [json.loads(line)["text"] for line in (tmp_path / "out.jsonl").open()]
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "run_text_generation_server.py"),
+            "--load",
+            checkpoint,
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        first = server.stdout.readline()
+        if "serving checkpoint iteration 7" not in first:
+            server.kill()
+            raise AssertionError(f"server did not start: {first!r} {server.stderr.read()}")
+        body = {"prompts": prompts, "tokens_to_generate": 12, "top_k": 5, "random_seed": 9}
+        status, answer = _put(port, json.dumps(body).encode())
+        assert status == 200 and answer["text"] == cli_text
+        # Concurrent clients each get their own answer.
+        alone = {
+            p: _put(port, json.dumps({**body, "prompts": [p]}).encode())[1]["text"] for p in prompts
+        }
+        results = {}
+        threads = [
+            threading.Thread(
+                target=lambda p=p: results.__setitem__(
+                    p, _put(port, json.dumps({**body, "prompts": [p]}).encode())[1]["text"]
+                )
+            )
+            for p in prompts * 2
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == alone
+        for bad, reason in (
+            (b"not json", "not JSON"),
+            (b'{"prompts": []}', "'prompts'"),
+            (b'{"prompts": ["x"], "tokens_to_generate": -1}', "'tokens_to_generate'"),
+            (b'{"prompts": ["x"], "top_p": 2}', "'top_p'"),
+            (b'{"prompts": ["x"], "bogus": 1}', "unknown fields"),
+        ):
+            status, answer = _put(port, bad)
+            assert status == 400 and reason in answer["error"], (bad, answer)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

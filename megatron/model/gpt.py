@@ -163,17 +163,22 @@ class GPTModel(nn.Module):
         """The activation received from the previous pipeline stage."""
         self._input = x
 
-    def forward(self, tokens=None, position_ids=None, labels=None):
+    def forward(self, tokens=None, position_ids=None, labels=None, kv_caches=None):
+        """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference)."""
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
-        x = run_layers(
-            list(self.layers.values()),
-            x,
-            position_ids,
-            self.cfg,
-            self.rng_tracker,
-            self.training,
-            self.checkpoint_impl,
-        )
+        if kv_caches is not None:
+            for number, layer in self.layers.items():
+                x = layer(x, position_ids, kv_caches[int(number)])
+        else:
+            x = run_layers(
+                list(self.layers.values()),
+                x,
+                position_ids,
+                self.cfg,
+                self.rng_tracker,
+                self.training,
+                self.checkpoint_impl,
+            )
         if not self.post_process:
             return x
         logits = self.head(x, self.word_embeddings_weight())

@@ -68,6 +68,34 @@ class RotaryEmbedding(nn.Module):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, for one layer (generation).
+
+    Preallocated to `max_length` positions; `append` writes the new positions and returns all of
+    them, so each new token costs attention over the prefix, not a recomputation of it.
+    """
+
+    def __init__(self, batch: int, max_length: int, groups: int, head_dim: int, device, dtype):
+        shape = (batch, max_length, groups, head_dim)  # (b, s, g, d)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        n = k.size(1)
+        if self.length + n > self.k.size(1):
+            raise ValueError(f"KV cache holds {self.k.size(1)} positions; {self.length + n} asked")
+        self.k[:, self.length : self.length + n] = k
+        self.v[:, self.length : self.length + n] = v
+        self.length += n
+        return self.k[:, : self.length], self.v[:, : self.length]
+
+    def causal_mask(self, past: int, new: int) -> torch.Tensor:
+        """(new, past + new) booleans: query i (at position past + i) sees keys <= past + i."""
+        q = torch.arange(past, past + new, device=self.k.device).unsqueeze(1)
+        return torch.arange(past + new, device=self.k.device).unsqueeze(0) <= q
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention over this rank's heads, through torch SDPA.
 
@@ -109,15 +137,28 @@ class ParallelAttention(nn.Module):
                 cfg.head_dim, cfg.max_positions, cfg.rotary_base, device, dtype
             )
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # (b, s, g, d)
         if self.rotary is not None:
             if position_ids is None:
-                position_ids = torch.arange(s, device=x.device).expand(b, s)
+                start = kv_cache.length if kv_cache is not None else 0
+                position_ids = torch.arange(start, start + s, device=x.device).expand(b, s)
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
+        mask = None
+        if kv_cache is not None:  # generation: attend to the cached prefix as well
+            past = kv_cache.length
+            k, v = kv_cache.append(k, v)  # (b, past + s, g, d)
+            mask = kv_cache.causal_mask(past, s) if past and s > 1 else None
+            if past and s == 1:
+                mask = False  # one new position sees everything before it
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
         if self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=1)
@@ -125,17 +166,21 @@ class ParallelAttention(nn.Module):
         if self.recompute_core and self.training:  # --recompute-granularity selective
             ctx = checkpoint(self._core_attention, self.rng_tracker, q, k, v)
         else:
-            ctx = self._core_attention(q, k, v)
+            ctx = self._core_attention(q, k, v, mask)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.dense(ctx)
 
-    def _core_attention(self, q, k, v):
-        # q, k, v: (b, heads, s, d)
+    def _core_attention(self, q, k, v, mask=None):
+        # q: (b, heads, s_q, d); k, v: (b, heads, s_k, d). mask None: causal; False: none;
+        # a tensor: which keys each query may see.
         p = self.dropout if self.training else 0.0
         # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with rng:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            attn_mask = None if mask is False else mask
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
 
 
 class ParallelMLP(nn.Module):
@@ -191,7 +236,13 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = build_norm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, state, device, dtype)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.self_attention(self.input_layernorm(x), position_ids), p)
+        attn = self.self_attention(self.input_layernorm(x), position_ids, kv_cache)
+        x = x + F.dropout(attn, p)
         return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), p)

@@ -1,0 +1,506 @@
+"""Export a full state (megatron.checkpoint_conversion) as a Hugging Face model, and back.
+
+Two architectures match our GPT exactly (same logits in fp32):
+  GPT2LMHeadModel   learned positions, LayerNorm, exact GeLU, biases, one KV head per head
+  LlamaForCausalLM  RoPE (rotate-half, as ours), RMSNorm, SwiGLU; any GQA, biases optional
+Other flag combinations raise ValueError. Files written: config.json, model.safetensors,
+generation_config.json and, when the tokenizer files are known, the tokenizer. Reading needs
+only `safetensors` (no `transformers`, no network).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+from megatron.checkpoint_conversion import (
+    OUTPUT_WEIGHTS,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    check_full_state,
+    model_config,
+)
+from megatron.config import ModelConfig
+
+GPT2_EOD = "<|endoftext|>"
+HF_EOD_TOKENS = (GPT2_EOD, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+_GPT2_NEEDS = {
+    "position_embedding_type": ("learned", "--position-embedding-type learned"),
+    "normalization": ("LayerNorm", "--normalization LayerNorm"),
+    "swiglu": (False, "no --swiglu"),
+    "add_bias_linear": (True, "no --disable-bias-linear"),
+}
+_LLAMA_NEEDS = {
+    "position_embedding_type": ("rope", "--position-embedding-type rope"),
+    "normalization": ("RMSNorm", "--normalization RMSNorm"),
+    "swiglu": (True, "--swiglu"),
+}
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """'gpt2' or 'llama': the HF architecture computing exactly what our model computes."""
+    gpt2 = [flag for f, (v, flag) in _GPT2_NEEDS.items() if getattr(cfg, f) != v]
+    if cfg.query_groups != cfg.num_attention_heads:
+        gpt2.append("no --num-query-groups (GPT-2 has one key/value head per query head)")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        gpt2.append("no --kv-channels (GPT-2's head size is hidden / heads)")
+    llama = [flag for f, (v, flag) in _LLAMA_NEEDS.items() if getattr(cfg, f) != v]
+    if not gpt2:
+        return "gpt2"
+    if not llama:
+        return "llama"
+    hint = ""
+    if cfg.position_embedding_type == "rope" and not cfg.swiglu:
+        hint = " (RoPE with a GeLU MLP is GPT-NeoX-like: GPTNeoXForCausalLM, not implemented)"
+    elif cfg.position_embedding_type == "learned" and cfg.swiglu:
+        hint = " (learned positions with SwiGLU match no standard HF architecture)"
+    raise ValueError(
+        "no Hugging Face architecture matches this model"
+        f"{hint}: GPT2LMHeadModel would need {', '.join(gpt2)}; "
+        f"LlamaForCausalLM would need {', '.join(llama)}"
+    )
+
+
+def split_qkv(t: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """Our fused rows [q_1..q_{n/g}, k, v] per group -> (q (n d, ...), k (g d, ...), v)."""
+    g, d, n = cfg.query_groups, cfg.head_dim, cfg.num_attention_heads
+    rest = t.shape[1:]
+    t = t.reshape(g, n // g + 2, d, *rest)  # (groups, heads per group + k + v, d, ...)
+    q = t[:, : n // g].reshape(n * d, *rest)
+    return q, t[:, -2].reshape(g * d, *rest), t[:, -1].reshape(g * d, *rest)
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig):
+    """Inverse of split_qkv."""
+    g, d, n = cfg.query_groups, cfg.head_dim, cfg.num_attention_heads
+    rest = q.shape[1:]
+    parts = (q.reshape(g, n // g, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest))
+    return torch.cat(parts, dim=1).reshape((n + 2 * g) * d, *rest)
+
+
+# Per layer: (our name, HF name); the HF names are relative to the layer prefix.
+_GPT2_LAYER = (
+    ("input_layernorm.weight", "ln_1.weight"),
+    ("input_layernorm.bias", "ln_1.bias"),
+    ("self_attention.dense.bias", "attn.c_proj.bias"),
+    ("post_attention_layernorm.weight", "ln_2.weight"),
+    ("post_attention_layernorm.bias", "ln_2.bias"),
+    ("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias"),
+    ("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias"),
+)
+# GPT-2's Conv1D stores weights as (in, out): the transpose of our (out, in).
+_GPT2_CONV1D = (
+    ("self_attention.dense.weight", "attn.c_proj.weight"),
+    ("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight"),
+    ("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight"),
+)
+_LLAMA_LAYER = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attention.dense.weight", "self_attn.o_proj.weight"),
+    ("self_attention.dense.bias", "self_attn.o_proj.bias"),
+    ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+    ("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"),
+    ("mlp.dense_4h_to_h.bias", "mlp.down_proj.bias"),
+)
+
+
+def _gpt2_tensors(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"transformer.wte.weight": state[WORD_EMBEDDINGS]}
+    out["transformer.wpe.weight"] = state[POSITION_EMBEDDINGS]
+    for i in range(cfg.num_layers):
+        p, o = f"layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in _GPT2_LAYER:
+            out[o + theirs] = state[p + ours]
+        for ours, theirs in _GPT2_CONV1D:
+            out[o + theirs] = state[p + ours].t()
+        qkv = p + "self_attention.query_key_value."
+        # HF's c_attn is [all q | all k | all v] along its output, not per-head interleaved.
+        out[o + "attn.c_attn.weight"] = torch.cat(split_qkv(state[qkv + "weight"], cfg)).t()
+        out[o + "attn.c_attn.bias"] = torch.cat(split_qkv(state[qkv + "bias"], cfg))
+    out["transformer.ln_f.weight"] = state["head.final_layernorm.weight"]
+    out["transformer.ln_f.bias"] = state["head.final_layernorm.bias"]
+    if cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = state[OUTPUT_WEIGHTS]
+    return out
+
+
+def _gpt2_state(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    state = {WORD_EMBEDDINGS: hf.pop("wte.weight"), POSITION_EMBEDDINGS: hf.pop("wpe.weight")}
+    for i in range(cfg.num_layers):
+        p, o = f"layers.{i}.", f"h.{i}."
+        c_attn = hf.pop(o + "attn.c_attn.weight").t()  # (3 h, h): [q; k; v]
+        state[p + "self_attention.query_key_value.weight"] = join_qkv(*c_attn.chunk(3), cfg)
+        bias = hf.pop(o + "attn.c_attn.bias").chunk(3)
+        state[p + "self_attention.query_key_value.bias"] = join_qkv(*bias, cfg)
+        for ours, theirs in _GPT2_LAYER + _GPT2_CONV1D:
+            t = hf.pop(o + theirs)
+            state[p + ours] = t.t() if (ours, theirs) in _GPT2_CONV1D else t
+    state["head.final_layernorm.weight"] = hf.pop("ln_f.weight")
+    state["head.final_layernorm.bias"] = hf.pop("ln_f.bias")
+    if cfg.untie_embeddings_and_output_weights:
+        state[OUTPUT_WEIGHTS] = hf.pop("lm_head.weight")
+    return state
+
+
+def _llama_tensors(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"model.embed_tokens.weight": state[WORD_EMBEDDINGS]}
+    ffn = cfg.ffn_size
+    params = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    for i in range(cfg.num_layers):
+        p, o = f"layers.{i}.", f"model.layers.{i}."
+        for ours, theirs in _LLAMA_LAYER:
+            if p + ours in state:
+                out[o + theirs] = state[p + ours]
+        for param in params:
+            q, k, v = split_qkv(state[f"{p}self_attention.query_key_value.{param}"], cfg)
+            out[f"{o}self_attn.q_proj.{param}"] = q
+            out[f"{o}self_attn.k_proj.{param}"] = k
+            out[f"{o}self_attn.v_proj.{param}"] = v
+            gate_up = state[f"{p}mlp.dense_h_to_4h.{param}"]  # [gate; up]
+            out[f"{o}mlp.gate_proj.{param}"] = gate_up[:ffn]
+            out[f"{o}mlp.up_proj.{param}"] = gate_up[ffn:]
+    out["model.norm.weight"] = state["head.final_layernorm.weight"]
+    if cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = state[OUTPUT_WEIGHTS]
+    return out
+
+
+def _llama_state(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    state = {WORD_EMBEDDINGS: hf.pop("model.embed_tokens.weight")}
+    params = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    for i in range(cfg.num_layers):
+        p, o = f"layers.{i}.", f"model.layers.{i}."
+        for param in params:
+            q, k, v = (hf.pop(f"{o}self_attn.{x}_proj.{param}") for x in "qkv")
+            state[f"{p}self_attention.query_key_value.{param}"] = join_qkv(q, k, v, cfg)
+            gate, up = (hf.pop(f"{o}mlp.{x}_proj.{param}") for x in ("gate", "up"))
+            state[f"{p}mlp.dense_h_to_4h.{param}"] = torch.cat([gate, up])
+        for ours, theirs in _LLAMA_LAYER:
+            if ours.endswith("weight") or cfg.add_bias_linear:
+                state[p + ours] = hf.pop(o + theirs)
+    state["head.final_layernorm.weight"] = hf.pop("model.norm.weight")
+    if cfg.untie_embeddings_and_output_weights:
+        state[OUTPUT_WEIGHTS] = hf.pop("lm_head.weight")
+    return state
+
+
+def _tokenizer_kind(path: str) -> str:
+    """'vocab', 'merges', 'tokenizer_json' or 'sentencepiece', from the name (and content)."""
+    base = os.path.basename(path)
+    if base.endswith(".model"):
+        return "sentencepiece"
+    if base.endswith(".txt"):
+        return "merges"
+    if base.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+        return "tokenizer_json" if isinstance(value.get("model"), dict) else "vocab"
+    raise ValueError(
+        f"--tokenizer-files {path}: expected vocab.json, merges.txt, tokenizer.json or a "
+        "SentencePiece .model"
+    )
+
+
+def _recorded_tokenizer_files(tok_args: dict) -> list[str]:
+    files = []
+    for key in ("vocab_file", "merge_file", "tokenizer_model"):
+        path = tok_args.get(key)
+        if path and os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if path and os.path.isfile(path):
+            files.append(path)
+        elif path:
+            print(f"warning: the checkpoint's tokenizer file {path} is gone; not exported")
+    return files
+
+
+def _eod_in(tokenizer_json: str) -> str | None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    return next((t for t in HF_EOD_TOKENS if tok.token_to_id(t) is not None), None)
+
+
+def export_tokenizer(
+    tok_args: dict, out_dir: str, files: list[str] | None, cfg: ModelConfig
+) -> int | None:
+    """Copy the tokenizer files into `out_dir` with a tokenizer_config.json; the eod id or None.
+
+    vocab.json + merges.txt load as GPT2Tokenizer, a tokenizer.json as PreTrainedTokenizerFast;
+    a SentencePiece model is copied as tokenizer.model without a tokenizer config.
+    """
+    kinds = {_tokenizer_kind(p): p for p in (files or _recorded_tokenizer_files(tok_args))}
+    targets = {
+        "vocab": "vocab.json",
+        "merges": "merges.txt",
+        "tokenizer_json": "tokenizer.json",
+        "sentencepiece": "tokenizer.model",
+    }
+    for kind, path in kinds.items():
+        shutil.copyfile(path, os.path.join(out_dir, targets[kind]))
+    eod_token, tok_cfg = None, None
+    if "vocab" in kinds and "merges" in kinds:
+        with open(kinds["vocab"], encoding="utf-8") as f:
+            vocab = json.load(f)
+        eod_token = GPT2_EOD if GPT2_EOD in vocab else None
+        tok_cfg = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
+    elif "tokenizer_json" in kinds:
+        eod_token = _eod_in(kinds["tokenizer_json"])
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    elif "sentencepiece" in kinds:
+        print("note: SentencePiece model copied as tokenizer.model; no tokenizer config written")
+    if tok_cfg is None:
+        return None
+    tok_cfg["model_max_length"] = cfg.max_positions
+    eod = None
+    if eod_token is not None:
+        tok_cfg.update(bos_token=eod_token, eos_token=eod_token, unk_token=eod_token)
+        if "tokenizer_json" in kinds:
+            from tokenizers import Tokenizer
+
+            eod = Tokenizer.from_file(kinds["tokenizer_json"]).token_to_id(eod_token)
+        else:
+            eod = vocab[eod_token]
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), tok_cfg)
+    return eod if eod is not None and eod < cfg.vocab_size else None
+
+
+def import_tokenizer(hf_dir: str) -> dict:
+    """TokenizerConfig fields (as recorded in checkpoint args) for the files in `hf_dir`."""
+    path = lambda name: os.path.abspath(os.path.join(hf_dir, name))  # noqa: E731
+    exists = lambda name: os.path.isfile(os.path.join(hf_dir, name))  # noqa: E731
+    tok = {"tokenizer_type": None, "vocab_file": None, "merge_file": None, "tokenizer_model": None}
+    if exists("vocab.json") and exists("merges.txt"):
+        with open(path("vocab.json"), encoding="utf-8") as f:
+            if GPT2_EOD in json.load(f):
+                tok.update(
+                    tokenizer_type="GPT2BPETokenizer",
+                    vocab_file=path("vocab.json"),
+                    merge_file=path("merges.txt"),
+                )
+    if exists("tokenizer.json"):
+        tok["tokenizer_model"] = path("tokenizer.json")  # GPT2BPETokenizer ignores it
+        if tok["tokenizer_type"] is None and _eod_in(path("tokenizer.json")) is not None:
+            tok["tokenizer_type"] = "HuggingFaceTokenizer"
+    elif exists("tokenizer.model"):
+        tok["tokenizer_model"] = path("tokenizer.model")
+        tok["tokenizer_type"] = tok["tokenizer_type"] or "SentencePieceTokenizer"
+    return tok
+
+
+def _hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, eod: int | None) -> dict:
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "initializer_range": cfg.init_method_std,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "bos_token_id": eod,
+        "eos_token_id": eod,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if arch == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_positions": cfg.max_positions,
+            "n_embd": cfg.hidden_size,
+            "n_layer": cfg.num_layers,
+            "n_head": cfg.num_attention_heads,
+            "n_inner": cfg.ffn_size,
+            "activation_function": "gelu",  # exact (erf) GeLU, as ours; not GPT-2's gelu_new
+            "layer_norm_epsilon": cfg.layernorm_epsilon,
+            "resid_pdrop": cfg.hidden_dropout,
+            "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            **common,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": cfg.layernorm_epsilon,
+        # Older transformers read rope_theta, newer ones rope_parameters.
+        "rope_theta": cfg.rotary_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+        "attention_bias": cfg.add_bias_linear,
+        "mlp_bias": cfg.add_bias_linear,
+        "attention_dropout": cfg.attention_dropout,
+        "pretraining_tp": 1,
+        **common,
+    }
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def to_hf(
+    full_state: dict[str, torch.Tensor],
+    args: dict,
+    out_dir: str,
+    tokenizer_files: list[str] | None = None,
+) -> str:
+    """Write `out_dir` for `transformers` `from_pretrained`; returns 'gpt2' or 'llama'.
+
+    `tokenizer_files` (vocab.json + merges.txt, a tokenizer.json, or a SentencePiece .model)
+    default to the files recorded in the checkpoint's args, where they still exist.
+    """
+    from safetensors.torch import save_file
+
+    cfg = model_config(args)
+    arch = hf_architecture(cfg)
+    check_full_state(full_state, cfg, "the state to export")
+    tensors = _gpt2_tensors(full_state, cfg) if arch == "gpt2" else _llama_tensors(full_state, cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    eod = export_tokenizer(args.get("tokenizer") or {}, out_dir, tokenizer_files, cfg)
+    dtype = full_state[WORD_EMBEDDINGS].dtype
+    # safetensors wants contiguous tensors that share no memory.
+    tensors = {n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(out_dir, "config.json"), _hf_config(cfg, arch, dtype, eod))
+    if eod is not None:
+        generation = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
+        _write_json(os.path.join(out_dir, "generation_config.json"), generation)
+    return arch
+
+
+def _read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(
+            f"--from-hf {hf_dir}: no model.safetensors (or its index); only safetensors weights "
+            "are read (convert a pytorch_model.bin with transformers' save_pretrained first)"
+        )
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(hf_dir, name)))
+    return tensors
+
+
+def _check_equal(hf: dict, name: str, want, what: str) -> None:
+    if hf.get(name, want) != want:
+        raise ValueError(f"config.json {name}={hf[name]!r}: {what}")
+
+
+def _gpt2_config(hf: dict) -> dict:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"config.json activation_function={act!r}: ours is GeLU")
+    if act != "gelu":
+        print(
+            f"warning: the HF model uses activation_function={act!r} (tanh-approximate GeLU); "
+            "ours is the exact erf GeLU, so logits will differ slightly (~1e-3)"
+        )
+    _check_equal(hf, "scale_attn_by_inverse_layer_idx", False, "not supported")
+    _check_equal(hf, "scale_attn_weights", True, "ours always scales by 1/sqrt(head_dim)")
+    _check_equal(hf, "add_cross_attention", False, "not supported")
+    return {
+        "num_layers": hf["n_layer"],
+        "hidden_size": hf["n_embd"],
+        "num_attention_heads": hf["n_head"],
+        "ffn_hidden_size": hf.get("n_inner") or 4 * hf["n_embd"],
+        "seq_length": hf["n_positions"],
+        "max_position_embeddings": hf["n_positions"],
+        "layernorm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
+        "hidden_dropout": hf.get("resid_pdrop", 0.1),
+        "attention_dropout": hf.get("attn_pdrop", 0.1),
+    }
+
+
+def _llama_config(hf: dict) -> dict:
+    _check_equal(hf, "hidden_act", "silu", "ours is SwiGLU (silu)")
+    rope = hf.get("rope_parameters") or {}
+    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise ValueError("config.json: RoPE scaling (rope_scaling / rope_type) is not supported")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ValueError(
+            "config.json: attention_bias and mlp_bias must agree (--disable-bias-linear)"
+        )
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": None if groups == heads else groups,
+        "kv_channels": None if head_dim * heads == hf["hidden_size"] else head_dim,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "seq_length": hf["max_position_embeddings"],
+        "max_position_embeddings": hf["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        "rotary_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "swiglu": True,
+        "add_bias_linear": bool(hf.get("attention_bias", False)),
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(hf.get("attention_dropout", 0.0)),
+    }
+
+
+def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(full state, checkpoint args at TP = PP = 1) of a GPT-2 or Llama directory, offline."""
+    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+        hf_cfg = json.load(f)
+    kind = hf_cfg.get("model_type")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"--from-hf {hf_dir}: model_type {kind!r} is not supported (gpt2, llama)")
+    fields = _gpt2_config(hf_cfg) if kind == "gpt2" else _llama_config(hf_cfg)
+    # transformers' default is tied for both, when the key is absent.
+    tied = hf_cfg.get("tie_word_embeddings", True)
+    cfg = ModelConfig(
+        vocab_size=hf_cfg["vocab_size"],
+        init_method_std=hf_cfg.get("initializer_range", 0.02),
+        untie_embeddings_and_output_weights=not tied,
+        **fields,
+    )
+    hf = _read_safetensors(hf_dir)
+    if kind == "gpt2":
+        # Hub files name GPT-2's tensors without the `transformer.` prefix; both are read.
+        hf = {n.removeprefix("transformer."): t for n, t in hf.items()}
+        ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old versions
+        state = _gpt2_state(hf, cfg)
+    else:
+        ignored = ("rotary_emb.inv_freq",)
+        state = _llama_state(hf, cfg)
+    if tied:
+        hf.pop("lm_head.weight", None)  # a tied head may be saved too; it is the embedding
+    left = [n for n in hf if not n.endswith(ignored)]
+    if left:
+        raise ValueError(f"--from-hf {hf_dir}: tensors not understood: {', '.join(left[:6])}")
+    state = {n: t.contiguous() for n, t in state.items()}
+    check_full_state(state, cfg, f"--from-hf {hf_dir}")
+    args = {
+        "model": dataclasses.asdict(cfg),
+        "tokenizer": import_tokenizer(hf_dir),
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "padded_vocab_size": cfg.padded_vocab_size(1),
+        "params_dtype": str(state[WORD_EMBEDDINGS].dtype),
+    }
+    return state, args

@@ -1,0 +1,121 @@
+"""Forward passes for generation and evaluation on any TP x PP layout (DP = 1).
+
+A forward runs the pipeline stage by stage (one micro batch): stage s receives the hidden
+states from s - 1, runs its layers (with their KV caches when generating) and sends on; the
+last stage turns them into logits. Results the caller needs everywhere (next-token logits,
+per-token losses) are then broadcast from the last stage's TP rank 0 to every rank of the
+model-parallel group, so all ranks see the same numbers and take the same decisions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.model.transformer import KVCache
+from megatron.mpu import ParallelState, gather_from_tensor_model_parallel_region
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+
+
+class InferenceModel:
+    def __init__(self, chunks, state: ParallelState, vocab_size: int, hidden_size: int):
+        if state.dp_size != 1:
+            raise ValueError(
+                f"inference runs one model replica (DP = 1); launch TP x PP = "
+                f"{state.tp_size * state.pp_size} processes, not {state.world_size}"
+            )
+        self.chunks, self.state = chunks, state
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.model = chunks[0]  # inference uses one chunk per stage
+        self.model.eval()
+        p = next(self.model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @property
+    def src_rank(self) -> int:
+        """Global rank of TP rank 0 on the last pipeline stage (DP = 1)."""
+        st = self.state
+        return (st.pp_size - 1) * st.tp_size
+
+    def new_caches(self, batch: int, max_length: int) -> dict[int, KVCache]:
+        cfg = self.model.cfg
+        groups = cfg.query_groups // self.state.tp_size
+        return {
+            int(n): KVCache(batch, max_length, groups, cfg.head_dim, self.device, self.dtype)
+            for n in self.model.layers
+        }
+
+    def _stage_forward(self, tokens, position_ids, caches, labels=None):
+        """This stage's part of one forward; the last stage's output (logits or losses)."""
+        st = self.state
+        b, s = tokens.shape
+        if not st.is_first_stage:
+            x = torch.empty(b, s, self.hidden_size, device=self.device, dtype=self.dtype)
+            dist.recv(x, st.prev_pp_rank)
+            self.model.set_input_tensor(x)
+        out = self.model(tokens, position_ids=position_ids, labels=labels, kv_caches=caches)
+        if not st.is_last_stage:
+            dist.send(out.contiguous(), st.next_pp_rank)
+            return None
+        return out
+
+    def _broadcast(self, value: torch.Tensor | None, shape, dtype) -> torch.Tensor:
+        if self.state.world_size == 1:
+            return value
+        if value is None or self.state.rank != self.src_rank:
+            value = torch.empty(shape, device=self.device, dtype=dtype)
+        value = value.contiguous()
+        dist.broadcast(value, self.src_rank, group=self.state.mp_group)
+        return value
+
+    @torch.no_grad()
+    def next_token_logits(self, tokens, position_ids, caches=None) -> torch.Tensor:
+        """(b, V) float32 logits of the position after `tokens`, the same on every rank."""
+        out = self._stage_forward(tokens, position_ids, caches)
+        logits = None
+        if out is not None:
+            last = out[:, -1, :].float()  # (b, V_pad / p)
+            logits = gather_from_tensor_model_parallel_region(last, self.state.tp_group)
+            logits = logits[:, : self.vocab_size]
+        return self._broadcast(logits, (tokens.size(0), self.vocab_size), torch.float32)
+
+    @torch.no_grad()
+    def token_losses(self, tokens, labels, position_ids=None) -> torch.Tensor:
+        """(b, s) float32 cross-entropy of `labels` given `tokens`, the same on every rank."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.size(1), device=self.device).expand_as(tokens)
+        out = self._stage_forward(tokens, position_ids, None)
+        losses = None
+        if out is not None:  # logits (b, s, V_pad / p): never gathered
+            losses = vocab_parallel_cross_entropy(out, labels, self.state.tp_group).float()
+        return self._broadcast(losses, tuple(tokens.shape), torch.float32)
+
+
+def load_inference_model(load_dir: str, rt) -> tuple[InferenceModel, object, int]:
+    """(engine, tokenizer or None, checkpoint iteration) for this rank's TP/PP position."""
+    from megatron.checkpoint_loading import load_model_for_inference
+
+    chunks, tokenizer, model_cfg, iteration = load_model_for_inference(load_dir, rt)
+    engine = InferenceModel(chunks, rt.state, model_cfg.vocab_size, model_cfg.hidden_size)
+    return engine, tokenizer, iteration
+
+
+def broadcast_json(obj, device, src: int = 0):
+    """Send a JSON-able value from global rank `src` to every rank (prompts, requests, stop).
+
+    JSON bytes in a tensor, not pickle: nothing a peer sends is ever executed.
+    """
+    import json
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    if dist.get_rank() == src:
+        payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src)
+    if dist.get_rank() != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src)
+    return json.loads(bytes(payload.cpu().tolist()).decode())

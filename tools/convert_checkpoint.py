@@ -1,0 +1,148 @@
+"""Convert checkpoints: reshard to another TP x PP, export to / import from Hugging Face.
+
+    python tools/convert_checkpoint.py --load ckpt --save ckpt_tp1 \\
+        --target-tensor-model-parallel-size 1 --target-pipeline-model-parallel-size 1
+    python tools/convert_checkpoint.py --load ckpt --to-hf hf_model
+    python tools/convert_checkpoint.py --from-hf hf_model --save ckpt \\
+        --target-tensor-model-parallel-size 2
+One CPU process, no torch.distributed; the whole model is held in memory once. The optimizer
+and RNG states are not converted: resume with --no-load-optim --no-load-rng, or --finetune.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.checkpoint_conversion import (  # noqa: E402
+    load_checkpoint,
+    model_config,
+    save_resharded,
+    validate_layout,
+)
+from megatron.checkpointing import CheckpointError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", help="our checkpoint directory to read (any TP x PP)")
+    src.add_argument("--from-hf", help="Hugging Face GPT-2 or Llama directory to import")
+    dst = p.add_mutually_exclusive_group(required=True)
+    dst.add_argument("--save", help="directory for the converted checkpoint (must not hold it)")
+    dst.add_argument("--to-hf", help="directory for the exported Hugging Face model")
+    p.add_argument(
+        "--target-tensor-model-parallel-size",
+        type=int,
+        default=None,
+        help="TP size of the written checkpoint (default: the source's; 1 for --from-hf)",
+    )
+    p.add_argument(
+        "--target-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="PP size of the written checkpoint (default: the source's; 1 for --from-hf)",
+    )
+    p.add_argument(
+        "--target-num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="lay stages out for the interleaved schedule (default: not interleaved)",
+    )
+    p.add_argument(
+        "--iteration",
+        type=int,
+        default=None,
+        help="with --load: the iteration to read (default: the latest complete one); "
+        "with --from-hf: the iteration to write (default 0, Megatron's `release`)",
+    )
+    p.add_argument(
+        "--tokenizer-files",
+        nargs="+",
+        default=None,
+        help="with --to-hf: vocab.json merges.txt and/or tokenizer.json to ship with the model "
+        "(default: the files recorded in the checkpoint, if they still exist)",
+    )
+    return p
+
+
+def _copy_tokenizer(tok: dict, save_dir: str) -> dict:
+    """Copy the imported tokenizer files beside the checkpoint and point the args at them."""
+    out = dict(tok)
+    for key in ("vocab_file", "merge_file", "tokenizer_model"):
+        if out.get(key):
+            target = os.path.join(
+                os.path.abspath(save_dir), "tokenizer", os.path.basename(out[key])
+            )
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(out[key], target)
+            out[key] = target
+    return out
+
+
+def _reshard(a) -> int:
+    loaded = load_checkpoint(a.load, a.iteration)
+    cfg = model_config(loaded.args)
+    tp = a.target_tensor_model_parallel_size or loaded.tp
+    pp = a.target_pipeline_model_parallel_size or loaded.pp
+    vp = a.target_num_layers_per_virtual_pipeline_stage
+    validate_layout(cfg, tp, pp, vp)
+    save_resharded(
+        loaded.state, loaded.args, a.save, tp, pp, loaded.iteration, meta=loaded.meta, vp_layers=vp
+    )
+    print(
+        f"converted iteration {loaded.iteration} of {a.load} (TP={loaded.tp} x PP={loaded.pp}, "
+        f"padded vocab {loaded.args['padded_vocab_size']}) to {a.save} (TP={tp} x PP={pp}, "
+        f"padded vocab {cfg.padded_vocab_size(tp)})"
+    )
+    return 0
+
+
+def _export(a) -> int:
+    from megatron.hf_conversion import to_hf
+
+    if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
+        raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
+    loaded = load_checkpoint(a.load, a.iteration)
+    arch = to_hf(loaded.state, loaded.args, a.to_hf, tokenizer_files=a.tokenizer_files)
+    name = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
+    print(f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as {name}")
+    return 0
+
+
+def _import(a) -> int:
+    from megatron.hf_conversion import from_hf
+
+    state, args = from_hf(a.from_hf)
+    cfg = model_config(args)
+    tp = a.target_tensor_model_parallel_size or 1
+    pp = a.target_pipeline_model_parallel_size or 1
+    vp = a.target_num_layers_per_virtual_pipeline_stage
+    validate_layout(cfg, tp, pp, vp)
+    args["tokenizer"] = _copy_tokenizer(args["tokenizer"], a.save)
+    save_resharded(state, args, a.save, tp, pp, a.iteration or 0, vp_layers=vp, quiet=True)
+    print(
+        f"imported {a.from_hf} to {a.save} (TP={tp} x PP={pp}); train from it with --load "
+        f"{a.save} --finetune (the model flags must match: see args in the checkpoint)"
+    )
+    return 0
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.from_hf and a.to_hf:
+        print("error: --from-hf needs --save (our checkpoint format)", file=sys.stderr)
+        return 1
+    try:
+        if a.from_hf:
+            return _import(a)
+        return _reshard(a) if a.save else _export(a)
+    except (ValueError, CheckpointError, OSError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
