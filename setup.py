@@ -24,7 +24,14 @@ setup(
         "tiktoken>=0.5",  # the fast engine for GPT-2 BPE preprocessing (checked against HF)
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "ruff", "sentencepiece"],
+        "dev": [
+            "pytest>=7",
+            "pytest-timeout",
+            "ruff",
+            "sentencepiece",
+            "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)
+            "safetensors",  # HF weight files (megatron/hf_conversion.py)
+        ],
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

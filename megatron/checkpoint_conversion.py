@@ -44,6 +44,13 @@ DROPPED_STATE_NOTE = (
     "--no-load-rng (keeps the iteration and consumed samples; the optimizer starts fresh from "
     "the converted weights) or with --finetune (starts again at iteration 0)."
 )
+# Shard entries that do not depend on the layout, carried over to the converted checkpoint.
+_CARRIED = (
+    "checkpoint_version",
+    "consumed_train_samples",
+    "consumed_valid_samples",
+    "opt_param_scheduler",
+)
 _RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?")
 
 # Parameter name (after `layers.{i}.` for layer parameters) -> (partition dim, stride);
@@ -185,7 +192,7 @@ class LoadedCheckpoint:
     state: dict[str, torch.Tensor]
     args: dict
     iteration: int
-    meta: dict = field(default_factory=dict)  # iteration, consumed samples, LR schedule
+    meta: dict = field(default_factory=dict)  # the _CARRIED entries of the first shard
     tp: int = 1
     pp: int = 1
 
@@ -229,7 +236,8 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             load_shard(load_dir, it, tp_rank=r, pp_rank=pp_rank, pp_size=pp) for r in range(tp)
         ]
         if args is None:
-            args, meta = shards[0]["args"], shards[0]
+            args = shards[0]["args"]
+            meta = {k: shards[0][k] for k in _CARRIED if k in shards[0]}
             saved = (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"])
             if saved != (tp, pp):
                 raise CheckpointError(
@@ -254,23 +262,9 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
                 continue
             full[name] = tensor
         del shards
-    order = list(full_shapes(cfg))
-    full = {n: full[n] for n in order if n in full} | {
-        n: t for n, t in full.items() if n not in order
-    }
     check_full_state(full, cfg, checkpoint_dir(load_dir, it))
-    kept = {
-        k: meta[k]
-        for k in (
-            "checkpoint_version",
-            "iteration",
-            "consumed_train_samples",
-            "consumed_valid_samples",
-            "opt_param_scheduler",
-        )
-        if k in meta
-    }
-    return LoadedCheckpoint(full, args, it, kept, tp, pp)
+    full = {n: full[n] for n in full_shapes(cfg)}  # model order, whatever the stage order
+    return LoadedCheckpoint(full, args, it, meta, tp, pp)
 
 
 def load_full_state(load_dir: str, iteration: int | None = None) -> tuple[dict, dict]:

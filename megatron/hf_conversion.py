@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 
 import torch
 
@@ -215,7 +216,7 @@ def _recorded_tokenizer_files(tok_args: dict) -> list[str]:
         if path and os.path.isfile(path):
             files.append(path)
         elif path:
-            print(f"warning: the checkpoint's tokenizer file {path} is gone; not exported")
+            print(f"warning: tokenizer file {path} is gone; not exported", file=sys.stderr)
     return files
 
 
@@ -253,7 +254,10 @@ def export_tokenizer(
         eod_token = _eod_in(kinds["tokenizer_json"])
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
     elif "sentencepiece" in kinds:
-        print("note: SentencePiece model copied as tokenizer.model; no tokenizer config written")
+        print(
+            "note: SentencePiece model copied as tokenizer.model, no tokenizer config",
+            file=sys.stderr,
+        )
     if tok_cfg is None:
         return None
     tok_cfg["model_max_length"] = cfg.max_positions
@@ -412,8 +416,10 @@ def _gpt2_config(hf: dict) -> dict:
         raise ValueError(f"config.json activation_function={act!r}: ours is GeLU")
     if act != "gelu":
         print(
-            f"warning: the HF model uses activation_function={act!r} (tanh-approximate GeLU); "
-            "ours is the exact erf GeLU, so logits will differ slightly (~1e-3)"
+            f"warning: the HF model uses activation_function={act!r} (tanh-approximate GeLU, "
+            "within 5e-4 of GeLU); ours is the exact erf GeLU, so its logits differ slightly "
+            "and an export writes activation_function='gelu'",
+            file=sys.stderr,
         )
     _check_equal(hf, "scale_attn_by_inverse_layer_idx", False, "not supported")
     _check_equal(hf, "scale_attn_weights", True, "ours always scales by 1/sqrt(head_dim)")
@@ -465,7 +471,10 @@ def _llama_config(hf: dict) -> dict:
 
 def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(full state, checkpoint args at TP = PP = 1) of a GPT-2 or Llama directory, offline."""
-    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--from-hf {hf_dir}: no config.json there (not a Hugging Face model)")
+    with open(config_path, encoding="utf-8") as f:
         hf_cfg = json.load(f)
     kind = hf_cfg.get("model_type")
     if kind not in ("gpt2", "llama"):

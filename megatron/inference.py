@@ -80,15 +80,34 @@ class InferenceModel:
         return self._broadcast(logits, (tokens.size(0), self.vocab_size), torch.float32)
 
     @torch.no_grad()
-    def token_losses(self, tokens, labels, position_ids=None) -> torch.Tensor:
-        """(b, s) float32 cross-entropy of `labels` given `tokens`, the same on every rank."""
+    def token_losses(self, tokens, labels, position_ids=None):
+        """((b, s) float32 cross-entropy of `labels` given `tokens`, (b, s) argmax ids), the
+        same on every rank. The vocab-split logits are never gathered."""
         if position_ids is None:
             position_ids = torch.arange(tokens.size(1), device=self.device).expand_as(tokens)
         out = self._stage_forward(tokens, position_ids, None)
-        losses = None
-        if out is not None:  # logits (b, s, V_pad / p): never gathered
+        packed = None
+        if out is not None:  # logits (b, s, V_pad / p)
             losses = vocab_parallel_cross_entropy(out, labels, self.state.tp_group).float()
-        return self._broadcast(losses, tuple(tokens.shape), torch.float32)
+            argmax = _vocab_parallel_argmax(out, self.state.tp_group)
+            packed = torch.stack([losses, argmax.float()])  # ids < 2^24 are exact in fp32
+        packed = self._broadcast(packed, (2, *tokens.shape), torch.float32)
+        return packed[0], packed[1].long()
+
+
+def _vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
+    """Global argmax over a vocab split across TP: each rank's best, then the best of those."""
+    local_max, local_idx = logits.float().max(dim=-1)  # (b, s)
+    size = 1 if group is None else dist.get_world_size(group)
+    if size == 1:
+        return local_idx
+    offset = dist.get_rank(group) * logits.size(-1)
+    both = torch.stack([local_max, (local_idx + offset).float()])  # (2, b, s)
+    parts = [torch.empty_like(both) for _ in range(size)]
+    dist.all_gather(parts, both, group=group)
+    stacked = torch.stack(parts)  # (p, 2, b, s)
+    best = stacked[:, 0].argmax(dim=0)  # first rank wins ties, like a single argmax
+    return stacked[:, 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
 
 
 def load_inference_model(load_dir: str, rt) -> tuple[InferenceModel, object, int]:

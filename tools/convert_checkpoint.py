@@ -28,33 +28,41 @@ from megatron.checkpointing import CheckpointError  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--load", help="our checkpoint directory to read (any TP x PP)")
-    src.add_argument("--from-hf", help="Hugging Face GPT-2 or Llama directory to import")
+    src.add_argument("--load", metavar="DIR", help="our checkpoint directory to read (any TP x PP)")
+    src.add_argument(
+        "--from-hf", metavar="DIR", help="Hugging Face GPT-2 or Llama directory to import"
+    )
     dst = p.add_mutually_exclusive_group(required=True)
-    dst.add_argument("--save", help="directory for the converted checkpoint (must not hold it)")
-    dst.add_argument("--to-hf", help="directory for the exported Hugging Face model")
+    dst.add_argument(
+        "--save", metavar="DIR", help="directory for the converted checkpoint (must not hold it)"
+    )
+    dst.add_argument("--to-hf", metavar="DIR", help="directory for the exported Hugging Face model")
     p.add_argument(
         "--target-tensor-model-parallel-size",
         type=int,
         default=None,
+        metavar="N",
         help="TP size of the written checkpoint (default: the source's; 1 for --from-hf)",
     )
     p.add_argument(
         "--target-pipeline-model-parallel-size",
         type=int,
         default=None,
+        metavar="N",
         help="PP size of the written checkpoint (default: the source's; 1 for --from-hf)",
     )
     p.add_argument(
         "--target-num-layers-per-virtual-pipeline-stage",
         type=int,
         default=None,
+        metavar="N",
         help="lay stages out for the interleaved schedule (default: not interleaved)",
     )
     p.add_argument(
         "--iteration",
         type=int,
         default=None,
+        metavar="N",
         help="with --load: the iteration to read (default: the latest complete one); "
         "with --from-hf: the iteration to write (default 0, Megatron's `release`)",
     )
@@ -62,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-files",
         nargs="+",
         default=None,
+        metavar="FILE",
         help="with --to-hf: vocab.json merges.txt and/or tokenizer.json to ship with the model "
         "(default: the files recorded in the checkpoint, if they still exist)",
     )
@@ -134,6 +143,9 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if a.from_hf and a.to_hf:
         print("error: --from-hf needs --save (our checkpoint format)", file=sys.stderr)
+        return 1
+    if a.tokenizer_files and not a.to_hf:
+        print("error: --tokenizer-files is only used with --to-hf", file=sys.stderr)
         return 1
     try:
         if a.from_hf:

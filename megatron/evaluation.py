@@ -1,0 +1,190 @@
+"""Zero-shot evaluations of Megatron's tasks/zeroshot_gpt: WikiText perplexity, LAMBADA cloze
+accuracy, and perplexity over a loose-JSON corpus, on any TP x PP layout.
+
+Perplexity over a long token stream uses windows of seq_length tokens moved by `stride`
+(--overlapping-eval): each target token is scored once, by the first window that contains it
+with the most context (all of the first window's targets; then only the last `stride`).
+WikiText reports the token-level perplexity and the word-level "adjusted" one, which rescales
+the mean loss by (tokens - 1) / (original words - 1) so numbers compare across tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+
+import torch
+
+from megatron.inference import InferenceModel
+
+_WIKITEXT_RULES = [  # the word-level WikiText files' tokenization, undone
+    (" @-@ ", "-"),
+    (" @,@ ", ","),
+    (" @.@ ", "."),
+    (" : ", ": "),
+    (" ; ", "; "),
+    (" . ", ". "),
+    (" ! ", "! "),
+    (" ? ", "? "),
+    (" , ", ", "),
+    (" 's", "'s"),
+    ("= = = =", "===="),
+    ("= = =", "==="),
+    ("= =", "=="),
+    (" \n", "\n"),
+    ("\n ", "\n"),
+    (" N ", " 1 "),
+]
+
+
+def wikitext_detokenize(text: str) -> str:
+    text = re.sub(r"\( ([^)]*) \)", r"(\1)", text)
+    text = re.sub(r'" ([^"]*) "', r'"\1"', text)
+    text = re.sub(r"\[ ([^\]]*) \]", r"[\1]", text)
+    for old, new in _WIKITEXT_RULES:
+        text = text.replace(old, new)
+    return re.sub(r" ([.,;:!?])(?=\s|$)", r"\1", text)  # "word ." -> "word."
+
+
+def window_plan(num_tokens: int, seq_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """[(start, length, first scored)] covering targets 1 .. num_tokens - 1 exactly once.
+
+    A window holds inputs tokens[start : start + length] and targets one further on; only its
+    targets from `first scored` on (relative to the window) count.
+    """
+    if not 0 < stride <= seq_length:
+        raise ValueError(f"--overlapping-eval {stride} must be in [1, --seq-length {seq_length}]")
+    plan, next_target, start = [], 1, 0
+    while next_target <= num_tokens - 1:
+        length = min(seq_length, num_tokens - 1 - start)
+        plan.append((start, length, next_target - (start + 1)))
+        next_target = start + length + 1
+        start += stride
+    return plan
+
+
+def stream_nll(
+    engine: InferenceModel,
+    tokens: list[int],
+    seq_length: int,
+    stride: int,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> float:
+    """Sum of the negative log-likelihood of every target token of the stream."""
+    plan = window_plan(len(tokens), seq_length, stride)
+    ids = torch.tensor(tokens, device=engine.device)
+    total = 0.0
+    for i in range(0, len(plan), batch_size):
+        group = plan[i : i + batch_size]
+        for length in sorted({g[1] for g in group}):  # equal-length windows batch together
+            same = [g for g in group if g[1] == length]
+            x = torch.stack([ids[s : s + length] for s, _, _ in same])
+            y = torch.stack([ids[s + 1 : s + length + 1] for s, _, _ in same])
+            losses, _ = engine.token_losses(x, y)
+            for row, (_, _, first) in enumerate(same):
+                total += float(losses[row, first:].double().sum())
+        if progress:
+            progress(min(i + batch_size, len(plan)), len(plan))
+    return total
+
+
+def evaluate_wikitext(
+    engine, tokenizer, text: str, seq_length: int, stride: int, batch_size: int, progress=None
+) -> dict:
+    words = len(text.strip().split(" "))  # the original word-level tokens, as Megatron counts
+    tokens = tokenizer.tokenize(wikitext_detokenize(text))
+    nll = stream_nll(engine, tokens, seq_length, stride, batch_size, progress)
+    loss = nll / (len(tokens) - 1)
+    ratio = (len(tokens) - 1) / (words - 1)
+    return {
+        "task": "wikitext",
+        "loss": loss,
+        "ppl": math.exp(min(20.0, loss)),
+        "adjusted_ppl": math.exp(min(20.0, loss * ratio)),
+        "num_tokens": len(tokens),
+        "num_original_tokens": words,
+        "token_ratio": ratio,
+    }
+
+
+def evaluate_loose_json(
+    engine, tokenizer, docs: list[str], seq_length: int, stride: int, batch_size: int, progress=None
+) -> dict:
+    tokens = []
+    for doc in docs:
+        tokens += tokenizer.tokenize(doc) + [tokenizer.eod]
+    loss = stream_nll(engine, tokens, seq_length, stride, batch_size, progress) / (len(tokens) - 1)
+    return {
+        "task": "loose-json",
+        "loss": loss,
+        "ppl": math.exp(min(20.0, loss)),
+        "num_tokens": len(tokens),
+    }
+
+
+def lambada_example(tokenizer, text: str, strict: bool) -> tuple[list[int], int]:
+    """(tokens, number of target tokens at the end). Strict: the whole last word; otherwise
+    the last token of the text."""
+    text = text.strip()
+    if strict:
+        cut = text.rfind(" ")
+        if cut < 0:
+            raise ValueError(f"LAMBADA example without a space: {text[:60]!r}")
+        context, target = tokenizer.tokenize(text[:cut]), tokenizer.tokenize(text[cut:])
+        return context + target, len(target)
+    return tokenizer.tokenize(text), 1
+
+
+def evaluate_lambada(engine, tokenizer, texts: list[str], strict: bool, progress=None) -> dict:
+    correct, nll, scored = 0, 0.0, 0
+    for i, text in enumerate(texts):
+        tokens, n = lambada_example(tokenizer, text, strict)
+        ids = torch.tensor([tokens], device=engine.device)
+        losses, argmax = engine.token_losses(ids[:, :-1], ids[:, 1:])
+        correct += bool((argmax[0, -n:] == ids[0, -n:]).all())
+        nll += float(losses[0, -n:].double().sum())
+        scored += n
+        if progress:
+            progress(i + 1, len(texts))
+    return {
+        "task": "lambada",
+        "accuracy": correct / len(texts),
+        "num_examples": len(texts),
+        "ppl": math.exp(min(20.0, nll / scored)),
+        "num_tokens": scored,
+    }
+
+
+def progress_bar(label: str, enabled: bool):
+    def show(done: int, total: int) -> None:
+        if not enabled:
+            return
+        filled = int(30 * done / max(total, 1))
+        end = "\n" if done >= total else ""
+        print(
+            f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
+
+
+def read_jsonl_texts(path: str, key: str = "text") -> list[str]:
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                texts.append(json.loads(line)[key])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: expected a JSON object with {key!r} ({e})") from None
+    if not texts:
+        raise ValueError(f"{path}: no examples")
+    return texts
