@@ -115,6 +115,47 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="separate output head instead of reusing the input embedding",
     )
+    g = parser.add_argument_group("fused kernels", "Triton on CUDA, torch elsewhere")
+    g.add_argument(
+        "--attention-backend",
+        choices=["sdpa", "fused", "unfused"],
+        default="sdpa",
+        help="sdpa: torch scaled_dot_product_attention (flash where available); "
+        "fused: matmul + Triton scaled causal softmax; unfused: plain torch",
+    )
+    g.add_argument(
+        "--no-masked-softmax-fusion",
+        action="store_false",
+        dest="masked_softmax_fusion",
+        help="torch softmax in the fused backend",
+    )
+    g.add_argument(
+        "--no-layer-norm-fusion",
+        "--no-persist-layer-norm",
+        action="store_false",
+        dest="layer_norm_fusion",
+        help="separate residual add and norm",
+    )
+    g.add_argument(
+        "--no-bias-gelu-fusion",
+        action="store_false",
+        dest="bias_gelu_fusion",
+        help="separate bias add and GeLU",
+    )
+    g.add_argument(
+        "--no-bias-swiglu-fusion",
+        action="store_false",
+        dest="bias_swiglu_fusion",
+        help="torch SwiGLU",
+    )
+    g.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="Triton vocab-parallel cross-entropy without fp32 logits",
+    )
+    g.add_argument(
+        "--torch-compile", action="store_true", help="torch.compile each transformer layer"
+    )
     g = parser.add_argument_group("activation checkpointing", "trade compute for memory")
     g.add_argument(
         "--checkpoint-activations",
@@ -328,6 +369,13 @@ def config_from_namespace(ns: argparse.Namespace, world_size: int) -> MegatronCo
         recompute_granularity="full" if ns.checkpoint_activations else ns.recompute_granularity,
         recompute_method=ns.recompute_method,
         recompute_num_layers=ns.recompute_num_layers,
+        attention_backend=ns.attention_backend,
+        masked_softmax_fusion=ns.masked_softmax_fusion,
+        layer_norm_fusion=ns.layer_norm_fusion,
+        bias_gelu_fusion=ns.bias_gelu_fusion,
+        bias_swiglu_fusion=ns.bias_swiglu_fusion,
+        cross_entropy_loss_fusion=ns.cross_entropy_loss_fusion,
+        torch_compile=ns.torch_compile,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=ns.tensor_model_parallel_size,

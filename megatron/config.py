@@ -50,6 +50,13 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | full | selective
     recompute_method: str = "uniform"  # uniform | block (with full)
     recompute_num_layers: int = 1
+    attention_backend: str = "sdpa"  # sdpa | fused (Triton softmax) | unfused (torch eager)
+    masked_softmax_fusion: bool = True
+    layer_norm_fusion: bool = True  # residual add + LayerNorm/RMSNorm in one kernel
+    bias_gelu_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    cross_entropy_loss_fusion: bool = False
+    torch_compile: bool = False  # compile each transformer layer instead of (or with) kernels
 
     @property
     def ffn_size(self) -> int:

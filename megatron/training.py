@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.config import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.distributed import DistributedDataParallel
+from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.learning_rates import AnnealingLR, scheduler_steps
 from megatron.microbatches import MicroBatchCalculator
@@ -82,6 +83,9 @@ def resolve_vocab(cfg: MegatronConfig):
 
 def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
     dtype = cfg.precision.params_dtype
+    ops = select_ops(cfg.model, rt.device)
+    if rt.state.rank == 0:
+        print(f" {ops.describe()}", file=sys.stderr, flush=True)
     model = build_model(
         cfg.model,
         rt.state,
@@ -89,6 +93,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
         seed=cfg.training.seed,
         device=rt.device,
         dtype=dtype,
+        ops=ops,
     )
     ddp = DistributedDataParallel(
         model,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.model.transformer import NORM_TYPES, TransformerLayer, build_norm
 from megatron.mpu import (
     ColumnParallelLinear,
@@ -23,7 +24,6 @@ from megatron.mpu import (
     checkpoint,
     copy_full_into_param,
     copy_to_tensor_model_parallel_region,
-    vocab_parallel_cross_entropy,
 )
 
 # Output projections of residual branches get std / sqrt(2 x num_layers) (GPT-2's scaled init).
@@ -132,8 +132,10 @@ class GPTModel(nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         checkpoint_impl=None,
+        ops: FusedOps | None = None,
     ):
         super().__init__()
+        self.ops = ops or TORCH_OPS
         self.cfg, self.state, self.rng_tracker = cfg, state, rng_tracker
         self.checkpoint_impl = checkpoint_impl  # e.g. DeepSpeed's, for --deepspeed recompute
         self.pre_process, self.post_process = pre_process, post_process
@@ -145,11 +147,17 @@ class GPTModel(nn.Module):
             if not pre_process:
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype) for i in layer_range}
+            {
+                str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype, self.ops)
+                for i in layer_range
+            }
         )
         self.head = OutputHead(cfg, state, device, dtype) if post_process else None
         self._input: torch.Tensor | None = None
         init_weights(self, cfg, state, seed)
+        if cfg.torch_compile:  # compile the forward, not the module: parameter names stay
+            for layer in self.layers.values():
+                layer.forward = torch.compile(layer.forward)
 
     def layer_list(self) -> list[nn.Module]:
         """The ordered layers; pipeline stages are contiguous slices of this list."""
@@ -184,7 +192,7 @@ class GPTModel(nn.Module):
         logits = self.head(x, self.word_embeddings_weight())
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.state.tp_group)
+        return self.ops.vocab_cross_entropy(logits, labels, self.state.tp_group)
 
 
 def run_layers(layers, x, position_ids, cfg: ModelConfig, tracker, training: bool, impl=None):

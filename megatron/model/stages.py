@@ -79,6 +79,7 @@ def build_model(
     device=None,
     dtype=torch.float32,
     checkpoint_impl=None,
+    ops=None,
 ) -> ModelChunks:
     """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V."""
     vp = state.virtual_pp_size
@@ -95,6 +96,7 @@ def build_model(
                 dtype=dtype,
                 layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank, vp, c),
                 checkpoint_impl=checkpoint_impl,
+                ops=ops,
                 pre_process=state.is_first_stage and c == 0,
                 post_process=state.is_last_stage and last_chunk,
             )

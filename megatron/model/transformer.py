@@ -8,12 +8,14 @@ dense_4h_to_h row-parallel, so each layer does one all-reduce forward and one ba
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.mpu import (
     ColumnParallelLinear,
     ParallelState,
@@ -97,7 +99,8 @@ class KVCache:
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention over this rank's heads, through torch SDPA.
+    """Causal self-attention over this rank's heads: torch SDPA, or (--attention-backend)
+    softmax(scale q k^T) v with a Triton (fused) or torch (unfused) scaled causal softmax.
 
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
@@ -110,6 +113,7 @@ class ParallelAttention(nn.Module):
         rng_tracker: RNGStatesTracker | None,
         device=None,
         dtype=None,
+        ops: FusedOps | None = None,
     ):
         super().__init__()
         self.rng_tracker = rng_tracker
@@ -119,6 +123,7 @@ class ParallelAttention(nn.Module):
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
         self.dropout = cfg.attention_dropout
         self.recompute_core = cfg.recompute_granularity == "selective"
+        self.ops = ops or TORCH_OPS
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         kw = {
             "group": state.tp_group,
@@ -177,6 +182,12 @@ class ParallelAttention(nn.Module):
         # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with rng:
+            if self.ops.attention_backend != "sdpa":
+                # Every mask here is causal with the queries at the end of the keys (training,
+                # and KV-cache steps alike), which is what the causal softmax computes.
+                scores = torch.matmul(q, k.transpose(-1, -2))  # (b, heads, s_q, s_k)
+                probs = self.ops.causal_softmax(scores, 1.0 / math.sqrt(q.size(-1)))
+                return torch.matmul(F.dropout(probs, p), v)
             if mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             attn_mask = None if mask is False else mask
@@ -186,9 +197,16 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """h -> ffn (GeLU, or SwiGLU: silu(gate) * up) -> h, the ffn dimension split over TP."""
 
-    def __init__(self, cfg: ModelConfig, state: ParallelState, device=None, dtype=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state: ParallelState,
+        device=None,
+        dtype=None,
+        ops: FusedOps | None = None,
+    ):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.ops = cfg.swiglu, ops or TORCH_OPS
         kw = {
             "group": state.tp_group,
             "bias": cfg.add_bias_linear,
@@ -208,12 +226,13 @@ class ParallelMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.dense_h_to_4h(x)
+        fc1 = self.dense_h_to_4h
         if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = self.ops.swiglu_act(fc1(x))  # [gate; up] -> silu(gate) * up
+        elif self.ops.bias_gelu == "triton" and fc1.bias is not None:
+            y = self.ops.gelu_with_bias(fc1.forward_without_bias(x), fc1.bias)
         else:
-            y = F.gelu(y)
+            y = F.gelu(fc1(x))
         return self.dense_4h_to_h(y)
 
 
@@ -228,13 +247,14 @@ class TransformerLayer(nn.Module):
         rng_tracker: RNGStatesTracker | None,
         device=None,
         dtype=None,
+        ops: FusedOps | None = None,
     ):
         super().__init__()
-        self.hidden_dropout = cfg.hidden_dropout
+        self.hidden_dropout, self.ops = cfg.hidden_dropout, ops or TORCH_OPS
         self.input_layernorm = build_norm(cfg, device, dtype)
-        self.self_attention = ParallelAttention(cfg, state, rng_tracker, device, dtype)
+        self.self_attention = ParallelAttention(cfg, state, rng_tracker, device, dtype, ops)
         self.post_attention_layernorm = build_norm(cfg, device, dtype)
-        self.mlp = ParallelMLP(cfg, state, device, dtype)
+        self.mlp = ParallelMLP(cfg, state, device, dtype, ops)
 
     def forward(
         self,
@@ -244,5 +264,14 @@ class TransformerLayer(nn.Module):
     ) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
         attn = self.self_attention(self.input_layernorm(x), position_ids, kv_cache)
+        if self.ops.add_norm == "triton":  # residual add + norm in one kernel
+            y, x = self._add_norm(F.dropout(attn, p), x)
+            return x + F.dropout(self.mlp(y), p)
         x = x + F.dropout(attn, p)
         return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), p)
+
+    def _add_norm(self, x, residual):
+        norm = self.post_attention_layernorm
+        if isinstance(norm, RMSNorm):
+            return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)

@@ -112,6 +112,10 @@ class ColumnParallelLinear(nn.Module):
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y
 
+    def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """X A_i only, for a caller that fuses the bias into the next op (bias + GeLU)."""
+        return F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight)
+
 
 class RowParallelLinear(nn.Module):
     """Y = XA + b, A split along its input dimension: A = [A_1; ...; A_p], X = [X_1, ..., X_p].

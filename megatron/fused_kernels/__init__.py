@@ -1,0 +1,157 @@
+"""Fused kernels, chosen once at model build: Triton where it can run, exact torch elsewhere.
+
+Megatron's fused CUDA kernels (scaled masked softmax, layer norm, bias-GeLU) are the first thing
+its users fail to build. Here nothing is built at install time: the Triton kernels JIT-compile
+on a CUDA device (or run in Triton's interpreter on the CPU when TRITON_INTERPRET=1 is set, which
+is how the tests exercise them), and every op has a plain torch implementation with the same
+math that is used everywhere else and serves as the reference.
+
+Ops: the attention core (`--attention-backend sdpa|fused|unfused`; fused = Triton scaled causal
+softmax), residual-add + LayerNorm/RMSNorm, bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel
+cross-entropy that never materializes fp32 logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megatron.config import ModelConfig
+from megatron.fused_kernels import reference
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton is installed and can run here: a CUDA device, or its CPU interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The implementation picked for each op ("triton" or "torch"), plus the attention path."""
+
+    attention_backend: str = "sdpa"  # sdpa | fused | unfused
+    softmax: str = "torch"
+    add_norm: str = "torch"
+    bias_gelu: str = "torch"
+    swiglu: str = "torch"
+    cross_entropy: str = "torch"
+
+    def describe(self) -> str:
+        attn = {
+            "sdpa": "torch SDPA",
+            "unfused": "torch matmul + softmax",
+            "fused": f"matmul + {self.softmax} scaled causal softmax",
+        }[self.attention_backend]
+        return (
+            f"fused kernels: attention = {attn}; add+norm = {self.add_norm}; "
+            f"bias+gelu = {self.bias_gelu}; swiglu = {self.swiglu}; "
+            f"cross-entropy = {self.cross_entropy}"
+        )
+
+    # --- the ops themselves ---
+
+    def causal_softmax(self, scores: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.softmax == "triton" and self.attention_backend == "fused":
+            from megatron.fused_kernels.triton_softmax import scaled_upper_triang_masked_softmax
+
+            return scaled_upper_triang_masked_softmax(scores, scale)
+        return reference.torch_scaled_upper_triang_masked_softmax(scores, scale)
+
+    def add_layer_norm(self, x, residual, weight, bias, eps):
+        if self.add_norm == "triton":
+            from megatron.fused_kernels.triton_norms import fused_add_layer_norm
+
+            return fused_add_layer_norm(x, residual, weight, bias, eps)
+        return reference.torch_add_layer_norm(x, residual, weight, bias, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if self.add_norm == "triton":
+            from megatron.fused_kernels.triton_norms import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, weight, eps)
+        return reference.torch_add_rms_norm(x, residual, weight, eps)
+
+    def gelu_with_bias(self, x, bias):
+        if self.bias_gelu == "triton":
+            from megatron.fused_kernels.triton_activations import bias_gelu
+
+            return bias_gelu(x, bias)
+        return reference.torch_bias_gelu(x, bias)
+
+    def swiglu_act(self, x):
+        if self.swiglu == "triton":
+            from megatron.fused_kernels.triton_activations import swiglu
+
+            return swiglu(x)
+        return reference.torch_swiglu(x)
+
+    def vocab_cross_entropy(self, logits, target, group):
+        if self.cross_entropy == "triton":
+            from megatron.fused_kernels.triton_cross_entropy import (
+                vocab_parallel_cross_entropy_fused,
+            )
+
+            return vocab_parallel_cross_entropy_fused(logits, target, group)
+        from megatron.mpu import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, target, group)
+
+
+TORCH_OPS = FusedOps()
+
+
+def select_ops(cfg: ModelConfig, device: torch.device | str) -> FusedOps:
+    """Pick each op's implementation from the device and the --no-*-fusion flags."""
+    device = torch.device(device)
+    triton = triton_available(device)
+    if cfg.attention_backend == "fused" and not triton:
+        raise ValueError(
+            "--attention-backend fused needs Triton on a CUDA device (or TRITON_INTERPRET=1 on "
+            "the CPU). Fix: pip install triton, or use --attention-backend sdpa"
+        )
+
+    wanted = {
+        "softmax": cfg.masked_softmax_fusion,
+        "add_norm": cfg.layer_norm_fusion,
+        "bias_gelu": cfg.bias_gelu_fusion,
+        "swiglu": cfg.bias_swiglu_fusion,
+        "cross_entropy": cfg.cross_entropy_loss_fusion,
+    }
+    chosen = {}
+    for op, enabled in wanted.items():
+        chosen[op] = "triton" if enabled and triton and _self_check(op, device) else "torch"
+    if cfg.attention_backend == "fused" and chosen["softmax"] != "triton":
+        if cfg.masked_softmax_fusion:
+            raise RuntimeError(
+                "--attention-backend fused: the Triton softmax failed its check "
+                "on this device (see the warning). Fix: --attention-backend sdpa"
+            )
+    return FusedOps(attention_backend=cfg.attention_backend, **chosen)
+
+
+def _self_check(op: str, device: torch.device) -> bool:
+    """Run the Triton op once on a small input against its torch twin; False (with a warning)
+    if it fails to compile or disagrees, so a bad kernel never silently trains a model."""
+    import warnings
+
+    from megatron.fused_kernels import checks
+
+    try:
+        ok = checks.CHECKS[op](device)
+    except Exception as e:  # a compile or launch failure: fall back, never crash the run
+        warnings.warn(
+            f"Triton {op} kernel unavailable on {device} ({type(e).__name__}: {e}); "
+            "using the torch implementation",
+            stacklevel=3,
+        )
+        return False
+    if not ok:
+        warnings.warn(
+            f"Triton {op} kernel disagrees with torch on {device}; using torch", stacklevel=3
+        )
+    return ok
