@@ -464,3 +464,63 @@ def test_from_hf_reads_hub_style_gpt2_names(tmp_path):
     back, args = from_hf(str(tmp_path / "hf"))
     assert all(torch.equal(back[n], t) for n, t in state.items())
     assert args["tokenizer"]["tokenizer_type"] is None
+
+
+# ---- the trainer on both sides ----------------------------------------------------------------
+
+
+def _train_worker(rank, world, argv):
+    from megatron.arguments import parse_args
+    from megatron.training import pretrain
+    from megatron.validation import validate_training
+
+    cfg = parse_args(argv, world_size=world)
+    validate_training(cfg)
+    result = pretrain(cfg, out=open(os.devnull, "w"))
+    return [h["lm_loss"] for h in result.history], result.iteration
+
+
+def test_trainer_resumes_a_pp2_checkpoint_resharded_to_tp2(tmp_path):
+    """PP=2 training saves at iteration 3; the TP=2 conversion, resumed with --no-load-optim
+    --no-load-rng, computes iteration 4's loss from the same weights and samples."""
+    import numpy as np
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    prefix = str(tmp_path / "toy")
+    rng = np.random.default_rng(0)
+    builder = MMapIndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
+    for _ in range(200):
+        start, stride, n = rng.integers(0, 100), rng.integers(1, 4), rng.integers(5, 60)
+        builder.add_document([(start + stride * np.arange(n)) % 100])
+    builder.finalize(f"{prefix}.idx")
+    argv = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 100 "
+        "--make-vocab-size-divisible-by 8 --hidden-dropout 0 --attention-dropout 0 "
+        "--micro-batch-size 2 --global-batch-size 4 --train-iters 4 --lr 3e-3 --split 90,10,0 "
+        "--eval-interval 100 --eval-iters 1 --num-workers 0 --log-interval 1 --seed 7 "
+        f"--data-path {prefix}"
+    ).split()
+    src, dst = str(tmp_path / "pp2"), str(tmp_path / "tp2")
+    pp_run = ["--pipeline-model-parallel-size", "2", "--save", src, "--save-interval", "3"]
+    losses, _ = run_distributed(_train_worker, 2, argv + pp_run)[1]  # the last stage logs
+    main = _cli()
+    args = ["--load", src, "--iteration", "3", "--save", dst]
+    sizes = [
+        "--target-tensor-model-parallel-size",
+        "2",
+        "--target-pipeline-model-parallel-size",
+        "1",
+    ]
+    assert main([*args, *sizes]) == 0
+    resume = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--load",
+        dst,
+        "--no-load-optim",
+        "--no-load-rng",
+    ]
+    (resumed, iteration), _ = run_distributed(_train_worker, 2, argv + resume)
+    assert iteration == 4 and len(resumed) == 1
+    assert resumed[0] == pytest.approx(losses[3], rel=1e-5)
