@@ -31,7 +31,7 @@ setup(
             "sentencepiece",
             "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)
             "safetensors",  # HF weight files (megatron/hf_conversion.py)
-        ],
+        , "triton; platform_system == 'Linux'"],
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

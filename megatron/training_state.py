@@ -149,13 +149,17 @@ def load_training_state(
     if c.finetune:
         optimizer.reload_model_params()
         return TrainState()
-    missing = [key for key, skip in (("optimizer", c.no_load_optim), ("rng_state", c.no_load_rng))
-               if not skip and key not in shard]
+    missing = [
+        key
+        for key, skip in (("optimizer", c.no_load_optim), ("rng_state", c.no_load_rng))
+        if not skip and key not in shard
+    ]
     if missing:
         raise CheckpointError(
             f"--load {c.load}: iteration {iteration} has no {' / '.join(missing)} state (a "
             "converted or weights-only checkpoint). Fix: resume with --no-load-optim "
-            "--no-load-rng, or start from its weights with --finetune")
+            "--no-load-rng, or start from its weights with --finetune"
+        )
     if not c.no_load_optim:
         optimizer.load_state_dict(shard["optimizer"])
         scheduler.load_state_dict(shard["opt_param_scheduler"])
