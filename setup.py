@@ -31,7 +31,8 @@ setup(
             "sentencepiece",
             "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)
             "safetensors",  # HF weight files (megatron/hf_conversion.py)
-        , "triton; platform_system == 'Linux'"],
+            "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
+        ],
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },
