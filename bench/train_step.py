@@ -30,8 +30,8 @@ from megatron.model.stages import build_model  # noqa: E402
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
 from megatron.optimizer import MegatronOptimizer  # noqa: E402
 from megatron.timers import Timers  # noqa: E402
-from megatron.training import train_step  # noqa: E402
 from megatron.training_log import model_flops_per_sample, peak_tflops  # noqa: E402
+from megatron.training_step import train_step  # noqa: E402
 
 
 class PlainBlock(nn.Module):

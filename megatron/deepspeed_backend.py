@@ -66,7 +66,7 @@ def verify_weights_only(directory: str) -> None:
 
 class DeepSpeedBackend:
     def __init__(self, cfg: MegatronConfig, rt, forward_step_func):
-        from megatron.training import make_scheduler
+        from megatron.training_step import make_scheduler
 
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.engine, self.scheduler, self.pipeline = setup_deepspeed(

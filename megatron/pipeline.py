@@ -128,25 +128,9 @@ def forward_backward_pipelining(
             f"be a multiple of --pipeline-model-parallel-size {P}; change "
             "--global-batch-size or --micro-batch-size"
         )
-    device = next(model.parameters()).device
-    comm = _Comm(state, shape, dtype, device, timers)
-    shared = _SharedBatches(data_iterator)
-    iters = [shared.chunk_iterator() for _ in range(V)]
-    inputs, outputs, stats = {}, {}, []
+    comm = _Comm(state, shape, dtype, next(model.parameters()).device, timers)
     run = _Runner(
-        chunks,
-        comm,
-        iters,
-        inputs,
-        outputs,
-        stats,
-        forward_step,
-        P,
-        s,
-        V,
-        M,
-        scale_loss,
-        forward_only,
+        chunks, comm, _SharedBatches(data_iterator), forward_step, P, s, M, scale_loss, forward_only
     )
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     with no_sync():
@@ -158,30 +142,20 @@ def forward_backward_pipelining(
         comm.wait_all()
     if report is not None:
         report["max_in_flight"] = run.max_in_flight
-    return stats
+    return run.stats
 
 
 class _Runner:
+    """Executes one stage's actions; keeps the activations alive between F and B."""
+
     def __init__(
-        self,
-        model,
-        comm,
-        iters,
-        inputs,
-        outputs,
-        stats,
-        forward_step,
-        P,
-        s,
-        V,
-        M,
-        scale_loss,
-        forward_only,
+        self, chunks, comm, batches: _SharedBatches, forward_step, P, s, M, scale_loss, forward_only
     ):
-        self.model, self.comm, self.iters = model, comm, iters
-        self.inputs, self.outputs, self.stats = inputs, outputs, stats
-        self.forward_step, self.P, self.s, self.V, self.M = forward_step, P, s, V, M
+        self.model, self.comm, self.forward_step = chunks, comm, forward_step
+        self.iters = [batches.chunk_iterator() for _ in range(len(chunks))]
+        self.P, self.s, self.V, self.M = P, s, len(chunks), M
         self.scale_loss, self.forward_only = scale_loss, forward_only
+        self.inputs, self.outputs, self.stats = {}, {}, []
         self.max_in_flight = 0
 
     def _virtual(self, c: int) -> int:

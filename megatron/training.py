@@ -4,7 +4,6 @@ logging, checkpoints and exit conditions. pretrain_gpt2.py is a thin wrapper aro
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import signal
 import sys
@@ -16,16 +15,10 @@ import torch.distributed as dist
 
 from megatron.config import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.distributed import DistributedDataParallel
-from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime, initialize_megatron
-from megatron.learning_rates import AnnealingLR, scheduler_steps
 from megatron.microbatches import MicroBatchCalculator
-from megatron.model.stages import build_model
-from megatron.optimizer import MegatronOptimizer
-from megatron.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron.timers import Timers
-from megatron.training_data import build_data_iterators, get_batch
+from megatron.training_data import build_data_iterators
 from megatron.training_log import (
     TensorBoard,
     iteration_line,
@@ -34,7 +27,8 @@ from megatron.training_log import (
     peak_tflops,
     validation_line,
 )
-from megatron.training_state import TrainState, load_training_state, save_training_state
+from megatron.training_state import TrainState
+from megatron.training_step import NativeBackend, forward_step
 from megatron.validation import validate_model
 
 
@@ -51,23 +45,6 @@ class TrainResult:
     model: object = None  # the trained (DDP-wrapped) model of this rank
 
 
-def forward_step(data_iterator, model):
-    """One GPT micro batch: the chunk's output and the loss function for the last stage."""
-    tokens, labels, loss_mask = get_batch(data_iterator, _device_of(model))
-    output = model(tokens, labels=labels)  # per-token loss (b, s) on the last stage
-    return output, functools.partial(lm_loss, loss_mask)
-
-
-def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor):
-    """Mean language-model loss over the unmasked tokens of a micro batch."""
-    loss = (per_token * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach()}
-
-
-def _device_of(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def resolve_vocab(cfg: MegatronConfig):
     """Set the model's vocab from the tokenizer (when one is configured); returns (cfg, tok)."""
     tok_cfg = cfg.data.tokenizer
@@ -79,64 +56,6 @@ def resolve_vocab(cfg: MegatronConfig):
     model = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     validate_model(model, cfg.parallel.tensor_model_parallel_size)
     return cfg.replace(model=model), tokenizer
-
-
-def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
-    dtype = cfg.precision.params_dtype
-    ops = select_ops(cfg.model, rt.device)
-    if rt.state.rank == 0:
-        print(f" {ops.describe()}", file=sys.stderr, flush=True)
-    model = build_model(
-        cfg.model,
-        rt.state,
-        rng_tracker=rt.rng_tracker,
-        seed=cfg.training.seed,
-        device=rt.device,
-        dtype=dtype,
-        ops=ops,
-    )
-    ddp = DistributedDataParallel(
-        model,
-        rt.state.dp_group,
-        bucket_size=cfg.distributed.ddp_bucket_size,
-        overlap_grad_reduce=cfg.distributed.overlap_grad_reduce,
-    )
-    optimizer = MegatronOptimizer(
-        model, cfg.optimizer, params_dtype=dtype, state=rt.state, clip_grad=cfg.training.clip_grad
-    )
-    return ddp, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
-
-
-def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
-    """AnnealingLR from the schedule flags; step() counts iterations or samples as they say."""
-    o, t = cfg.optimizer, cfg.training
-    steps = scheduler_steps(
-        train_iters=t.train_iters,
-        train_samples=t.train_samples,
-        global_batch_size=t.resolved_global_batch_size(dp_size),
-        lr_decay_iters=o.lr_decay_iters,
-        lr_decay_samples=o.lr_decay_samples,
-        lr_warmup_iters=o.lr_warmup_iters,
-        lr_warmup_samples=o.lr_warmup_samples,
-        lr_warmup_fraction=o.lr_warmup_fraction,
-        warmup=o.warmup,
-        lr_wsd_decay_iters=o.lr_wsd_decay_iters,
-        lr_wsd_decay_samples=o.lr_wsd_decay_samples,
-    )
-    scheduler = AnnealingLR(
-        optimizer,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        warmup_steps=steps["warmup_steps"],
-        decay_steps=steps["decay_steps"],
-        decay_style=o.lr_decay_style,
-        wsd_decay_steps=steps["wsd_decay_steps"],
-        wsd_decay_style=o.lr_wsd_decay_style,
-        override_lr_scheduler=o.override_lr_scheduler,
-        use_checkpoint_lr_scheduler=o.use_checkpoint_lr_scheduler,
-    )
-    scheduler.default_increment = steps["increment"]
-    return scheduler
 
 
 class _ExitSignal:
@@ -156,92 +75,6 @@ def _any_rank(flags: list[bool], device) -> list[bool]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(x) for x in t.tolist()]
-
-
-def _reported_loss(stats: list[dict], rt: Runtime) -> float:
-    """Mean loss of the global batch: averaged over DP on the last stage, then sent to all
-    pipeline stages so every rank logs (and decides on) the same number."""
-    st = rt.state
-    t = torch.zeros(1, device=rt.device)
-    if st.is_last_stage:
-        t = torch.stack([s["lm loss"].float() for s in stats]).mean().reshape(1).to(rt.device)
-        if st.dp_size > 1:
-            dist.all_reduce(t, group=st.dp_group)
-            t /= st.dp_size
-    if st.pp_size > 1:
-        dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
-    return float(t.item())
-
-
-def sync_embedding_grads(model, state) -> None:
-    """Tied embeddings on the first and last stage: sum their gradients so both copies take
-    the same step and stay equal."""
-    if state.pp_size == 1 or state.embedding_group is None:
-        return
-    weight = model.module.word_embeddings_weight()
-    if weight is not None:
-        dist.all_reduce(weight.main_grad, group=state.embedding_group)
-
-
-def _schedule(cfg: MegatronConfig, rt: Runtime):
-    return get_forward_backward_func(
-        rt.state,
-        micro_batch_size=cfg.training.micro_batch_size,
-        seq_length=cfg.model.seq_length,
-        hidden_size=cfg.model.hidden_size,
-        dtype=cfg.precision.params_dtype,
-    )
-
-
-def train_step(
-    forward_step_func,
-    data_iterator,
-    model,
-    optimizer,
-    scheduler,
-    num_micro_batches,
-    rt: Runtime,
-    timers: Timers,
-    schedule=None,
-    report: dict | None = None,
-) -> dict:
-    """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
-    model.zero_grad_buffer()
-    schedule = schedule or forward_backward_no_pipelining
-    stats = schedule(
-        forward_step_func,
-        data_iterator,
-        model,
-        num_micro_batches,
-        scale_loss=optimizer.scale_loss,
-        timers=timers,
-        report=report,
-    )
-    timers("grads-all-reduce", 2).start()
-    model.finish_grad_sync()
-    sync_embedding_grads(model, rt.state)
-    timers("grads-all-reduce", 2).stop()
-    timers("optimizer", 1).start()
-    updated, grad_norm = optimizer.step()
-    timers("optimizer", 1).stop()
-    if updated:
-        scheduler.step()  # by its default_increment: 1 iteration, or the global batch
-    return {"lm_loss": _reported_loss(stats, rt), "updated": updated, "grad_norm": grad_norm}
-
-
-@torch.no_grad()
-def evaluate(
-    forward_step_func, data_iterator, model, eval_iters, num_micro_batches, rt, schedule=None
-) -> float:
-    model.eval()
-    schedule = schedule or forward_backward_no_pipelining
-    stats = []
-    for _ in range(eval_iters):
-        stats += schedule(
-            forward_step_func, data_iterator, model, num_micro_batches, forward_only=True
-        )
-    model.train()
-    return _reported_loss(stats, rt)
 
 
 def pretrain(
@@ -271,53 +104,6 @@ def pretrain(
         return result
     finally:
         loop.tensorboard.close()
-
-
-class NativeBackend:
-    """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
-
-    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func):
-        self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
-        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(cfg, rt)
-        self.schedule = _schedule(cfg, rt)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    @property
-    def loss_scale(self) -> float:
-        return self.optimizer.loss_scale
-
-    def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> dict:
-        return train_step(
-            self.forward_step,
-            data_iterator,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            num_micro_batches,
-            self.rt,
-            timers,
-            self.schedule,
-        )
-
-    def evaluate(self, data_iterator, eval_iters: int, num_micro_batches: int) -> float:
-        return evaluate(
-            self.forward_step,
-            data_iterator,
-            self.model,
-            eval_iters,
-            num_micro_batches,
-            self.rt,
-            self.schedule,
-        )
-
-    def save(self, state: TrainState) -> None:
-        save_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler, state)
-
-    def load(self) -> TrainState:
-        return load_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler)
 
 
 @dataclass
