@@ -158,3 +158,113 @@ def test_world_size_comes_from_launcher_env(monkeypatch):
 def test_unknown_vocab_size_is_a_clear_error():
     with pytest.raises(ConfigError, match="--vocab-size"):
         ModelConfig().padded_vocab_size(1)
+
+
+TRAIN = [*BASE, "--train-iters", "10", "--lr", "1e-3"]
+TRAINING_RULES = [
+    # (base flags, extra flags, world size, the flag the message must name)
+    (BASE + ["--lr", "1e-3"], [], 1, "--train-iters/--train-samples"),
+    (TRAIN, ["--train-samples", "100"], 1, "--train-iters/--train-samples"),
+    (BASE + ["--train-iters", "10"], [], 1, "--lr"),
+    (TRAIN, ["--min-lr", "1e-2"], 1, "--min-lr"),
+    (TRAIN, ["--lr-warmup-fraction", "1.5"], 1, "--lr-warmup-fraction"),
+    (TRAIN, ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, "--lr-warmup-fraction"),
+    (
+        TRAIN,
+        ["--override-lr-scheduler", "--use-checkpoint-lr-scheduler"],
+        1,
+        "--override-lr-scheduler",
+    ),
+    (TRAIN, ["--loss-scale", "-1"], 1, "--loss-scale"),
+    (TRAIN, ["--initial-loss-scale", "1", "--min-loss-scale", "4"], 1, "--initial-loss-scale"),
+    (TRAIN, ["--clip-grad", "-1"], 1, "--clip-grad"),
+    (TRAIN, ["--save-interval", "5"], 1, "--save-interval"),
+    (TRAIN, ["--exit-duration-in-mins", "0"], 1, "--exit-duration-in-mins"),
+    (TRAIN, ["--eval-iters", "-1"], 1, "--eval-iters"),
+    (TRAIN, ["--log-interval", "0"], 1, "--log-interval"),
+    (
+        TRAIN,
+        ["--rampup-batch-size", "2", "2", "100", "--global-batch-size", "8"],
+        1,
+        "--rampup-batch-size",
+    ),
+    (
+        BASE + ["--train-samples", "100", "--lr", "1e-3"],
+        ["--rampup-batch-size", "3", "2", "100", "--global-batch-size", "8"],
+        1,
+        "--rampup-batch-size",
+    ),
+    (
+        TRAIN,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--global-batch-size",
+            "3",
+        ],
+        2,
+        "--num-layers-per-virtual-pipeline-stage",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,extra,world,flag",
+    TRAINING_RULES,
+    ids=[f"{r[3]}{i}" for i, r in enumerate(TRAINING_RULES)],
+)
+def test_each_training_rule_fails_fast_naming_the_flag(argv, extra, world, flag):
+    from megatron.validation import validate_training
+
+    with pytest.raises(ConfigError) as err:
+        validate_training(parse_args([*argv, *extra], world_size=world))
+    assert flag in str(err.value) and "Fix:" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (["--data-path", "a", "--train-data-path", "b"], "--data-path"),
+        (["--data-path", "0.3", "a", "0.7"], "--data-path"),
+        (["--data-path", "x", "a", "0.7", "b"], "--data-path"),
+        (["--data-path", "-1", "a", "2", "b"], "--data-path"),
+        (["--train-data-path", "0", "a", "0", "b"], "--train-data-path"),
+        (["--split", "1,2,3,4"], "--split"),
+        (["--recompute-num-layers", "0"], "--recompute-num-layers"),
+    ],
+)
+def test_data_and_recompute_rules_fail_fast(extra, flag):
+    with pytest.raises(ConfigError) as err:
+        parse_args([*BASE, *extra], world_size=1)
+    assert flag in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_a_valid_training_config_passes():
+    from megatron.validation import validate_training
+
+    validate_training(
+        parse_args(
+            [*TRAIN, "--lr-warmup-fraction", "0.01", "--save", "ck", "--save-interval", "5"],
+            world_size=1,
+        )
+    )
+    cfg = parse_args(
+        BASE
+        + [
+            "--train-samples",
+            "100",
+            "--lr",
+            "1e-3",
+            "--rampup-batch-size",
+            "2",
+            "2",
+            "100",
+            "--global-batch-size",
+            "8",
+        ],
+        world_size=1,
+    )
+    validate_training(cfg)
+    assert cfg.training.rampup_batch_size == (2, 2, 100)

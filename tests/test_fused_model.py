@@ -19,13 +19,27 @@ from tests.distributed import run_distributed  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
-BASE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12,
-                   vocab_size=60, make_vocab_size_divisible_by=16, hidden_dropout=0.0,
-                   attention_dropout=0.0)
-VARIANTS = {"gpt2": BASE,
-            "llama": dataclasses.replace(BASE, position_embedding_type="rope",
-                                         normalization="RMSNorm", swiglu=True,
-                                         num_query_groups=2, add_bias_linear=False)}
+BASE = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=12,
+    vocab_size=60,
+    make_vocab_size_divisible_by=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+VARIANTS = {
+    "gpt2": BASE,
+    "llama": dataclasses.replace(
+        BASE,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        num_query_groups=2,
+        add_bias_linear=False,
+    ),
+}
 
 
 def _fused(cfg):
@@ -35,7 +49,8 @@ def _fused(cfg):
 def test_dispatch_picks_triton_under_the_interpreter_and_torch_without_it(monkeypatch):
     ops = select_ops(_fused(BASE), torch.device("cpu"))
     assert (ops.softmax, ops.add_norm, ops.bias_gelu, ops.swiglu, ops.cross_entropy) == (
-        "triton",) * 5
+        "triton",
+    ) * 5
     assert "add+norm = triton" in ops.describe()
     off = dataclasses.replace(BASE, layer_norm_fusion=False, bias_gelu_fusion=False)
     assert select_ops(off, torch.device("cpu")).add_norm == "torch"
@@ -50,8 +65,11 @@ def test_model_through_triton_kernels_equals_the_torch_path(name):
     cfg = VARIANTS[name]
     tokens = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(3))
     results = []
-    for model_cfg, ops in ((cfg, None), (_fused(cfg), select_ops(_fused(cfg), "cpu")),
-                           (dataclasses.replace(cfg, attention_backend="unfused"), None)):
+    for model_cfg, ops in (
+        (cfg, None),
+        (_fused(cfg), select_ops(_fused(cfg), "cpu")),
+        (dataclasses.replace(cfg, attention_backend="unfused"), None),
+    ):
         model = GPTModel(model_cfg, mpu.single_process_state(), seed=5, ops=ops)
         loss = model(tokens, labels=tokens).mean()
         loss.backward()
