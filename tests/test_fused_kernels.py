@@ -18,6 +18,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the fused kernels need Triton (its interpreter on CPU)")
 
+pytestmark = pytest.mark.triton  # keeps TRITON_INTERPRET=1 (see conftest)
+
 from megatron.fused_kernels import triton_activations as act  # noqa: E402
 from megatron.fused_kernels import triton_cross_entropy as ce  # noqa: E402
 from megatron.fused_kernels import triton_norms as norms  # noqa: E402

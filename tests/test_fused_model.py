@@ -19,6 +19,8 @@ from tests.distributed import run_distributed  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
+pytestmark = pytest.mark.triton  # keeps TRITON_INTERPRET=1 (see conftest)
+
 BASE = ModelConfig(
     num_layers=2,
     hidden_size=32,
