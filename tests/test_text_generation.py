@@ -92,6 +92,9 @@ def test_top_k_1_is_greedy_and_eod_stops_a_row():
     assert stopped[0] == PROMPTS[0] + [eod]
 
 
+_EVAL_BATCH = (torch.arange(24).view(2, 12) % 50, (torch.arange(24).view(2, 12) * 7) % 50)
+
+
 def _parallel_worker(rank, world, prompts):
     out = {}
     for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
@@ -99,18 +102,30 @@ def _parallel_worker(rank, world, prompts):
         for label, cfg in (("gpt2", CFG), ("rope", ROPE)):
             engine = _engine(cfg, state)
             out[f"{name}-{label}"] = generate(engine, prompts, SamplingParams(8, top_k=4, seed=11))
+            losses, argmax = engine.token_losses(*_EVAL_BATCH)  # what evaluation uses
+            out[f"{name}-{label}-eval"] = (losses.tolist(), argmax.tolist())
         destroy_model_parallel(state)
     return out
 
 
-def test_tp2_and_pp2_generate_what_one_process_generates():
-    expected = {
-        label: generate(_engine(cfg), PROMPTS, SamplingParams(8, top_k=4, seed=11))
-        for label, cfg in (("gpt2", CFG), ("rope", ROPE))
-    }
+def test_tp2_and_pp2_generate_and_evaluate_like_one_process():
+    expected = {}
+    for label, cfg in (("gpt2", CFG), ("rope", ROPE)):
+        engine = _engine(cfg)
+        expected[label] = generate(engine, PROMPTS, SamplingParams(8, top_k=4, seed=11))
+        losses, argmax = engine.token_losses(*_EVAL_BATCH)
+        expected[f"{label}-eval"] = (losses, argmax.tolist())
     for out in run_distributed(_parallel_worker, 2, PROMPTS):
+        assert len(out) == 8
         for key, value in out.items():
-            assert value == expected[key.split("-")[1]], key
+            label = key.split("-", 1)[1]
+            if label.endswith("-eval"):
+                torch.testing.assert_close(
+                    torch.tensor(value[0]), expected[label][0], rtol=1e-5, atol=1e-6, msg=key
+                )
+                assert value[1] == expected[label][1], key
+            else:
+                assert value == expected[label], key
 
 
 @pytest.fixture(scope="module")
