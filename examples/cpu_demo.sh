@@ -41,4 +41,4 @@ $PY -m torch.distributed.run --standalone --nproc_per_node 4 pretrain_gpt2.py \
 
 echo "== 5/5 greedy sample from the checkpoint (TP=2)"
 $PY -m torch.distributed.run --standalone --nproc_per_node 2 tools/generate_text.py \
-    --load "$OUT/checkpoints" --prompt "def __init__(self" --max-new-tokens 48
+    --load "$OUT/checkpoints" --prompt "def __init__(self" --max-new-tokens 48 --greedy
