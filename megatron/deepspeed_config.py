@@ -119,6 +119,12 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
             )
     t, dp = cfg.training, cfg.parallel.data_parallel_size
     gbs = t.resolved_global_batch_size(dp)
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        raise ConfigError(
+            "--num-layers-per-virtual-pipeline-stage: DeepSpeed's pipeline engine "
+            "has no interleaved schedule. Fix: drop the flag, or train without "
+            "--deepspeed (our pipeline schedules support it)"
+        )
     if t.rampup_batch_size is not None:
         raise ConfigError(
             "--rampup-batch-size is not supported with --deepspeed (its batch "

@@ -95,6 +95,18 @@ def _ds_cfg(tmp_path, json_body, *extra, world=2):
         ('{"optimizer": {"type": "Adam"}}', [], "'optimizer' in the DeepSpeed JSON"),
         ('{"zero_optimization": {"stage": 0}}', ["--cpu-optimizer"], "needs ZeRO stage 1"),
         ('{"zero_optimization": {\n  "stage": 1,,\n}}', [], "ds.json:2: invalid JSON"),
+        (
+            "{}",
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "4",
+            ],
+            "no interleaved schedule",
+        ),
     ],
 )
 def test_contradictions_between_json_and_flags_fail_fast(tmp_path, body, extra, message):
