@@ -15,7 +15,7 @@ from megatron.evaluation import (
     progress_bar,
     read_jsonl_texts,
 )
-from megatron.generation_cli import setup
+from megatron.generation_cli import add_checkpoint_args, setup
 from megatron.initialize import shutdown_distributed
 
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="wikitext: the word-level test file (wiki.test.tokens); lambada and "
         "loose-json: JSONL with a 'text' field",
     )
-    p.add_argument("--load", required=True, help="checkpoint directory")
+    add_checkpoint_args(p)
     p.add_argument(
         "--seq-length",
         type=int,
@@ -53,12 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         dest="micro_batch_size",
         help="windows per forward (8)",
-    )
-    p.add_argument(
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="PP of the checkpoint (TP = processes / PP)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

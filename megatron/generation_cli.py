@@ -18,9 +18,20 @@ from megatron.initialize import initialize_megatron, read_launch_env, shutdown_d
 from megatron.text_generation import SamplingParams, generate
 
 
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """The flags every inference tool shares: which checkpoint, and how it is pipelined."""
+    p.add_argument("--load", required=True, help="checkpoint directory (shapes come from it)")
+    p.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="PP of the checkpoint (TP = processes / PP)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="checkpoint directory (shapes come from it)")
+    add_checkpoint_args(p)
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable)")
     p.add_argument("--sample-input-file", default=None, help="one prompt per line")
     p.add_argument("--sample-output-file", default=None, help="JSONL results (default stdout)")
@@ -37,12 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (1.0)")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed (1234)")
-    p.add_argument(
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="PP of the checkpoint (TP = processes / PP)",
-    )
     return p
 
 

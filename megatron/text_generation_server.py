@@ -20,7 +20,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from megatron.checkpointing import CheckpointError
-from megatron.generation_cli import complete, setup
+from megatron.generation_cli import add_checkpoint_args, complete, setup
 from megatron.inference import broadcast_json
 from megatron.initialize import shutdown_distributed
 from megatron.text_generation import SamplingParams
@@ -159,15 +159,9 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="checkpoint directory")
+    add_checkpoint_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--port", type=int, default=5000, help="port (5000)")
-    p.add_argument(
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="PP of the checkpoint (TP = processes / PP)",
-    )
     args = p.parse_args(argv)
     try:
         rt, engine, tokenizer, iteration = setup(args.load, args.pipeline_model_parallel_size)

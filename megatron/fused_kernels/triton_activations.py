@@ -15,20 +15,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch references below still work
-    triton = None
-
-HAS_TRITON = triton is not None
-_jit = triton.jit if HAS_TRITON else (lambda fn: fn)
+from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
+    HAS_TRITON,
+    check_kernel_input,
+    tl,
+    triton,
+)
+from megatron.fused_kernels._triton import jit as _jit
 
 # Columns per tile, and elements per tile (rows = TILE // columns); tests lower MAX_BLOCK.
 MAX_BLOCK = 1024
 TILE = 4096
 _MAX_CHUNKS = 256
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @_jit
@@ -124,10 +122,7 @@ def _tile_grid(n_rows: int, n_cols: int):
 
 
 def _check(x: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed; use the torch_* reference functions")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"activation kernels take fp32/bf16/fp16 inputs, got {x.dtype}")
+    check_kernel_input(x, "activation kernels", "the torch_* reference functions")
 
 
 class _BiasGelu(torch.autograd.Function):

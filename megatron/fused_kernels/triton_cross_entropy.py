@@ -14,21 +14,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
+    HAS_TRITON,
+    check_kernel_input,
+    tl,
+    triton,
+)
+from megatron.fused_kernels._triton import jit as _jit
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.utils import group_rank, group_size
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch reference still works
-    triton = None
-
-HAS_TRITON = triton is not None
-_jit = triton.jit if HAS_TRITON else (lambda fn: fn)
-
 # Vocab columns per loop step (rows kernels) and per program (backward); tests lower it.
 MAX_BLOCK = 4096
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The torch reference / fallback, with the same signature and contract.
 torch_vocab_parallel_cross_entropy = vocab_parallel_cross_entropy
@@ -173,10 +170,9 @@ def vocab_parallel_cross_entropy_fused(
 
     Rank r of `group` holds global vocab ids [r * V/p, (r + 1) * V/p); `target` holds global ids.
     """
-    if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed; use torch_vocab_parallel_cross_entropy")
-    if logits.dtype not in _DTYPES:
-        raise TypeError(f"cross-entropy kernel takes fp32/bf16/fp16 logits, got {logits.dtype}")
+    check_kernel_input(
+        logits, "the cross-entropy kernel's logits", "torch_vocab_parallel_cross_entropy"
+    )
     if logits.shape[:-1] != target.shape:
         raise ValueError(
             f"logits (*, V/p) and target (*) disagree: {tuple(logits.shape)} vs "

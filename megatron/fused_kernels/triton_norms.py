@@ -18,19 +18,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch references below still work
-    triton = None
-
-HAS_TRITON = triton is not None
-_jit = triton.jit if HAS_TRITON else (lambda fn: fn)
+from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
+    HAS_TRITON,
+    check_kernel_input,
+    tl,
+    triton,
+)
+from megatron.fused_kernels._triton import jit as _jit
 
 # Columns per loop step of the row kernels (hidden sizes up to this are one block); tests lower it.
 MAX_BLOCK = 4096
 _DW_BLOCK_R, _DW_BLOCK_C, _DW_MAX_CHUNKS = 32, 128, 256
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @_jit
@@ -297,10 +295,7 @@ class _AddNorm(torch.autograd.Function):
 
 
 def _check(x, residual, weight) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed; use the torch_* reference functions")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"norm kernels take fp32/bf16/fp16 inputs, got {x.dtype}")
+    check_kernel_input(x, "norm kernels", "the torch_* reference functions")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
             f"residual must match x: got {residual.dtype} {tuple(residual.shape)} "

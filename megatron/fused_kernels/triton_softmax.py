@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch references below still work
-    triton = None
-
-HAS_TRITON = triton is not None
-_jit = triton.jit if HAS_TRITON else (lambda fn: fn)
+from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
+    HAS_TRITON,
+    check_kernel_input,
+    tl,
+    triton,
+)
+from megatron.fused_kernels._triton import jit as _jit
 
 # Columns per loop step. Rows up to this long are read once per pass, longer ones loop; 4096 fp32
 # values over 8 warps is 16 registers a thread. Tests lower it to exercise the loop.
 MAX_BLOCK = 4096
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @_jit
@@ -132,10 +130,7 @@ def _launch_config(n_cols: int) -> tuple[int, int]:
 
 
 def _check(scores: torch.Tensor, min_dim: int) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed; use the torch_* reference functions")
-    if scores.dtype not in _DTYPES:
-        raise TypeError(f"softmax kernels take fp32/bf16/fp16 scores, got {scores.dtype}")
+    check_kernel_input(scores, "softmax kernels", "the torch_* reference functions")
     if scores.dim() < min_dim:
         raise ValueError(f"scores must have at least {min_dim} dims, got {tuple(scores.shape)}")
 
