@@ -9,11 +9,11 @@
 
 import sys
 
-from megatron.arguments import parse_args
-from megatron.checkpointing import CheckpointError
+from megatron.checkpoint.storage import CheckpointError
+from megatron.config.cli import parse_args
+from megatron.config.rules import validate_training
 from megatron.initialize import shutdown_distributed
-from megatron.training import TrainingError, pretrain
-from megatron.validation import validate_training
+from megatron.training.loop import TrainingError, pretrain
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,7 @@ setup(
             "ruff",
             "sentencepiece",
             "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)
-            "safetensors",  # HF weight files (megatron/hf_conversion.py)
+            "safetensors",  # HF weight files (megatron/checkpoint/hf.py)
             "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
         ],
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).

@@ -126,7 +126,7 @@ def end_to_end(dtype) -> list[tuple[str, float]]:
     import dataclasses
 
     from bench.train_step import build_ours
-    from megatron.config import ModelConfig
+    from megatron.config.schema import ModelConfig
     from megatron.fused_kernels import select_ops
 
     cfg = ModelConfig(

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 8 --ms 20]
 
-1. Bubble: the real schedule executor (megatron.pipeline) on P gloo ranks, driving model chunks
+1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, driving model chunks
    whose forward sleeps t ms and backward 2t ms (split over V chunks for the interleaved
    schedule). Sleeping uses no CPU, so even a 2-core machine measures the schedule itself.
    bubble = (step time - M x 3t) / (M x 3t), against (P - 1) / M for 1F1B and (P - 1) / (M V)
@@ -23,11 +23,11 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import mpu  # noqa: E402
-from megatron.config import ModelConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
-from megatron.pipeline import forward_backward_pipelining  # noqa: E402
-from megatron.timers import Timers  # noqa: E402
+from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
+from megatron.training.timers import Timers  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 SHAPE = (1, 4, 8)

@@ -22,16 +22,16 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.config import ModelConfig, OptimizerConfig  # noqa: E402
-from megatron.distributed import DistributedDataParallel  # noqa: E402
+from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
-from megatron.learning_rates import AnnealingLR  # noqa: E402
 from megatron.model.stages import build_model  # noqa: E402
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
-from megatron.optimizer import MegatronOptimizer  # noqa: E402
-from megatron.timers import Timers  # noqa: E402
-from megatron.training_log import model_flops_per_sample, peak_tflops  # noqa: E402
-from megatron.training_step import train_step  # noqa: E402
+from megatron.training.ddp import DistributedDataParallel  # noqa: E402
+from megatron.training.learning_rates import AnnealingLR  # noqa: E402
+from megatron.training.log import model_flops_per_sample, peak_tflops  # noqa: E402
+from megatron.training.optimizer import MegatronOptimizer  # noqa: E402
+from megatron.training.step import train_step  # noqa: E402
+from megatron.training.timers import Timers  # noqa: E402
 
 
 class PlainBlock(nn.Module):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.config import ConfigError, MegatronConfig
+from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.mpu import ParallelState, RNGStatesTracker, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
 

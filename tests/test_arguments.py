@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron.arguments import parse_args
-from megatron.config import ConfigError, ModelConfig
+from megatron.config.cli import parse_args
+from megatron.config.schema import ConfigError, ModelConfig
 
 BASE = [
     "--num-layers",
@@ -216,7 +216,7 @@ TRAINING_RULES = [
     ids=[f"{r[3]}{i}" for i, r in enumerate(TRAINING_RULES)],
 )
 def test_each_training_rule_fails_fast_naming_the_flag(argv, extra, world, flag):
-    from megatron.validation import validate_training
+    from megatron.config.rules import validate_training
 
     with pytest.raises(ConfigError) as err:
         validate_training(parse_args([*argv, *extra], world_size=world))
@@ -242,7 +242,7 @@ def test_data_and_recompute_rules_fail_fast(extra, flag):
 
 
 def test_a_valid_training_config_passes():
-    from megatron.validation import validate_training
+    from megatron.config.rules import validate_training
 
     validate_training(
         parse_args(

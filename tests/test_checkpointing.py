@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpointing import (
+from megatron.checkpoint.storage import (
     MARKER_NAME,
     CheckpointError,
     checkpoint_dir,
@@ -130,7 +130,7 @@ def test_load_missing_shard_names_file_and_layout(tmp_path):
 _CHILD = """
 import os, signal, sys
 import torch
-from megatron import checkpointing as ckpt
+import megatron.checkpoint.storage as ckpt
 
 root, point = sys.argv[1], sys.argv[2]
 

@@ -18,21 +18,21 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.checkpoint_conversion import (
+from megatron.checkpoint.resharding import (
     load_checkpoint,
     load_full_state,
     save_resharded,
     split_rule,
     stage_names,
 )
-from megatron.checkpointing import (
+from megatron.checkpoint.storage import (
     finalize_checkpoint,
     load_shard,
     resolve_load_iteration,
     save_shard,
     tracker_path,
 )
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.model import GPTModel
 from megatron.model.stages import build_model, stage_layer_range
 from tests.distributed import run_distributed
@@ -328,7 +328,7 @@ def _hf_logits(out_dir: str, variant: str) -> torch.Tensor:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_to_hf_gives_the_same_logits_in_transformers(tmp_path, variant):
     pytest.importorskip("transformers", reason="HF export checks need transformers")
-    from megatron.hf_conversion import to_hf
+    from megatron.checkpoint.hf import to_hf
 
     cfg = VARIANTS[variant]
     model = _model(cfg)
@@ -351,7 +351,7 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
     pytest.importorskip("safetensors", reason="HF files are safetensors")
-    from megatron.hf_conversion import to_hf
+    from megatron.checkpoint.hf import to_hf
 
     cfg = VARIANTS[variant]
     tokenizer = None
@@ -394,7 +394,7 @@ def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
 
 
 def test_unsupported_architecture_names_what_it_would_need():
-    from megatron.hf_conversion import hf_architecture
+    from megatron.checkpoint.hf import hf_architecture
 
     cfg = dataclasses.replace(VARIANTS["gpt2"], swiglu=True)
     with pytest.raises(ValueError, match="LlamaForCausalLM would need --position-embedding-type"):
@@ -428,8 +428,8 @@ def _hf_model(variant: str):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_reads_what_transformers_writes(tmp_path, variant):
-    from megatron.checkpoint_conversion import model_config
-    from megatron.hf_conversion import from_hf
+    from megatron.checkpoint.hf import from_hf
+    from megatron.checkpoint.resharding import model_config
 
     hf = _hf_model(variant)
     hf.save_pretrained(str(tmp_path / "hf"))
@@ -452,7 +452,7 @@ def test_from_hf_reads_hub_style_gpt2_names(tmp_path):
     pytest.importorskip("safetensors", reason="HF files are safetensors")
     from safetensors.torch import save_file
 
-    from megatron.hf_conversion import from_hf, to_hf
+    from megatron.checkpoint.hf import from_hf, to_hf
 
     cfg = VARIANTS["gpt2"]
     state = _unpadded(_model(cfg), cfg)
@@ -470,9 +470,9 @@ def test_from_hf_reads_hub_style_gpt2_names(tmp_path):
 
 
 def _train_worker(rank, world, argv):
-    from megatron.arguments import parse_args
-    from megatron.training import pretrain
-    from megatron.validation import validate_training
+    from megatron.config.cli import parse_args
+    from megatron.config.rules import validate_training
+    from megatron.training.loop import pretrain
 
     cfg = parse_args(argv, world_size=world)
     validate_training(cfg)

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.arguments import parse_args
-from megatron.config import ConfigError
-from megatron.deepspeed_config import build_ds_config
+from megatron.config.cli import parse_args
+from megatron.config.schema import ConfigError
+from megatron.training.deepspeed.config import build_ds_config
 from tests.distributed import run_distributed
 from tests.test_training import _losses, _train, data_prefix, flags  # noqa: F401
 

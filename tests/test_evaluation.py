@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.evaluation import (
+from megatron.inference.engine import InferenceModel
+from megatron.inference.evaluation import (
     evaluate_lambada,
     evaluate_loose_json,
     evaluate_wikitext,
     wikitext_detokenize,
     window_plan,
 )
-from megatron.inference import InferenceModel
 from megatron.model.stages import build_model
 from tests.test_text_generation import checkpoint  # noqa: F401
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron import mpu  # noqa: E402
-from megatron.config import ModelConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
 from megatron.fused_kernels import TORCH_OPS, select_ops  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megatron.config import DataConfig
+from megatron.config.schema import DataConfig
 from megatron.data.blendable_dataset import BlendableDataset, build_blending_indices
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.gpt_dataset import (

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.model import GPTModel, TransformerLayer
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import run_distributed

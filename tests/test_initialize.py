@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.arguments import parse_args
-from megatron.config import ConfigError
+from megatron.config.cli import parse_args
+from megatron.config.schema import ConfigError
 from megatron.initialize import (
     LaunchEnv,
     init_distributed,

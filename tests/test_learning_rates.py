@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from megatron.learning_rates import AnnealingLR, scheduler_steps
+from megatron.training.learning_rates import AnnealingLR, scheduler_steps
 
 MAX_LR, MIN_LR, WARMUP, DECAY, WSD = 1.0, 0.1, 10, 110, 40
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.checkpointing import finalize_checkpoint, save_shard
-from megatron.config import ModelConfig
-from megatron.inference import InferenceModel
+from megatron.checkpoint.storage import finalize_checkpoint, save_shard
+from megatron.config.schema import ModelConfig
+from megatron.inference.engine import InferenceModel
+from megatron.inference.generation import SamplingParams, generate, generate_greedy
 from megatron.model import GPTModel
 from megatron.model.stages import build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.text_generation import SamplingParams, generate, generate_greedy
 from tests.distributed import free_port, run_distributed
 
 ROOT = Path(__file__).parent.parent

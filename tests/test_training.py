@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.arguments import parse_args
+from megatron.config.cli import parse_args
+from megatron.config.rules import validate_training
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from megatron.training import forward_step, pretrain
-from megatron.validation import validate_training
+from megatron.training.loop import forward_step, pretrain
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).parent.parent
@@ -254,7 +254,7 @@ def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp
 
 
 def test_batch_size_ramp_up():
-    from megatron.microbatches import MicroBatchCalculator
+    from megatron.training.microbatches import MicroBatchCalculator
 
     calc = MicroBatchCalculator(32, 2, 2, rampup=(8, 8, 300))  # 8 -> 32 in 3 steps of 100
     assert [calc.global_batch_at(c) for c in (0, 99, 100, 200, 299, 300, 10**6)] == [

@@ -16,13 +16,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint_conversion import (  # noqa: E402
+from megatron.checkpoint.resharding import (  # noqa: E402
     load_checkpoint,
     model_config,
     save_resharded,
     validate_layout,
 )
-from megatron.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpoint.storage import CheckpointError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +110,7 @@ def _reshard(a) -> int:
 
 
 def _export(a) -> int:
-    from megatron.hf_conversion import to_hf
+    from megatron.checkpoint.hf import to_hf
 
     if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
         raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
@@ -122,7 +122,7 @@ def _export(a) -> int:
 
 
 def _import(a) -> int:
-    from megatron.hf_conversion import from_hf
+    from megatron.checkpoint.hf import from_hf
 
     state, args = from_hf(a.from_hf)
     cfg = model_config(args)

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.evaluation_cli import main  # noqa: E402
+from megatron.inference.evaluate_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,11 +7,11 @@ import math
 import os
 from collections.abc import Callable
 
-from megatron.config import DataConfig
+from megatron.config.rules import parse_blend, split_weights
+from megatron.config.schema import DataConfig
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.gpt_dataset import GPTDataset, split_document_ranges
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.validation import parse_blend, split_weights
 
 SPLIT_NAMES = ("train", "valid", "test")
 

@@ -269,7 +269,7 @@ def _summary(stats: Stats, read: int, written: list[str], dtype) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron.arguments import add_tokenizer_args
+    from megatron.config.cli import add_tokenizer_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     g = p.add_argument_group("input")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.fused_kernels import reference
 
 

@@ -13,7 +13,7 @@ import zlib
 import torch
 from torch import nn
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.model.transformer import NORM_TYPES, TransformerLayer, build_norm
 from megatron.mpu import (
@@ -172,7 +172,7 @@ class GPTModel(nn.Module):
         self._input = x
 
     def forward(self, tokens=None, position_ids=None, labels=None, kv_caches=None):
-        """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference)."""
+        """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference.engine)."""
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
         if kv_caches is not None:
             for number, layer in self.layers.items():

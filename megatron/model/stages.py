@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.model.gpt import GPTModel
 from megatron.mpu import ParallelState, RNGStatesTracker
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.mpu import (
     ColumnParallelLinear,

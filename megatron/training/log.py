@@ -7,7 +7,7 @@ import resource
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 
 # Dense bf16/fp16 tensor-core peak of one device, TFLOP/s (for MFU when --peak-tflops is unset).
 KNOWN_PEAK_TFLOPS = {

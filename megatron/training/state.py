@@ -3,7 +3,7 @@
 Each TP x PP shard (written by DP rank 0) holds the model shard, optimizer (with fp32 masters
 and the loss scaler), LR scheduler, RNG states (python, numpy, torch, device, the TP dropout
 stream), iteration, consumed samples, and the arguments that fix the shapes, so tools can load
-it without repeating them. Storage, atomic pointer and crash safety: megatron.checkpointing.
+it without repeating them. Storage, atomic pointer and crash safety: megatron.checkpoint.storage.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron.checkpointing import (
+from megatron.checkpoint.storage import (
     CheckpointError,
     finalize_checkpoint,
     load_shard,
@@ -24,7 +24,7 @@ from megatron.checkpointing import (
     save_shard,
     set_rng_state,
 )
-from megatron.config import MegatronConfig
+from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime
 
 CHECKPOINT_VERSION = 3.0

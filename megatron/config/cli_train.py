@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron.config import CheckpointConfig, DeepSpeedConfig, LoggingConfig, OptimizerConfig
+from megatron.config.schema import CheckpointConfig, DeepSpeedConfig, LoggingConfig, OptimizerConfig
 
 
 def fill(cls, ns: argparse.Namespace, **overrides):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron.config import (
+from megatron.config.schema import (
     ConfigError,
     DataConfig,
     MegatronConfig,

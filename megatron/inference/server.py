@@ -19,11 +19,11 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megatron.checkpointing import CheckpointError
-from megatron.generation_cli import add_checkpoint_args, complete, setup
-from megatron.inference import broadcast_json
+from megatron.checkpoint.storage import CheckpointError
+from megatron.inference.engine import broadcast_json
+from megatron.inference.generate_cli import add_checkpoint_args, complete, setup
+from megatron.inference.generation import SamplingParams
 from megatron.initialize import shutdown_distributed
-from megatron.text_generation import SamplingParams
 
 MAX_PROMPTS = 128
 MAX_TOKENS = 4096

@@ -12,7 +12,7 @@ import copy
 import json
 import math
 
-from megatron.config import ConfigError, MegatronConfig
+from megatron.config.schema import ConfigError, MegatronConfig
 
 
 def _load(path: str | None) -> dict:

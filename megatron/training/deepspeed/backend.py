@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import (
+from megatron.checkpoint.storage import (
     CheckpointError,
     checkpoint_dir,
     finalize_checkpoint,
@@ -26,9 +26,9 @@ from megatron.checkpointing import (
     rng_state_dict,
     set_rng_state,
 )
-from megatron.config import MegatronConfig
-from megatron.deepspeed_utils import ds_evaluate, ds_train_step, setup_deepspeed
-from megatron.training_state import TrainState, checkpoint_args
+from megatron.config.schema import MegatronConfig
+from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
+from megatron.training.state import TrainState, checkpoint_args
 
 
 def _barrier() -> None:
@@ -66,7 +66,7 @@ def verify_weights_only(directory: str) -> None:
 
 class DeepSpeedBackend:
     def __init__(self, cfg: MegatronConfig, rt, forward_step_func):
-        from megatron.training_step import make_scheduler
+        from megatron.training.step import make_scheduler
 
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.engine, self.scheduler, self.pipeline = setup_deepspeed(

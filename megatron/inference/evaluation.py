@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron.inference import InferenceModel
+from megatron.inference.engine import InferenceModel
 
 _WIKITEXT_RULES = [  # the word-level WikiText files' tokenization, undone
     (" @-@ ", "-"),

@@ -1,4 +1,4 @@
-"""Export a full state (megatron.checkpoint_conversion) as a Hugging Face model, and back.
+"""Export a full state (megatron.checkpoint.resharding) as a Hugging Face model, and back.
 
 Two architectures match our GPT exactly (same logits in fp32):
   GPT2LMHeadModel   learned positions, LayerNorm, exact GeLU, biases, one KV head per head
@@ -18,14 +18,14 @@ import sys
 
 import torch
 
-from megatron.checkpoint_conversion import (
+from megatron.checkpoint.resharding import (
     OUTPUT_WEIGHTS,
     POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
     check_full_state,
     model_config,
 )
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 
 GPT2_EOD = "<|endoftext|>"
 HF_EOD_TOKENS = (GPT2_EOD, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")

@@ -112,7 +112,7 @@ def _vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
 
 def load_inference_model(load_dir: str, rt) -> tuple[InferenceModel, object, int]:
     """(engine, tokenizer or None, checkpoint iteration) for this rank's TP/PP position."""
-    from megatron.checkpoint_loading import load_model_for_inference
+    from megatron.inference.loading import load_model_for_inference
 
     chunks, tokenizer, model_cfg, iteration = load_model_for_inference(load_dir, rt)
     engine = InferenceModel(chunks, rt.state, model_cfg.vocab_size, model_cfg.hidden_size)

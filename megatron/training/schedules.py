@@ -11,8 +11,9 @@ loss scale, and returns the last stage's stats. Gradients are all-reduced over D
 the last micro batch (the model's `no_sync`).
 
 - no pipelining: gradient accumulation (PP = 1)
-- 1F1B: megatron.pipeline (PP > 1)
-- interleaved 1F1B: megatron.pipeline with V model chunks (--num-layers-per-virtual-pipeline-stage)
+- 1F1B: megatron.training.pipeline (PP > 1)
+- interleaved 1F1B: megatron.training.pipeline with V model chunks
+  (--num-layers-per-virtual-pipeline-stage)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 
-from megatron.pipeline import forward_backward_pipelining
+from megatron.training.pipeline import forward_backward_pipelining
 
 
 def forward_backward_no_pipelining(

@@ -7,15 +7,15 @@ import argparse
 import json
 import sys
 
-from megatron.checkpointing import CheckpointError
-from megatron.evaluation import (
+from megatron.checkpoint.storage import CheckpointError
+from megatron.inference.evaluation import (
     evaluate_lambada,
     evaluate_loose_json,
     evaluate_wikitext,
     progress_bar,
     read_jsonl_texts,
 )
-from megatron.generation_cli import add_checkpoint_args, setup
+from megatron.inference.generate_cli import add_checkpoint_args, setup
 from megatron.initialize import shutdown_distributed
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.inference import InferenceModel
+from megatron.inference.engine import InferenceModel
 
 
 @dataclass(frozen=True)

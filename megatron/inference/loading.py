@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.checkpointing import CheckpointError, load_shard, resolve_load_iteration
-from megatron.config import ModelConfig, TokenizerConfig
+from megatron.checkpoint.storage import CheckpointError, load_shard, resolve_load_iteration
+from megatron.config.schema import ModelConfig, TokenizerConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.model.stages import build_model
 

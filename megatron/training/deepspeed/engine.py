@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config import MegatronConfig, ModelConfig
-from megatron.deepspeed_config import build_ds_config
+from megatron.config.schema import MegatronConfig, ModelConfig
 from megatron.model.gpt import Embedding, OutputHead, init_weights
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
@@ -29,7 +28,8 @@ from megatron.mpu import (
     copy_to_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from megatron.optimizer import _torch_optimizer, param_groups
+from megatron.training.deepspeed.config import build_ds_config
+from megatron.training.optimizer import _torch_optimizer, param_groups
 
 
 def import_deepspeed():

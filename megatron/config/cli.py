@@ -11,8 +11,14 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megatron.arguments_train import add_loop_args, add_training_run_args, fill, training_run_groups
-from megatron.config import (
+from megatron.config.cli_train import (
+    add_loop_args,
+    add_training_run_args,
+    fill,
+    training_run_groups,
+)
+from megatron.config.rules import validate
+from megatron.config.schema import (
     DataConfig,
     DistributedConfig,
     MegatronConfig,
@@ -22,7 +28,6 @@ from megatron.config import (
     TokenizerConfig,
     TrainingConfig,
 )
-from megatron.validation import validate
 
 
 def build_parser() -> argparse.ArgumentParser:

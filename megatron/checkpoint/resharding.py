@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.checkpointing import (
+from megatron.checkpoint.storage import (
     CheckpointError,
     checkpoint_dir,
     finalize_checkpoint,
@@ -31,7 +31,7 @@ from megatron.checkpointing import (
     resolve_load_iteration,
     save_shard,
 )
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
 from megatron.model.stages import stage_layer_range
 from megatron.mpu.utils import shard, unshard

@@ -11,11 +11,11 @@ import argparse
 import json
 import sys
 
-from megatron.checkpointing import CheckpointError
-from megatron.config import MegatronConfig, ParallelConfig
-from megatron.inference import broadcast_json, load_inference_model
+from megatron.checkpoint.storage import CheckpointError
+from megatron.config.schema import MegatronConfig, ParallelConfig
+from megatron.inference.engine import broadcast_json, load_inference_model
+from megatron.inference.generation import SamplingParams, generate
 from megatron.initialize import initialize_megatron, read_launch_env, shutdown_distributed
-from megatron.text_generation import SamplingParams, generate
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:

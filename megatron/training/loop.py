@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron.config import MegatronConfig
+from megatron.config.rules import validate_model
+from megatron.config.schema import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.initialize import Runtime, initialize_megatron
-from megatron.microbatches import MicroBatchCalculator
-from megatron.timers import Timers
-from megatron.training_data import build_data_iterators
-from megatron.training_log import (
+from megatron.training.data import build_data_iterators
+from megatron.training.log import (
     TensorBoard,
     iteration_line,
     memory_mib,
@@ -27,9 +26,10 @@ from megatron.training_log import (
     peak_tflops,
     validation_line,
 )
-from megatron.training_state import TrainState
-from megatron.training_step import NativeBackend, forward_step
-from megatron.validation import validate_model
+from megatron.training.microbatches import MicroBatchCalculator
+from megatron.training.state import TrainState
+from megatron.training.step import NativeBackend, forward_step
+from megatron.training.timers import Timers
 
 
 class TrainingError(RuntimeError):
@@ -88,7 +88,7 @@ def pretrain(
     cfg, _ = resolve_vocab(cfg)
     rt = runtime or initialize_megatron(cfg)
     if cfg.deepspeed.enabled:
-        from megatron.deepspeed_backend import DeepSpeedBackend
+        from megatron.training.deepspeed.backend import DeepSpeedBackend
 
         backend = DeepSpeedBackend(cfg, rt, forward_step_func)
     else:

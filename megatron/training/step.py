@@ -13,17 +13,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron.config import MegatronConfig
-from megatron.distributed import DistributedDataParallel
+from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
-from megatron.learning_rates import AnnealingLR, scheduler_steps
 from megatron.model.stages import build_model
-from megatron.optimizer import MegatronOptimizer
-from megatron.schedules import forward_backward_no_pipelining, get_forward_backward_func
-from megatron.timers import Timers
-from megatron.training_data import get_batch
-from megatron.training_state import TrainState, load_training_state, save_training_state
+from megatron.training.data import get_batch
+from megatron.training.ddp import DistributedDataParallel
+from megatron.training.learning_rates import AnnealingLR, scheduler_steps
+from megatron.training.optimizer import MegatronOptimizer
+from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
+from megatron.training.state import TrainState, load_training_state, save_training_state
+from megatron.training.timers import Timers
 
 
 def forward_step(data_iterator, model):

@@ -1,6 +1,6 @@
 """AdamW / SGD over fp32 main weights, with fp16 loss scaling and global skip-on-overflow.
 
-Gradients arrive in each parameter's fp32 `main_grad` (see megatron.distributed). For fp32
+Gradients arrive in each parameter's fp32 `main_grad` (see megatron.training.ddp). For fp32
 models the optimizer updates the parameters themselves; for bf16/fp16 models it keeps an fp32
 master copy of every parameter, updates that, and copies it back. Before each step, one scalar
 all-reduce over all ranks decides whether any gradient is inf/NaN: if so every rank skips the
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config import OptimizerConfig
+from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState, clip_grad_norm
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.config import MegatronConfig
+from megatron.config.schema import MegatronConfig
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime

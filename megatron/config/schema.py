@@ -1,7 +1,7 @@
-"""The configuration tree: frozen dataclasses built once by `megatron.arguments`.
+"""The configuration tree: frozen dataclasses built once by `megatron.config.cli`.
 
 Library code receives these values (or single fields of them) as arguments; nothing reads argv
-or a global. Every rule lives in `megatron.validation.validate()`, which runs before any work
+or a global. Every rule lives in `megatron.config.rules.validate()`, which runs before any work
 and raises a `ConfigError` naming the flag and the fix.
 """
 

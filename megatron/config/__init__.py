@@ -1,0 +1,1 @@
+"""The run configuration: schema (frozen dataclasses), rules, command line and run files."""
