@@ -3,7 +3,6 @@ tests/fixtures/legacy_checkpoint) still loads, resumes where it stopped and conv
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.model import GPTModel
 from tests.distributed import run_distributed
+from tests.test_convert_checkpoint import _cli as _convert_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "legacy_checkpoint")
@@ -77,15 +77,6 @@ def test_legacy_checkpoint_resumes_with_the_losses_of_the_old_uninterrupted_run(
     # Optimizer moments, LR step and data position all come from the checkpoint: a resume that
     # dropped any of them would move these losses by far more than float rounding.
     np.testing.assert_allclose(losses, straight[3:], rtol=1e-5)
-
-
-def _convert_cli():
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 @torch.no_grad()
