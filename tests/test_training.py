@@ -194,6 +194,39 @@ def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
+def _damaged_resume_worker(rank, world, argv, save_dir):
+    """4 iterations saving at 2 and 4; then, per kind of damage to iteration 4's shard, a copy
+    of the checkpoints resumed to iteration 6 (with the warnings it gave)."""
+    import shutil
+    import warnings
+
+    from megatron.checkpoint.storage import shard_path
+    from tests.test_checkpointing import _damage
+
+    first = _train(rank, world, [a if a != "6" else "4" for a in argv] + ["--save", save_dir])
+    resumed = {}
+    for where in ("tensor data", "pickle header"):
+        copy = f"{save_dir}-{where.replace(' ', '-')}"
+        shutil.copytree(save_dir, copy)
+        _damage(shard_path(copy, 4, 0, 0, 1), where)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = _train(rank, world, argv + ["--load", copy, "--save", copy])[0]
+        resumed[where] = (history, [str(w.message) for w in caught], shard_path(copy, 4, 0, 0, 1))
+    return first[0], resumed
+
+
+def test_damaged_newest_checkpoint_resumes_from_the_older_one(data_prefix, tmp_path):
+    argv = flags(data_prefix, "--save-interval", "2")
+    ((first, resumed),) = run_distributed(_damaged_resume_worker, 1, argv, str(tmp_path / "ck"))
+    assert len(first) == 4
+    for where, (history, messages, damaged_file) in resumed.items():
+        assert [h["iteration"] for h in history] == [3, 4, 5, 6], where
+        # Resumed from iteration 2's intact state: the same losses as the first run, bit for bit.
+        assert _losses(history)[:2] == _losses(first)[2:4], where
+        assert any(f"{damaged_file} is damaged" in m for m in messages), (where, messages)
+
+
 def _sigterm_on_rank1_iteration3(data_iterator, model):
     _CALLS["n"] += 1
     if torch.distributed.get_rank() == 1 and _CALLS["n"] == 5:  # 2 micro batches per step
