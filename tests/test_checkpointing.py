@@ -193,6 +193,8 @@ def test_sigkill_during_save_never_moves_pointer_to_partial_checkpoint(tmp_path)
         # The next run overwrites the debris of the crashed save and commits normally.
         _save(root, 2, tp_size=2, retain_last=1)
         assert resolve_load_iteration(root) == 2 and _iterations(root) == [2], point
+        # ... and removes the temp files the killed save left (shard, marker or pointer).
+        assert not [p for p in root.rglob("*.tmp.*")], f"{point}: temp files of the dead save"
         assert load_shard(root, 2, tp_rank=1, pp_rank=0, pp_size=1)["iteration"] == 2
 
 
@@ -243,9 +245,33 @@ def test_no_complete_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint.*refusing"):
         resolve_load_iteration(tmp_path)
     os.remove(tracker_path(tmp_path))
-    _crash(tmp_path, 4)  # no pointer, only a crashed first save
+    _crash(tmp_path, 4)  # a crashed save, but a pointer exists: a commit happened once
+    Path(tracker_path(tmp_path)).write_text("4")
     with pytest.raises(CheckpointError, match="iter_0000004"):
         resolve_load_iteration(tmp_path)
+    # A committed checkpoint damaged later, the pointer lost: still no fresh start.
+    os.remove(tracker_path(tmp_path))
+    _save(tmp_path, 6)
+    os.remove(tracker_path(tmp_path))
+    shard = Path(shard_path(tmp_path, 6, 0, 0, 1))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="iter_0000004.*iter_0000006.*refusing"):
+        resolve_load_iteration(tmp_path)
+
+
+def test_only_never_committed_saves_start_from_scratch_with_a_warning(tmp_path):
+    # A first save killed midway (twice): no pointer, no marker. Refusing would fail every
+    # automatic restart the same way; there is nothing to resume, so start fresh, loudly.
+    _crash(tmp_path, 4)
+    _crash(tmp_path, 8)
+    with pytest.warns(
+        UserWarning, match=r"only incomplete checkpoints \['iter_0000004', 'iter_0000008'\]"
+    ):
+        assert resolve_load_iteration(tmp_path) is None
+    with pytest.warns(UserWarning, match="starting from scratch"):
+        assert load_newest_intact(tmp_path, lambda it: 1 / 0) == (None, None)
+    _save(tmp_path, 4)  # the restarted run's first save commits over the debris
+    assert resolve_load_iteration(tmp_path) == 4
 
 
 def test_explicit_iteration_must_be_complete(tmp_path):

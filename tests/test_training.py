@@ -196,7 +196,8 @@ def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
 
 def _damaged_resume_worker(rank, world, argv, save_dir):
     """4 iterations saving at 2 and 4; then, per kind of damage to iteration 4's shard, a copy
-    of the checkpoints resumed to iteration 6 (with the warnings it gave)."""
+    of the checkpoints resumed to iteration 6 (with the warnings it gave); then a copy whose
+    saves never committed (no pointer, no markers) trained to 6."""
     import shutil
     import warnings
 
@@ -213,18 +214,36 @@ def _damaged_resume_worker(rank, world, argv, save_dir):
             warnings.simplefilter("always")
             history = _train(rank, world, argv + ["--load", copy, "--save", copy])[0]
         resumed[where] = (history, [str(w.message) for w in caught], shard_path(copy, 4, 0, 0, 1))
-    return first[0], resumed
+    # A first save killed before its commit: no pointer and no marker, only shard files.
+    crashed = f"{save_dir}-never-committed"
+    shutil.copytree(save_dir, crashed)
+    os.remove(f"{crashed}/latest_checkpointed_iteration.txt")
+    for it in (2, 4):
+        os.remove(f"{crashed}/iter_{it:07d}/complete")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = _train(rank, world, argv + ["--load", crashed, "--save", crashed])[0]
+    return first[0], resumed, (history, [str(w.message) for w in caught])
 
 
-def test_damaged_newest_checkpoint_resumes_from_the_older_one(data_prefix, tmp_path):
+def test_resume_survives_damaged_and_never_committed_checkpoints(data_prefix, tmp_path):
     argv = flags(data_prefix, "--save-interval", "2")
-    ((first, resumed),) = run_distributed(_damaged_resume_worker, 1, argv, str(tmp_path / "ck"))
+    ((first, resumed, fresh),) = run_distributed(
+        _damaged_resume_worker, 1, argv, str(tmp_path / "ck")
+    )
     assert len(first) == 4
     for where, (history, messages, damaged_file) in resumed.items():
         assert [h["iteration"] for h in history] == [3, 4, 5, 6], where
         # Resumed from iteration 2's intact state: the same losses as the first run, bit for bit.
         assert _losses(history)[:2] == _losses(first)[2:4], where
         assert any(f"{damaged_file} is damaged" in m for m in messages), (where, messages)
+    # Only never-committed saves: a fresh start (the first run's losses again), with a warning
+    # naming them, instead of exiting 1 on every restart.
+    history, messages = fresh
+    assert _losses(history)[:4] == _losses(first) and len(history) == 6
+    assert any(
+        "only incomplete checkpoints ['iter_0000002', 'iter_0000004']" in m for m in messages
+    )
 
 
 def _sigterm_on_rank1_iteration3(data_iterator, model):

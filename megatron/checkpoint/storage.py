@@ -11,7 +11,8 @@ A save commits in three steps, each atomic (temp file, fsync, os.replace, fsync 
   2. after a barrier, rank 0 writes the `complete` marker;
   3. rank 0 replaces the pointer.
 A SIGKILL between any two steps leaves the pointer on the previous complete checkpoint, and a
-directory without a valid marker is never loaded. Iteration 0 is Megatron's `release`
+directory without a valid marker is never loaded; the temp files of a killed save are removed
+when the next save of that iteration starts. Iteration 0 is Megatron's `release`
 checkpoint: directory `release/`, pointer text `release`. Converters write it without our
 marker, so `release/` counts as complete when it holds shard files.
 
@@ -94,10 +95,29 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _temp_prefix(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp.")
+
+
+def _remove_dead_temps(path: str) -> None:
+    """Remove the temp files of `path` that saves killed before their rename left behind.
+
+    They carry the dead process's pid, so no later save would overwrite or remove them. Only
+    the one process that writes `path` calls this, before it writes, so no live temp is hit.
+    """
+    prefix = _temp_prefix(path)
+    directory, start = os.path.dirname(prefix), os.path.basename(prefix)
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if name.startswith(start):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, name))
+
+
 def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Fill a temp file beside `path` with `write(f)`, fsync it, rename it over `path`."""
     directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    tmp = f"{_temp_prefix(path)}{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -124,6 +144,7 @@ def save_shard(
     with contextlib.suppress(FileNotFoundError):
         os.remove(_marker_path(root, iteration))
         _fsync_dir(checkpoint_dir(root, iteration))
+    _remove_dead_temps(path)  # this rank is the only writer of `path`
     _atomic_write(path, lambda f: torch.save(state, f))
 
 
@@ -195,8 +216,11 @@ def finalize_checkpoint(
         # Checksums of what is on disk now, after every rank's fsync: later damage shows up.
         crcs = {rel: file_crc32(os.path.join(directory, rel)) for rel in shards}
         marker = json.dumps({"iteration": iteration, "shards": shards, "crc32": crcs}, indent=1)
+        # Rank 0 alone writes the marker and the pointer: dead saves' temps of them can go.
+        _remove_dead_temps(_marker_path(root, iteration))
         _atomic_write(_marker_path(root, iteration), lambda f: f.write(marker.encode()))
         pointer = RELEASE if iteration == 0 else str(iteration)
+        _remove_dead_temps(tracker_path(root))
         _atomic_write(tracker_path(root), lambda f: f.write(f"{pointer}\n".encode()))
         if retain_last is not None:
             _apply_retention(root, iteration, retain_last)
@@ -300,8 +324,10 @@ def resolve_load_iteration(
     """The iteration to load from `root`, or None for a fresh run (no pointer, no iter_* dirs).
 
     An explicit `iteration` must be complete. Otherwise the pointer wins if it names a complete
-    checkpoint; if not, warn and fall back to the newest complete one. A pointer or iter_* dirs
-    without any complete checkpoint raise CheckpointError rather than restarting from scratch.
+    checkpoint; if not, warn and fall back to the newest complete one. A pointer, or a directory
+    that was once committed (has a marker), without any complete checkpoint raises
+    CheckpointError rather than restarting from scratch. Only iter_* dirs that never got a
+    marker, with no pointer (a first save killed midway), start from scratch with a warning.
     `damaged` ({iteration: problems}) lists checkpoints that failed to load (see
     `load_newest_intact`): they count as unusable, but never as a reason to start from scratch.
     """
@@ -344,6 +370,18 @@ def resolve_load_iteration(
     if not dirs and not os.path.lexists(tracker_path(root)):
         return None
     names = sorted(os.path.basename(d) for d in dirs.values())
+    never_committed = not any(os.path.lexists(os.path.join(d, MARKER_NAME)) for d in dirs.values())
+    if never_committed and not damaged and not os.path.lexists(tracker_path(root)):
+        # No pointer and no marker was ever written: every save here died before its commit
+        # (a first save killed midway). There is nothing to resume, and refusing would make
+        # every automatic restart fail the same way, so start from scratch, loudly.
+        warnings.warn(
+            f"{root} holds only incomplete checkpoints {names} (no pointer, no completion "
+            "marker: saves that died before committing); starting from scratch. A later "
+            "save of the same iteration overwrites them.",
+            stacklevel=2,
+        )
+        return None
     bad = "".join(f"; {state(it)}" for it in sorted(damaged) if it != pointed)
     raise CheckpointError(
         f"{problem}, and {root} holds no complete checkpoint{' that loads' if damaged else ''} "
