@@ -3,9 +3,11 @@ exact RNG round trip, and a 2-rank gloo commit."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import struct
@@ -21,8 +23,11 @@ import numpy as np
 import pytest
 import torch
 
+import megatron.checkpoint.storage as storage
 from megatron.checkpoint.storage import (
     MARKER_NAME,
+    SHARD_NAME,
+    TRACKER_NAME,
     CheckpointError,
     ShardIntegrityError,
     checkpoint_dir,
@@ -473,6 +478,96 @@ def test_ranks_fall_back_or_fail_together(tmp_path):
             agree=lambda mine: [mine, ("error", "missing checkpoint shard on rank 1")],
         )
     assert tried == [2, 1, 2]
+
+
+# ---------------------------------------------------------------------------- disk full
+
+
+class _FullDisk:
+    """A file opened for writing on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _assert_previous_checkpoint_intact(root) -> None:
+    assert read_tracker(root) == 1 and resolve_load_iteration(root) == 1
+    assert load_shard(root, 1, tp_rank=0, pp_rank=0, pp_size=1)["iteration"] == 1
+    assert not list(Path(root).rglob("*.tmp.*")), "the failed write's temp file must go"
+
+
+@pytest.mark.parametrize("target", [SHARD_NAME, MARKER_NAME, TRACKER_NAME])
+def test_disk_full_during_save_names_file_and_free_space(tmp_path, monkeypatch, target):
+    _save(tmp_path, 1)
+    real_open = open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return _FullDisk(f) if os.path.basename(file).startswith(f".{target}.tmp.") else f
+
+    monkeypatch.setattr(storage, "open", full_open, raising=False)
+    with pytest.raises(CheckpointError) as err:
+        _save(tmp_path, 2)
+    monkeypatch.undo()
+    written = {
+        SHARD_NAME: shard_path(tmp_path, 2, 0, 0, 1),
+        MARKER_NAME: os.path.join(checkpoint_dir(tmp_path, 2), MARKER_NAME),
+        TRACKER_NAME: tracker_path(tmp_path),
+    }[target]
+    msg = str(err.value)
+    assert "\n" not in msg, "one line"
+    assert f"cannot write checkpoint file {written}: [Errno {errno.ENOSPC}] " in msg
+    where = re.escape(os.path.dirname(written))
+    assert re.search(rf"[0-9.]+ (B|KiB|MiB|GiB|TiB) free of [0-9.]+ \w+ on {where}\.", msg), msg
+    _assert_previous_checkpoint_intact(tmp_path)
+
+
+_FILE_TOO_LARGE = """
+import resource, signal, sys
+import torch
+import megatron.checkpoint.storage as ckpt
+
+root = sys.argv[1]
+state = lambda it, n: {"iteration": it, "w": torch.ones(n)}
+ckpt.save_shard(root, 1, state(1, 10), tp_rank=0, pp_rank=0, pp_size=1, write=True)
+ckpt.finalize_checkpoint(root, 1, barrier=lambda: None, is_rank0=True)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    ckpt.save_shard(root, 2, state(2, 1 << 20), tp_rank=0, pp_rank=0, pp_size=1, write=True)
+except ckpt.CheckpointError as e:
+    print(e)
+"""
+
+
+def test_real_write_error_inside_torch_save_is_one_named_line(tmp_path):
+    # torch.save turns the OSError of a failed write into "enforce fail at inline_container.cc";
+    # a real one (file size limit, EFBIG) must still come out as our one-line error.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _FILE_TOO_LARGE, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    shard = shard_path(tmp_path, 2, 0, 0, 1)
+    assert out.stdout.startswith(f"cannot write checkpoint file {shard}: [Errno {errno.EFBIG}]")
+    assert out.stdout.count("\n") == 1 and " free of " in out.stdout, out.stdout
+    _assert_previous_checkpoint_intact(tmp_path)
 
 
 # ---------------------------------------------------------------------------- keep-last-K

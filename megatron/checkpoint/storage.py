@@ -114,8 +114,49 @@ def _remove_dead_temps(path: str) -> None:
                     os.remove(os.path.join(directory, name))
 
 
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind `e`, if any: torch.save reports a failed write as a RuntimeError
+    ('enforce fail at inline_container.cc') whose context is the OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _write_failed(path: str, error: OSError) -> CheckpointError:
+    """One line for an I/O error while saving: the file, the error, the free space there."""
+    directory = os.path.dirname(path)
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)  # a directory we could not create
+    try:
+        usage = shutil.disk_usage(directory)
+        space = f"{_bytes(usage.free)} free of {_bytes(usage.total)} on {directory}"
+    except OSError as e:
+        space = f"free space on {directory} unknown ({e.strerror or e})"
+    reason = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+    return CheckpointError(
+        f"cannot write checkpoint file {path}: {reason}; {space}. The pointer still names a "
+        "complete checkpoint; free space or pass --save elsewhere, then resume with --load."
+    )
+
+
 def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
-    """Fill a temp file beside `path` with `write(f)`, fsync it, rename it over `path`."""
+    """Fill a temp file beside `path` with `write(f)`, fsync it, rename it over `path`.
+
+    An I/O error (disk full, quota, EIO) leaves `path` as it was, removes the temp file and
+    raises a one-line CheckpointError naming `path` and the free space, not a traceback.
+    """
     directory = os.path.dirname(path)
     tmp = f"{_temp_prefix(path)}{os.getpid()}"
     try:
@@ -124,11 +165,13 @@ def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        _fsync_dir(directory)
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if (error := _os_error(e)) is not None:
+            raise _write_failed(path, error) from e
         raise
-    _fsync_dir(directory)
 
 
 def save_shard(
@@ -138,7 +181,10 @@ def save_shard(
     if not write:
         return
     path = shard_path(root, iteration, tp_rank, pp_rank, pp_size)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise _write_failed(path, e) from e
     # Re-saving an iteration (a resumed run overtaking an older save): its old marker must not
     # vouch for a mix of old and new shards if we crash half-way.
     with contextlib.suppress(FileNotFoundError):
