@@ -3,14 +3,19 @@ exact RNG round trip, and a 2-rank gloo commit."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shlex
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
+import zlib
 from pathlib import Path
 from unittest import mock
 
@@ -18,11 +23,17 @@ import numpy as np
 import pytest
 import torch
 
+import megatron.checkpoint.storage as storage
 from megatron.checkpoint.storage import (
     MARKER_NAME,
+    SHARD_NAME,
+    TRACKER_NAME,
     CheckpointError,
+    ShardIntegrityError,
     checkpoint_dir,
+    file_crc32,
     finalize_checkpoint,
+    load_newest_intact,
     load_shard,
     read_tracker,
     resolve_load_iteration,
@@ -187,6 +198,8 @@ def test_sigkill_during_save_never_moves_pointer_to_partial_checkpoint(tmp_path)
         # The next run overwrites the debris of the crashed save and commits normally.
         _save(root, 2, tp_size=2, retain_last=1)
         assert resolve_load_iteration(root) == 2 and _iterations(root) == [2], point
+        # ... and removes the temp files the killed save left (shard, marker or pointer).
+        assert not [p for p in root.rglob("*.tmp.*")], f"{point}: temp files of the dead save"
         assert load_shard(root, 2, tp_rank=1, pp_rank=0, pp_size=1)["iteration"] == 2
 
 
@@ -237,9 +250,33 @@ def test_no_complete_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint.*refusing"):
         resolve_load_iteration(tmp_path)
     os.remove(tracker_path(tmp_path))
-    _crash(tmp_path, 4)  # no pointer, only a crashed first save
+    _crash(tmp_path, 4)  # a crashed save, but a pointer exists: a commit happened once
+    Path(tracker_path(tmp_path)).write_text("4")
     with pytest.raises(CheckpointError, match="iter_0000004"):
         resolve_load_iteration(tmp_path)
+    # A committed checkpoint damaged later, the pointer lost: still no fresh start.
+    os.remove(tracker_path(tmp_path))
+    _save(tmp_path, 6)
+    os.remove(tracker_path(tmp_path))
+    shard = Path(shard_path(tmp_path, 6, 0, 0, 1))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="iter_0000004.*iter_0000006.*refusing"):
+        resolve_load_iteration(tmp_path)
+
+
+def test_only_never_committed_saves_start_from_scratch_with_a_warning(tmp_path):
+    # A first save killed midway (twice): no pointer, no marker. Refusing would fail every
+    # automatic restart the same way; there is nothing to resume, so start fresh, loudly.
+    _crash(tmp_path, 4)
+    _crash(tmp_path, 8)
+    with pytest.warns(
+        UserWarning, match=r"only incomplete checkpoints \['iter_0000004', 'iter_0000008'\]"
+    ):
+        assert resolve_load_iteration(tmp_path) is None
+    with pytest.warns(UserWarning, match="starting from scratch"):
+        assert load_newest_intact(tmp_path, lambda it: 1 / 0) == (None, None)
+    _save(tmp_path, 4)  # the restarted run's first save commits over the debris
+    assert resolve_load_iteration(tmp_path) == 4
 
 
 def test_explicit_iteration_must_be_complete(tmp_path):
@@ -299,6 +336,238 @@ def test_truncated_shard_is_a_checkpoint_error(tmp_path):
     shard.write_bytes(shard.read_bytes()[:64])
     with pytest.raises(CheckpointError, match="unreadable or truncated"):
         load_shard(tmp_path, 1, tp_rank=0, pp_rank=0, pp_size=1)
+
+
+# ---------------------------------------------------------------------------- checksums
+
+
+def _big_state(iteration: int) -> dict:
+    """A shard with 16 KiB of tensor data, so 1 KiB of damage lands inside one tensor."""
+    gen = torch.Generator().manual_seed(iteration)
+    return {"iteration": iteration, "w": torch.randn(4096, generator=gen), "args": {"it": "x"}}
+
+
+def _save_big(root, iteration: int) -> None:
+    save_shard(root, iteration, _big_state(iteration), tp_rank=0, pp_rank=0, pp_size=1, write=True)
+    finalize_checkpoint(root, iteration, barrier=_noop, is_rank0=True, num_shards_expected=1)
+
+
+def _member_data(path, name_suffix: str) -> tuple[int, int]:
+    """(offset, length) of the bytes of the zip member ending in `name_suffix` in a torch.save
+    file (the local header's extra field pads tensors for alignment, so read it)."""
+    raw = Path(path).read_bytes()
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(name_suffix))
+    name_len, extra_len = struct.unpack(
+        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
+    )
+    return info.header_offset + 30 + name_len + extra_len, info.compress_size
+
+
+def _overwrite(path, offset: int, data: bytes) -> None:
+    """Damage in place: same size, so the marker's size check cannot notice."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    assert os.path.getsize(path) == size
+
+
+def _damage(path, where: str) -> None:
+    """Damage a torch.save file in place: 1 KiB inside its largest tensor, or 4 bytes of its
+    pickle (what fails today with "'utf-8' codec can't decode byte 0x85", naming no file)."""
+    if where == "tensor data":
+        with zipfile.ZipFile(path) as z:
+            largest = max(
+                (i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size
+            )
+        start, length = _member_data(path, largest.filename)
+        assert length >= 2048, "the tensor must be large enough to hold 1 KiB of damage"
+        _overwrite(path, start + length // 2 - 512, bytes(range(256)) * 4)
+    else:
+        start, _ = _member_data(path, "data.pkl")
+        _overwrite(path, start + 28, b"\x85" * 4)
+
+
+def _load_newest(root):
+    return load_newest_intact(
+        root, lambda it: load_shard(root, it, tp_rank=0, pp_rank=0, pp_size=1)
+    )
+
+
+def test_marker_records_size_and_crc32_of_every_shard(tmp_path):
+    _save(tmp_path, 1, tp_size=2)
+    marker = json.loads((tmp_path / "iter_0000001" / MARKER_NAME).read_text())
+    assert (
+        set(marker["crc32"])
+        == set(marker["shards"])
+        == {f"mp_rank_0{tp}/model_optim_rng.pt" for tp in range(2)}
+    )
+    for rel, crc in marker["crc32"].items():
+        data = (tmp_path / "iter_0000001" / rel).read_bytes()
+        assert crc == zlib.crc32(data) and marker["shards"][rel] == len(data)
+        assert file_crc32(tmp_path / "iter_0000001" / rel, chunk_size=7) == crc  # chunked
+
+
+@pytest.mark.parametrize("where", ["tensor data", "pickle header"])
+def test_damaged_newest_checkpoint_is_named_and_older_one_loads(tmp_path, where):
+    _save_big(tmp_path, 1)
+    _save_big(tmp_path, 2)
+    path = shard_path(tmp_path, 2, 0, 0, 1)
+    _damage(path, where)
+    with pytest.raises(ShardIntegrityError, match=f"{path} is damaged: CRC-32"):
+        load_shard(tmp_path, 2, tp_rank=0, pp_rank=0, pp_size=1)
+    with pytest.warns(UserWarning) as record:
+        iteration, state = _load_newest(tmp_path)
+    assert iteration == 1 and torch.equal(state["w"], _big_state(1)["w"])
+    messages = [str(w.message) for w in record]
+    assert any(f"not loading iteration 2 from {tmp_path}: {path} is damaged" in m for m in messages)
+    assert any("names iteration 2, but" in m and "falling back" in m for m in messages)
+    # Nothing to fall back to: an error naming the file, never a fresh start.
+    _damage(shard_path(tmp_path, 1, 0, 0, 1), where)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError) as err:
+        _load_newest(tmp_path)
+    msg = str(err.value)
+    assert "no complete checkpoint that loads" in msg and "refusing to start from scratch" in msg
+    assert path in msg and shard_path(tmp_path, 1, 0, 0, 1) in msg
+
+
+def test_marker_without_checksums_still_loads_and_catches_unpicklable_shards(tmp_path):
+    # Markers written before checksums (tests/fixtures/legacy_checkpoint) vouch for sizes only.
+    _save_big(tmp_path, 1)
+    _save_big(tmp_path, 2)
+    for it in (1, 2):
+        marker_file = Path(checkpoint_dir(tmp_path, it)) / MARKER_NAME
+        marker = json.loads(marker_file.read_text())
+        del marker["crc32"]
+        marker_file.write_text(json.dumps(marker))
+    assert torch.equal(_load_newest(tmp_path)[1]["w"], _big_state(2)["w"])
+    path = shard_path(tmp_path, 2, 0, 0, 1)
+    _damage(path, "pickle header")
+    with pytest.raises(ShardIntegrityError, match=f"{path} is (damaged|unreadable)"):
+        load_shard(tmp_path, 2, tp_rank=0, pp_rank=0, pp_size=1)
+    with pytest.warns(UserWarning) as record:
+        assert _load_newest(tmp_path)[0] == 1
+    assert any(f"not loading iteration 2 from {tmp_path}: {path}" in str(w.message) for w in record)
+    Path(path).write_bytes(Path(path).read_bytes()[:-10])  # the size check still holds
+    with pytest.raises(ShardIntegrityError, match="bytes, but its checkpoint's marker recorded"):
+        load_shard(tmp_path, 2, tp_rank=0, pp_rank=0, pp_size=1)
+
+
+def test_ranks_fall_back_or_fail_together(tmp_path):
+    """A shard damaged on another rank moves this rank back too; a layout error anywhere is
+    an error everywhere (`agree` stands in for the all-gather over ranks)."""
+    _save_big(tmp_path, 1)
+    _save_big(tmp_path, 2)
+    tried = []
+
+    def load(it):
+        tried.append(it)
+        return load_shard(tmp_path, it, tp_rank=0, pp_rank=0, pp_size=1)
+
+    def rank1_damaged_at_2(mine):
+        return [mine, ("damaged", "rank 1: its shard of 2 is damaged") if tried[-1] == 2 else None]
+
+    with pytest.warns(UserWarning, match="rank 1: its shard of 2 is damaged"):
+        iteration, state = load_newest_intact(tmp_path, load, agree=rank1_damaged_at_2)
+    assert tried == [2, 1] and iteration == 1 and state["iteration"] == 1
+    with pytest.raises(CheckpointError, match="missing checkpoint shard on rank 1"):
+        load_newest_intact(
+            tmp_path,
+            load,
+            agree=lambda mine: [mine, ("error", "missing checkpoint shard on rank 1")],
+        )
+    assert tried == [2, 1, 2]
+
+
+# ---------------------------------------------------------------------------- disk full
+
+
+class _FullDisk:
+    """A file opened for writing on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _assert_previous_checkpoint_intact(root) -> None:
+    assert read_tracker(root) == 1 and resolve_load_iteration(root) == 1
+    assert load_shard(root, 1, tp_rank=0, pp_rank=0, pp_size=1)["iteration"] == 1
+    assert not list(Path(root).rglob("*.tmp.*")), "the failed write's temp file must go"
+
+
+@pytest.mark.parametrize("target", [SHARD_NAME, MARKER_NAME, TRACKER_NAME])
+def test_disk_full_during_save_names_file_and_free_space(tmp_path, monkeypatch, target):
+    _save(tmp_path, 1)
+    real_open = open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return _FullDisk(f) if os.path.basename(file).startswith(f".{target}.tmp.") else f
+
+    monkeypatch.setattr(storage, "open", full_open, raising=False)
+    with pytest.raises(CheckpointError) as err:
+        _save(tmp_path, 2)
+    monkeypatch.undo()
+    written = {
+        SHARD_NAME: shard_path(tmp_path, 2, 0, 0, 1),
+        MARKER_NAME: os.path.join(checkpoint_dir(tmp_path, 2), MARKER_NAME),
+        TRACKER_NAME: tracker_path(tmp_path),
+    }[target]
+    msg = str(err.value)
+    assert "\n" not in msg, "one line"
+    assert f"cannot write checkpoint file {written}: [Errno {errno.ENOSPC}] " in msg
+    where = re.escape(os.path.dirname(written))
+    assert re.search(rf"[0-9.]+ (B|KiB|MiB|GiB|TiB) free of [0-9.]+ \w+ on {where}\.", msg), msg
+    _assert_previous_checkpoint_intact(tmp_path)
+
+
+_FILE_TOO_LARGE = """
+import resource, signal, sys
+import torch
+import megatron.checkpoint.storage as ckpt
+
+root = sys.argv[1]
+state = lambda it, n: {"iteration": it, "w": torch.ones(n)}
+ckpt.save_shard(root, 1, state(1, 10), tp_rank=0, pp_rank=0, pp_size=1, write=True)
+ckpt.finalize_checkpoint(root, 1, barrier=lambda: None, is_rank0=True)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    ckpt.save_shard(root, 2, state(2, 1 << 20), tp_rank=0, pp_rank=0, pp_size=1, write=True)
+except ckpt.CheckpointError as e:
+    print(e)
+"""
+
+
+def test_real_write_error_inside_torch_save_is_one_named_line(tmp_path):
+    # torch.save turns the OSError of a failed write into "enforce fail at inline_container.cc";
+    # a real one (file size limit, EFBIG) must still come out as our one-line error.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _FILE_TOO_LARGE, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    shard = shard_path(tmp_path, 2, 0, 0, 1)
+    assert out.stdout.startswith(f"cannot write checkpoint file {shard}: [Errno {errno.EFBIG}]")
+    assert out.stdout.count("\n") == 1 and " free of " in out.stdout, out.stdout
+    _assert_previous_checkpoint_intact(tmp_path)
 
 
 # ---------------------------------------------------------------------------- keep-last-K

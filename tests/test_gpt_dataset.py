@@ -1,5 +1,7 @@
 """GPT sample indices, blending, the resumable sampler and the train/valid/test builder."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -209,3 +211,31 @@ def test_builder_split_blend_and_separate_paths(tmp_path):
     )
     assert separate[0].indexed.prefix.endswith("x") and separate[1].indexed.prefix.endswith("y")
     assert separate[2] is None
+
+
+def test_builder_warns_when_the_dtype_cannot_hold_the_vocab(tmp_path):
+    # int16 and uint16 have the same byte width, so only the type tells: ids above 32767 of a
+    # GPT-2 vocab would read back negative.
+    for name, dtype in (("signed", np.int16), ("unsigned", np.uint16)):
+        b = MMapIndexedDatasetBuilder(tmp_path / f"{name}.bin", dtype)
+        for i in range(40):
+            b.add_document([np.arange(i, i + 20) % 100])
+        b.finalize(tmp_path / f"{name}.idx")
+
+    def build(name):
+        data = DataConfig(
+            data_path=(str(tmp_path / name),), split="1,0,0", data_cache_path=str(tmp_path / "c")
+        )
+        return build_train_valid_test_datasets(data, (10, 0, 0), 16, 1, vocab_size=50257)
+
+    with pytest.warns(UserWarning) as record:
+        assert build("signed")[0] is not None
+    messages = [str(w.message) for w in record]
+    assert any(
+        f"{tmp_path / 'signed.idx'}: token dtype int16 (dtype code 3) holds ids up to 32767" in m
+        and "tools/preprocess_data.py" in m
+        for m in messages
+    ), messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build("unsigned")[0] is not None

@@ -86,6 +86,21 @@ def test_merge_tool_concatenates(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
+_N = 19  # sequences in the Megatron fixture
+_SIZES, _POINTERS = 34, 34 + 4 * _N  # offsets of sizes int32[N], pointers int64[N] in the .idx
+
+
+def _scale_size(idx: bytes, i: int, factor: int, add: int = 0) -> bytes:
+    (size,) = struct.unpack_from("<i", idx, _SIZES + 4 * i)
+    at = _SIZES + 4 * i
+    return idx[:at] + struct.pack("<i", size * factor + add) + idx[at + 4 :]
+
+
+def _set_pointer(idx: bytes, i: int, value: int) -> bytes:
+    at = _POINTERS + 8 * i
+    return idx[:at] + struct.pack("<q", value) + idx[at + 8 :]
+
+
 def _damaged(tmp_path, patch_idx=None, patch_bin=None):
     for ext in (".bin", ".idx"):
         shutil.copy(f"{MEGATRON}{ext}", tmp_path / f"d{ext}")
@@ -110,6 +125,10 @@ def _damaged(tmp_path, patch_idx=None, patch_bin=None):
         ({"patch_idx": lambda b: b[:17] + bytes([9]) + b[18:]}, "unknown dtype code 9"),
         ({"patch_idx": lambda b: b[:17] + bytes([4]) + b[18:]}, "(dtype int32)"),  # flipped dtype
         ({"patch_idx": lambda b: b[:-8] + struct.pack("<q", 18)}, "document index must run"),
+        # The case: the first document claims twice its tokens, the last one is right.
+        ({"patch_idx": lambda b: _scale_size(b, 0, 2)}, "d.idx: sequence 0 (document 0) has"),
+        ({"patch_idx": lambda b: _scale_size(b, 5, 1, add=1)}, "sequence 5 (document 5) has"),
+        ({"patch_idx": lambda b: _set_pointer(b, 0, 2)}, "sequence 0 (document 0) starts at"),
     ],
 )
 def test_damaged_files_raise_named_errors(tmp_path, damage, message):
@@ -134,3 +153,43 @@ def test_out_of_range_access_raises():
         ds[19]
     with pytest.raises(IndexError):
         ds.get(0, offset=5, length=100)
+
+
+def test_pointer_check_reports_the_first_bad_sequence_and_its_document(tmp_path):
+    # Sentence-level data: sequence numbers and document numbers differ.
+    b = MMapIndexedDatasetBuilder(tmp_path / "s.bin", np.uint16)
+    b.add_document([[1, 2], [3]])
+    b.add_document([[4, 5, 6], [7], [8, 9]])
+    b.finalize(tmp_path / "s.idx")
+    idx = (tmp_path / "s.idx").read_bytes()
+    at = 34 + 4 * 3  # sizes[3] ([7]) claims 2 tokens; the last sequence still ends the .bin
+    idx = idx[:at] + struct.pack("<i", 2) + idx[at + 4 :]
+    (tmp_path / "s.idx").write_bytes(idx)
+    with pytest.raises(IndexedDatasetError) as err:
+        MMapIndexedDataset(tmp_path / "s")
+    msg = str(err.value)
+    assert f"{tmp_path / 's.idx'}: sequence 3 (document 1) has 2 tokens (4 bytes of uint16)" in msg
+    assert "next sequence starts 2 bytes after it" in msg
+
+
+def test_pointer_check_runs_in_blocks(tmp_path, monkeypatch):
+    import megatron.data.indexed_dataset as indexed_dataset
+
+    monkeypatch.setattr(indexed_dataset, "_CHECK_BLOCK", 4)  # 19 sequences: 5 blocks
+    assert len(MMapIndexedDataset(MEGATRON)) == 19
+    prefix = _damaged(tmp_path, patch_idx=lambda b: _scale_size(b, 13, 1, add=1))
+    with pytest.raises(IndexedDatasetError, match="sequence 13 .document 13. has"):
+        MMapIndexedDataset(prefix)
+
+
+def test_dtype_that_cannot_hold_the_vocab():
+    from megatron.data.indexed_dataset import dtype_vocab_problem
+
+    assert dtype_vocab_problem(np.uint16, 50257) is None
+    assert (
+        dtype_vocab_problem(np.int32, 50257) is None and dtype_vocab_problem(np.int8, 128) is None
+    )
+    assert dtype_vocab_problem(np.uint16, None) is None
+    assert "int16 (dtype code 3) holds ids up to 32767" in dtype_vocab_problem(np.int16, 50257)
+    assert "int8 (dtype code 2) holds ids up to 127" in dtype_vocab_problem(np.int8, 129)
+    assert "not an integer type" in dtype_vocab_problem(np.float32, 10)

@@ -3,8 +3,12 @@
 import gzip
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +181,78 @@ def test_broken_json_array_and_bad_flags(tmp_path, capsys):
     (tmp_path / "t.txt").write_text("x\n")
     assert _run(tmp_path, [tmp_path / "t.txt"], "--json-keys", "a", "b") == 2
     assert "plain text" in capsys.readouterr().err
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """Pids of the multiprocessing 'spawn' children of `pid` (not its resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return sorted(found)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker pids in /proc")
+def test_a_killed_worker_fails_the_run_within_seconds_naming_it(tmp_path):
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while ranks reduce gradients".split()
+    with open(tmp_path / "big.jsonl", "w") as f:  # ~25 MB: several seconds of tokenizing
+        for _ in range(40000):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=120))}) + "\n")
+    out_dir = tmp_path / "out"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "preprocess_data.py"),
+            "--input",
+            str(tmp_path / "big.jsonl"),
+            "--output-prefix",
+            str(out_dir / "big"),
+            *TOK,
+            "--workers",
+            "2",
+            "--chunk-bytes",
+            "65536",
+            "--log-interval",
+            "500",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines, busy = [], threading.Event()
+
+    def pump():
+        for line in proc.stderr:
+            lines.append(line)
+            busy.set()  # the first progress line: the workers are tokenizing
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        assert busy.wait(timeout=120), "no progress line"
+        assert lines[0].startswith("processed "), lines
+        victim = _spawned_workers(proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=60)  # today: the main process waits forever for the lost chunk
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert proc.returncode == 1, err
+    assert elapsed < 15, f"took {elapsed:.1f} s to notice the dead worker"
+    assert f"(pid {victim}) was killed by SIGKILL" in err and "tokenizer worker" in err, err
+    assert "done:" not in err
+    assert os.listdir(out_dir) == [], "nothing under the final names, no temp files either"

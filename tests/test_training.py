@@ -1,6 +1,7 @@
 """End-to-end training on gloo: parallel layouts equal one process, skips are global, resume is
 bit-exact, SIGTERM saves and exits cleanly."""
 
+import functools
 import math
 import os
 import signal
@@ -15,7 +16,7 @@ import torch
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate_training
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from megatron.training.loop import forward_step, pretrain
+from megatron.training.loop import TrainingError, forward_step, pretrain
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).parent.parent
@@ -141,11 +142,45 @@ def _poison_third_micro_batch_on_rank1(data_iterator, model):
     return output, poisoned
 
 
-def _skip_worker(rank, world, argv_fp16, argv_fp32):
+def _poison_rank1(kind: str, every: bool, data_iterator, model):
+    """Rank 1's loss at its third micro batch (or at every one), poisoned so that only the loss
+    ('add-inf': + inf, the gradients stay finite) or only the gradient norm ('times-1e30': the
+    loss and every gradient stay finite, the sum of their squares overflows) is non-finite."""
+    output, loss_func = forward_step(data_iterator, model)
+    _CALLS["n"] += 1
+    if torch.distributed.get_rank() != 1 or not (every or _CALLS["n"] == 3):
+        return output, loss_func
+
+    def poisoned(out):
+        loss = loss_func(out)[0]
+        loss = loss + float("inf") if kind == "add-inf" else loss * 1e30
+        return loss, {"lm loss": loss.detach()}
+
+    return output, poisoned
+
+
+def _skip_worker(rank, world, argv_fp16, argv_fp32, argv_bf16):
     out = []
     for argv in (argv_fp16, argv_fp32):
         _CALLS["n"] = 0
         out.append(_train(rank, world, argv, _poison_third_micro_batch_on_rank1)[0])
+    # fp32 and bf16 (RELIABILITY promise 5 is for every precision): a non-finite loss or grad
+    # norm with finite gradients.
+    for argv in (argv_fp32, argv_bf16):
+        for kind in ("add-inf", "times-1e30"):
+            _CALLS["n"] = 0
+            out.append(_train(rank, world, argv, functools.partial(_poison_rank1, kind, False))[0])
+    # Every step poisoned: --max-skipped-in-a-row stops the run.
+    _CALLS["n"] = 0
+    try:
+        _train(
+            rank,
+            world,
+            argv_bf16 + ["--max-skipped-in-a-row", "2"],
+            functools.partial(_poison_rank1, "add-inf", True),
+        )
+    except TrainingError as e:
+        out.append(str(e))
     return out
 
 
@@ -163,13 +198,43 @@ def test_overflow_and_nan_on_one_rank_skip_the_step_everywhere(data_prefix):
         iters=4,
     )
     fp32 = flags(data_prefix, iters=4)
-    for rank, (h16, h32) in enumerate(run_distributed(_skip_worker, 2, fp16, fp32)):
+    bf16 = flags(data_prefix, "--bf16", iters=4)
+    for rank, (h16, h32, *others, stopped) in enumerate(
+        run_distributed(_skip_worker, 2, fp16, fp32, bf16)
+    ):
         assert [h["updated"] for h in h16] == [True, False, True, True], f"rank {rank}"
         assert [h["loss_scale"] for h in h16] == [1024.0, 512.0, 512.0, 512.0]
         assert [h["updated"] for h in h32] == [True, False, True, True], f"rank {rank}"
         assert math.isnan(h32[1]["lm_loss"]) and h32[1]["grad_norm"] is None
         # The skipped step changed nothing: the lr schedule did not advance either.
         assert h32[1]["lr"] == h32[0]["lr"] < h32[2]["lr"]
+        names = ("fp32 inf", "fp32 1e30", "bf16 inf", "bf16 1e30")
+        for name, h in zip(names, others, strict=True):
+            assert [x["updated"] for x in h] == [True, False, True, True], f"{name} rank {rank}"
+            assert h[1]["lr"] == h[0]["lr"] < h[2]["lr"], name
+            assert [x["loss_scale"] for x in h] == [1.0] * 4, name
+            if name.endswith("inf"):
+                assert h[1]["lm_loss"] == math.inf and h[1]["grad_norm"] is None, name
+            else:  # a finite loss; the norm overflowed, and is reported
+                assert math.isfinite(h[1]["lm_loss"]) and h[1]["grad_norm"] == math.inf, name
+        # Skipped, not applied with a clipped or zero gradient: the step after it starts from
+        # the same weights as the NaN-gradient skip (fp32) and as each other (bf16).
+        assert others[0][2]["lm_loss"] == others[1][2]["lm_loss"] == h32[2]["lm_loss"]
+        assert others[2][2]["lm_loss"] == others[3][2]["lm_loss"]
+        assert "2 iterations in a row were skipped" in stopped, stopped
+        assert "up to iteration 2" in stopped and "--max-skipped-in-a-row" in stopped
+
+
+def test_too_many_skipped_steps_exit_non_zero_with_the_message(monkeypatch, capsys):
+    import pretrain_gpt2
+
+    def diverging(cfg):
+        raise TrainingError("50 iterations in a row were skipped (inf/NaN gradients or loss)")
+
+    monkeypatch.setattr(pretrain_gpt2, "pretrain", diverging)
+    monkeypatch.setattr(pretrain_gpt2, "validate_training", lambda cfg: None)
+    assert pretrain_gpt2.main(flags("unused")) == 1
+    assert "error: 50 iterations in a row were skipped" in capsys.readouterr().err
 
 
 def _resume_worker(rank, world, argv, save_dir):
@@ -192,6 +257,58 @@ def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
         assert _losses(second) == _losses(straight)[3:], "resume must be bit-exact on CPU"
         assert [h["lr"] for h in second] == [h["lr"] for h in straight[3:]]
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+def _damaged_resume_worker(rank, world, argv, save_dir):
+    """4 iterations saving at 2 and 4; then, per kind of damage to iteration 4's shard, a copy
+    of the checkpoints resumed to iteration 6 (with the warnings it gave); then a copy whose
+    saves never committed (no pointer, no markers) trained to 6."""
+    import shutil
+    import warnings
+
+    from megatron.checkpoint.storage import shard_path
+    from tests.test_checkpointing import _damage
+
+    first = _train(rank, world, [a if a != "6" else "4" for a in argv] + ["--save", save_dir])
+    resumed = {}
+    for where in ("tensor data", "pickle header"):
+        copy = f"{save_dir}-{where.replace(' ', '-')}"
+        shutil.copytree(save_dir, copy)
+        _damage(shard_path(copy, 4, 0, 0, 1), where)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = _train(rank, world, argv + ["--load", copy, "--save", copy])[0]
+        resumed[where] = (history, [str(w.message) for w in caught], shard_path(copy, 4, 0, 0, 1))
+    # A first save killed before its commit: no pointer and no marker, only shard files.
+    crashed = f"{save_dir}-never-committed"
+    shutil.copytree(save_dir, crashed)
+    os.remove(f"{crashed}/latest_checkpointed_iteration.txt")
+    for it in (2, 4):
+        os.remove(f"{crashed}/iter_{it:07d}/complete")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = _train(rank, world, argv + ["--load", crashed, "--save", crashed])[0]
+    return first[0], resumed, (history, [str(w.message) for w in caught])
+
+
+def test_resume_survives_damaged_and_never_committed_checkpoints(data_prefix, tmp_path):
+    argv = flags(data_prefix, "--save-interval", "2")
+    ((first, resumed, fresh),) = run_distributed(
+        _damaged_resume_worker, 1, argv, str(tmp_path / "ck")
+    )
+    assert len(first) == 4
+    for where, (history, messages, damaged_file) in resumed.items():
+        assert [h["iteration"] for h in history] == [3, 4, 5, 6], where
+        # Resumed from iteration 2's intact state: the same losses as the first run, bit for bit.
+        assert _losses(history)[:2] == _losses(first)[2:4], where
+        assert any(f"{damaged_file} is damaged" in m for m in messages), (where, messages)
+    # Only never-committed saves: a fresh start (the first run's losses again), with a warning
+    # naming them, instead of exiting 1 on every restart.
+    history, messages = fresh
+    assert _losses(history)[:4] == _losses(first) and len(history) == 6
+    assert any(
+        "only incomplete checkpoints ['iter_0000002', 'iter_0000004']" in m for m in messages
+    )
 
 
 def _sigterm_on_rank1_iteration3(data_iterator, model):

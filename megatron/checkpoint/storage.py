@@ -4,16 +4,24 @@ Layout (Megatron's, so users' tooling carries over):
     SAVE/latest_checkpointed_iteration.txt             newest COMPLETE iteration (or `release`)
     SAVE/iter_0001000/mp_rank_00/model_optim_rng.pt    TP rank 00 (PP = 1)
     SAVE/iter_0001000/mp_rank_00_001/model_optim_rng.pt  TP rank 00, PP rank 001
-    SAVE/iter_0001000/complete                         our marker: shard files and their sizes
+    SAVE/iter_0001000/complete                         our marker: shard files, sizes, CRC-32s
 
 A save commits in three steps, each atomic (temp file, fsync, os.replace, fsync the directory):
   1. every writing rank replaces its shard file;
   2. after a barrier, rank 0 writes the `complete` marker;
   3. rank 0 replaces the pointer.
 A SIGKILL between any two steps leaves the pointer on the previous complete checkpoint, and a
-directory without a valid marker is never loaded. Iteration 0 is Megatron's `release`
+directory without a valid marker is never loaded; the temp files of a killed save are removed
+when the next save of that iteration starts. Iteration 0 is Megatron's `release`
 checkpoint: directory `release/`, pointer text `release`. Converters write it without our
 marker, so `release/` counts as complete when it holds shard files.
+
+Integrity: the marker records every shard's size and CRC-32. A checkpoint counts as complete
+when its files have the recorded sizes (cheap, checked for every candidate); `load_shard`
+verifies the CRC-32 of its file before unpickling it, so bytes damaged after the save (a bad
+disk, a partial copy) raise `ShardIntegrityError` naming the file instead of loading silently
+as garbage, and `load_newest_intact` falls back to the newest checkpoint that does load.
+Markers written before checksums were recorded are checked by size only.
 
 Nothing here touches torch.distributed or the model classes: the trainer passes plain state
 dicts and a `barrier` callable.
@@ -29,8 +37,9 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable
-from typing import BinaryIO
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 import torch
@@ -42,8 +51,19 @@ RELEASE = "release"
 _ITER_DIR = re.compile(r"iter_([0-9]{7,})")
 
 
+_CHUNK = 16 << 20  # CRC-32 read size: large reads keep the checksum near disk/memory speed
+T = TypeVar("T")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be committed or loaded safely; the message names the file."""
+
+
+class ShardIntegrityError(CheckpointError):
+    """A shard whose bytes are not those that were saved (checksum or size mismatch) or that
+    cannot be unpickled: the checkpoint is damaged, and a loader may fall back to an older one.
+    Layout or configuration mismatches stay plain CheckpointErrors: an older checkpoint would
+    not fix them."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -75,21 +95,83 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
-    """Fill a temp file beside `path` with `write(f)`, fsync it, rename it over `path`."""
+def _temp_prefix(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp.")
+
+
+def _remove_dead_temps(path: str) -> None:
+    """Remove the temp files of `path` that saves killed before their rename left behind.
+
+    They carry the dead process's pid, so no later save would overwrite or remove them. Only
+    the one process that writes `path` calls this, before it writes, so no live temp is hit.
+    """
+    prefix = _temp_prefix(path)
+    directory, start = os.path.dirname(prefix), os.path.basename(prefix)
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if name.startswith(start):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, name))
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind `e`, if any: torch.save reports a failed write as a RuntimeError
+    ('enforce fail at inline_container.cc') whose context is the OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _write_failed(path: str, error: OSError) -> CheckpointError:
+    """One line for an I/O error while saving: the file, the error, the free space there."""
     directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)  # a directory we could not create
+    try:
+        usage = shutil.disk_usage(directory)
+        space = f"{_bytes(usage.free)} free of {_bytes(usage.total)} on {directory}"
+    except OSError as e:
+        space = f"free space on {directory} unknown ({e.strerror or e})"
+    reason = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+    return CheckpointError(
+        f"cannot write checkpoint file {path}: {reason}; {space}. The pointer still names a "
+        "complete checkpoint; free space or pass --save elsewhere, then resume with --load."
+    )
+
+
+def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """Fill a temp file beside `path` with `write(f)`, fsync it, rename it over `path`.
+
+    An I/O error (disk full, quota, EIO) leaves `path` as it was, removes the temp file and
+    raises a one-line CheckpointError naming `path` and the free space, not a traceback.
+    """
+    directory = os.path.dirname(path)
+    tmp = f"{_temp_prefix(path)}{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        _fsync_dir(directory)
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if (error := _os_error(e)) is not None:
+            raise _write_failed(path, error) from e
         raise
-    _fsync_dir(directory)
 
 
 def save_shard(
@@ -99,12 +181,16 @@ def save_shard(
     if not write:
         return
     path = shard_path(root, iteration, tp_rank, pp_rank, pp_size)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise _write_failed(path, e) from e
     # Re-saving an iteration (a resumed run overtaking an older save): its old marker must not
     # vouch for a mix of old and new shards if we crash half-way.
     with contextlib.suppress(FileNotFoundError):
         os.remove(_marker_path(root, iteration))
         _fsync_dir(checkpoint_dir(root, iteration))
+    _remove_dead_temps(path)  # this rank is the only writer of `path`
     _atomic_write(path, lambda f: torch.save(state, f))
 
 
@@ -119,6 +205,17 @@ def _all_files(directory: str) -> dict[str, int]:
             if rel != MARKER_NAME and ".tmp" not in name:
                 found[rel] = os.path.getsize(path)
     return found
+
+
+def file_crc32(path: str, chunk_size: int = _CHUNK) -> int:
+    """CRC-32 of a file, streamed in large chunks into one reused buffer (no whole-file copy)."""
+    crc = 0
+    buf = bytearray(chunk_size)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
 
 
 def _shard_files(directory: str) -> dict[str, int]:
@@ -162,9 +259,14 @@ def finalize_checkpoint(
                 f"{directory}: expected {num_shards_expected or 'some'} shard files, found "
                 f"{len(shards)} {sorted(shards)}; not marking iteration {iteration} complete"
             )
-        marker = json.dumps({"iteration": iteration, "shards": shards}, indent=1)
+        # Checksums of what is on disk now, after every rank's fsync: later damage shows up.
+        crcs = {rel: file_crc32(os.path.join(directory, rel)) for rel in shards}
+        marker = json.dumps({"iteration": iteration, "shards": shards, "crc32": crcs}, indent=1)
+        # Rank 0 alone writes the marker and the pointer: dead saves' temps of them can go.
+        _remove_dead_temps(_marker_path(root, iteration))
         _atomic_write(_marker_path(root, iteration), lambda f: f.write(marker.encode()))
         pointer = RELEASE if iteration == 0 else str(iteration)
+        _remove_dead_temps(tracker_path(root))
         _atomic_write(tracker_path(root), lambda f: f.write(f"{pointer}\n".encode()))
         if retain_last is not None:
             _apply_retention(root, iteration, retain_last)
@@ -186,11 +288,23 @@ def _iteration_dirs(root: str) -> dict[int, str]:
     return found
 
 
+def _read_marker(directory: str) -> dict | None:
+    """The parsed marker of `directory`; None if it has none. Raises OSError/ValueError if it
+    is unreadable or not JSON."""
+    try:
+        with open(os.path.join(directory, MARKER_NAME)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
 def _is_complete(directory: str) -> bool:
     """The marker parses and every shard it lists is present with the recorded size."""
     try:
-        with open(os.path.join(directory, MARKER_NAME)) as f:
-            shards = json.load(f)["shards"]
+        marker = _read_marker(directory)
+        if marker is None:
+            raise FileNotFoundError(directory)
+        shards = marker["shards"]
     except FileNotFoundError:
         # Converters write `release/` without our marker; trust it when it holds shards.
         return os.path.basename(directory) == RELEASE and bool(_shard_files(directory))
@@ -247,18 +361,30 @@ def read_tracker(root: str) -> int | None:
     return int(text)
 
 
-def resolve_load_iteration(root: str, *, iteration: int | None = None) -> int | None:
+def resolve_load_iteration(
+    root: str,
+    *,
+    iteration: int | None = None,
+    damaged: Mapping[int, Sequence[str]] | None = None,
+) -> int | None:
     """The iteration to load from `root`, or None for a fresh run (no pointer, no iter_* dirs).
 
     An explicit `iteration` must be complete. Otherwise the pointer wins if it names a complete
-    checkpoint; if not, warn and fall back to the newest complete one. A pointer or iter_* dirs
-    without any complete checkpoint raise CheckpointError rather than restarting from scratch.
+    checkpoint; if not, warn and fall back to the newest complete one. A pointer, or a directory
+    that was once committed (has a marker), without any complete checkpoint raises
+    CheckpointError rather than restarting from scratch. Only iter_* dirs that never got a
+    marker, with no pointer (a first save killed midway), start from scratch with a warning.
+    `damaged` ({iteration: problems}) lists checkpoints that failed to load (see
+    `load_newest_intact`): they count as unusable, but never as a reason to start from scratch.
     """
+    damaged = damaged or {}
     dirs = _iteration_dirs(root)
-    complete = sorted(it for it, d in dirs.items() if _is_complete(d))
+    complete = sorted(it for it, d in dirs.items() if _is_complete(d) and it not in damaged)
 
     def state(it: int) -> str:
         where = checkpoint_dir(root, it)
+        if it in damaged:
+            return f"{where} is damaged ({'; '.join(damaged[it])})"
         return f"{where} is {'incomplete (no valid marker)' if it in dirs else 'missing'}"
 
     if iteration is not None:
@@ -268,6 +394,7 @@ def resolve_load_iteration(root: str, *, iteration: int | None = None) -> int | 
             f"cannot load requested iteration {iteration}: {state(iteration)}; "
             f"complete checkpoints in {root}: {complete or 'none'}"
         )
+    pointed = None
     try:
         pointed = read_tracker(root)
     except CheckpointError as e:
@@ -289,10 +416,106 @@ def resolve_load_iteration(root: str, *, iteration: int | None = None) -> int | 
     if not dirs and not os.path.lexists(tracker_path(root)):
         return None
     names = sorted(os.path.basename(d) for d in dirs.values())
+    never_committed = not any(os.path.lexists(os.path.join(d, MARKER_NAME)) for d in dirs.values())
+    if never_committed and not damaged and not os.path.lexists(tracker_path(root)):
+        # No pointer and no marker was ever written: every save here died before its commit
+        # (a first save killed midway). There is nothing to resume, and refusing would make
+        # every automatic restart fail the same way, so start from scratch, loudly.
+        warnings.warn(
+            f"{root} holds only incomplete checkpoints {names} (no pointer, no completion "
+            "marker: saves that died before committing); starting from scratch. A later "
+            "save of the same iteration overwrites them.",
+            stacklevel=2,
+        )
+        return None
+    bad = "".join(f"; {state(it)}" for it in sorted(damaged) if it != pointed)
     raise CheckpointError(
-        f"{problem}, and {root} holds no complete checkpoint (directories: {names or 'none'}); "
-        "refusing to start from scratch. Remove the directory or point --load elsewhere."
+        f"{problem}, and {root} holds no complete checkpoint{' that loads' if damaged else ''} "
+        f"(directories: {names or 'none'}){bad}; refusing to start from scratch. Remove the "
+        "directory or point --load elsewhere."
     )
+
+
+def load_newest_intact(
+    root: str,
+    load: Callable[[int], T],
+    *,
+    agree: Callable[[tuple[str, str] | None], Sequence[tuple[str, str] | None]] = lambda p: [p],
+) -> tuple[int | None, T | None]:
+    """(iteration, load(iteration)) for the newest complete checkpoint that loads intact, or
+    (None, None) for a fresh run.
+
+    `load` raises ShardIntegrityError for a damaged shard: warn naming it and try the next older
+    complete checkpoint; when none is left, raise CheckpointError (never a fresh start). Other
+    CheckpointErrors (layout mismatch) are raised as they are. With several ranks each loads its
+    own shard, so they must decide together: `agree` gathers every rank's outcome (None, or
+    (kind, message)) so that all ranks fall back, or fail, in step.
+    """
+    damaged: dict[int, list[str]] = {}
+    while True:
+        iteration = resolve_load_iteration(root, damaged=damaged)
+        if iteration is None:
+            return None, None
+        value, outcome = None, None
+        try:
+            value = load(iteration)
+        except ShardIntegrityError as e:
+            outcome = ("damaged", str(e))
+        except CheckpointError as e:
+            outcome = ("error", str(e))
+        outcomes = [o for o in agree(outcome) if o is not None]
+        errors = [message for kind, message in outcomes if kind == "error"]
+        if errors:
+            raise CheckpointError(errors[0])
+        if not outcomes:
+            return iteration, value
+        damaged[iteration] = sorted({message for _, message in outcomes})
+        warnings.warn(
+            f"not loading iteration {iteration} from {root}: {'; '.join(damaged[iteration])}",
+            stacklevel=2,
+        )
+
+
+def _verify_shard(root: str, iteration: int, path: str) -> None:
+    """Check `path` against the size and CRC-32 its checkpoint's marker recorded, before any
+    byte of it is unpickled. Markers from before checksums (and converters' `release/`
+    without a marker) vouch for the size only, or for nothing."""
+    directory = checkpoint_dir(root, iteration)
+    rel = os.path.relpath(path, directory)
+    try:
+        marker = _read_marker(directory) or {}
+        size, crc = marker.get("shards", {}).get(rel), marker.get("crc32", {}).get(rel)
+        if not isinstance(size, int | None) or not isinstance(crc, int | None):
+            raise ValueError(f"{rel}: size {size!r} / crc32 {crc!r} are not integers")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ShardIntegrityError(
+            f"{os.path.join(directory, MARKER_NAME)} is unreadable: {e}"
+        ) from e
+    actual_size = os.path.getsize(path)
+    if size is not None and actual_size != size:
+        raise ShardIntegrityError(
+            f"{path} is unreadable or truncated: {actual_size} bytes, but its checkpoint's "
+            f"marker recorded {size}"
+        )
+    if crc is not None and (actual := file_crc32(path)) != crc:
+        raise ShardIntegrityError(
+            f"{path} is damaged: CRC-32 {actual:08x}, but its checkpoint's marker recorded "
+            f"{crc:08x} (the bytes changed after the save)"
+        )
+
+
+def verify_checkpoint_files(root: str, iteration: int) -> None:
+    """Check every file the marker of `iteration` lists against its size and CRC-32; for
+    layouts whose files another library unpickles (DeepSpeed's), before it does."""
+    directory = checkpoint_dir(root, iteration)
+    try:
+        files = sorted((_read_marker(directory) or {}).get("shards", {}))
+    except (OSError, ValueError, AttributeError) as e:
+        raise ShardIntegrityError(
+            f"{os.path.join(directory, MARKER_NAME)} is unreadable: {e}"
+        ) from e
+    for rel in files:
+        _verify_shard(root, iteration, os.path.join(directory, rel))
 
 
 def load_shard(
@@ -304,7 +527,8 @@ def load_shard(
     pp_size: int,
     map_location: str | torch.device = "cpu",
 ) -> dict:
-    """This rank's shard, unpickled with weights_only=True (tensors, containers, primitives)."""
+    """This rank's shard, verified against its marker's checksum, then unpickled with
+    weights_only=True (tensors, containers, primitives)."""
     path = shard_path(root, iteration, tp_rank, pp_rank, pp_size)
     if not os.path.isfile(path):
         directory = checkpoint_dir(root, iteration)
@@ -314,16 +538,23 @@ def load_shard(
             f"{pp_size}); {directory} holds {present or 'no shards'}. The "
             "TP/PP sizes probably differ from those the checkpoint was saved with."
         )
+    _verify_shard(root, iteration, path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         detail = [line for line in str(e).splitlines() if "GLOBAL" in line]
+        if not detail:  # a corrupt opcode, not a refused class: the bytes are damaged
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["?"]
+            why = next((line for line in lines if line.startswith("Unsupported")), lines[0])
+            raise ShardIntegrityError(f"{path} is damaged: it cannot be unpickled ({why})") from e
         raise CheckpointError(
             f"{path} needs arbitrary unpickling, which we refuse (it could run code); "
             f"save only tensors, containers and primitive values. {' '.join(detail)}".strip()
         ) from e
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{path} is unreadable or truncated: {e}") from e
+    except Exception as e:  # noqa: BLE001 - damaged bytes surface as any error of the reader
+        raise ShardIntegrityError(
+            f"{path} is unreadable or truncated: {type(e).__name__}: {e}"
+        ) from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, expected a state dict")
     return state

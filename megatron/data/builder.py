@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 
 from megatron.config.rules import parse_blend, split_weights
 from megatron.config.schema import DataConfig
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.gpt_dataset import GPTDataset, split_document_ranges
-from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.indexed_dataset import (
+    MMapIndexedDataset,
+    dtype_vocab_problem,
+    index_file_path,
+)
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -25,6 +30,14 @@ def _split_datasets(
     common: dict,
 ) -> list[GPTDataset | None]:
     indexed = MMapIndexedDataset(prefix)
+    problem = dtype_vocab_problem(indexed.dtype, common["vocab_size"])
+    if problem:
+        warnings.warn(
+            f"{index_file_path(prefix)}: {problem}; larger ids read back wrong. The data was "
+            "made for another tokenizer, or its dtype code is damaged: re-run "
+            "tools/preprocess_data.py with this tokenizer",
+            stacklevel=2,
+        )
     ranges = split_document_ranges(len(indexed), weights)
     return [
         GPTDataset(name, indexed, r, n, seq_length, seed, **common) if n > 0 and len(r) else None

@@ -5,7 +5,10 @@ uint64 = 1, dtype code uint8, N uint64 (sequences), D uint64 (document index len
 sizes int32[N], pointers int64[N] (byte offsets into .bin), doc_idx int64[D].
 `.bin`: all sequences' tokens concatenated in that dtype.
 
-Every header problem raises `IndexedDatasetError` naming the file, never an `assert`.
+Every header problem raises `IndexedDatasetError` naming the file, never an `assert`. Opening
+also checks that every sequence starts where the previous one ends (pointers against sizes,
+vectorized) and that the last one ends at the end of the `.bin`, so an index that claims more
+or fewer tokens for any sequence than the `.bin` holds is refused, naming the sequence.
 """
 
 from __future__ import annotations
@@ -37,6 +40,28 @@ CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 class IndexedDatasetError(ValueError):
     """A damaged or foreign .bin/.idx file; the message names the file and what is wrong."""
+
+
+_CHECK_BLOCK = 1 << 24  # sequences per vectorized pointer check: bounds its temporaries
+
+
+def dtype_vocab_problem(dtype, vocab_size: int | None) -> str | None:
+    """Why token ids of a vocab of `vocab_size` do not fit `dtype`, or None if they do.
+
+    A dtype code of the right byte width but the wrong type (int16 instead of uint16 for a
+    50k vocab) passes every size check and reads ids above 32767 back as negative numbers.
+    """
+    dtype = np.dtype(dtype)
+    if vocab_size is None:
+        return None
+    if dtype.kind not in "iu":
+        return f"token dtype {dtype} (dtype code {CODES[dtype]}) is not an integer type"
+    if np.iinfo(dtype).max < vocab_size - 1:
+        return (
+            f"token dtype {dtype} (dtype code {CODES[dtype]}) holds ids up to "
+            f"{np.iinfo(dtype).max}, but the vocab has {vocab_size} (ids up to {vocab_size - 1})"
+        )
+    return None
 
 
 def best_dtype(vocab_size: int | None) -> type:
@@ -190,6 +215,7 @@ class MMapIndexedDataset:
         self.doc_idx = np.frombuffer(self._idx, dtype="<i8", count=d, offset=HEADER_SIZE + 12 * n)
         self._check_index(idx_path, n)
         self._bin = self._open_bin(bin_path, n)
+        self._check_pointers(idx_path, n)
 
     def _check_index(self, idx_path: str, n: int) -> None:
         if len(self.doc_idx) == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != n:
@@ -212,6 +238,34 @@ class MMapIndexedDataset:
         if actual == 0:
             return np.zeros(0, dtype=np.uint8)
         return np.memmap(bin_path, mode="r", dtype=np.uint8)
+
+    def _check_pointers(self, idx_path: str, n: int) -> None:
+        """Sequence i+1 must start where sequence i ends: pointers[i+1] - pointers[i] ==
+        sizes[i] * itemsize, and pointers[0] == 0. With the .bin size check (last pointer +
+        last size) this ties every sequence to its bytes; checking only the last one let an
+        index claiming extra tokens for a document train silently on its neighbours' tokens."""
+        if n == 0:
+            return
+        itemsize = self.dtype.itemsize
+        if self.pointers[0] != 0:
+            raise IndexedDatasetError(
+                f"{idx_path}: sequence 0 (document 0) starts at byte {int(self.pointers[0])} "
+                "of the .bin, not 0; the index is damaged"
+            )
+        for start in range(0, n - 1, _CHECK_BLOCK):
+            stop = min(start + _CHECK_BLOCK, n - 1)
+            gaps = self.pointers[start + 1 : stop + 1] - self.pointers[start:stop]
+            wrong = np.flatnonzero(gaps != self.sizes[start:stop].astype(np.int64) * itemsize)
+            if len(wrong):
+                i = start + int(wrong[0])
+                doc = int(np.searchsorted(self.doc_idx, i, side="right")) - 1
+                size = int(self.sizes[i])
+                raise IndexedDatasetError(
+                    f"{idx_path}: sequence {i} (document {doc}) has {size} tokens "
+                    f"({size * itemsize} bytes of {self.dtype}), but the next sequence starts "
+                    f"{int(gaps[wrong[0]])} bytes after it; the index is damaged or belongs to "
+                    "another .bin"
+                )
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -5,17 +5,25 @@ workers decode, check and batch-tokenize a whole chunk at a time (HF tokenizers'
 encoder) and return flat numpy arrays -> the main process appends them in input order. At most
 2 chunks per worker are in flight, so memory stays flat for any corpus size. Outputs are written
 under temporary names and renamed only when the whole run succeeded.
+
+Workers are plain processes, each returning results over its own pipe, and the main process
+waits on those pipes and on the processes themselves: a worker that dies (the OOM killer's
+SIGKILL) fails the run at once with a message naming it. (multiprocessing.Pool silently
+replaces a dead worker and waits forever for the result it took with it.)
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import queue
+import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,6 +117,113 @@ def _tokenize_docs(texts: list[str], dtype) -> KeyResult:
     )
 
 
+class WorkerDied(RuntimeError):
+    """A tokenizer worker ended while the run still needed it; its results are lost."""
+
+
+def _worker_main(init_args: tuple, tasks, conn) -> None:
+    """A worker: encode (index, chunk) tasks until a None arrives; send (index, result, error)."""
+    try:
+        _init_worker(*init_args)
+    except Exception as e:  # noqa: BLE001 - reported to the main process, which re-raises it
+        _send(conn, None, None, e)
+        return
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return  # the main process died (no one will read the results): do not linger
+            continue
+        if task is None:
+            return
+        index, chunk = task
+        try:
+            result, error = encode_chunk(chunk), None
+        except Exception as e:  # noqa: BLE001 - as above
+            result, error = None, e
+        _send(conn, index, result, error)
+
+
+def _send(conn, index, result, error) -> None:
+    try:
+        conn.send((index, result, error))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: send its traceback
+        conn.send((index, None, RuntimeError("".join(traceback.format_exception(error)))))
+
+
+class _Workers:
+    """`workers` spawned tokenizer processes sharing one task queue, each with its own result
+    pipe. The main process holds no write end of those pipes, so a worker's death shows up as
+    its pipe's EOF and its process sentinel, whichever `wait` sees first."""
+
+    def __init__(self, workers: int, init_args: tuple):
+        ctx = mp.get_context("spawn")
+        self.tasks = ctx.Queue()
+        self.procs, self.conns = [], []
+        for _ in range(workers):
+            receive, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, args=(init_args, self.tasks, send), daemon=True)
+            proc.start()
+            send.close()
+            self.procs.append(proc)
+            self.conns.append(receive)
+
+    def submit(self, index: int, chunk: Chunk) -> None:
+        self.tasks.put((index, chunk))
+
+    def collect(self) -> dict[int, ChunkResult]:
+        """Block until results arrive; raise the worker's exception, or WorkerDied."""
+        ready = multiprocessing.connection.wait(self.conns + [p.sentinel for p in self.procs])
+        results = {}
+        for i, conn in enumerate(self.conns):
+            if conn in ready:
+                try:
+                    index, result, error = conn.recv()
+                except (EOFError, OSError):
+                    raise self._died(i) from None
+                if error is not None:
+                    raise error
+                results[index] = result
+        for i, proc in enumerate(self.procs):
+            if proc.sentinel in ready:  # a worker only exits when close() tells it to
+                raise self._died(i)
+        return results
+
+    def _died(self, i: int) -> WorkerDied:
+        proc = self.procs[i]
+        proc.join(timeout=5)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+            if -code == signal.SIGKILL:
+                how += " (what the out-of-memory killer sends: lower --workers or --chunk-bytes)"
+        else:
+            how = f"exited with status {code}"
+        return WorkerDied(
+            f"tokenizer worker {i + 1} of {len(self.procs)} (pid {proc.pid}) {how} while "
+            "chunks were in flight; stopping, no output was written"
+        )
+
+    def close(self, graceful: bool) -> None:
+        """Stop the workers: let them finish (after a successful run) or terminate them."""
+        if graceful:
+            for _ in self.procs:
+                self.tasks.put(None)
+        for proc in self.procs:
+            if graceful:
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
+        # Tasks still buffered for dead workers must not block this process's exit.
+        self.tasks.cancel_join_thread()
+        self.tasks.close()
+        for conn in self.conns:
+            conn.close()
+
+
 def _encode_in_order(chunks, workers: int, init_args):
     """Yield encode_chunk results in input order, with at most 2 chunks per worker in flight."""
     if workers <= 1:
@@ -116,14 +231,30 @@ def _encode_in_order(chunks, workers: int, init_args):
         for chunk in chunks:
             yield encode_chunk(chunk)
         return
-    with mp.get_context("spawn").Pool(workers, _init_worker, init_args) as pool:
-        pending = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(encode_chunk, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    pool = _Workers(workers, init_args)
+    finished = False
+    try:
+        chunks = iter(chunks)
+        submitted = yielded = 0
+        done: dict[int, ChunkResult] = {}
+        more = True
+        while True:
+            while more and submitted - yielded < 2 * workers:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    more = False
+                else:
+                    pool.submit(submitted, chunk)
+                    submitted += 1
+            if yielded == submitted:
+                break
+            while yielded not in done:
+                done.update(pool.collect())
+            yield done.pop(yielded)
+            yielded += 1
+        finished = True
+    finally:
+        pool.close(graceful=finished)
 
 
 class _Outputs:
@@ -340,3 +471,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WorkerDied as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -4,10 +4,14 @@ Gradients arrive in each parameter's fp32 `main_grad` (see megatron.training.ddp
 models the optimizer updates the parameters themselves; for bf16/fp16 models it keeps an fp32
 master copy of every parameter, updates that, and copies it back. Before each step, one scalar
 all-reduce over all ranks decides whether any gradient is inf/NaN: if so every rank skips the
-update together (and fp16 lowers its loss scale).
+update together (and fp16 lowers its loss scale). The same happens, in every precision, when the
+caller reports a non-finite loss or the gradient norm is not finite (finite gradients whose
+squares overflow): Adam would otherwise turn such a step into a full-size update of every weight.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -170,32 +174,39 @@ class MegatronOptimizer:
         return bool(flag.item())
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None]:
+    def step(self, *, nonfinite_loss: bool = False) -> tuple[bool, float | None]:
+        """Update unless a gradient, the gradient norm or (`nonfinite_loss`, which the caller
+        must pass equal on every rank) the loss is inf/NaN; skipping is global."""
         try:
-            return self._step()
+            return self._step(nonfinite_loss)
         finally:
             # Drop the aliases of main_grad: for fp32 models main params are the model's, and a
             # .grad left set would make autograd accumulate the next gradient into it directly.
             for _, main_p in self._pairs():
                 main_p.grad = None
 
-    def _step(self) -> tuple[bool, float | None]:
+    def _step(self, nonfinite_loss: bool) -> tuple[bool, float | None]:
         grads = []
         for model_p, main_p in self._pairs():
             main_p.grad = model_p.main_grad  # fp32 view of the DP-reduced gradient, no copy
             grads.append(main_p.grad)
-        found_inf = self._unscale_and_check(grads)
+        found_inf = self._unscale_and_check(grads) or nonfinite_loss
+        norm = None
+        if not found_inf:
+            main_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            norm = clip_grad_norm(
+                main_params,
+                self.clip_grad,
+                tp_rank=self.state.tp_rank,
+                model_parallel_group=self.state.mp_group,
+            )
+            # Same value on every rank (all-reduced over TP x PP; DP ranks hold equal reduced
+            # gradients), so skipping on it is agreed without another collective.
+            found_inf = not math.isfinite(float(norm))
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
-            return False, None
-        main_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = clip_grad_norm(
-            main_params,
-            self.clip_grad,
-            tp_rank=self.state.tp_rank,
-            model_parallel_group=self.state.mp_group,
-        )
+            return False, None if norm is None else float(norm)
         self.optimizer.step()
         if self.half:
             for model_p, main_p in self._pairs():

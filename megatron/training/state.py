@@ -18,8 +18,8 @@ import torch.distributed as dist
 from megatron.checkpoint.storage import (
     CheckpointError,
     finalize_checkpoint,
+    load_newest_intact,
     load_shard,
-    resolve_load_iteration,
     rng_state_dict,
     save_shard,
     set_rng_state,
@@ -60,6 +60,15 @@ class TrainState:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def _gather(outcome):
+    """Every rank's load outcome, so that all ranks fall back from a damaged shard together."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+        return outcomes
+    return [outcome]
 
 
 def checkpoint_args(cfg: MegatronConfig) -> dict:
@@ -129,21 +138,28 @@ def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
 def load_training_state(
     cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler
 ) -> TrainState:
-    """Restore from --load; a fresh (empty) directory starts at iteration 0 with a notice."""
+    """Restore from --load; a fresh (empty) directory starts at iteration 0 with a notice.
+
+    The newest checkpoint whose shards (on every rank) pass their checksums is loaded: a
+    damaged one is named in a warning and skipped, so the run never trains on damaged state.
+    """
     c, st = cfg.checkpoint, rt.state
-    iteration = resolve_load_iteration(c.load)
+    iteration, shard = load_newest_intact(
+        c.load,
+        lambda it: load_shard(
+            c.load,
+            it,
+            tp_rank=st.tp_rank,
+            pp_rank=st.pp_rank,
+            pp_size=st.pp_size,
+            map_location=rt.device,
+        ),
+        agree=_gather,
+    )
     if iteration is None:
         if st.rank == 0:
             print(f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr)
         return TrainState()
-    shard = load_shard(
-        c.load,
-        iteration,
-        tp_rank=st.tp_rank,
-        pp_rank=st.pp_rank,
-        pp_size=st.pp_size,
-        map_location=rt.device,
-    )
     _check_shapes(shard, cfg, c.load)
     model.load_state_dict(shard["model"])
     if c.finetune:

@@ -8,6 +8,7 @@ embedding's over the first and last stage), and steps the optimizer and the LR s
 from __future__ import annotations
 
 import functools
+import math
 import sys
 
 import torch
@@ -164,12 +165,13 @@ def train_step(
     model.finish_grad_sync()
     sync_embedding_grads(model, rt.state)
     timers("grads-all-reduce", 2).stop()
+    loss = _reported_loss(stats, rt)  # equal on every rank: a non-finite one skips the step
     timers("optimizer", 1).start()
-    updated, grad_norm = optimizer.step()
+    updated, grad_norm = optimizer.step(nonfinite_loss=not math.isfinite(loss))
     timers("optimizer", 1).stop()
     if updated:
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch
-    return {"lm_loss": _reported_loss(stats, rt), "updated": updated, "grad_norm": grad_norm}
+    return {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
 
 
 @torch.no_grad()

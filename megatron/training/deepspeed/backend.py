@@ -5,8 +5,9 @@ samples, RNG states and model arguments in its client state) with DeepSpeed's ow
 `latest` file disabled: after a barrier rank 0 writes our completion marker (every file the
 engine wrote, with its size) and replaces `latest_checkpointed_iteration.txt` atomically, so the
 pointer only ever names complete checkpoints. Before DeepSpeed unpickles a checkpoint (it loads
-with weights_only=False), every file is test-loaded with weights_only=True: one that needs
-arbitrary unpickling is refused.
+with weights_only=False), every file is checked against the marker's CRC-32 (a damaged one makes
+the load fall back to an older checkpoint) and test-loaded with weights_only=True: one that
+needs arbitrary unpickling is refused.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from megatron.checkpoint.storage import (
     CheckpointError,
     checkpoint_dir,
     finalize_checkpoint,
-    resolve_load_iteration,
+    load_newest_intact,
     rng_state_dict,
     set_rng_state,
+    verify_checkpoint_files,
 )
 from megatron.config.schema import MegatronConfig
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
@@ -124,7 +126,13 @@ class DeepSpeedBackend:
 
     def load(self) -> TrainState:
         c = self.cfg.checkpoint
-        iteration = resolve_load_iteration(c.load)
+
+        def verify(it: int) -> None:
+            # Every rank checks every file (DeepSpeed reads them all), so all agree.
+            verify_checkpoint_files(c.load, it)
+            verify_weights_only(checkpoint_dir(c.load, it))
+
+        iteration, _ = load_newest_intact(c.load, verify)
         if iteration is None:
             if self.rt.state.rank == 0:
                 print(
@@ -132,7 +140,6 @@ class DeepSpeedBackend:
                 )
             return TrainState()
         directory = checkpoint_dir(c.load, iteration)
-        verify_weights_only(directory)
         path, client = self.engine.load_checkpoint(
             c.load,
             tag=os.path.basename(directory),
