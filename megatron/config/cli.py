@@ -1,8 +1,11 @@
-"""Command line -> a validated `MegatronConfig`.
+"""Command line and run configs -> a validated `MegatronConfig`.
 
 This is the only module that reads argv. The flags are derived from the declarations in
 megatron.config.schema (Megatron-LM's names; where Megatron renamed a flag both spellings are
 one option, e.g. `--model-parallel-size` = `--tensor-model-parallel-size`).
+
+Precedence, lowest first: the declared defaults < `-c/--config FILE` < the flags given on the
+command line < `-o section.key=value`.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 from collections.abc import Sequence
 
 from megatron.config.declare import Tree
+from megatron.config.files import parse_overrides, read_config_file, to_yaml
 from megatron.config.rules import validate
 from megatron.config.schema import MegatronConfig
 
@@ -25,8 +30,33 @@ def config_tree() -> Tree:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Megatron-style GPT pretraining (tensor x pipeline x data parallel)",
+        description="Megatron-style GPT pretraining (tensor x pipeline x data parallel). "
+        "Settings come from the defaults, then -c FILE, then the flags, then -o.",
         allow_abbrev=False,
+    )
+    g = parser.add_argument_group("run config")
+    g.add_argument(
+        "-c",
+        "--config",
+        dest="run_config",
+        metavar="FILE",
+        default=None,
+        help="YAML (or JSON) run config nested by section, e.g. model: {hidden_size: 1024}; "
+        "flags given on the command line override it",
+    )
+    g.add_argument(
+        "-o",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, last word over file and flags (repeatable; the value is "
+        "read as YAML, e.g. -o optimizer.lr=1e-4 -o data.data_path=[a,b])",
+    )
+    g.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as YAML (a valid -c file) and exit",
     )
     config_tree().add_arguments(parser, given_only=True)
     return parser
@@ -41,9 +71,13 @@ def world_size_from_env() -> int:
 
 
 def resolve(ns: argparse.Namespace, world_size: int) -> MegatronConfig:
-    """The declared defaults, replaced by the flags given (not yet validated)."""
+    """defaults < config file < flags on the command line < -o (not yet validated)."""
     tree = config_tree()
-    values = tree.given(ns)
+    values: dict[str, object] = {}
+    if ns.run_config:
+        values.update(read_config_file(ns.run_config, tree))
+    values.update(tree.given(ns))
+    values.update(parse_overrides(ns.overrides, tree))
     values["parallel.world_size"] = world_size
     return tree.build(values)
 
@@ -55,9 +89,14 @@ def parse_args(
     """Parse argv (default sys.argv) into a validated, frozen config.
 
     `world_size` defaults to the launcher's environment, so the layout is checked before any
-    process group exists.
+    process group exists. With --print-config the config is printed and the process exits 0
+    here, before any distributed or data work.
     """
     ns = build_parser().parse_args(argv)
     cfg = resolve(ns, world_size if world_size is not None else world_size_from_env())
     validate(cfg)
+    if ns.print_config:
+        sys.stdout.write(to_yaml(cfg, "resolved by --print-config; run it with -c FILE"))
+        sys.stdout.flush()
+        raise SystemExit(0)
     return cfg
