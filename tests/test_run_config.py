@@ -227,3 +227,30 @@ def test_every_shipped_example_resolves(path):
 
         ds = build_ds_config(cfg)  # the JSON it names exists and agrees with the file
         assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 128
+
+
+def test_override_values_are_yaml_converted_to_the_declared_type():
+    cfg = parse_args(
+        [
+            "-o",
+            "distributed.ddp_bucket_size=4e7",  # a whole number written as a float
+            "-o",
+            "optimizer.lr=1e-4",  # YAML 1.1 reads this as a string
+            "-o",
+            "data.split=100",
+            "-o",
+            "data.data_path=null",
+            "-o",
+            "model.ffn_hidden_size=null",
+            "-o",
+            "deepspeed.zero_reduce_scatter=false",
+        ],
+        world_size=1,
+    )
+    assert cfg.distributed.ddp_bucket_size == 40_000_000 and cfg.optimizer.lr == 1e-4
+    assert cfg.data.split == "100" and cfg.data.data_path == ()
+    assert cfg.model.ffn_hidden_size is None and cfg.deepspeed.zero_reduce_scatter is False
+    with pytest.raises(ConfigError, match="model.num_layers = 2.5 is not an integer"):
+        parse_args(["-o", "model.num_layers=2.5"], world_size=1)
+    with pytest.raises(ConfigError, match="model.num_layers cannot be empty"):
+        parse_args(["-o", "model.num_layers=null"], world_size=1)

@@ -10,6 +10,7 @@ Standard library only, so every layer (the data tools included) may import it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import typing
@@ -179,8 +180,8 @@ class Tree:
             raise ConfigError(f"{where}: {path!r} is a section, not a key. Fix: set its keys")
         if path in self.settings:
             raise ConfigError(
-                f"{where}: {path} is not a config key: {self.settings[path].help}. "
-                "Fix: drop it and launch the number of processes you want"
+                f"{where}: {path} is not a config key ({self.settings[path].help}). "
+                "Fix: drop it; the launcher sets it"
             )
         section, _, key = path.rpartition(".")
         if section not in self.sections or as_section:
@@ -189,6 +190,7 @@ class Tree:
         raise ConfigError(f"{where}: unknown key {path!r}. Fix: {hint}")
 
     def _unknown_section(self, path: str, where: str):
+        """Raise for the first component of `path` that is not a section, with the closest."""
         parts = path.split(".")
         known = ""
         for i in range(len(parts) - 1):
@@ -202,6 +204,8 @@ class Tree:
         raise ConfigError(f"{where}: unknown key {path!r}. Fix: see --help for the valid keys")
 
     def _closest(self, key: str, section: str) -> str:
+        """A suggestion for an unknown key: a close key of its own section, else the closest
+        key of any section (a setting put under the wrong section is the common mistake)."""
         key = key.replace("-", "_")  # a flag's spelling
         leaf = {p: p.rpartition(".")[2] for p in self.settings if not self.settings[p].from_env}
         own = [k for p, k in leaf.items() if p.rpartition(".")[0] == section]
@@ -216,8 +220,8 @@ class Tree:
         """`value` converted to the setting's type, or a ConfigError naming the key."""
         s = self.settings[path]
         if value is None:
-            if s.optional:
-                return None
+            if s.optional or s.nargs == "*":
+                return None if s.optional else ()
             raise ConfigError(f"{where}: {path} cannot be empty. Fix: give it a value")
         if s.nargs is None:
             return _scalar(s, value, where)
@@ -241,14 +245,15 @@ class Tree:
                 kwargs[f.name] = values[path]
         return cls(**kwargs)
 
-    def to_dict(self, obj, *, with_env: bool = False) -> dict:
-        """Nested {section: {key: value}} of a config (tuples as lists): what a file holds."""
+    def to_dict(self, obj) -> dict:
+        """Nested {section: {key: value}} of a config (tuples as lists): what a file holds;
+        settings from the environment are left out (a file does not set them)."""
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
-                out[f.name] = self.to_dict(value, with_env=with_env)
-            elif with_env or not f.metadata.get("from_env"):
+                out[f.name] = self.to_dict(value)
+            elif not f.metadata.get("from_env"):
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -323,7 +328,10 @@ def _convert(kind: type, v):
     if kind is int:
         if isinstance(v, int):
             return v
-        try:
+        if isinstance(v, str):
+            with contextlib.suppress(ValueError):
+                return int(v)
+        try:  # 4e7 or 40000000.0: a whole number written as a float
             f = float(v) if isinstance(v, (float, str)) else None
         except ValueError:
             return _BAD
@@ -338,5 +346,6 @@ def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str | No
 
 
 def section_from_args(cls: type, ns: argparse.Namespace):
+    """The section `cls` from a namespace filled by add_section_args (types checked)."""
     tree = Tree(cls)
     return tree.build(tree.given(ns))
