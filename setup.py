@@ -18,6 +18,7 @@ setup(
     install_requires=[
         "torch>=2.3",
         "numpy>=1.24",
+        "pyyaml",  # run configs: -c run.yaml, --print-config, SAVE/run_config.yaml
         "regex",
         "tensorboard",
         "tokenizers>=0.15",

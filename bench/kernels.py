@@ -126,7 +126,7 @@ def end_to_end(dtype) -> list[tuple[str, float]]:
     import dataclasses
 
     from bench.train_step import build_ours
-    from megatron.config.schema import ModelConfig
+    from megatron.config.schema import KernelConfig, ModelConfig
     from megatron.fused_kernels import select_ops
 
     cfg = ModelConfig(
@@ -140,16 +140,17 @@ def end_to_end(dtype) -> list[tuple[str, float]]:
     )
     tokens = torch.randint(0, 50257, (8, 1024), device="cuda")
     rows = []
-    for label, model_cfg in (
-        ("torch ops (SDPA)", cfg),
+    kernels = KernelConfig()
+    for label, k in (
+        ("torch ops (SDPA)", kernels),
         (
             "fused ops (SDPA + Triton norms/GeLU/CE)",
-            dataclasses.replace(cfg, cross_entropy_loss_fusion=True),
+            dataclasses.replace(kernels, cross_entropy_loss_fusion=True),
         ),
-        ("torch.compile per layer", dataclasses.replace(cfg, torch_compile=True)),
+        ("torch.compile per layer", dataclasses.replace(kernels, torch_compile=True)),
     ):
-        ops = select_ops(model_cfg, torch.device("cuda"))
-        step = build_ours(model_cfg, torch.device("cuda"), dtype, ops=ops)
+        ops = select_ops(k, torch.device("cuda"))
+        step = build_ours(cfg, torch.device("cuda"), dtype, ops=ops, torch_compile=k.torch_compile)
 
         def batches():
             while True:

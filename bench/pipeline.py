@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 8 --ms 20]
 
-1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, driving model chunks
-   whose forward sleeps t ms and backward 2t ms (split over V chunks for the interleaved
-   schedule). Sleeping uses no CPU, so even a 2-core machine measures the schedule itself.
-   bubble = (step time - M x 3t) / (M x 3t), against (P - 1) / M for 1F1B and (P - 1) / (M V)
-   for interleaved 1F1B. Also the time each stage spent waiting on pipeline transfers.
+1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, driving
+   model chunks whose forward sleeps t ms and backward 2t ms (split over V chunks for the
+   interleaved schedule). Sleeping uses no CPU, so even a 2-core machine measures the
+   schedule itself. bubble = (step time - M x 3t) / (M x 3t), against (P - 1) / M for 1F1B
+   and (P - 1) / (M V) for interleaved 1F1B. Also the time each stage spent waiting on
+   pipeline transfers.
 2. Memory: bytes of activations kept for backward during one forward of a GPT (counted with
    autograd's saved-tensor hooks, so it works on any device), for no / selective / full
    recompute.
@@ -23,7 +24,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import mpu  # noqa: E402
-from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema import ModelConfig, RecomputeConfig  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
@@ -115,10 +116,10 @@ def bench_bubble(P: int, M: int, ms: float) -> list[tuple]:
     return rows
 
 
-def _saved_bytes(cfg: ModelConfig, batch: int) -> int:
+def _saved_bytes(cfg: ModelConfig, recompute: RecomputeConfig, batch: int) -> int:
     tracker = mpu.RNGStatesTracker("cpu")
     tracker.add(mpu.MODEL_PARALLEL_RNG, 1)
-    model = GPTModel(cfg, mpu.single_process_state(), rng_tracker=tracker)
+    model = GPTModel(cfg, mpu.single_process_state(), rng_tracker=tracker, recompute=recompute)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length))
     total = [0]
 
@@ -145,12 +146,11 @@ def bench_memory() -> list[tuple]:
     rows = []
     for label, kw in (
         ("no recompute", {}),
-        ("selective (attention core)", {"recompute_granularity": "selective"}),
-        ("full, uniform, 1 layer", {"recompute_granularity": "full"}),
-        ("full, uniform, 4 layers", {"recompute_granularity": "full", "recompute_num_layers": 4}),
+        ("selective (attention core)", {"granularity": "selective"}),
+        ("full, uniform, 1 layer", {"granularity": "full"}),
+        ("full, uniform, 4 layers", {"granularity": "full", "num_layers": 4}),
     ):
-        cfg = ModelConfig(**{**base.__dict__, **kw})
-        rows.append((label, _saved_bytes(cfg, batch=4) / 2**20))
+        rows.append((label, _saved_bytes(base, RecomputeConfig(**kw), batch=4) / 2**20))
     return rows
 
 

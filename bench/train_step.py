@@ -76,13 +76,20 @@ def _mean_loss(per_token):
     return loss, {"lm loss": loss.detach()}
 
 
-def build_ours(cfg: ModelConfig, device, dtype, ops=None):
+def build_ours(cfg: ModelConfig, device, dtype, ops=None, torch_compile: bool = False):
     state = single_process_state()
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, 1)
     rt = Runtime(config=None, state=state, device=device, rng_tracker=tracker)
     model = build_model(
-        cfg, state, rng_tracker=tracker, seed=1, device=device, dtype=dtype, ops=ops
+        cfg,
+        state,
+        rng_tracker=tracker,
+        seed=1,
+        device=device,
+        dtype=dtype,
+        ops=ops,
+        torch_compile=torch_compile,
     )
     ddp = DistributedDataParallel(model, None)
     opt = MegatronOptimizer(

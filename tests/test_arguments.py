@@ -268,3 +268,96 @@ def test_a_valid_training_config_passes():
     )
     validate_training(cfg)
     assert cfg.training.rampup_batch_size == (2, 2, 100)
+
+
+def test_every_default_and_flag_comes_from_its_one_declaration():
+    from megatron.config.cli import build_parser
+    from megatron.config.declare import Tree
+    from megatron.config.schema import MegatronConfig
+
+    assert parse_args([], world_size=1) == MegatronConfig()
+    options = build_parser()._option_string_actions
+    for s in Tree(MegatronConfig).settings.values():
+        assert s.from_env or all(f in options for f in s.flags), s.path
+        assert s.help, f"{s.path} needs a help text"
+
+
+def test_megatron_aliases_inverted_booleans_and_shortcuts():
+    cfg = parse_args(
+        [
+            *BASE,
+            "--checkpoint-num-layers",
+            "2",
+            "--recompute-granularity",
+            "selective",
+            "--checkpoint-activations",  # the classic flag wins, wherever it stands
+            "--local_rank",
+            "3",
+            "--deepspeed-config",
+            "ds.json",
+            "--no-persist-layer-norm",
+            "--disable-bias-linear",
+            "--no-overlap-grad-reduce",
+            "--zero-reduce-scatter",
+        ],
+        world_size=1,
+    )
+    assert (cfg.recompute.granularity, cfg.recompute.num_layers) == ("full", 2)
+    assert cfg.distributed.local_rank == 3 and not cfg.distributed.overlap_grad_reduce
+    assert cfg.deepspeed.config == "ds.json" and cfg.deepspeed.zero_reduce_scatter is True
+    assert not cfg.kernels.layer_norm_fusion and not cfg.model.add_bias_linear
+    plain = parse_args(BASE, world_size=1)
+    assert plain.deepspeed.zero_reduce_scatter is None and plain.recompute.granularity is None
+    assert parse_args([*BASE, "--local-rank", "1"], world_size=1).distributed.local_rank == 1
+
+
+def test_the_data_tools_take_the_tokenizer_flags_from_the_declarations(capsys):
+    from megatron.config.declare import section_from_args
+    from megatron.config.schema import TokenizerConfig
+    from megatron.data.preprocess import build_parser
+
+    io = ["--input", "x.jsonl", "--output-prefix", "out"]
+    ns = build_parser().parse_args(
+        [*io, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v"]
+    )
+    assert section_from_args(TokenizerConfig, ns) == TokenizerConfig("GPT2BPETokenizer", "v")
+    assert section_from_args(TokenizerConfig, build_parser().parse_args(io)) == TokenizerConfig()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*io, "--tokenizer-type", "Nope"])
+    assert "--tokenizer-type" in capsys.readouterr().err
+
+
+def test_lower_layers_never_import_the_command_line():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "megatron"
+    upper = ("megatron.config.cli", "megatron.config.files")
+    for package in ("data", "model", "mpu", "fused_kernels", "checkpoint"):
+        for path in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Import | ast.ImportFrom):
+                    continue
+                names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
+                assert not any(n.startswith(upper) for n in names), f"{path} imports the CLI"
+
+
+def test_checkpoints_record_the_architecture_and_old_ones_still_load():
+    import dataclasses
+    from pathlib import Path
+
+    from megatron.checkpoint.storage import load_shard
+    from megatron.config.schema import model_config_from_saved
+    from megatron.training.state import checkpoint_args
+
+    cfg = parse_args([*BASE, "--torch-compile", "--checkpoint-activations"], world_size=1)
+    saved = checkpoint_args(cfg)["model"]
+    assert saved == dataclasses.asdict(cfg.model) and model_config_from_saved(saved) == cfg.model
+    switches = {"torch_compile", "attention_backend", "recompute_granularity", "granularity"}
+    assert not switches & set(saved), "run-time switches stay out of checkpoints"
+    # A checkpoint written before the switches left ModelConfig: they are dropped on load.
+    legacy_dir = Path(__file__).parent / "fixtures" / "legacy_checkpoint"
+    legacy = load_shard(str(legacy_dir), 3, tp_rank=0, pp_rank=0, pp_size=1)["args"]["model"]
+    assert {"torch_compile", "recompute_granularity", "masked_softmax_fusion"} <= set(legacy)
+    rebuilt = model_config_from_saved(legacy)
+    assert dataclasses.asdict(rebuilt) == {k: legacy[k] for k in dataclasses.asdict(rebuilt)}

@@ -11,8 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron import mpu  # noqa: E402
-from megatron.config.schema import ModelConfig  # noqa: E402
-from megatron.fused_kernels import TORCH_OPS, select_ops  # noqa: E402
+from megatron.config.schema import KernelConfig, ModelConfig  # noqa: E402
+from megatron.fused_kernels import TORCH_OPS, FusedOps, select_ops  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
@@ -44,22 +44,22 @@ VARIANTS = {
 }
 
 
-def _fused(cfg):
-    return dataclasses.replace(cfg, attention_backend="fused", cross_entropy_loss_fusion=True)
+KERNELS = KernelConfig()
+FUSED = KernelConfig(attention_backend="fused", cross_entropy_loss_fusion=True)
 
 
 def test_dispatch_picks_triton_under_the_interpreter_and_torch_without_it(monkeypatch):
-    ops = select_ops(_fused(BASE), torch.device("cpu"))
+    ops = select_ops(FUSED, torch.device("cpu"))
     assert (ops.softmax, ops.add_norm, ops.bias_gelu, ops.swiglu, ops.cross_entropy) == (
         "triton",
     ) * 5
     assert "add+norm = triton" in ops.describe()
-    off = dataclasses.replace(BASE, layer_norm_fusion=False, bias_gelu_fusion=False)
+    off = dataclasses.replace(KERNELS, layer_norm_fusion=False, bias_gelu_fusion=False)
     assert select_ops(off, torch.device("cpu")).add_norm == "torch"
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert select_ops(BASE, torch.device("cpu")) == TORCH_OPS
+    assert select_ops(KERNELS, torch.device("cpu")) == TORCH_OPS
     with pytest.raises(ValueError, match="--attention-backend fused"):
-        select_ops(_fused(BASE), torch.device("cpu"))
+        select_ops(FUSED, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -67,12 +67,8 @@ def test_model_through_triton_kernels_equals_the_torch_path(name):
     cfg = VARIANTS[name]
     tokens = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(3))
     results = []
-    for model_cfg, ops in (
-        (cfg, None),
-        (_fused(cfg), select_ops(_fused(cfg), "cpu")),
-        (dataclasses.replace(cfg, attention_backend="unfused"), None),
-    ):
-        model = GPTModel(model_cfg, mpu.single_process_state(), seed=5, ops=ops)
+    for ops in (None, select_ops(FUSED, "cpu"), FusedOps(attention_backend="unfused")):
+        model = GPTModel(cfg, mpu.single_process_state(), seed=5, ops=ops)
         loss = model(tokens, labels=tokens).mean()
         loss.backward()
         results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))

@@ -1,15 +1,13 @@
 """Pipeline parallelism: the schedules themselves, and PP / interleaved / TP x PP x DP training
 that equals one process; activation checkpointing that changes memory, never the numbers."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron import mpu
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.model import GPTModel
 from megatron.training.pipeline import check_message_order, pipeline_actions
 from tests.distributed import run_distributed
@@ -100,14 +98,14 @@ def test_activation_checkpointing_gives_identical_losses_and_grads(granularity, 
     tracker.add(mpu.MODEL_PARALLEL_RNG, 5)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     results = []
-    for cfg in (
-        CFG,
-        dataclasses.replace(
-            CFG, recompute_granularity=granularity, recompute_method=method, recompute_num_layers=n
-        ),
-    ):
+    for recompute in (None, RecomputeConfig(granularity, method, n)):
         model = GPTModel(
-            cfg, mpu.single_process_state(), rng_tracker=tracker, seed=3, dtype=torch.float64
+            CFG,
+            mpu.single_process_state(),
+            rng_tracker=tracker,
+            seed=3,
+            dtype=torch.float64,
+            recompute=recompute,
         )
         torch.manual_seed(11)
         tracker.set_states({mpu.MODEL_PARALLEL_RNG: torch.Generator().manual_seed(5).get_state()})

@@ -362,6 +362,12 @@ def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp
     assert " iteration        3/" not in out.stdout, "--exit-interval 2 stops after iteration 2"
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    # The resolved config beside the checkpoints re-loads to the same config, and is in TB.
+    run_config = tmp_path / "ck" / "run_config.yaml"
+    again = parse_args(["-c", str(run_config)], world_size=1)
+    assert again == parse_args(flags(data_prefix, *extra, iters=3), world_size=1)
+    events = b"".join(p.read_bytes() for p in (tmp_path / "tb").iterdir())
+    assert b"run-config" in events and b"hidden_size: 32" in events
     no_lr = flags(data_prefix)
     del no_lr[no_lr.index("--lr") : no_lr.index("--lr") + 2]
     bad = subprocess.run(

@@ -14,7 +14,6 @@ Everything runs in one CPU process; nothing here touches torch.distributed.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import re
 import sys
@@ -31,7 +30,7 @@ from megatron.checkpoint.storage import (
     resolve_load_iteration,
     save_shard,
 )
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import ModelConfig, model_config_from_saved
 from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
 from megatron.model.stages import stage_layer_range
 from megatron.mpu.utils import shard, unshard
@@ -78,9 +77,8 @@ def split_rule(name: str, cfg: ModelConfig) -> tuple[int, int] | None:
 
 
 def model_config(args: dict) -> ModelConfig:
-    """The ModelConfig recorded in a shard's `args` (unknown keys from newer code ignored)."""
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in args["model"].items() if k in fields})
+    """The ModelConfig recorded in a shard's `args` (keys it no longer has are dropped)."""
+    return model_config_from_saved(args["model"])
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -174,6 +174,13 @@ def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
         raise
 
 
+def write_text_atomic(path: str, text: str) -> None:
+    """`text` to `path` (e.g. run_config.yaml beside the checkpoints): a crash leaves the old
+    file or none, never half of one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
 def save_shard(
     root: str, iteration: int, state: dict, *, tp_rank: int, pp_rank: int, pp_size: int, write: bool
 ) -> None:

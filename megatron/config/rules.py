@@ -93,12 +93,6 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
             f"head size {m.head_dim} is odd",
             "use an even head size",
         )
-    if m.recompute_num_layers < 1:
-        _fail(
-            "--recompute-num-layers",
-            f"must be >= 1, got {m.recompute_num_layers}",
-            "pass 1 or more",
-        )
     if m.seq_length > m.max_positions:
         _fail(
             "--seq-length",
@@ -124,6 +118,12 @@ def validate(cfg: MegatronConfig) -> None:
             "launch a multiple of TP x PP processes or change the parallel sizes",
         )
     validate_model(m, tp)
+    if cfg.recompute.num_layers < 1:
+        _fail(
+            "--recompute-num-layers",
+            f"must be >= 1, got {cfg.recompute.num_layers}",
+            "pass 1 or more",
+        )
     if m.num_layers % pp:
         _fail(
             "--pipeline-model-parallel-size",

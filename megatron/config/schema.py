@@ -1,8 +1,14 @@
-"""The configuration tree: frozen dataclasses built once by `megatron.config.cli`.
+"""The configuration tree: frozen dataclasses, one declaration per setting.
 
-Library code receives these values (or single fields of them) as arguments; nothing reads argv
-or a global. Every rule lives in `megatron.config.rules.validate()`, which runs before any work
-and raises a `ConfigError` naming the flag and the fix.
+Each field is declared once, with `setting(default, help, *aliases, ...)`: the command line
+(megatron.config.cli), config files (megatron.config.files) and `--print-config` are derived
+from these declarations (megatron.config.declare). The section of a setting is the dataclass it
+is in (`model.hidden_size` = `--hidden-size`). Library code receives these values (or single
+fields of them) as arguments; nothing reads argv or a global. Every rule lives in
+`megatron.config.rules`, which runs before any work and raises a `ConfigError` naming the flag.
+
+Checkpoints record `ModelConfig` only (the architecture); the run-time switches that do not
+change the weights (kernels, recompute) are sections of their own and are never saved.
 """
 
 from __future__ import annotations
@@ -11,52 +17,98 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from megatron.config.declare import ConfigError, setting
+from megatron.config.schema_run import (
+    CheckpointConfig,
+    DeepSpeedConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
+
 if TYPE_CHECKING:  # torch is imported lazily: the data tools start faster without it
     import torch
 
+# The run sections are declared in schema_run.py (for size) and belong to this one tree.
+__all__ = [
+    "TOKENIZER_TYPES",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DeepSpeedConfig",
+    "DistributedConfig",
+    "KernelConfig",
+    "LoggingConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RecomputeConfig",
+    "TokenizerConfig",
+    "TrainingConfig",
+    "model_config_from_saved",
+]
 
-class ConfigError(ValueError):
-    """A flag combination that cannot work; the message names the flag and the fix."""
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "NullTokenizer",
+    "WhitespaceTokenizer",
+)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and architecture of the GPT (GPT-2 defaults)."""
+    """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints."""
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = (
-        None  # None: 4h (GeLU) or Megatron's 2/3 * 4h rounded to 64 (SwiGLU)
+    num_layers: int = setting(2, "transformer layers")
+    hidden_size: int = setting(64, "model width h")
+    num_attention_heads: int = setting(4, "query heads")
+    ffn_hidden_size: int | None = setting(
+        None, "MLP inner width (default 4h; with --swiglu 2/3 x 4h rounded down to 64)"
     )
-    num_query_groups: int | None = None  # None: one per head (plain multi-head attention)
-    kv_channels: int | None = None  # None: hidden_size / num_attention_heads
-    seq_length: int = 128
-    max_position_embeddings: int | None = None  # None: seq_length
-    vocab_size: int | None = (
-        None  # real tokenizer vocab; None until a tokenizer or --vocab-size sets it
+    num_query_groups: int | None = setting(
+        None, "key/value heads for grouped-query attention (default: one per query head)"
     )
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    position_embedding_type: str = "learned"  # learned | rope
-    rotary_base: float = 10000.0
-    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    untie_embeddings_and_output_weights: bool = False
-    recompute_granularity: str | None = None  # None | full | selective
-    recompute_method: str = "uniform"  # uniform | block (with full)
-    recompute_num_layers: int = 1
-    attention_backend: str = "sdpa"  # sdpa | fused (Triton softmax) | unfused (torch eager)
-    masked_softmax_fusion: bool = True
-    layer_norm_fusion: bool = True  # residual add + LayerNorm/RMSNorm in one kernel
-    bias_gelu_fusion: bool = True
-    bias_swiglu_fusion: bool = True
-    cross_entropy_loss_fusion: bool = False
-    torch_compile: bool = False  # compile each transformer layer instead of (or with) kernels
+    kv_channels: int | None = setting(
+        None, "size of each head (default hidden-size / num-attention-heads)"
+    )
+    seq_length: int = setting(128, "tokens per sample")
+    max_position_embeddings: int | None = setting(
+        None, "rows of the learned position table (default: seq-length)"
+    )
+    vocab_size: int | None = setting(
+        None, "vocabulary size when no tokenizer sets it (e.g. the null tokenizer)"
+    )
+    make_vocab_size_divisible_by: int = setting(
+        128, "pad the vocab to a multiple of this x TP size; padding is masked out"
+    )
+    hidden_dropout: float = setting(0.1, "dropout on residual branches")
+    attention_dropout: float = setting(0.1, "dropout on attention probs")
+    init_method_std: float = setting(
+        0.02, "std of the normal init (output projections get std / sqrt(2 x num-layers))"
+    )
+    position_embedding_type: str = setting(
+        "learned",
+        "learned absolute positions (GPT-2) or rotary embeddings",
+        choices=("learned", "rope"),
+    )
+    rotary_base: float = setting(10000.0, "RoPE base")
+    normalization: str = setting(
+        "LayerNorm", "normalization layer", choices=("LayerNorm", "RMSNorm")
+    )
+    layernorm_epsilon: float = setting(1e-5, "norm epsilon")
+    swiglu: bool = setting(False, "SwiGLU MLP instead of GeLU")
+    add_bias_linear: bool = setting(
+        True, "no bias in the linear layers", flag="--disable-bias-linear"
+    )
+    untie_embeddings_and_output_weights: bool = setting(
+        False, "separate output head instead of reusing the input embedding"
+    )
 
     @property
     def ffn_size(self) -> int:
@@ -91,14 +143,78 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+def model_config_from_saved(saved: dict) -> ModelConfig:
+    """The ModelConfig of a checkpoint's args["model"]. Keys that are not (or no longer)
+    ModelConfig fields are dropped: checkpoints from before the run-time switches moved out
+    (fusions, recompute, ...) hold them, and newer code may add others."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in names})
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Fused kernels and compilation (Triton on CUDA, torch elsewhere); not saved in checkpoints."""
+
+    attention_backend: str = setting(
+        "sdpa",
+        "sdpa: torch scaled_dot_product_attention (flash where available); "
+        "fused: matmul + Triton scaled causal softmax; unfused: plain torch",
+        choices=("sdpa", "fused", "unfused"),
+    )
+    masked_softmax_fusion: bool = setting(True, "torch softmax in the fused backend")
+    layer_norm_fusion: bool = setting(
+        True, "separate residual add and norm", "--no-persist-layer-norm"
+    )
+    bias_gelu_fusion: bool = setting(True, "separate bias add and GeLU")
+    bias_swiglu_fusion: bool = setting(True, "torch SwiGLU")
+    cross_entropy_loss_fusion: bool = setting(
+        False, "Triton vocab-parallel cross-entropy without fp32 logits"
+    )
+    torch_compile: bool = setting(False, "torch.compile each transformer layer")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute: trade compute for memory; not saved in checkpoints."""
+
+    granularity: str | None = setting(
+        None,
+        "full: recompute whole layers in backward; selective: only the attention core",
+        flag="--recompute-granularity",
+        choices=("full", "selective"),
+        shortcuts={
+            "--checkpoint-activations": (
+                "full",
+                "classic flag: --recompute-granularity full --recompute-method uniform",
+            )
+        },
+    )
+    method: str = setting(
+        "uniform",
+        "full: checkpoint every group of N layers (uniform) or only the first N layers of "
+        "each stage (block)",
+        flag="--recompute-method",
+        choices=("uniform", "block"),
+    )
+    num_layers: int = setting(
+        1, "N for --recompute-method", "--checkpoint-num-layers", flag="--recompute-num-layers"
+    )
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the ranks are split: TP fastest, then DP, then PP."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    num_layers_per_virtual_pipeline_stage: int | None = None
-    world_size: int = 1
+    tensor_model_parallel_size: int = setting(
+        1, "tensor-parallel ranks per layer", "--model-parallel-size"
+    )
+    pipeline_model_parallel_size: int = setting(1, "pipeline stages")
+    num_layers_per_virtual_pipeline_stage: int | None = setting(
+        None, "layers per model chunk for the interleaved pipeline schedule"
+    )
+    world_size: int = setting(
+        1, "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)", from_env=True
+    )
 
     @property
     def data_parallel_size(self) -> int:
@@ -116,17 +232,34 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    backend: str | None = None  # None: nccl on CUDA, gloo otherwise
-    timeout_minutes: float = 10.0
-    local_rank: int | None = None
-    ddp_bucket_size: int = 40_000_000  # gradient elements per all-reduce bucket
-    overlap_grad_reduce: bool = True  # all-reduce buckets during backward
+    """Process groups and data-parallel gradient reduction."""
+
+    backend: str | None = setting(
+        None,
+        "collective backend (default nccl on CUDA, gloo on CPU)",
+        flag="--distributed-backend",
+        choices=("nccl", "gloo"),
+    )
+    timeout_minutes: float = setting(
+        10.0, "a collective that waits longer fails the job", flag="--distributed-timeout-minutes"
+    )
+    local_rank: int | None = setting(
+        None, "set by some launchers; LOCAL_RANK from the environment wins", "--local_rank"
+    )
+    ddp_bucket_size: int = setting(
+        40_000_000, "gradient elements per data-parallel all-reduce bucket"
+    )
+    overlap_grad_reduce: bool = setting(
+        True, "all-reduce gradients after backward instead of during it"
+    )
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    fp16: bool = False
-    bf16: bool = False
+    """Mixed precision."""
+
+    fp16: bool = setting(False, "fp16 weights/activations, loss scaling")
+    bf16: bool = setting(False, "bf16 weights/activations")
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -141,10 +274,22 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    tokenizer_type: str | None = None  # None: ids come pre-tokenized (--vocab-size sets the vocab)
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    tokenizer_model: str | None = None
+    """The tokenizer (shared with tools/preprocess_data.py and the other data tools)."""
+
+    tokenizer_type: str | None = setting(
+        None,
+        "tokenizer kind (default: ids come pre-tokenized and --vocab-size sets the vocab)",
+        choices=TOKENIZER_TYPES,
+    )
+    vocab_file: str | None = setting(
+        None, "vocab.json (GPT-2 BPE / whitespace vocab) or vocab.txt (BERT WordPiece)"
+    )
+    merge_file: str | None = setting(None, "merges.txt of a GPT-2 BPE tokenizer")
+    tokenizer_model: str | None = setting(
+        None,
+        "tokenizer.json (or its directory) for HuggingFaceTokenizer, "
+        ".model for SentencePieceTokenizer",
+    )
 
     def kwargs(self) -> dict:
         """Keyword arguments of megatron.data.tokenizers.build_tokenizer."""
@@ -157,112 +302,30 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the mmap datasets are and how they are split and blended (Megatron's flags)."""
+    """mmap .bin/.idx datasets written by preprocess_data.py: where, split, blend."""
 
-    data_path: tuple[str, ...] = ()  # PREFIX, or W1 PREFIX1 W2 PREFIX2 ...
-    split: str = "969,30,1"
-    train_data_path: tuple[str, ...] = ()
-    valid_data_path: tuple[str, ...] = ()
-    test_data_path: tuple[str, ...] = ()
-    data_cache_path: str | None = None
+    data_path: tuple[str, ...] = setting(
+        (), "PREFIX, or a blend W1 PREFIX1 W2 PREFIX2 ... (weights are normalized)"
+    )
+    split: str = setting("969,30,1", "train,valid,test weights over the documents of --data-path")
+    train_data_path: tuple[str, ...] = setting(
+        (), "separate train data (PREFIX or a blend); replaces --data-path/--split"
+    )
+    valid_data_path: tuple[str, ...] = setting((), "separate validation data")
+    test_data_path: tuple[str, ...] = setting((), "separate test data")
+    data_cache_path: str | None = setting(
+        None, "directory for the cached sample indices (default: beside the data)"
+    )
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
-    seed: int = 1234
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None  # None: micro_batch_size x data-parallel size
-    rampup_batch_size: tuple[int, int, int] | None = None  # start, increment, ramp samples
-    train_iters: int | None = None
-    train_samples: int | None = None
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
-    exit_signal_handler: bool = False
-    clip_grad: float = 1.0
-    max_skipped_in_a_row: int = 50  # consecutive overflow/NaN skips before the run stops
-    num_workers: int = 2  # DataLoader worker processes
-
-    def resolved_global_batch_size(self, data_parallel_size: int) -> int:
-        return self.global_batch_size or self.micro_batch_size * data_parallel_size
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer, learning-rate schedule and loss scaling (Megatron's flag names)."""
-
-    optimizer: str = "adam"  # adam (decoupled weight decay, i.e. AdamW) | sgd
-    lr: float | None = None
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
-    lr_decay_style: str = "linear"
-    lr_decay_iters: int | None = None
-    lr_decay_samples: int | None = None
-    lr_warmup_iters: int = 0
-    lr_warmup_samples: int = 0
-    lr_warmup_fraction: float | None = None
-    warmup: float | None = None  # classic Megatron spelling of the warmup fraction
-    lr_wsd_decay_style: str = "exponential"
-    lr_wsd_decay_iters: int | None = None
-    lr_wsd_decay_samples: int | None = None
-    override_lr_scheduler: bool = False
-    use_checkpoint_lr_scheduler: bool = False
-    loss_scale: float | None = None  # fp16: static scale; None: dynamic
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False  # load weights only; start at iteration 0
-    save_retain_last: int | None = None
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    log_interval: int = 100
-    tensorboard_dir: str | None = None
-    timing_log_level: int = 0  # 0: iteration time only; 1: + forward/backward/optimizer; 2: all
-    peak_tflops: float | None = None  # per device, for MFU; default from the device when known
-
-
-@dataclass(frozen=True)
-class DeepSpeedConfig:
-    """--deepspeed and the classic Megatron-DeepSpeed flags (None: not given, the JSON decides)."""
-
-    enabled: bool = False
-    config: str | None = None  # --deepspeed_config JSON
-    zero_stage: int | None = None
-    zero_reduce_scatter: bool | None = None
-    zero_contigious_gradients: bool | None = None
-    zero_reduce_bucket_size: int | None = None
-    zero_allgather_bucket_size: int | None = None
-    cpu_optimizer: bool = False  # offload optimizer states to CPU (ZeRO >= 1)
-    partition_activations: bool = False
-    checkpoint_in_cpu: bool = False
-    contigious_checkpointing: bool = False
-    synchronize_each_layer: bool = False
-    profile_backward: bool = False
-
-
-@dataclass(frozen=True)
 class MegatronConfig:
-    """The whole run configuration; one field per argument group."""
+    """The whole run configuration; one field per section."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

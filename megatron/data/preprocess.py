@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron.config.declare import add_section_args, section_from_args
+from megatron.config.schema import TokenizerConfig
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
 from megatron.data.preprocess_inputs import (
     TEXT,
@@ -325,13 +327,9 @@ def run(args: argparse.Namespace) -> int:
                     f"--json-keys {' '.join(keys)}: {p} is plain text, which has no "
                     "keys; give one key (it names the output) or use JSON input"
                 )
-    tok_kwargs = {
-        "vocab_file": args.vocab_file,
-        "merge_file": args.merge_file,
-        "tokenizer_model": args.tokenizer_model,
-        "vocab_size": args.vocab_size,
-    }
-    tokenizer = build_tokenizer(args.tokenizer_type, **tok_kwargs)  # fail fast on bad flags
+    tok = section_from_args(TokenizerConfig, args)
+    tok_kwargs = {**tok.kwargs(), "vocab_size": args.vocab_size}
+    tokenizer = build_tokenizer(tok.tokenizer_type, **tok_kwargs)  # fail fast on bad flags
     dtype = best_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -347,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     total = sum(os.path.getsize(p) for p in paths)
     chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs)
     ok, next_log = False, args.log_interval
-    results = _encode_in_order(chunks, args.workers, (args.tokenizer_type, tok_kwargs, options))
+    results = _encode_in_order(chunks, args.workers, (tok.tokenizer_type, tok_kwargs, options))
     try:
         for result in results:
             stats.add(result, keys[0])
@@ -400,8 +398,6 @@ def _summary(stats: Stats, read: int, written: list[str], dtype) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron.config.cli import add_tokenizer_args
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     g = p.add_argument_group("input")
     g.add_argument(
@@ -435,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="malformed JSON, non-UTF-8 bytes, missing keys: fail (default; exit 1 and "
         "write nothing) or skip (leave them out and list where they were)",
     )
-    add_tokenizer_args(p)
+    add_section_args(p, TokenizerConfig, title="tokenizer")
     p.add_argument("--vocab-size", type=int, default=None, help="vocab of the NullTokenizer")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")

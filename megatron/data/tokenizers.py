@@ -24,17 +24,9 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from megatron.config.schema import TOKENIZER_TYPES  # declared once, with the flag
 from megatron.data.fast_bpe import TiktokenBPE
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "HuggingFaceTokenizer",
-    "SentencePieceTokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "NullTokenizer",
-    "WhitespaceTokenizer",
-)
 HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 WHITESPACE_EOD_TOKENS = ("<eod>", "<|endoftext|>", "</s>", "<eos>")
 # GPT-2 has no dropout and no unknown token (every byte has an id), and merges whole words even

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import KernelConfig
 from megatron.fused_kernels import reference
 
 
@@ -102,7 +102,7 @@ class FusedOps:
 TORCH_OPS = FusedOps()
 
 
-def select_ops(cfg: ModelConfig, device: torch.device | str) -> FusedOps:
+def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
     """Pick each op's implementation from the device and the --no-*-fusion flags."""
     device = torch.device(device)
     triton = triton_available(device)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.checkpoint.storage import CheckpointError, load_shard, resolve_load_iteration
-from megatron.config.schema import ModelConfig, TokenizerConfig
+from megatron.config.schema import KernelConfig, TokenizerConfig, model_config_from_saved
 from megatron.data.tokenizers import build_tokenizer
+from megatron.fused_kernels import select_ops
 from megatron.model.stages import build_model
 
 
-def load_model_for_inference(load_dir: str, rt, dtype=None):
+def load_model_for_inference(load_dir: str, rt, dtype=None, kernels: KernelConfig | None = None):
     """(model chunks, tokenizer or None, model config, iteration) for this rank's TP/PP
-    position; `model[0]` is this stage's GPTModel."""
+    position; `model[0]` is this stage's GPTModel. `kernels`: the run-time kernel switches
+    (None: plain torch), never the ones a checkpoint from before they left ModelConfig holds."""
     iteration = resolve_load_iteration(load_dir)
     if iteration is None:
         raise CheckpointError(f"--load {load_dir}: no checkpoint there")
@@ -35,11 +37,11 @@ def load_model_for_inference(load_dir: str, rt, dtype=None):
             f"TP={st.tp_size} x PP={st.pp_size}; launch {saved_tp * saved_pp} processes with "
             "those sizes"
         )
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    model_cfg = ModelConfig(**{k: v for k, v in args["model"].items() if k in fields})
+    model_cfg = model_config_from_saved(args["model"])
     model_cfg = dataclasses.replace(model_cfg, hidden_dropout=0.0, attention_dropout=0.0)
-    # Recompute is a training setting; weights are overwritten right after, so seed is moot.
-    model_cfg = dataclasses.replace(model_cfg, recompute_granularity=None)
+    # The checkpoint holds the architecture only: the kernels come from the caller (plain torch
+    # ops when it names none), recompute is a training setting. Weights are overwritten right
+    # after, so the seed is moot.
     model = build_model(
         model_cfg,
         st,
@@ -47,6 +49,8 @@ def load_model_for_inference(load_dir: str, rt, dtype=None):
         seed=0,
         device=rt.device,
         dtype=dtype or next(iter(shard["model"].values())).dtype,
+        ops=select_ops(kernels, rt.device) if kernels is not None else None,
+        torch_compile=kernels is not None and kernels.torch_compile,
     )
     model.load_state_dict(shard["model"])
     tok_cfg = TokenizerConfig(**args.get("tokenizer", {}))

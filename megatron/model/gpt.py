@@ -13,7 +13,7 @@ import zlib
 import torch
 from torch import nn
 
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.model.transformer import NORM_TYPES, TransformerLayer, build_norm
 from megatron.mpu import (
@@ -133,9 +133,14 @@ class GPTModel(nn.Module):
         post_process: bool = True,
         checkpoint_impl=None,
         ops: FusedOps | None = None,
+        recompute: RecomputeConfig | None = None,
+        torch_compile: bool = False,
     ):
         super().__init__()
         self.ops = ops or TORCH_OPS
+        # The run-time switches (ops, recompute, compile) come apart from the architecture `cfg`:
+        # they change how the model computes, never its weights, so checkpoints leave them out.
+        self.recompute = recompute or RecomputeConfig()
         self.cfg, self.state, self.rng_tracker = cfg, state, rng_tracker
         self.checkpoint_impl = checkpoint_impl  # e.g. DeepSpeed's, for --deepspeed recompute
         self.pre_process, self.post_process = pre_process, post_process
@@ -148,14 +153,16 @@ class GPTModel(nn.Module):
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerLayer(cfg, state, rng_tracker, device, dtype, self.ops)
+                str(i): TransformerLayer(
+                    cfg, state, rng_tracker, device, dtype, self.ops, self.recompute
+                )
                 for i in layer_range
             }
         )
         self.head = OutputHead(cfg, state, device, dtype) if post_process else None
         self._input: torch.Tensor | None = None
         init_weights(self, cfg, state, seed)
-        if cfg.torch_compile:  # compile the forward, not the module: parameter names stay
+        if torch_compile:  # compile the forward, not the module: parameter names stay
             for layer in self.layers.values():
                 layer.forward = torch.compile(layer.forward)
 
@@ -182,7 +189,7 @@ class GPTModel(nn.Module):
                 list(self.layers.values()),
                 x,
                 position_ids,
-                self.cfg,
+                self.recompute,
                 self.rng_tracker,
                 self.training,
                 self.checkpoint_impl,
@@ -195,18 +202,20 @@ class GPTModel(nn.Module):
         return self.ops.vocab_cross_entropy(logits, labels, self.state.tp_group)
 
 
-def run_layers(layers, x, position_ids, cfg: ModelConfig, tracker, training: bool, impl=None):
+def run_layers(
+    layers, x, position_ids, recompute: RecomputeConfig, tracker, training: bool, impl=None
+):
     """Run the transformer layers, recomputing activations as --recompute-* asks.
 
     full + uniform: checkpoint every group of N consecutive layers; full + block: checkpoint
     the first N layers only. (Selective recompute lives inside the attention layer.)
     """
-    if cfg.recompute_granularity != "full" or not training:
+    if recompute.granularity != "full" or not training:
         for layer in layers:
             x = layer(x, position_ids)
         return x
-    n = cfg.recompute_num_layers
-    if cfg.recompute_method == "block":
+    n = recompute.num_layers
+    if recompute.method == "block":
         for i, layer in enumerate(layers):
             x = (
                 checkpoint(layer, tracker, x, position_ids, impl=impl)

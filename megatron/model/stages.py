@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.model.gpt import GPTModel
 from megatron.mpu import ParallelState, RNGStatesTracker
 
@@ -80,8 +80,12 @@ def build_model(
     dtype=torch.float32,
     checkpoint_impl=None,
     ops=None,
+    recompute: RecomputeConfig | None = None,
+    torch_compile: bool = False,
 ) -> ModelChunks:
-    """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V."""
+    """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V.
+
+    `ops`, `recompute` and `torch_compile` are the run-time switches (see GPTModel)."""
     vp = state.virtual_pp_size
     chunks = []
     for c in range(vp or 1):
@@ -97,6 +101,8 @@ def build_model(
                 layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank, vp, c),
                 checkpoint_impl=checkpoint_impl,
                 ops=ops,
+                recompute=recompute,
+                torch_compile=torch_compile,
                 pre_process=state.is_first_stage and c == 0,
                 post_process=state.is_last_stage and last_chunk,
             )

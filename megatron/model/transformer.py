@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.mpu import (
     ColumnParallelLinear,
@@ -114,6 +114,7 @@ class ParallelAttention(nn.Module):
         device=None,
         dtype=None,
         ops: FusedOps | None = None,
+        recompute: RecomputeConfig | None = None,
     ):
         super().__init__()
         self.rng_tracker = rng_tracker
@@ -122,7 +123,7 @@ class ParallelAttention(nn.Module):
         self.groups = divide(cfg.query_groups, state.tp_size)  # local key/value heads
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
         self.dropout = cfg.attention_dropout
-        self.recompute_core = cfg.recompute_granularity == "selective"
+        self.recompute_core = recompute is not None and recompute.granularity == "selective"
         self.ops = ops or TORCH_OPS
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         kw = {
@@ -248,11 +249,14 @@ class TransformerLayer(nn.Module):
         device=None,
         dtype=None,
         ops: FusedOps | None = None,
+        recompute: RecomputeConfig | None = None,
     ):
         super().__init__()
         self.hidden_dropout, self.ops = cfg.hidden_dropout, ops or TORCH_OPS
         self.input_layernorm = build_norm(cfg, device, dtype)
-        self.self_attention = ParallelAttention(cfg, state, rng_tracker, device, dtype, ops)
+        self.self_attention = ParallelAttention(
+            cfg, state, rng_tracker, device, dtype, ops, recompute
+        )
         self.post_attention_layernorm = build_norm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, state, device, dtype, ops)
 

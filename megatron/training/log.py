@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import resource
+import textwrap
 
 import torch
 
@@ -116,6 +117,11 @@ class TensorBoard:
             self.writer.add_scalar(name, value, iteration)
             if name in ("lm-loss", "validation lm-loss"):
                 self.writer.add_scalar(f"{name} vs samples", value, consumed)
+
+    def text(self, name: str, text: str) -> None:
+        if self.writer is not None:
+            # TensorBoard renders markdown: indented by 4 spaces, the text is a code block.
+            self.writer.add_text(name, textwrap.indent(text, "    "), 0)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.storage import write_text_atomic
+from megatron.config.files import RUN_CONFIG_NAME, to_yaml
 from megatron.config.rules import validate_model
 from megatron.config.schema import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
@@ -58,6 +61,17 @@ def resolve_vocab(cfg: MegatronConfig):
     return cfg.replace(model=model), tokenizer
 
 
+RUN_CONFIG_HEADER = "the resolved config of a training run; run it again with -c FILE"
+
+
+def _record_run_config(text: str, save: str | None, is_rank0: bool, tensorboard) -> None:
+    """The config beside the checkpoints (SAVE/run_config.yaml) and in TensorBoard, so every
+    run can be reproduced, and compared, from what it left behind."""
+    if save and is_rank0:
+        write_text_atomic(os.path.join(save, RUN_CONFIG_NAME), text)
+    tensorboard.text("run-config", text)
+
+
 class _ExitSignal:
     """Remembers a SIGTERM; ranks agree on it at the next iteration boundary."""
 
@@ -85,6 +99,7 @@ def pretrain(
     out=sys.stdout,
 ) -> TrainResult:
     """Train as the config says; returns the per-iteration history (the last rank logs it)."""
+    run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, _ = resolve_vocab(cfg)
     rt = runtime or initialize_megatron(cfg)
     if cfg.deepspeed.enabled:
@@ -99,6 +114,7 @@ def pretrain(
     )
     loop = _TrainLoop(cfg, rt, backend, out)
     try:
+        _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.tensorboard)
         result = loop.run(state, *iters)
         result.model = backend.model
         return result

@@ -46,7 +46,7 @@ def _device_of(model) -> torch.device:
 
 def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
     dtype = cfg.precision.params_dtype
-    ops = select_ops(cfg.model, rt.device)
+    ops = select_ops(cfg.kernels, rt.device)
     if rt.state.rank == 0:
         print(f" {ops.describe()}", file=sys.stderr, flush=True)
     model = build_model(
@@ -57,6 +57,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
         device=rt.device,
         dtype=dtype,
         ops=ops,
+        recompute=cfg.recompute,
+        torch_compile=cfg.kernels.torch_compile,
     )
     ddp = DistributedDataParallel(
         model,

@@ -91,7 +91,7 @@ def _zero(ds: dict, cfg: MegatronConfig) -> None:
 
 def _activation_checkpointing(ds: dict, cfg: MegatronConfig) -> None:
     d = cfg.deepspeed
-    if cfg.model.recompute_granularity != "full":
+    if cfg.recompute.granularity != "full":
         return
     ac = ds.setdefault("activation_checkpointing", {})
     for key, value in (

@@ -101,8 +101,8 @@ class EmbeddingPipe(Embedding):
 
 
 class TransformerLayerPipe(TransformerLayer):
-    def __init__(self, cfg, state, tracker, seed: int, number: int, device, dtype):
-        super().__init__(cfg, state, tracker, device, dtype)
+    def __init__(self, cfg, state, tracker, seed: int, number: int, device, dtype, recompute):
+        super().__init__(cfg, state, tracker, device, dtype, recompute=recompute)
         init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
 
     def forward(self, x):
@@ -187,6 +187,7 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
                 i,
                 rt.device,
                 cfg.precision.params_dtype,
+                cfg.recompute,
             )
             for i in range(m.num_layers)
         ),
@@ -196,14 +197,14 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
     topology = PipeModelDataParallelTopology(
         num_pp=st.pp_size, num_mp=st.tp_size, num_dp=st.dp_size
     )
-    recompute = m.recompute_granularity == "full"
+    recompute = cfg.recompute.granularity == "full"
     del deepspeed
     return PipelineModule(
         layers=layers,
         loss_fn=_LossPipe(st.tp_group),
         topology=topology,
         partition_method="type:TransformerLayerPipe",
-        activation_checkpoint_interval=m.recompute_num_layers if recompute else 0,
+        activation_checkpoint_interval=cfg.recompute.num_layers if recompute else 0,
         activation_checkpoint_func=checkpoint_fn,
     )
 
@@ -250,6 +251,8 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
             device=rt.device,
             dtype=cfg.precision.params_dtype,
             checkpoint_impl=impl,
+            recompute=cfg.recompute,
+            torch_compile=cfg.kernels.torch_compile,
         )
         if ds_config["zero_optimization"]["stage"] == 3 and model[0].tied:
             # The head reads the embedding's weight outside the module that owns it.

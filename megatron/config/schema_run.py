@@ -1,0 +1,176 @@
+"""The sections of the config tree that describe a training run: loop, optimizer and learning-
+rate schedule, checkpoints, logging, DeepSpeed. Part of megatron.config.schema (import them from
+there); declared the same way, with `setting(default, help, *aliases, ...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config.declare import setting
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The training loop: batch sizes, length, evaluation and exit conditions."""
+
+    seed: int = setting(1234, "base random seed")
+    micro_batch_size: int = setting(
+        1, "samples per forward pass on one data-parallel rank", "--batch-size"
+    )
+    global_batch_size: int | None = setting(
+        None,
+        "samples per optimizer step over all data-parallel ranks "
+        "(default micro-batch-size x DP; the rest is gradient accumulation)",
+    )
+    rampup_batch_size: tuple[int, int, int] | None = setting(
+        None,
+        "grow the global batch from START by INCREMENT over SAMPLES samples "
+        "(needs --train-samples)",
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+    train_iters: int | None = setting(None, "optimizer steps to train")
+    train_samples: int | None = setting(
+        None, "samples to train (instead of --train-iters; schedules count samples)"
+    )
+    eval_interval: int = setting(1000, "iterations between validation runs")
+    eval_iters: int = setting(100, "batches per validation run (0 disables validation)")
+    exit_interval: int | None = setting(
+        None, "save and exit when the iteration is a multiple of this"
+    )
+    exit_duration_in_mins: float | None = setting(
+        None, "save and exit after this many minutes of training"
+    )
+    exit_signal_handler: bool = setting(
+        False, "on SIGTERM: all ranks agree, save a checkpoint and exit 0"
+    )
+    clip_grad: float = setting(1.0, "clip the global gradient norm to this (0 disables)")
+    max_skipped_in_a_row: int = setting(
+        50, "stop with an error after this many consecutive skipped steps (overflow/NaN)"
+    )
+    num_workers: int = setting(2, "DataLoader worker processes per rank")
+
+    def resolved_global_batch_size(self, data_parallel_size: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * data_parallel_size
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule and fp16 loss scaling (Megatron's flag names)."""
+
+    optimizer: str = setting(
+        "adam",
+        "adam = AdamW (decoupled weight decay), or sgd with momentum",
+        choices=("adam", "sgd"),
+    )
+    lr: float | None = setting(None, "peak learning rate (required)")
+    min_lr: float = setting(0.0, "floor of the decay")
+    weight_decay: float = setting(0.01, "decoupled weight decay; never applied to biases and norms")
+    adam_beta1: float = setting(0.9, "Adam beta1")
+    adam_beta2: float = setting(0.999, "Adam beta2")
+    adam_eps: float = setting(1e-8, "Adam epsilon")
+    sgd_momentum: float = setting(0.9, "SGD momentum")
+    lr_decay_style: str = setting(
+        "linear",
+        "decay after warmup",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    )
+    lr_decay_iters: int | None = setting(None, "iterations to decay over (default --train-iters)")
+    lr_decay_samples: int | None = setting(None, "samples to decay over (default --train-samples)")
+    lr_warmup_iters: int = setting(0, "linear warmup iterations")
+    lr_warmup_samples: int = setting(0, "linear warmup samples")
+    lr_warmup_fraction: float | None = setting(None, "warmup as a fraction of the decay length")
+    warmup: float | None = setting(None, "classic spelling of --lr-warmup-fraction")
+    lr_wsd_decay_style: str = setting(
+        "exponential",
+        "WSD: shape of the final annealing phase",
+        choices=("linear", "cosine", "exponential", "minus_sqrt"),
+    )
+    lr_wsd_decay_iters: int | None = setting(None, "WSD: iterations of the final annealing phase")
+    lr_wsd_decay_samples: int | None = setting(None, "WSD: samples of the final annealing phase")
+    override_lr_scheduler: bool = setting(
+        False, "on resume, use these flags' schedule (keep only the step count)"
+    )
+    use_checkpoint_lr_scheduler: bool = setting(False, "on resume, use the checkpoint's schedule")
+    loss_scale: float | None = setting(None, "fp16: static loss scale (default: dynamic)")
+    initial_loss_scale: float = setting(2.0**32, "fp16: first dynamic scale")
+    min_loss_scale: float = setting(1.0, "fp16: the dynamic scale never goes below this")
+    loss_scale_window: int = setting(1000, "fp16: steps without overflow before the scale doubles")
+    hysteresis: int = setting(2, "fp16: overflows tolerated before the scale is halved")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming (beside the checkpoints: run_config.yaml, this run's config)."""
+
+    save: str | None = setting(None, "directory to save checkpoints in")
+    load: str | None = setting(None, "directory to resume from")
+    save_interval: int | None = setting(None, "iterations between saves")
+    no_load_optim: bool = setting(False, "do not load optimizer state")
+    no_load_rng: bool = setting(False, "do not load RNG states")
+    finetune: bool = setting(False, "load weights only and start from iteration 0")
+    save_retain_last: int | None = setting(None, "keep only the newest K complete checkpoints")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Log lines, timers and TensorBoard."""
+
+    log_interval: int = setting(100, "iterations between log lines")
+    tensorboard_dir: str | None = setting(None, "write TensorBoard scalars here")
+    timing_log_level: int = setting(
+        0, "0: iteration time; 1: + forward/backward/optimizer; 2: everything", choices=(0, 1, 2)
+    )
+    peak_tflops: float | None = setting(
+        None, "peak TFLOP/s of one device, for MFU (default: known GPUs)"
+    )
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """--deepspeed and the classic Megatron-DeepSpeed flags (None: not given, the JSON decides).
+
+    The spellings are those deepspeed.add_config_arguments defines, without importing deepspeed
+    to parse them.
+    """
+
+    enabled: bool = setting(
+        False,
+        "train through DeepSpeed (pip install --no-build-isolation deepspeed)",
+        flag="--deepspeed",
+    )
+    config: str | None = setting(
+        None,
+        "DeepSpeed JSON; filled from these flags where it is silent",
+        "--deepspeed-config",
+        flag="--deepspeed_config",
+    )
+    zero_stage: int | None = setting(None, "ZeRO stage (overrides the JSON)", choices=(0, 1, 2, 3))
+    zero_reduce_scatter: bool | None = setting(
+        None, "ZeRO: reduce-scatter gradients (overrides the JSON)"
+    )
+    zero_contigious_gradients: bool | None = setting(
+        None, "ZeRO: copy gradients to a contiguous buffer (overrides the JSON)"
+    )
+    zero_reduce_bucket_size: int | None = setting(
+        None, "ZeRO: elements per reduce bucket (overrides the JSON)"
+    )
+    zero_allgather_bucket_size: int | None = setting(
+        None, "ZeRO: elements per all-gather bucket (overrides the JSON)"
+    )
+    cpu_optimizer: bool = setting(
+        False, "ZeRO: keep optimizer states on the CPU (offload_optimizer)"
+    )
+    partition_activations: bool = setting(
+        False, "DeepSpeed recompute: split checkpointed activations over TP ranks"
+    )
+    checkpoint_in_cpu: bool = setting(
+        False, "DeepSpeed recompute: keep checkpointed activations on the CPU"
+    )
+    contigious_checkpointing: bool = setting(
+        False, "DeepSpeed recompute: copy checkpoints into one buffer"
+    )
+    synchronize_each_layer: bool = setting(
+        False, "DeepSpeed recompute: synchronize the device after each layer"
+    )
+    profile_backward: bool = setting(False, "DeepSpeed recompute: time the backward of each layer")
