@@ -34,7 +34,6 @@ class LaunchEnv:
 class Runtime:
     """What initialization produced; passed explicitly to everything that needs it."""
 
-    config: MegatronConfig
     state: ParallelState
     device: torch.device
     rng_tracker: RNGStatesTracker
@@ -133,7 +132,7 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
         cfg.parallel.virtual_pipeline_size(cfg.model.num_layers),
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
-    return Runtime(config=cfg, state=state, device=device, rng_tracker=tracker)
+    return Runtime(state=state, device=device, rng_tracker=tracker)
 
 
 def shutdown_distributed() -> None:

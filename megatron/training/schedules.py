@@ -34,7 +34,6 @@ def forward_backward_no_pipelining(
     scale_loss: Callable = lambda loss: loss,
     forward_only: bool = False,
     timers=None,
-    report: dict | None = None,
 ) -> list[dict]:
     """Gradient accumulation over micro batches on one pipeline stage."""
     stats = []
@@ -57,8 +56,6 @@ def forward_backward_no_pipelining(
                 scale_loss(loss / num_micro_batches).backward()
                 if timers:
                     timers("backward-compute", 1).stop()
-    if report is not None:
-        report["max_in_flight"] = 1
     return stats
 
 

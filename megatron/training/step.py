@@ -146,7 +146,6 @@ def train_step(
     rt: Runtime,
     timers: Timers,
     schedule=None,
-    report: dict | None = None,
 ) -> dict:
     """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
     model.zero_grad_buffer()
@@ -158,7 +157,6 @@ def train_step(
         num_micro_batches,
         scale_loss=optimizer.scale_loss,
         timers=timers,
-        report=report,
     )
     timers("grads-all-reduce", 2).start()
     model.finish_grad_sync()
