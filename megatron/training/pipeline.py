@@ -120,12 +120,8 @@ def forward_backward_pipelining(
     """
     chunks = getattr(model, "module", model)  # DDP-wrapped ModelChunks, or the chunks
     P, s, V, M = state.pp_size, state.pp_rank, len(chunks), num_micro_batches
-    if V > 1 and M % P:
-        raise ValueError(
-            f"the interleaved schedule needs the number of micro batches ({M}) to "
-            f"be a multiple of --pipeline-model-parallel-size {P}; change "
-            "--global-batch-size or --micro-batch-size"
-        )
+    if V > 1 and M % P:  # the user-facing rule is validate_training's (megatron/config/rules.py)
+        raise ValueError(f"interleaved 1F1B: {M} micro batches are not a multiple of P = {P}")
     comm = _Comm(state, shape, dtype, next(model.parameters()).device, timers)
     run = _Runner(
         chunks, comm, _SharedBatches(data_iterator), forward_step, P, s, M, scale_loss, forward_only

@@ -13,13 +13,14 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron.config.lr_schedule import schedule_steps
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.stages import build_model
 from megatron.training.data import get_batch
 from megatron.training.ddp import DistributedDataParallel
-from megatron.training.learning_rates import AnnealingLR, scheduler_steps
+from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron.training.state import TrainState, load_training_state, save_training_state
@@ -72,19 +73,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
 def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
     """AnnealingLR from the schedule flags; step() counts iterations or samples as they say."""
     o, t = cfg.optimizer, cfg.training
-    steps = scheduler_steps(
-        train_iters=t.train_iters,
-        train_samples=t.train_samples,
-        global_batch_size=t.resolved_global_batch_size(dp_size),
-        lr_decay_iters=o.lr_decay_iters,
-        lr_decay_samples=o.lr_decay_samples,
-        lr_warmup_iters=o.lr_warmup_iters,
-        lr_warmup_samples=o.lr_warmup_samples,
-        lr_warmup_fraction=o.lr_warmup_fraction,
-        warmup=o.warmup,
-        lr_wsd_decay_iters=o.lr_wsd_decay_iters,
-        lr_wsd_decay_samples=o.lr_wsd_decay_samples,
-    )
+    steps = schedule_steps(o, t, t.resolved_global_batch_size(dp_size))
     scheduler = AnnealingLR(
         optimizer,
         max_lr=o.lr,
