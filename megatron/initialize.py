@@ -135,6 +135,13 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
     return Runtime(state=state, device=device, rng_tracker=tracker)
 
 
+def barrier() -> None:
+    """Wait for every rank (a no-op for one process or before init). The one barrier of the
+    trainer: index building, checkpoint commits of both backends."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def shutdown_distributed() -> None:
     """Leave the process group cleanly (gloo can abort at interpreter exit otherwise)."""
     if dist.is_initialized():

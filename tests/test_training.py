@@ -267,3 +267,22 @@ def test_batch_size_ramp_up():
         32,
     ]
     assert calc.num_micro_batches(0) == 2 and calc.num_micro_batches(400) == 8
+
+
+def test_both_backends_implement_the_one_contract():
+    """The loop talks to either backend through TrainerBackend only; a backend missing one of
+    its methods could not even be instantiated."""
+    from megatron.training.backend import TrainerBackend
+    from megatron.training.deepspeed.backend import DeepSpeedBackend
+    from megatron.training.step import NativeBackend
+
+    for backend in (NativeBackend, DeepSpeedBackend):
+        assert issubclass(backend, TrainerBackend), backend
+        assert not backend.__abstractmethods__, (backend, backend.__abstractmethods__)
+    assert TrainerBackend.__abstractmethods__ == {
+        "loss_scale",
+        "train_step",
+        "evaluate",
+        "save",
+        "load",
+    }

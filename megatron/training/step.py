@@ -18,6 +18,7 @@ from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.stages import build_model
+from megatron.training.backend import StepResult, TrainerBackend, average_loss
 from megatron.training.data import get_batch
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.learning_rates import AnnealingLR
@@ -90,21 +91,6 @@ def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
     return scheduler
 
 
-def _reported_loss(stats: list[dict], rt: Runtime) -> float:
-    """Mean loss of the global batch: averaged over DP on the last stage, then sent to all
-    pipeline stages so every rank logs (and decides on) the same number."""
-    st = rt.state
-    t = torch.zeros(1, device=rt.device)
-    if st.is_last_stage:
-        t = torch.stack([s["lm loss"].float() for s in stats]).mean().reshape(1).to(rt.device)
-        if st.dp_size > 1:
-            dist.all_reduce(t, group=st.dp_group)
-            t /= st.dp_size
-    if st.pp_size > 1:
-        dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
-    return float(t.item())
-
-
 def sync_embedding_grads(model, state) -> None:
     """Tied embeddings on the first and last stage: sum their gradients so both copies take
     the same step and stay equal."""
@@ -135,7 +121,7 @@ def train_step(
     rt: Runtime,
     timers: Timers,
     schedule=None,
-) -> dict:
+) -> StepResult:
     """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
     model.zero_grad_buffer()
     schedule = schedule or forward_backward_no_pipelining
@@ -156,7 +142,8 @@ def train_step(
     timers("optimizer", 1).stop()
     if updated:
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch
-    return {"lm_loss": _reported_loss(stats, rt), "updated": updated, "grad_norm": grad_norm}
+    loss = average_loss([s["lm loss"] for s in stats], rt)
+    return {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
 
 
 @torch.no_grad()
@@ -171,10 +158,10 @@ def evaluate(
             forward_step_func, data_iterator, model, num_micro_batches, forward_only=True
         )
     model.train()
-    return _reported_loss(stats, rt)
+    return average_loss([s["lm loss"] for s in stats], rt)
 
 
-class NativeBackend:
+class NativeBackend(TrainerBackend):
     """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
 
     def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func):
@@ -183,14 +170,10 @@ class NativeBackend:
         self.schedule = _schedule(cfg, rt)
 
     @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    @property
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale
 
-    def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> dict:
+    def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> StepResult:
         return train_step(
             self.forward_step,
             data_iterator,
