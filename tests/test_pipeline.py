@@ -166,6 +166,7 @@ def _pp_worker(rank, world, argv, ref_weights, resume_dir=None):
     return out
 
 
+@pytest.mark.slow
 def test_pipeline_layouts_match_one_process_and_resume_exactly(data_prefix, tmp_path):  # noqa: F811
     argv = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4")
     ((ref_history, ref_weights),) = run_distributed(_ref_worker, 1, argv)
