@@ -5,8 +5,10 @@ consumed samples, RNG states (python, numpy, torch, device, the TP dropout strea
 arguments that fix the shapes, so tools can load it without repeating them. `resume` is the one
 way back from them; `commit` makes a written checkpoint the one --load finds.
 
-The native backend's TP x PP shards (written by DP rank 0) add the model shard, optimizer (with
-fp32 masters and the loss scaler) and LR scheduler. Storage, atomic pointer and crash safety:
+The native backend's TP x PP shards (written by DP rank 0) add the model shard with its
+partition record (each tensor's TP split dimension and stride, or None: what
+megatron.checkpoint.resharding merges and splits by), optimizer (with fp32 masters and the
+loss scaler) and LR scheduler. Storage, atomic pointer and crash safety:
 megatron.checkpoint.storage.
 """
 
@@ -18,6 +20,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron.checkpoint.resharding import partition_record
 from megatron.checkpoint.storage import (
     CheckpointError,
     finalize_checkpoint,
@@ -138,6 +141,7 @@ def save_training_state(
         "checkpoint_version": CHECKPOINT_VERSION,
         **checkpoint_entries(cfg, rt, state),
         "model": model.state_dict(),
+        "partition": partition_record(model),  # how each tensor is split, for converters
         "optimizer": optimizer.state_dict(),
         "opt_param_scheduler": scheduler.state_dict(),
     }
