@@ -64,7 +64,10 @@ def build_data_iterators(
 
 
 def get_batch(data_iterator, device: torch.device):
-    """(tokens, labels, loss_mask) of the next micro batch: text[:, :-1] predicts text[:, 1:]."""
+    """(tokens, labels, loss_mask) of the next micro batch: text[:, :-1] predicts text[:, 1:].
+
+    The one batch fetch of both backends: the GPT's forward_step (training/step.py) and the
+    DeepSpeed pipeline engine's PipeBatches (training/deepspeed/engine.py)."""
     text = next(data_iterator)["text"].to(device, non_blocking=True)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     return tokens, labels, torch.ones_like(labels, dtype=torch.float32)

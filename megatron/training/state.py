@@ -58,6 +58,8 @@ _TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
 @dataclass
 class TrainState:
+    """The counters a run continues from: saved in every checkpoint, restored by `resume`."""
+
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
