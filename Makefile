@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh clone:
 #   make test   create .venv, install, run the test suite
 #   make demo   create .venv, install, run the CPU demo
+# `make test-fast` skips the tests marked `slow` (multi-rank, subprocess, over a second).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin

@@ -80,7 +80,7 @@ def build_ours(cfg: ModelConfig, device, dtype, ops=None, torch_compile: bool = 
     state = single_process_state()
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, 1)
-    rt = Runtime(config=None, state=state, device=device, rng_tracker=tracker)
+    rt = Runtime(state=state, device=device, rng_tracker=tracker)
     model = build_model(
         cfg,
         state,

@@ -34,7 +34,6 @@ class LaunchEnv:
 class Runtime:
     """What initialization produced; passed explicitly to everything that needs it."""
 
-    config: MegatronConfig
     state: ParallelState
     device: torch.device
     rng_tracker: RNGStatesTracker
@@ -133,7 +132,14 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
         cfg.parallel.virtual_pipeline_size(cfg.model.num_layers),
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
-    return Runtime(config=cfg, state=state, device=device, rng_tracker=tracker)
+    return Runtime(state=state, device=device, rng_tracker=tracker)
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op for one process or before init). The one barrier of the
+    trainer: index building, checkpoint commits of both backends."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def shutdown_distributed() -> None:

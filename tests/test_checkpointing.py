@@ -173,6 +173,7 @@ save(2, stop_after_shards=point == "before_finalize")
 KILL_POINTS = ["temp_shard", "second_shard", "before_finalize", "marker", "pointer"]
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_never_moves_pointer_to_partial_checkpoint(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     children = {
@@ -663,6 +664,7 @@ def _two_rank_commit(rank: int, world_size: int, root: str):
     return len(pointer_writes), seen
 
 
+@pytest.mark.slow
 def test_two_ranks_commit_once(tmp_path):
     results = run_distributed(_two_rank_commit, 2, str(tmp_path))
     assert results == [(1, 7), (0, 7)]

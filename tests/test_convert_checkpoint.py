@@ -249,6 +249,7 @@ def _tp_worker(rank, world, ckpt, cfg, expected):
     return tuple(shard["model"]["embedding.word_embeddings.weight"].shape)
 
 
+@pytest.mark.slow
 def test_tp2_pp2_to_tp4_repads_the_vocab_and_runs_on_4_ranks(tmp_path):
     cfg = VARIANTS["gpt2"]
     model = _model(cfg)
@@ -292,6 +293,7 @@ def test_bad_target_sizes_name_the_flag(tmp_path, capsys):
     assert main(["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "y")]) == 1
 
 
+@pytest.mark.slow
 def test_cli_script_reshards_end_to_end(tmp_path):
     cfg = VARIANTS["llama"]
     model = _model(cfg)
@@ -325,6 +327,7 @@ def _hf_logits(out_dir: str, variant: str) -> torch.Tensor:
         return hf(_tokens(VARIANTS[variant])).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_to_hf_gives_the_same_logits_in_transformers(tmp_path, variant):
     pytest.importorskip("transformers", reason="HF export checks need transformers")
@@ -480,6 +483,7 @@ def _train_worker(rank, world, argv):
     return [h["lm_loss"] for h in result.history], result.iteration
 
 
+@pytest.mark.slow
 def test_trainer_resumes_a_pp2_checkpoint_resharded_to_tp2(tmp_path):
     """PP=2 training saves at iteration 3; the TP=2 conversion, resumed with --no-load-optim
     --no-load-rng, computes iteration 4's loss from the same weights and samples."""

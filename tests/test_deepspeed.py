@@ -158,6 +158,7 @@ def _ds_worker(rank, world, argv, save_dir):
     return runs
 
 
+@pytest.mark.slow
 def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, tmp_path):  # noqa: F811
     argv = flags(data_prefix, "--adam-eps", "1e-4")
     ((ref, _, _),) = run_distributed(_train, 1, argv)
@@ -171,6 +172,7 @@ def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, t
     assert marker.exists() and (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
 
 
+@pytest.mark.slow
 def test_zero1_with_tensor_parallelism(data_prefix):  # noqa: F811
     argv = flags(data_prefix, "--adam-eps", "1e-4")
     ((ref, _, _),) = run_distributed(_train, 1, argv)

@@ -139,6 +139,7 @@ def test_lambada_accuracy_matches_the_model_argmax(setup):
     assert strict["accuracy"] == manual / 2
 
 
+@pytest.mark.slow
 def test_evaluate_cli_prints_a_final_json_line(checkpoint, tmp_path):  # noqa: F811
     (tmp_path / "wiki.tokens").write_text(WIKI)
     out = subprocess.run(

@@ -62,6 +62,7 @@ def test_dispatch_picks_triton_under_the_interpreter_and_torch_without_it(monkey
         select_ops(FUSED, torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_model_through_triton_kernels_equals_the_torch_path(name):
     cfg = VARIANTS[name]
@@ -99,5 +100,6 @@ def _ce_worker(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_fused_cross_entropy_composes_with_tensor_parallelism():
     assert run_distributed(_ce_worker, 2) == [True, True]

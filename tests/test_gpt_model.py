@@ -148,6 +148,7 @@ def _tp_worker(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_same_loss_and_gradients_at_tp1_tp2_tp4():
     assert run_distributed(_tp_worker, 4) == [True] * 4
 

@@ -100,5 +100,6 @@ def _init_worker(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_initialize_from_slurm_env_tp2_dp2():
     assert run_distributed(_init_worker, 4, init=False, env_per_rank=_slurm_env) == [True] * 4

@@ -1,5 +1,7 @@
-"""AnnealingLR against closed forms written here, plus checkpoint rules and flag conversion."""
+"""AnnealingLR against closed forms written here, plus checkpoint rules, flag conversion and
+the schedule flags' rules (megatron.config.rules)."""
 
+import dataclasses
 import io
 import math
 import warnings
@@ -7,7 +9,11 @@ import warnings
 import pytest
 import torch
 
-from megatron.training.learning_rates import AnnealingLR, scheduler_steps
+from megatron.config.cli import parse_args
+from megatron.config.lr_schedule import scheduler_steps
+from megatron.config.rules import validate_training
+from megatron.config.schema import ConfigError
+from megatron.training.learning_rates import AnnealingLR
 
 MAX_LR, MIN_LR, WARMUP, DECAY, WSD = 1.0, 0.1, 10, 110, 40
 
@@ -196,7 +202,7 @@ def test_checkpoint_rules():
     assert (use_ckpt.max_lr, use_ckpt.decay_style, use_ckpt.num_steps) == (1.0, "cosine", 42)
     assert use_ckpt.get_last_lr() == old.get_last_lr()
 
-    with pytest.raises(ValueError, match="--override-lr-scheduler.*--use-checkpoint-lr"):
+    with pytest.raises(ValueError, match="override_lr_scheduler.*use_checkpoint_lr_scheduler"):
         make_scheduler(override_lr_scheduler=True, use_checkpoint_lr_scheduler=True)
 
 
@@ -220,25 +226,26 @@ def test_classic_and_current_megatron_keys_load():
 
 
 @pytest.mark.parametrize(
-    "kwargs,flag",
+    "kwargs,argument",
     [
-        (dict(max_lr=0.01, min_lr=0.1), "--min-lr"),
-        (dict(min_lr=-1.0), "--min-lr"),
-        (dict(decay_steps=0), "--lr-decay-iters"),
-        (dict(warmup_steps=-1), "--lr-warmup-iters"),
-        (dict(warmup_steps=110), "--lr-warmup-iters"),
-        (dict(decay_style="exponential"), "--lr-decay-style"),
-        (dict(decay_style="WSD"), "--lr-wsd-decay-iters"),
-        (dict(decay_style="WSD", wsd_decay_steps=101), "--lr-wsd-decay-iters"),
-        (dict(decay_style="WSD", wsd_decay_steps=0), "--lr-wsd-decay-iters"),
-        (dict(decay_style="WSD", wsd_decay_steps=5, wsd_decay_style="x"), "--lr-wsd-decay-style"),
-        (dict(start_wd=0.1, end_wd=0.01, wd_incr_style="linear"), "--start-weight-decay"),
-        (dict(start_wd=0.0, end_wd=0.1), "--weight-decay-incr-style"),
-        (dict(start_wd=0.0, end_wd=0.1, wd_incr_style="step"), "--weight-decay-incr-style"),
+        (dict(max_lr=0.01, min_lr=0.1), "min_lr"),
+        (dict(min_lr=-1.0), "min_lr"),
+        (dict(decay_steps=0), "decay_steps"),
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(warmup_steps=110), "warmup_steps"),
+        (dict(decay_style="exponential"), "decay_style"),
+        (dict(decay_style="WSD"), "wsd_decay_steps"),
+        (dict(decay_style="WSD", wsd_decay_steps=101), "wsd_decay_steps"),
+        (dict(decay_style="WSD", wsd_decay_steps=0), "wsd_decay_steps"),
+        (dict(decay_style="WSD", wsd_decay_steps=5, wsd_decay_style="x"), "wsd_decay_style"),
+        (dict(start_wd=0.1, end_wd=0.01, wd_incr_style="linear"), "start_wd"),
+        (dict(start_wd=0.0, end_wd=0.1), "wd_incr_style"),
+        (dict(start_wd=0.0, end_wd=0.1, wd_incr_style="step"), "wd_incr_style"),
     ],
 )
-def test_validation_names_the_flag(kwargs, flag):
-    with pytest.raises(ValueError, match=flag):
+def test_invariants_name_the_argument(kwargs, argument):
+    """The scheduler guards its own arguments; the flags' rules are validate_training's."""
+    with pytest.raises(ValueError, match=argument):
         make_scheduler(**kwargs)
 
 
@@ -246,7 +253,7 @@ def test_constant_allows_warmup_past_decay_and_bad_checkpoint_is_rejected():
     sched = make_scheduler(decay_style="constant", warmup_steps=200)
     assert sched.get_lr(100) == 0.5 and sched.get_lr(300) == MAX_LR
     sched = make_scheduler(use_checkpoint_lr_scheduler=True)
-    with pytest.raises(ValueError, match="--lr-decay-style"):
+    with pytest.raises(ValueError, match="checkpoint's lr scheduler state.*decay_style"):
         sched.load_state_dict({"num_steps": 3, "decay_style": "exponential"})
     with pytest.raises(ValueError, match="increment"):
         sched.step(increment=-1)
@@ -294,27 +301,77 @@ def test_sample_mode_schedule_matches_iteration_mode():
     assert sa.num_steps == 110 * gbs
 
 
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+MODEL += ["--seq-length", "16", "--vocab-size", "100", "--lr", "1e-3", "--min-lr", "1e-4"]
+ITERS, SAMPLES = ["--train-iters", "100"], ["--train-samples", "800", "--global-batch-size", "8"]
+SCHEDULE_RULES = [
+    # (flags, the flag the ConfigError must name)
+    ([], "--train-iters"),
+    ([*ITERS, "--train-samples", "80"], "--train-samples"),
+    ([*ITERS, "--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "--lr-warmup-iters"),
+    ([*ITERS, "--warmup", "0.1", "--lr-warmup-fraction", "0.1"], "--warmup"),
+    ([*ITERS, "--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction"),
+    ([*ITERS, "--lr-decay-samples", "80"], "--lr-decay-samples"),
+    ([*ITERS, "--lr-warmup-samples", "8"], "--lr-warmup-samples"),
+    ([*ITERS, "--lr-wsd-decay-samples", "8"], "--lr-wsd-decay-samples"),
+    ([*SAMPLES, "--lr-decay-iters", "10"], "--lr-decay-iters"),
+    ([*SAMPLES, "--lr-warmup-iters", "1"], "--lr-warmup-iters"),
+    ([*SAMPLES, "--lr-wsd-decay-iters", "1"], "--lr-wsd-decay"),
+    ([*SAMPLES, "--lr-warmup-samples", "8", "--warmup", "0.1"], "--lr-warmup-samples"),
+    ([*ITERS, "--min-lr", "1e-2"], "--min-lr"),
+    ([*ITERS, "--min-lr", "-1"], "--min-lr"),
+    ([*ITERS, "--lr-decay-iters", "0"], "--lr-decay-iters"),
+    ([*ITERS, "--lr-warmup-iters", "-1"], "--lr-warmup-iters"),
+    ([*ITERS, "--lr-warmup-iters", "110"], "--lr-warmup-iters"),
+    ([*SAMPLES, "--lr-warmup-samples", "800"], "--lr-warmup-samples"),
+    ([*ITERS, "--lr-decay-style", "WSD"], "--lr-wsd-decay-iters"),
+    ([*ITERS, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "101"], "--lr-wsd-decay-iters"),
+    ([*ITERS, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "0"], "--lr-wsd-decay-iters"),
+    ([*SAMPLES, "--lr-decay-style", "WSD"], "--lr-wsd-decay-samples"),
+]
+
+
 @pytest.mark.parametrize(
-    "kwargs,flag",
+    "extra,flag", SCHEDULE_RULES, ids=[f"{r[1]}{i}" for i, r in enumerate(SCHEDULE_RULES)]
+)
+def test_schedule_rules_name_the_flag(extra, flag):
+    with pytest.raises(ConfigError) as err:
+        validate_training(parse_args([*MODEL, *extra], world_size=1))
+    assert flag in str(err.value) and "Fix:" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "field,value,flag",
     [
-        (dict(), "--train-iters"),
-        (dict(train_iters=10, train_samples=80, global_batch_size=8), "--train-samples"),
-        (dict(train_iters=10, lr_warmup_iters=2, lr_warmup_fraction=0.1), "--lr-warmup-iters"),
-        (dict(train_iters=10, warmup=0.1, lr_warmup_fraction=0.1), "--warmup"),
-        (dict(train_iters=10, lr_warmup_fraction=1.5), "--lr-warmup-fraction"),
-        (dict(train_iters=10, lr_decay_samples=80), "--lr-decay-samples"),
-        (dict(train_iters=10, lr_warmup_samples=8), "--lr-warmup-samples"),
-        (dict(train_iters=10, lr_wsd_decay_samples=8), "--lr-wsd-decay-samples"),
-        (dict(train_samples=80, global_batch_size=8, lr_decay_iters=10), "--lr-decay-iters"),
-        (dict(train_samples=80, global_batch_size=8, lr_warmup_iters=1), "--lr-warmup-iters"),
-        (dict(train_samples=80, global_batch_size=8, lr_wsd_decay_iters=1), "--lr-wsd-decay"),
-        (dict(train_samples=80), "--global-batch-size"),
-        (
-            dict(train_samples=80, global_batch_size=8, lr_warmup_samples=8, warmup=0.1),
-            "--lr-warmup-samples",
-        ),
+        ("lr_decay_style", "exponential", "--lr-decay-style"),
+        ("lr_wsd_decay_style", "x", "--lr-wsd"),
     ],
 )
-def test_scheduler_steps_contradictions_name_the_flag(kwargs, flag):
-    with pytest.raises(ValueError, match=flag):
-        scheduler_steps(**kwargs)
+def test_unknown_schedule_styles_from_a_config_file_name_the_flag(field, value, flag):
+    """argparse refuses them on the command line; a config file reaches the rule."""
+    cfg = parse_args([*MODEL, *ITERS], world_size=1)
+    cfg = cfg.replace(optimizer=dataclasses.replace(cfg.optimizer, **{field: value}))
+    with pytest.raises(ConfigError, match=flag):
+        validate_training(cfg)
+
+
+def test_valid_schedules_pass_and_give_the_scheduler_valid_arguments():
+    from megatron.training.step import make_scheduler as scheduler_of
+
+    for extra in (
+        [*ITERS, "--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"],
+        [*SAMPLES, "--lr-warmup-samples", "80", "--lr-decay-samples", "400"],
+        [*ITERS, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "30"],
+        [*ITERS, "--lr-decay-style", "constant", "--lr-warmup-iters", "200"],
+    ):
+        cfg = parse_args([*MODEL, *extra], world_size=1)
+        validate_training(cfg)
+        scheduler = scheduler_of(cfg, 1, make_optimizer())  # its own checks pass too
+        assert (scheduler.max_lr, scheduler.decay_style) == (1e-3, cfg.optimizer.lr_decay_style)
+
+
+def test_scheduler_steps_needs_one_mode_and_a_batch_for_samples():
+    with pytest.raises(ValueError, match="train_iters and train_samples"):
+        scheduler_steps()
+    with pytest.raises(ValueError, match="global_batch_size"):
+        scheduler_steps(train_samples=80)

@@ -3,6 +3,7 @@
 One spawn checks many things (starting ranks costs seconds); each check raises with its name.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -242,5 +243,6 @@ def _worker(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_mpu_matches_single_process_at_tp4_and_tp2():
     assert run_distributed(_worker, 4) == [True] * 4

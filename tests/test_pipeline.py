@@ -164,6 +164,7 @@ def _pp_worker(rank, world, argv, ref_weights, resume_dir=None):
     return out
 
 
+@pytest.mark.slow
 def test_pipeline_layouts_match_one_process_and_resume_exactly(data_prefix, tmp_path):  # noqa: F811
     argv = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4")
     ((ref_history, ref_weights),) = run_distributed(_ref_worker, 1, argv)
@@ -203,3 +204,26 @@ def _ref_worker(rank, world, argv):
 
     # numpy, not tensors: tensors would travel through shared memory the exiting rank frees
     return history, {k: v.numpy().copy() for k, v in _LAST_MODEL["model"].state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "batch_flags,batches",
+    [
+        (["--global-batch-size", "3"], "3"),
+        (["--global-batch-size", "8", "--rampup-batch-size", "2", "1", "100"], "1"),
+    ],
+)
+def test_interleaved_micro_batch_rule_is_checked_before_any_work(batch_flags, batches):
+    """Every batch size of the run, the ramp's included, must be whole rounds of P micro
+    batches; the schedule itself only keeps an internal check."""
+    from megatron.config.cli import parse_args
+    from megatron.config.rules import validate_training
+    from megatron.config.schema import ConfigError
+
+    argv = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
+    argv += ["--seq-length", "16", "--vocab-size", "100", "--lr", "1e-3"]
+    argv += ["--train-samples", "800", "--pipeline-model-parallel-size", "2"]
+    argv += ["--num-layers-per-virtual-pipeline-stage", "1", *batch_flags]
+    with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage") as err:
+        validate_training(parse_args(argv, world_size=2))
+    assert f"({batches} = batch" in str(err.value) and "Fix:" in str(err.value)

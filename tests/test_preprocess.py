@@ -73,6 +73,7 @@ def test_fixture_corpus_is_byte_identical_to_megatron(tmp_path, workers):
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
+@pytest.mark.slow
 def test_command_line_entry_point(tmp_path):
     out = subprocess.run(
         [

@@ -108,6 +108,7 @@ def _parallel_worker(rank, world, prompts):
     return out
 
 
+@pytest.mark.slow
 def test_tp2_and_pp2_generate_and_evaluate_like_one_process():
     expected = {}
     for label, cfg in (("gpt2", CFG), ("rope", ROPE)):
@@ -180,6 +181,7 @@ def _put(port, payload: bytes):
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.slow
 def test_server_matches_the_cli_handles_concurrency_and_rejects_bad_requests(checkpoint, tmp_path):
     prompts = ["def main(", "The quick brown fox", "import os"]
     cli = subprocess.run(

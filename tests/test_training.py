@@ -99,6 +99,7 @@ def _losses(history):
     return [h["lm_loss"] for h in history]
 
 
+@pytest.mark.slow
 def test_tp_dp_layouts_log_the_same_losses_as_one_process(data_prefix):
     # Adam's first steps turn any nonzero gradient into a +-lr update, so a gradient that is
     # 0 up to rounding (summed in another order on another layout) would move a weight by lr;
@@ -184,6 +185,7 @@ def _skip_worker(rank, world, argv_fp16, argv_fp32, argv_bf16):
     return out
 
 
+@pytest.mark.slow
 def test_overflow_and_nan_on_one_rank_skip_the_step_everywhere(data_prefix):
     # DP=2, 2 micro batches per rank per step: rank 1's 3rd micro batch is in iteration 2.
     fp16 = flags(
@@ -246,6 +248,7 @@ def _resume_worker(rank, world, argv, save_dir):
     return straight[0], first[0], second[0], second[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,extra", [(1, []), (4, ["--tensor-model-parallel-size", "2"])])
 def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
     argv = flags(data_prefix, *extra)
@@ -323,6 +326,7 @@ def _sigterm_worker(rank, world, argv):
     return _train(rank, world, argv, _sigterm_on_rank1_iteration3)
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_saves_everywhere_and_exits_cleanly(data_prefix, tmp_path):
     argv = flags(data_prefix, "--exit-signal-handler", "--save", str(tmp_path), iters=10)
     for history, reason, iteration in run_distributed(_sigterm_worker, 2, argv):
@@ -330,6 +334,7 @@ def test_sigterm_on_one_rank_saves_everywhere_and_exits_cleanly(data_prefix, tmp
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
+@pytest.mark.slow
 def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp_path):
     extra = [
         "--exit-interval",
@@ -390,3 +395,22 @@ def test_batch_size_ramp_up():
         32,
     ]
     assert calc.num_micro_batches(0) == 2 and calc.num_micro_batches(400) == 8
+
+
+def test_both_backends_implement_the_one_contract():
+    """The loop talks to either backend through TrainerBackend only; a backend missing one of
+    its methods could not even be instantiated."""
+    from megatron.training.backend import TrainerBackend
+    from megatron.training.deepspeed.backend import DeepSpeedBackend
+    from megatron.training.step import NativeBackend
+
+    for backend in (NativeBackend, DeepSpeedBackend):
+        assert issubclass(backend, TrainerBackend), backend
+        assert not backend.__abstractmethods__, (backend, backend.__abstractmethods__)
+    assert TrainerBackend.__abstractmethods__ == {
+        "loss_scale",
+        "train_step",
+        "evaluate",
+        "save",
+        "load",
+    }

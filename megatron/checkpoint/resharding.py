@@ -5,8 +5,12 @@ A "full state" is the state dict of the TP = PP = 1 model with the vocab padding
 `vocab_size` rows. The padded size is V_pad = ceil(V / (divisible_by x TP)) x divisible_by x TP,
 so it depends on TP: merging drops the padding rows, splitting pads with zero rows again.
 
-The shard files do not record how a tensor is split (the mpu attributes `partition_dim` and
-`partition_stride` live on the parameters), so `split_rule` derives it from the name.
+How a tensor is split is stated once, by the mpu layer that owns it (`partition_dim`,
+`partition_stride` on the parameter). The trainer copies that into every shard it writes
+(shard["partition"]: name -> (dim, stride), or None if replicated), and this module splits and
+merges by that record. Shards without one (written before it existed, or a Hugging Face import)
+get the same information from the model code itself: the TP = 1 model of the checkpoint's
+arguments, built on the meta device (`model_layout`), which also gives the full shapes.
 Optimizer and RNG state depend on the layout and are not converted (see DROPPED_STATE_NOTE).
 Everything runs in one CPU process; nothing here touches torch.distributed.
 """
@@ -14,6 +18,7 @@ Everything runs in one CPU process; nothing here touches torch.distributed.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import sys
@@ -21,6 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from megatron.checkpoint.storage import (
     CheckpointError,
@@ -31,8 +37,9 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved
-from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
+from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS, GPTModel
 from megatron.model.stages import stage_layer_range
+from megatron.mpu import partition_of, single_process_state
 from megatron.mpu.utils import shard, unshard
 
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -52,28 +59,41 @@ _CARRIED = (
 )
 _RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?")
 
-# Parameter name (after `layers.{i}.` for layer parameters) -> (partition dim, stride);
-# names absent from the table are replicated on every TP rank. None: SwiGLU decides.
-_SPLIT_TABLE: dict[str, tuple[int, int | None]] = {
-    WORD_EMBEDDINGS: (0, 1),  # VocabParallelEmbedding: vocab rows
-    OUTPUT_WEIGHTS: (0, 1),  # ColumnParallelLinear over the vocab
-    "self_attention.query_key_value.weight": (0, 1),  # whole query groups per rank
-    "self_attention.query_key_value.bias": (0, 1),
-    "self_attention.dense.weight": (1, 1),  # RowParallelLinear: input columns
-    "mlp.dense_h_to_4h.weight": (0, None),  # [gate; up] with SwiGLU: stride 2
-    "mlp.dense_h_to_4h.bias": (0, None),
-    "mlp.dense_4h_to_h.weight": (1, 1),
-}
+Rule = tuple[int, int] | None  # (partition dim, stride), or None: every TP rank holds it all
 
 
-def split_rule(name: str, cfg: ModelConfig) -> tuple[int, int] | None:
-    """(partition dim, stride) of parameter `name`, or None if every TP rank holds all of it."""
-    key = name.split(".", 2)[2] if name.startswith("layers.") else name
-    rule = _SPLIT_TABLE.get(key)
-    if rule is None:
-        return None
-    dim, stride = rule
-    return dim, stride if stride is not None else (2 if cfg.swiglu else 1)
+def partition_record(model: nn.Module) -> dict[str, Rule]:
+    """Name -> Rule of every tensor in `model`'s state dict (our DDP, ModelChunks or a
+    GPTModel), read from its parameters' mpu attributes: what a shard records."""
+    module = getattr(model, "module", model)
+    record: dict[str, Rule] = {}
+    for chunk in getattr(module, "chunks", [module]):
+        params = dict(chunk.named_parameters())
+        for name in chunk.state_dict():
+            record[name] = partition_of(params[name]) if name in params else None
+    return record
+
+
+@functools.lru_cache(maxsize=4)
+def model_layout(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, Rule]]:
+    """(full shapes, split rules) of every tensor of the model `cfg` describes, in model order.
+
+    Read off the TP = 1 model built on the meta device (no memory, no weights drawn): the model
+    code is the one statement of which tensors exist, their shapes and how they split.
+    """
+    with torch.device("meta"):
+        model = GPTModel(cfg, single_process_state())
+    shapes = {}
+    for name, tensor in model.state_dict().items():
+        rows = cfg.vocab_size if name in VOCAB_WEIGHTS else tensor.shape[0]
+        shapes[name] = (rows, *tensor.shape[1:])
+    return shapes, partition_record(model)
+
+
+def split_rule(name: str, cfg: ModelConfig) -> Rule:
+    """(partition dim, stride) of parameter `name` in the current model code, or None if every
+    TP rank holds all of it: the rule for shards that carry no partition record."""
+    return model_layout(cfg)[1].get(name)
 
 
 def model_config(args: dict) -> ModelConfig:
@@ -83,32 +103,7 @@ def model_config(args: dict) -> ModelConfig:
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the full state (unpadded vocab), in model order."""
-    h, v, ffn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
-    norm = ("weight",) if cfg.normalization == "RMSNorm" else ("weight", "bias")
-    linear = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
-    shapes: dict[str, tuple[int, ...]] = {WORD_EMBEDDINGS: (v, h)}
-    if cfg.position_embedding_type == "learned":
-        shapes[POSITION_EMBEDDINGS] = (cfg.max_positions, h)
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        blocks = (
-            ("input_layernorm", norm, h, None),
-            ("self_attention.query_key_value", linear, qkv, h),
-            ("self_attention.dense", linear, h, cfg.num_attention_heads * cfg.head_dim),
-            ("post_attention_layernorm", norm, h, None),
-            ("mlp.dense_h_to_4h", linear, ffn * (2 if cfg.swiglu else 1), h),
-            ("mlp.dense_4h_to_h", linear, h, ffn),
-        )
-        for module, params, rows, cols in blocks:
-            for param in params:
-                is_matrix = param == "weight" and cols is not None
-                shapes[f"{p}{module}.{param}"] = (rows, cols) if is_matrix else (rows,)
-    for param in norm:
-        shapes[f"head.final_layernorm.{param}"] = (h,)
-    if cfg.untie_embeddings_and_output_weights:
-        shapes[OUTPUT_WEIGHTS] = (v, h)
-    return shapes
+    return dict(model_layout(cfg)[0])
 
 
 def check_full_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> None:
@@ -210,15 +205,49 @@ def _find_layout(root: str, iteration: int) -> tuple[int, int]:
     return max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1
 
 
-def _merge_tp(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    rule = split_rule(name, cfg)
+def _merge_tp(name: str, pieces: list[torch.Tensor], rule: Rule) -> torch.Tensor:
     if rule is not None:
         return unshard(pieces, rule[0], rule[1])
     if any(p.shape != pieces[0].shape for p in pieces):
         raise CheckpointError(f"{name}: TP ranks hold different shapes, but it is not TP-split")
     if not all(torch.equal(p, pieces[0]) for p in pieces[1:]):
-        warnings.warn(f"{name} differs between TP ranks; keeping TP rank 0's copy", stacklevel=3)
+        warnings.warn(f"{name} differs between TP ranks; keeping TP rank 0's copy", stacklevel=4)
     return pieces[0]
+
+
+def stage_rules(shards: list[dict], cfg: ModelConfig, where: str) -> dict[str, Rule]:
+    """How the tensors of one stage's TP shards are split: their partition record, or for
+    shards written before it existed, the current model code's rules (split_rule)."""
+    names = list(shards[0]["model"])
+    if any(list(s["model"]) != names for s in shards[1:]):
+        raise CheckpointError(f"{where}: its TP shards hold different tensor names")
+    records = [s.get("partition") for s in shards]
+    if records[0] is None:
+        return {n: split_rule(n, cfg) for n in names}
+    if any(r != records[0] for r in records[1:]):
+        raise CheckpointError(f"{where}: its TP shards record different partitions")
+    unrecorded = [n for n in names if n not in records[0]]
+    if unrecorded:
+        raise CheckpointError(f"{where}: no partition recorded for {', '.join(unrecorded[:4])}")
+    return {n: tuple(r) if r is not None else None for n, r in records[0].items()}
+
+
+def _merge_stage(shards: list[dict], cfg: ModelConfig, where: str, full: dict) -> None:
+    """Merge one pipeline stage's TP shards into `full` (the vocab padding dropped)."""
+    rules = stage_rules(shards, cfg, where)
+    for name in shards[0]["model"]:
+        tensor = _merge_tp(name, [s["model"][name] for s in shards], rules[name])
+        if name in VOCAB_WEIGHTS:
+            tensor = tensor[: cfg.vocab_size].clone()  # drop the padding rows
+        if name in full:  # the last stage's copy of the tied word embedding
+            if not torch.equal(full[name], tensor):
+                warnings.warn(
+                    f"{name}: the last stage's tied copy differs from the first stage's; "
+                    "keeping the first stage's",
+                    stacklevel=3,
+                )
+            continue
+        full[name] = tensor
 
 
 def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckpoint:
@@ -227,6 +256,7 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint")
     tp, pp = _find_layout(load_dir, it)
+    directory = checkpoint_dir(load_dir, it)
     full: dict[str, torch.Tensor] = {}
     args = meta = None
     for pp_rank in range(pp):
@@ -239,28 +269,13 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             saved = (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"])
             if saved != (tp, pp):
                 raise CheckpointError(
-                    f"{checkpoint_dir(load_dir, it)}: its args say TP={saved[0]} x PP={saved[1]}"
+                    f"{directory}: its args say TP={saved[0]} x PP={saved[1]}"
                     f" but it holds shards for TP={tp} x PP={pp}"
                 )
             cfg = model_config(args)
-        names = list(shards[0]["model"])
-        if any(list(s["model"]) != names for s in shards[1:]):
-            raise CheckpointError(f"TP shards of PP stage {pp_rank} hold different tensor names")
-        for name in names:
-            tensor = _merge_tp(name, [s["model"][name] for s in shards], cfg)
-            if name in VOCAB_WEIGHTS:
-                tensor = tensor[: cfg.vocab_size].clone()  # drop the padding rows
-            if name in full:  # the last stage's copy of the tied word embedding
-                if not torch.equal(full[name], tensor):
-                    warnings.warn(
-                        f"{name}: the last stage's tied copy differs from the first stage's; "
-                        "keeping the first stage's",
-                        stacklevel=2,
-                    )
-                continue
-            full[name] = tensor
+        _merge_stage(shards, cfg, f"{directory} PP stage {pp_rank}", full)
         del shards
-    check_full_state(full, cfg, checkpoint_dir(load_dir, it))
+    check_full_state(full, cfg, directory)
     full = {n: full[n] for n in full_shapes(cfg)}  # model order, whatever the stage order
     return LoadedCheckpoint(full, args, it, meta, tp, pp)
 
@@ -272,12 +287,11 @@ def load_full_state(load_dir: str, iteration: int | None = None) -> tuple[dict, 
 
 
 def _local_tensor(
-    name: str, full: torch.Tensor, cfg: ModelConfig, tp: int, tp_rank: int, padded: int
+    name: str, full: torch.Tensor, rule: Rule, tp: int, tp_rank: int, padded: int
 ) -> torch.Tensor:
     if name in VOCAB_WEIGHTS:
         pad = full.new_zeros(padded - full.shape[0], *full.shape[1:])
         full = torch.cat([full, pad])  # (V_pad, h): padding rows are zeros, as at init
-    rule = split_rule(name, cfg)
     if rule is None:
         return full.clone()
     return shard(full, rule[0], tp_rank, tp, rule[1]).contiguous()
@@ -297,8 +311,10 @@ def save_resharded(
 ) -> None:
     """Write `full_state` as a complete TP x PP checkpoint at `iteration` of `save_dir`.
 
-    `meta` carries iteration-independent extras over (consumed samples, the LR schedule, which
-    does not depend on the layout). `vp_layers` lays stages out for
+    Tensors are split as the current model code splits them (the trainer loads the shards
+    straight into its parameters), and each shard records that partition, as the trainer's
+    own shards do. `meta` carries iteration-independent extras over (consumed samples, the LR
+    schedule, which does not depend on the layout). `vp_layers` lays stages out for
     --num-layers-per-virtual-pipeline-stage. The optimizer and RNG state are not written.
     """
     cfg = model_config(args)
@@ -313,16 +329,21 @@ def save_resharded(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=padded
     )
     meta = meta or {}
+    rules = model_layout(cfg)[1]
     for pp_rank in range(pp):
         names = stage_names(cfg, pp, pp_rank, vp_layers)
+        partition = {n: rules[n] for n in names}
         for tp_rank in range(tp):
-            model = {n: _local_tensor(n, full_state[n], cfg, tp, tp_rank, padded) for n in names}
+            model = {
+                n: _local_tensor(n, full_state[n], rules[n], tp, tp_rank, padded) for n in names
+            }
             shard_state = {
                 "checkpoint_version": meta.get("checkpoint_version", 3.0),
                 "iteration": iteration,
                 "consumed_train_samples": meta.get("consumed_train_samples", 0),
                 "consumed_valid_samples": meta.get("consumed_valid_samples", 0),
                 "model": model,
+                "partition": partition,
                 "args": new_args,
             }
             if "opt_param_scheduler" in meta:

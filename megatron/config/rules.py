@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
 from megatron.config.schema import (
     ConfigError,
     DataConfig,
     MegatronConfig,
     ModelConfig,
+    OptimizerConfig,
     TrainingConfig,
 )
 
@@ -244,6 +246,8 @@ def validate_training(cfg: MegatronConfig) -> None:
         ("--loss-scale-window", o.loss_scale_window),
         ("--hysteresis", o.hysteresis),
         ("--max-skipped-in-a-row", t.max_skipped_in_a_row),
+        ("--lr-decay-iters", o.lr_decay_iters),
+        ("--lr-decay-samples", o.lr_decay_samples),
     ):
         if value is not None and value < 1:
             _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
@@ -253,17 +257,7 @@ def validate_training(cfg: MegatronConfig) -> None:
         _fail("--lr", "a positive peak learning rate is required", "pass e.g. --lr 1.5e-4")
     if o.min_lr < 0 or o.min_lr > o.lr:
         _fail("--min-lr", f"{o.min_lr} is not in [0, --lr {o.lr}]", "lower --min-lr")
-    for flag, frac in (("--lr-warmup-fraction", o.lr_warmup_fraction), ("--warmup", o.warmup)):
-        if frac is not None and not 0 <= frac < 1:
-            _fail(flag, f"{frac} is not a fraction in [0, 1)", "pass e.g. 0.01")
-    if (o.lr_warmup_fraction is not None or o.warmup is not None) and (
-        o.lr_warmup_iters or o.lr_warmup_samples
-    ):
-        _fail(
-            "--lr-warmup-fraction",
-            "given together with --lr-warmup-iters/-samples",
-            "use one way to set the warmup",
-        )
+    _validate_lr_schedule(o, t, cfg.parallel.data_parallel_size)
     if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
         _fail(
             "--override-lr-scheduler",
@@ -285,17 +279,28 @@ def validate_training(cfg: MegatronConfig) -> None:
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
-    par = cfg.parallel
-    if par.num_layers_per_virtual_pipeline_stage is not None:
-        dp, pp = par.data_parallel_size, par.pipeline_model_parallel_size
-        micro = t.resolved_global_batch_size(dp) // (t.micro_batch_size * dp)
-        if micro % pp:
+    _validate_interleaved(cfg)
+
+
+def _validate_interleaved(cfg: MegatronConfig) -> None:
+    """The interleaved schedule runs whole rounds of P micro batches, at every batch size of
+    the run (the --rampup-batch-size steps included)."""
+    par, t = cfg.parallel, cfg.training
+    if par.num_layers_per_virtual_pipeline_stage is None:
+        return
+    dp, pp = par.data_parallel_size, par.pipeline_model_parallel_size
+    unit = t.micro_batch_size * dp
+    sizes = [t.resolved_global_batch_size(dp)]
+    if t.rampup_batch_size is not None:
+        sizes += list(t.rampup_batch_size[:2])  # START and INCREMENT
+    for size in sizes:
+        if (size // unit) % pp:
             _fail(
                 "--num-layers-per-virtual-pipeline-stage",
                 f"the interleaved schedule needs the number of micro batches per step "
-                f"({micro} = global batch / (micro batch x DP)) to be a multiple of "
+                f"({size // unit} = batch {size} / (micro batch x DP)) to be a multiple of "
                 f"--pipeline-model-parallel-size {pp}",
-                "change --global-batch-size or --micro-batch-size",
+                "change --global-batch-size, --rampup-batch-size or --micro-batch-size",
             )
 
 
@@ -323,4 +328,50 @@ def _validate_rampup(t: TrainingConfig, dp: int) -> None:
             "--rampup-batch-size",
             f"START and INCREMENT must be multiples of micro-batch x DP = {unit}",
             f"use multiples of {unit}",
+        )
+
+
+def _validate_lr_schedule(o: OptimizerConfig, t: TrainingConfig, dp: int) -> None:
+    """The schedule flags: one mode (iterations or samples), one way to give the warmup, and
+    lengths AnnealingLR can run (warmup shorter than the decay, WSD's anneal inside it)."""
+    unit, other = ("iters", "samples") if t.train_iters is not None else ("samples", "iters")
+    for stem in ("lr-decay", "lr-warmup", "lr-wsd-decay"):
+        if getattr(o, f"{stem.replace('-', '_')}_{other}"):
+            _fail(f"--{stem}-{other}", f"contradicts --train-{unit}", f"use --{stem}-{unit}")
+    for flag, value in (
+        ("--lr-warmup-iters", o.lr_warmup_iters),
+        ("--lr-warmup-samples", o.lr_warmup_samples),
+    ):
+        if value < 0:
+            _fail(flag, f"must be >= 0, got {value}", "pass 0 for no warmup")
+    for flag, frac in (("--lr-warmup-fraction", o.lr_warmup_fraction), ("--warmup", o.warmup)):
+        if frac is not None and not 0 <= frac < 1:
+            _fail(flag, f"{frac} is not a fraction in [0, 1)", "pass e.g. 0.01")
+    if o.warmup is not None and o.lr_warmup_fraction is not None:
+        _fail("--warmup", "is the classic --lr-warmup-fraction; both are given", "pass one of them")
+    fraction_flag = "--warmup" if o.warmup is not None else "--lr-warmup-fraction"
+    if (o.lr_warmup_fraction is not None or o.warmup is not None) and o.lr_warmup_iters:
+        _fail(fraction_flag, "given together with --lr-warmup-iters", "set the warmup one way")
+    if (o.lr_warmup_fraction is not None or o.warmup is not None) and o.lr_warmup_samples:
+        _fail(fraction_flag, "given together with --lr-warmup-samples", "set the warmup one way")
+    for flag, style, styles in (
+        ("--lr-decay-style", o.lr_decay_style, LR_DECAY_STYLES),
+        ("--lr-wsd-decay-style", o.lr_wsd_decay_style, LR_WSD_DECAY_STYLES),
+    ):
+        if style not in styles:
+            _fail(flag, f"unknown {style!r}", f"use one of {', '.join(styles)}")
+    steps = schedule_steps(o, t, t.resolved_global_batch_size(dp))
+    warm, decay, wsd = steps["warmup_steps"], steps["decay_steps"], steps["wsd_decay_steps"]
+    if o.lr_decay_style != "constant" and warm >= decay:
+        _fail(
+            f"--lr-warmup-{unit}/--lr-warmup-fraction",
+            f"{warm} warmup steps are not fewer than the {decay} decay steps "
+            f"(--lr-decay-{unit}, default --train-{unit})",
+            "shorten the warmup or lengthen the decay (or use --lr-decay-style constant)",
+        )
+    if o.lr_decay_style == "WSD" and not (wsd is not None and 0 < wsd <= decay - warm):
+        _fail(
+            f"--lr-wsd-decay-{unit}",
+            f"--lr-decay-style WSD needs it in (0, decay - warmup = {decay - warm}], got {wsd}",
+            f"pass --lr-wsd-decay-{unit} within that range",
         )

@@ -99,7 +99,12 @@ class OutputHead(nn.Module):
             )
 
     def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
-        x = self.final_layernorm(x)
+        return self.logits(self.final_layernorm(x), word_embeddings)
+
+    def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
+        """The projection after the final norm, with the padding masked: the only place that
+        masks it (DeepSpeed's pipeline layers, whose final norm is a layer of its own, call
+        this too)."""
         if self.output_layer is not None:
             logits = self.output_layer(x)
         else:

@@ -10,6 +10,7 @@ from megatron.mpu.layers import (
     copy_full_into_param,
     init_normal,
     is_tensor_parallel,
+    partition_of,
 )
 from megatron.mpu.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -44,6 +45,7 @@ __all__ = [
     "init_normal",
     "initialize_model_parallel",
     "is_tensor_parallel",
+    "partition_of",
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "shard",

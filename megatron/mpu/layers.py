@@ -46,6 +46,14 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+def partition_of(param: torch.Tensor) -> tuple[int, int] | None:
+    """(partition_dim, partition_stride) of a TP-split parameter; None if every TP rank holds
+    all of it. What a checkpoint records per tensor, so converters need not guess."""
+    if not is_tensor_parallel(param):
+        return None
+    return int(param.partition_dim), int(param.partition_stride)
+
+
 @torch.no_grad()
 def copy_full_into_param(param: torch.Tensor, full: torch.Tensor, group) -> None:
     """Load this rank's slice of the full (unsharded) tensor `full` into `param`."""

@@ -7,17 +7,11 @@ no broadcast is needed. Index files are built by global rank 0 while the others 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron.config.schema import MegatronConfig
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.samplers import MegatronPretrainingSampler
-from megatron.initialize import Runtime
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+from megatron.initialize import Runtime, barrier
 
 
 def split_sample_counts(cfg: MegatronConfig, dp_size: int) -> tuple[int, int, int]:
@@ -57,7 +51,7 @@ def build_data_iterators(
         cfg.training.seed,
         vocab_size=cfg.model.vocab_size,
         is_builder=rt.state.rank == 0,
-        barrier=_barrier,
+        barrier=barrier,
     )
     train, valid, test = datasets
     if train is None:
@@ -70,7 +64,10 @@ def build_data_iterators(
 
 
 def get_batch(data_iterator, device: torch.device):
-    """(tokens, labels, loss_mask) of the next micro batch: text[:, :-1] predicts text[:, 1:]."""
+    """(tokens, labels, loss_mask) of the next micro batch: text[:, :-1] predicts text[:, 1:].
+
+    The one batch fetch of both backends: the GPT's forward_step (training/step.py) and the
+    DeepSpeed pipeline engine's PipeBatches (training/deepspeed/engine.py)."""
     text = next(data_iterator)["text"].to(device, non_blocking=True)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     return tokens, labels, torch.ones_like(labels, dtype=torch.float32)

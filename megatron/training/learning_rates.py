@@ -14,7 +14,10 @@ With n = steps done, W = warmup_steps, D = decay_steps:
                 for wsd_decay_style linear | cosine | exponential | minus_sqrt.
 
 A "step" is whatever unit the trainer counts: an iteration (step() after each optimizer step),
-or a sample under --train-samples (step(increment=global_batch_size)). See scheduler_steps().
+or a sample under --train-samples (step(increment=global_batch_size)); the flags' meaning in steps
+is megatron.config.lr_schedule's. The flags themselves are checked once, by
+megatron.config.rules; the checks here guard the constructor's own arguments (and a loaded
+checkpoint's schedule) and name those arguments.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any
 
 import torch
 
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
+
 # Annealing coefficient after a fraction r of an annealing phase: 1 at r = 0, 0 at r = 1.
 _ANNEAL = {
     "linear": lambda r: 1.0 - r,
@@ -32,7 +36,6 @@ _ANNEAL = {
     "exponential": lambda r: 2.0 * 0.5**r - 1.0,
     "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
 }
-WSD_DECAY_STYLES = tuple(_ANNEAL)
 
 # Fields that define the schedule; saved by state_dict() and compared on load.
 _SCHEDULE_FIELDS = tuple(
@@ -87,7 +90,7 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
     ) -> None:
         _check(
             not (override_lr_scheduler and use_checkpoint_lr_scheduler),
-            "--override-lr-scheduler and --use-checkpoint-lr-scheduler exclude each other",
+            "override_lr_scheduler and use_checkpoint_lr_scheduler exclude each other",
         )
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
         self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
@@ -107,36 +110,35 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
 
     def _validate(self) -> None:
         warm, decay, wsd = self.warmup_steps, self.decay_steps, self.wsd_decay_steps
-        _check(self.min_lr >= 0.0, f"--min-lr must be >= 0, got {self.min_lr}")
-        _check(self.max_lr >= self.min_lr, f"--lr {self.max_lr} is below --min-lr {self.min_lr}")
-        _check(self.decay_style in DECAY_STYLES, f"--lr-decay-style must be one of {DECAY_STYLES}")
-        _check(decay > 0, f"--lr-decay-iters/--lr-decay-samples must be > 0, got {decay}")
-        _check(warm >= 0, f"--lr-warmup-iters/--lr-warmup-samples must be >= 0, got {warm}")
+        _check(
+            0.0 <= self.min_lr <= self.max_lr,
+            f"need 0 <= min_lr <= max_lr, got min_lr {self.min_lr} and max_lr {self.max_lr}",
+        )
+        _check(self.decay_style in LR_DECAY_STYLES, f"decay_style not in {LR_DECAY_STYLES}")
+        _check(decay > 0, f"decay_steps must be > 0, got {decay}")
+        _check(warm >= 0, f"warmup_steps must be >= 0, got {warm}")
         _check(
             self.decay_style == "constant" or warm < decay,
-            f"--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction give {warm} warmup steps,"
-            f" not fewer than the {decay} of --lr-decay-iters/--lr-decay-samples",
+            f"warmup_steps {warm} must be fewer than decay_steps {decay}",
         )
         if self.decay_style == "WSD":
             _check(
                 wsd is not None and 0 < wsd <= decay - warm,
-                "--lr-decay-style WSD needs --lr-wsd-decay-iters/--lr-wsd-decay-samples in"
-                f" (0, decay - warmup = {decay - warm}], got {wsd}",
+                f"decay_style WSD needs wsd_decay_steps in (0, {decay - warm}], got {wsd}",
             )
             _check(
-                self.wsd_decay_style in WSD_DECAY_STYLES,
-                f"--lr-wsd-decay-style must be one of {WSD_DECAY_STYLES}",
+                self.wsd_decay_style in LR_WSD_DECAY_STYLES,
+                f"wsd_decay_style not in {LR_WSD_DECAY_STYLES}",
             )
         if self.start_wd is not None:
             start, end, style = self.start_wd, self.end_wd, self.wd_incr_style
             _check(
                 0.0 <= start <= end and self.wd_incr_steps > 0,
-                f"need 0 <= --start-weight-decay {start} <= --end-weight-decay {end}",
+                f"need 0 <= start_wd {start} <= end_wd {end} and wd_incr_steps > 0",
             )
             _check(
                 style in ("linear", "cosine") or (style == "constant" and start == end),
-                f"--weight-decay-incr-style {style!r}: use linear or cosine, or constant with"
-                " equal --start-weight-decay and --end-weight-decay",
+                f"wd_incr_style {style!r}: linear or cosine, or constant with start_wd == end_wd",
             )
 
     def get_lr(self, num_steps: int | None = None) -> float:  # type: ignore[override]
@@ -218,63 +220,9 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
                 " value or --use-checkpoint-lr-scheduler to take the checkpoint's",
             )
             setattr(self, name, sd[name])
-        self._validate()
+        try:
+            self._validate()
+        except ValueError as e:
+            raise ValueError(f"the checkpoint's lr scheduler state is invalid: {e}") from None
         self.num_steps = int(sd["num_steps"])
         self._apply()
-
-
-def _warmup_steps(
-    fraction: float | None, warmup: float | None, absolute: int, flag: str, decay: int
-) -> int:
-    """round(fraction * decay) from --lr-warmup-fraction or --warmup (one meaning), else absolute"""
-    _check(fraction is None or warmup is None, "--warmup is the old --lr-warmup-fraction; pass one")
-    fraction = warmup if fraction is None else fraction
-    if fraction is None:
-        return absolute
-    _check(not absolute, f"pass --lr-warmup-fraction (or --warmup) or {flag}, not both")
-    _check(0.0 <= fraction <= 1.0, f"--lr-warmup-fraction must be in [0, 1], got {fraction}")
-    return round(fraction * decay)
-
-
-def scheduler_steps(
-    *,
-    train_iters: int | None = None,
-    train_samples: int | None = None,
-    global_batch_size: int | None = None,
-    lr_decay_iters: int | None = None,
-    lr_decay_samples: int | None = None,
-    lr_warmup_iters: int = 0,
-    lr_warmup_samples: int = 0,
-    lr_warmup_fraction: float | None = None,
-    warmup: float | None = None,
-    lr_wsd_decay_iters: int | None = None,
-    lr_wsd_decay_samples: int | None = None,
-) -> dict[str, int | None]:
-    """Megatron's schedule flags -> AnnealingLR's warmup_steps, decay_steps, wsd_decay_steps and
-    the step() increment.
-
-    --train-iters: steps are iterations, increment 1, decay = --lr-decay-iters or --train-iters.
-    --train-samples: steps are samples, increment = global batch, decay = --lr-decay-samples or
-    --train-samples. Warmup is round(fraction * decay) or the absolute warmup flag of the mode.
-    """
-    _check(
-        (train_iters is None) != (train_samples is None),
-        "pass exactly one of --train-iters and --train-samples",
-    )
-    by_iters = train_iters is not None
-    iters = (train_iters, lr_decay_iters, lr_warmup_iters, lr_wsd_decay_iters)
-    samples = (train_samples, lr_decay_samples, lr_warmup_samples, lr_wsd_decay_samples)
-    (train, decay, warm, wsd), unused = (iters, samples) if by_iters else (samples, iters)
-    unit, other = ("iters", "samples") if by_iters else ("samples", "iters")
-    for stem, value in zip(("lr-decay", "lr-warmup", "lr-wsd-decay"), unused[1:], strict=True):
-        _check(not value, f"--{stem}-{other} contradicts --train-{unit}; use --{stem}-{unit}")
-    increment = 1
-    if not by_iters:
-        _check(
-            global_batch_size is not None and global_batch_size > 0,
-            f"--train-samples needs --global-batch-size > 0, got {global_batch_size}",
-        )
-        increment = global_batch_size
-    decay = train if decay is None else decay
-    warm = _warmup_steps(lr_warmup_fraction, warmup, warm, f"--lr-warmup-{unit}", decay)
-    return dict(warmup_steps=warm, decay_steps=decay, wsd_decay_steps=wsd, increment=increment)

@@ -20,6 +20,7 @@ from megatron.config.rules import validate_model
 from megatron.config.schema import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.initialize import Runtime, initialize_megatron
+from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.data import build_data_iterators
 from megatron.training.log import (
     TensorBoard,
@@ -102,12 +103,7 @@ def pretrain(
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, _ = resolve_vocab(cfg)
     rt = runtime or initialize_megatron(cfg)
-    if cfg.deepspeed.enabled:
-        from megatron.training.deepspeed.backend import DeepSpeedBackend
-
-        backend = DeepSpeedBackend(cfg, rt, forward_step_func)
-    else:
-        backend = NativeBackend(cfg, rt, forward_step_func)
+    backend = build_backend(cfg, rt, forward_step_func)
     state = backend.load() if cfg.checkpoint.load else TrainState()
     iters = build_data_iterators(
         cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
@@ -122,6 +118,15 @@ def pretrain(
         loop.tensorboard.close()
 
 
+def build_backend(cfg: MegatronConfig, rt: Runtime, forward_step_func) -> TrainerBackend:
+    """--deepspeed picks DeepSpeed's engine (imported only then), else our own backend."""
+    if cfg.deepspeed.enabled:
+        from megatron.training.deepspeed.backend import DeepSpeedBackend
+
+        return DeepSpeedBackend(cfg, rt, forward_step_func)
+    return NativeBackend(cfg, rt, forward_step_func)
+
+
 @dataclass
 class _Window:
     """What happened since the last log line."""
@@ -134,7 +139,7 @@ class _Window:
     counted: int = 0
     grad_norm: float | None = None
 
-    def add(self, step: dict, seconds: float) -> None:
+    def add(self, step: StepResult, seconds: float) -> None:
         self.iters += 1
         self.seconds += seconds
         self.skipped += not step["updated"]
@@ -148,7 +153,7 @@ class _Window:
 
 
 class _TrainLoop:
-    def __init__(self, cfg, rt, backend, out):
+    def __init__(self, cfg: MegatronConfig, rt: Runtime, backend: TrainerBackend, out):
         self.cfg, self.rt, self.backend, self.out = cfg, rt, backend, out
         t = cfg.training
         self.micro = MicroBatchCalculator(

@@ -112,22 +112,16 @@ def forward_backward_pipelining(
     scale_loss=lambda x: x,
     forward_only=False,
     timers=None,
-    report: dict | None = None,
 ) -> list[dict]:
     """Run one step of the (interleaved when V > 1) 1F1B schedule on this stage.
 
     `model` holds V chunks (`model[c]`); `shape` is the (micro batch, seq, hidden) activation
-    shape. Returns the last stage's per-micro-batch stats (empty on other stages); `report`,
-    if given, receives 'max_in_flight' (most micro batches whose activations were alive).
+    shape. Returns the last stage's per-micro-batch stats (empty on other stages).
     """
     chunks = getattr(model, "module", model)  # DDP-wrapped ModelChunks, or the chunks
     P, s, V, M = state.pp_size, state.pp_rank, len(chunks), num_micro_batches
-    if V > 1 and M % P:
-        raise ValueError(
-            f"the interleaved schedule needs the number of micro batches ({M}) to "
-            f"be a multiple of --pipeline-model-parallel-size {P}; change "
-            "--global-batch-size or --micro-batch-size"
-        )
+    if V > 1 and M % P:  # the user-facing rule is validate_training's (megatron/config/rules.py)
+        raise ValueError(f"interleaved 1F1B: {M} micro batches are not a multiple of P = {P}")
     comm = _Comm(state, shape, dtype, next(model.parameters()).device, timers)
     run = _Runner(
         chunks, comm, _SharedBatches(data_iterator), forward_step, P, s, M, scale_loss, forward_only
@@ -140,8 +134,6 @@ def forward_backward_pipelining(
             else:
                 run.backward(c, mb)
         comm.wait_all()
-    if report is not None:
-        report["max_in_flight"] = run.max_in_flight
     return run.stats
 
 
@@ -156,7 +148,6 @@ class _Runner:
         self.P, self.s, self.V, self.M = P, s, len(chunks), M
         self.scale_loss, self.forward_only = scale_loss, forward_only
         self.inputs, self.outputs, self.stats = {}, {}, []
-        self.max_in_flight = 0
 
     def _virtual(self, c: int) -> int:
         return c * self.P + self.s
@@ -178,7 +169,6 @@ class _Runner:
             self.comm.send(output, (self.s + 1) % self.P, _tag(FORWARD, v + 1, mb))
         if not self.forward_only:
             self.outputs[(c, mb)] = output
-            self.max_in_flight = max(self.max_in_flight, len(self.outputs))
 
     def backward(self, c: int, mb: int) -> None:
         v, last = self._virtual(c), self.P * self.V - 1

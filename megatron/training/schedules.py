@@ -10,7 +10,7 @@ scales each loss by 1 / num_micro_batches (gradients of the global-batch mean) a
 loss scale, and returns the last stage's stats. Gradients are all-reduced over DP only after
 the last micro batch (the model's `no_sync`).
 
-- no pipelining: gradient accumulation (PP = 1)
+- no pipelining: gradient accumulation (PP = 1; also the DeepSpeed engine's micro-batch loop)
 - 1F1B: megatron.training.pipeline (PP > 1)
 - interleaved 1F1B: megatron.training.pipeline with V model chunks
   (--num-layers-per-virtual-pipeline-stage)
@@ -34,13 +34,31 @@ def forward_backward_no_pipelining(
     scale_loss: Callable = lambda loss: loss,
     forward_only: bool = False,
     timers=None,
-    report: dict | None = None,
+    engine: bool = False,
 ) -> list[dict]:
-    """Gradient accumulation over micro batches on one pipeline stage."""
+    """Gradient accumulation over micro batches on one pipeline stage.
+
+    `model` is our DDP by default: forward_step gets its (only) model chunk, each loss is
+    scaled by 1 / num_micro_batches and the fp16 loss scale before backward, and the DP
+    all-reduce waits for the last micro batch (`no_sync`). `engine=True`: `model` is a DeepSpeed
+    engine, which forward_step calls as it is, and whose backward(loss) + step() do the scaling,
+    accumulation and all-reduce themselves (step() only updates at the accumulation boundary).
+    """
+    if engine:
+        no_sync, chunk = contextlib.nullcontext, model
+
+        def backward(loss):
+            model.backward(loss)
+            model.step()
+    else:
+        no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+        chunk = getattr(model, "module", model)
+        chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
+
+        def backward(loss):
+            scale_loss(loss / num_micro_batches).backward()
+
     stats = []
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
-    chunk = getattr(model, "module", model)
-    chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
     for i in range(num_micro_batches):
         last = i == num_micro_batches - 1
         with contextlib.nullcontext() if (last or forward_only) else no_sync():
@@ -54,11 +72,9 @@ def forward_backward_no_pipelining(
             if not forward_only:
                 if timers:
                     timers("backward-compute", 1).start()
-                scale_loss(loss / num_micro_batches).backward()
+                backward(loss)
                 if timers:
                     timers("backward-compute", 1).stop()
-    if report is not None:
-        report["max_in_flight"] = 1
     return stats
 
 

@@ -1,9 +1,15 @@
 """What a training checkpoint holds and how the trainer saves and resumes it.
 
-Each TP x PP shard (written by DP rank 0) holds the model shard, optimizer (with fp32 masters
-and the loss scaler), LR scheduler, RNG states (python, numpy, torch, device, the TP dropout
-stream), iteration, consumed samples, and the arguments that fix the shapes, so tools can load
-it without repeating them. Storage, atomic pointer and crash safety: megatron.checkpoint.storage.
+Every checkpoint, whatever the backend, holds the entries of `checkpoint_entries`: iteration,
+consumed samples, RNG states (python, numpy, torch, device, the TP dropout stream) and the
+arguments that fix the shapes, so tools can load it without repeating them. `resume` is the one
+way back from them; `commit` makes a written checkpoint the one --load finds.
+
+The native backend's TP x PP shards (written by DP rank 0) add the model shard with its
+partition record (each tensor's TP split dimension and stride, or None: what
+megatron.checkpoint.resharding merges and splits by), optimizer (with fp32 masters and the
+loss scaler) and LR scheduler. Storage, atomic pointer and crash safety:
+megatron.checkpoint.storage.
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch.distributed as dist
 
+from megatron.checkpoint.resharding import partition_record
 from megatron.checkpoint.storage import (
     CheckpointError,
     finalize_checkpoint,
@@ -25,8 +34,9 @@ from megatron.checkpoint.storage import (
     set_rng_state,
 )
 from megatron.config.schema import MegatronConfig
-from megatron.initialize import Runtime
+from megatron.initialize import Runtime, barrier
 
+T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
 # Fields of ModelConfig that change parameter shapes: a resume must match them.
 SHAPE_FIELDS = (
@@ -52,23 +62,11 @@ _TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
 @dataclass
 class TrainState:
+    """The counters a run continues from: saved in every checkpoint, restored by `resume`."""
+
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _gather(outcome):
-    """Every rank's load outcome, so that all ranks fall back from a damaged shard together."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, outcome)
-        return outcomes
-    return [outcome]
 
 
 def checkpoint_args(cfg: MegatronConfig) -> dict:
@@ -87,26 +85,93 @@ def checkpoint_args(cfg: MegatronConfig) -> dict:
     }
 
 
-def save_training_state(
-    cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler, state: TrainState
-) -> None:
-    st = rt.state
+def _gather(outcome):
+    """Every rank's load outcome, so that all ranks fall back from a damaged shard together."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+        return outcomes
+    return [outcome]
+
+
+def checkpoint_entries(cfg: MegatronConfig, rt: Runtime, state: TrainState) -> dict:
+    """The entries every checkpoint holds whatever the backend (what `resume` reads back)."""
     rng = rng_state_dict(rt.device)
     rng["tracker"] = rt.rng_tracker.get_states()
-    shard = {
-        "checkpoint_version": CHECKPOINT_VERSION,
+    return {
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": rng,
         "args": checkpoint_args(cfg),
     }
-    root = cfg.checkpoint.save
+
+
+def commit(cfg: MegatronConfig, rt: Runtime, iteration: int, **layout) -> None:
+    """After every rank wrote its files: mark the checkpoint complete and move the pointer."""
+    finalize_checkpoint(
+        cfg.checkpoint.save,
+        iteration,
+        barrier=barrier,
+        is_rank0=rt.state.rank == 0,
+        retain_last=cfg.checkpoint.save_retain_last,
+        **layout,
+    )
+
+
+def resume(
+    cfg: MegatronConfig,
+    rt: Runtime,
+    read: Callable[[int], T],
+    restore: Callable[[int, T], dict],
+    agree=None,
+) -> TrainState:
+    """Continue from --load; a fresh (empty) directory starts at iteration 0 with a notice.
+
+    The backend's part: `read(iteration)` checks (and may read) its files, raising
+    ShardIntegrityError for a damaged one, so the newest intact checkpoint is chosen
+    (load_newest_intact, all ranks deciding together through `agree`); `restore(iteration,
+    read's value)` restores model (and optimizer, unless --no-load-optim or --finetune) and
+    returns the checkpoint_entries it found. Here: the RNG states (unless --no-load-rng) and
+    the counters (none with --finetune).
+    """
+    c = cfg.checkpoint
+    kw = {} if agree is None else {"agree": agree}
+    iteration, value = load_newest_intact(c.load, read, **kw)
+    if iteration is None:
+        if rt.state.rank == 0:
+            print(f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr)
+        return TrainState()
+    saved = restore(iteration, value)
+    if rt.state.rank == 0:
+        print(f" loaded checkpoint from {c.load} at iteration {iteration}", file=sys.stderr)
+    if c.finetune:
+        return TrainState()
+    if not c.no_load_rng:
+        set_rng_state(saved["rng_state"], rt.device)
+        rt.rng_tracker.set_states(saved["rng_state"]["tracker"])
+    return TrainState(
+        iteration=saved["iteration"],
+        consumed_train_samples=saved["consumed_train_samples"],
+        consumed_valid_samples=saved["consumed_valid_samples"],
+    )
+
+
+def save_training_state(
+    cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler, state: TrainState
+) -> None:
+    """The native backend's checkpoint: one shard per TP x PP rank, written by DP rank 0."""
+    st = rt.state
+    shard = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        **checkpoint_entries(cfg, rt, state),
+        "model": model.state_dict(),
+        "partition": partition_record(model),  # how each tensor is split, for converters
+        "optimizer": optimizer.state_dict(),
+        "opt_param_scheduler": scheduler.state_dict(),
+    }
     save_shard(
-        root,
+        cfg.checkpoint.save,
         state.iteration,
         shard,
         tp_rank=st.tp_rank,
@@ -114,14 +179,7 @@ def save_training_state(
         pp_size=st.pp_size,
         write=st.dp_rank == 0,
     )
-    finalize_checkpoint(
-        root,
-        state.iteration,
-        barrier=_barrier,
-        is_rank0=st.rank == 0,
-        num_shards_expected=st.tp_size * st.pp_size,
-        retain_last=cfg.checkpoint.save_retain_last,
-    )
+    commit(cfg, rt, state.iteration, num_shards_expected=st.tp_size * st.pp_size)
 
 
 def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
@@ -138,33 +196,38 @@ def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
 def load_training_state(
     cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler
 ) -> TrainState:
-    """Restore from --load; a fresh (empty) directory starts at iteration 0 with a notice.
-
-    The newest checkpoint whose shards (on every rank) pass their checksums is loaded: a
-    damaged one is named in a warning and skipped, so the run never trains on damaged state.
-    """
+    """The native backend's resume: this rank's shard (the newest whose shards pass their
+    checksums on every rank) into model, optimizer and scheduler."""
     c, st = cfg.checkpoint, rt.state
-    iteration, shard = load_newest_intact(
-        c.load,
-        lambda it: load_shard(
+
+    def read(iteration: int) -> dict:
+        return load_shard(
             c.load,
-            it,
+            iteration,
             tp_rank=st.tp_rank,
             pp_rank=st.pp_rank,
             pp_size=st.pp_size,
             map_location=rt.device,
-        ),
-        agree=_gather,
-    )
-    if iteration is None:
-        if st.rank == 0:
-            print(f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr)
-        return TrainState()
-    _check_shapes(shard, cfg, c.load)
-    model.load_state_dict(shard["model"])
+        )
+
+    def restore(iteration: int, shard: dict) -> dict:
+        _check_shapes(shard, cfg, c.load)
+        model.load_state_dict(shard["model"])
+        if c.finetune or c.no_load_optim:
+            optimizer.reload_model_params()
+        _require(shard, c, iteration)
+        if not (c.finetune or c.no_load_optim):
+            optimizer.load_state_dict(shard["optimizer"])
+            scheduler.load_state_dict(shard["opt_param_scheduler"])
+        return shard
+
+    return resume(cfg, rt, read, restore, agree=_gather)
+
+
+def _require(shard: dict, c, iteration: int) -> None:
+    """A converted or weights-only checkpoint resumes only with the flags that skip its gaps."""
     if c.finetune:
-        optimizer.reload_model_params()
-        return TrainState()
+        return
     missing = [
         key
         for key, skip in (("optimizer", c.no_load_optim), ("rng_state", c.no_load_rng))
@@ -176,18 +239,3 @@ def load_training_state(
             "converted or weights-only checkpoint). Fix: resume with --no-load-optim "
             "--no-load-rng, or start from its weights with --finetune"
         )
-    if not c.no_load_optim:
-        optimizer.load_state_dict(shard["optimizer"])
-        scheduler.load_state_dict(shard["opt_param_scheduler"])
-    else:
-        optimizer.reload_model_params()
-    if not c.no_load_rng:
-        set_rng_state(shard["rng_state"], rt.device)
-        rt.rng_tracker.set_states(shard["rng_state"]["tracker"])
-    if st.rank == 0:
-        print(f" loaded checkpoint from {c.load} at iteration {iteration}", file=sys.stderr)
-    return TrainState(
-        iteration=shard["iteration"],
-        consumed_train_samples=shard["consumed_train_samples"],
-        consumed_valid_samples=shard["consumed_valid_samples"],
-    )

@@ -14,13 +14,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron.config.lr_schedule import schedule_steps
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.stages import build_model
+from megatron.training.backend import StepResult, TrainerBackend, average_loss
 from megatron.training.data import get_batch
 from megatron.training.ddp import DistributedDataParallel
-from megatron.training.learning_rates import AnnealingLR, scheduler_steps
+from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron.training.state import TrainState, load_training_state, save_training_state
@@ -75,19 +77,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
 def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
     """AnnealingLR from the schedule flags; step() counts iterations or samples as they say."""
     o, t = cfg.optimizer, cfg.training
-    steps = scheduler_steps(
-        train_iters=t.train_iters,
-        train_samples=t.train_samples,
-        global_batch_size=t.resolved_global_batch_size(dp_size),
-        lr_decay_iters=o.lr_decay_iters,
-        lr_decay_samples=o.lr_decay_samples,
-        lr_warmup_iters=o.lr_warmup_iters,
-        lr_warmup_samples=o.lr_warmup_samples,
-        lr_warmup_fraction=o.lr_warmup_fraction,
-        warmup=o.warmup,
-        lr_wsd_decay_iters=o.lr_wsd_decay_iters,
-        lr_wsd_decay_samples=o.lr_wsd_decay_samples,
-    )
+    steps = schedule_steps(o, t, t.resolved_global_batch_size(dp_size))
     scheduler = AnnealingLR(
         optimizer,
         max_lr=o.lr,
@@ -102,21 +92,6 @@ def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
     )
     scheduler.default_increment = steps["increment"]
     return scheduler
-
-
-def _reported_loss(stats: list[dict], rt: Runtime) -> float:
-    """Mean loss of the global batch: averaged over DP on the last stage, then sent to all
-    pipeline stages so every rank logs (and decides on) the same number."""
-    st = rt.state
-    t = torch.zeros(1, device=rt.device)
-    if st.is_last_stage:
-        t = torch.stack([s["lm loss"].float() for s in stats]).mean().reshape(1).to(rt.device)
-        if st.dp_size > 1:
-            dist.all_reduce(t, group=st.dp_group)
-            t /= st.dp_size
-    if st.pp_size > 1:
-        dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
-    return float(t.item())
 
 
 def sync_embedding_grads(model, state) -> None:
@@ -149,8 +124,7 @@ def train_step(
     rt: Runtime,
     timers: Timers,
     schedule=None,
-    report: dict | None = None,
-) -> dict:
+) -> StepResult:
     """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
     model.zero_grad_buffer()
     schedule = schedule or forward_backward_no_pipelining
@@ -161,13 +135,14 @@ def train_step(
         num_micro_batches,
         scale_loss=optimizer.scale_loss,
         timers=timers,
-        report=report,
     )
     timers("grads-all-reduce", 2).start()
     model.finish_grad_sync()
     sync_embedding_grads(model, rt.state)
     timers("grads-all-reduce", 2).stop()
-    loss = _reported_loss(stats, rt)  # equal on every rank: a non-finite one skips the step
+    loss = average_loss(
+        [s["lm loss"] for s in stats], rt
+    )  # equal on every rank: a non-finite one skips the step
     timers("optimizer", 1).start()
     updated, grad_norm = optimizer.step(nonfinite_loss=not math.isfinite(loss))
     timers("optimizer", 1).stop()
@@ -188,10 +163,10 @@ def evaluate(
             forward_step_func, data_iterator, model, num_micro_batches, forward_only=True
         )
     model.train()
-    return _reported_loss(stats, rt)
+    return average_loss([s["lm loss"] for s in stats], rt)
 
 
-class NativeBackend:
+class NativeBackend(TrainerBackend):
     """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
 
     def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func):
@@ -200,14 +175,10 @@ class NativeBackend:
         self.schedule = _schedule(cfg, rt)
 
     @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    @property
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale
 
-    def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> dict:
+    def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> StepResult:
         return train_step(
             self.forward_step,
             data_iterator,

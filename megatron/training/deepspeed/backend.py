@@ -14,28 +14,15 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import torch
-import torch.distributed as dist
 
-from megatron.checkpoint.storage import (
-    CheckpointError,
-    checkpoint_dir,
-    finalize_checkpoint,
-    load_newest_intact,
-    rng_state_dict,
-    set_rng_state,
-    verify_checkpoint_files,
-)
+from megatron.checkpoint.storage import CheckpointError, checkpoint_dir, verify_checkpoint_files
 from megatron.config.schema import MegatronConfig
+from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
-from megatron.training.state import TrainState, checkpoint_args
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+from megatron.training.state import TrainState, checkpoint_entries, commit, resume
+from megatron.training.step import make_scheduler
 
 
 def _safe_globals():
@@ -66,10 +53,11 @@ def verify_weights_only(directory: str) -> None:
                 ) from None
 
 
-class DeepSpeedBackend:
-    def __init__(self, cfg: MegatronConfig, rt, forward_step_func):
-        from megatron.training.step import make_scheduler
+class DeepSpeedBackend(TrainerBackend):
+    """The model, our optimizer and LR schedule in a DeepSpeed engine (ZeRO; its pipeline
+    engine for PP > 1)."""
 
+    def __init__(self, cfg: MegatronConfig, rt, forward_step_func):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.engine, self.scheduler, self.pipeline = setup_deepspeed(
             cfg, rt, functools.partial(make_scheduler, cfg, rt.state.dp_size)
@@ -77,18 +65,20 @@ class DeepSpeedBackend:
         self.model = self.engine
 
     @property
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
-    @property
     def loss_scale(self) -> float:
         optimizer = self.engine.optimizer
         scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
         return float(scale) if isinstance(scale, int | float) else 1.0
 
-    def train_step(self, data_iterator, num_micro_batches: int, timers) -> dict:
+    def train_step(self, data_iterator, num_micro_batches: int, timers) -> StepResult:
         return ds_train_step(
-            self.engine, self.pipeline, self.forward_step, data_iterator, num_micro_batches, self.rt
+            self.engine,
+            self.pipeline,
+            self.forward_step,
+            data_iterator,
+            num_micro_batches,
+            self.rt,
+            timers,
         )
 
     def evaluate(self, data_iterator, eval_iters: int, num_micro_batches: int) -> float:
@@ -103,42 +93,24 @@ class DeepSpeedBackend:
         )
 
     def save(self, state: TrainState) -> None:
-        root = self.cfg.checkpoint.save
-        rng = rng_state_dict(self.rt.device)
-        rng["tracker"] = self.rt.rng_tracker.get_states()
-        client = {
-            "iteration": state.iteration,
-            "consumed_train_samples": state.consumed_train_samples,
-            "consumed_valid_samples": state.consumed_valid_samples,
-            "rng_state": rng,
-            "args": checkpoint_args(self.cfg),
-        }
-        tag = os.path.basename(checkpoint_dir(root, state.iteration))
-        self.engine.save_checkpoint(root, tag=tag, client_state=client, save_latest=False)
-        finalize_checkpoint(
-            root,
-            state.iteration,
-            barrier=_barrier,
-            is_rank0=self.rt.state.rank == 0,
-            retain_last=self.cfg.checkpoint.save_retain_last,
-            layout="deepspeed",
+        client = checkpoint_entries(self.cfg, self.rt, state)
+        tag = os.path.basename(checkpoint_dir(self.cfg.checkpoint.save, state.iteration))
+        self.engine.save_checkpoint(
+            self.cfg.checkpoint.save, tag=tag, client_state=client, save_latest=False
         )
+        commit(self.cfg, self.rt, state.iteration, layout="deepspeed")
 
     def load(self) -> TrainState:
+        return resume(self.cfg, self.rt, self._verify, self._load_engine)
+
+    def _verify(self, iteration: int) -> None:
+        """Every rank checks every file (DeepSpeed reads them all), so all ranks agree."""
+        verify_checkpoint_files(self.cfg.checkpoint.load, iteration)
+        verify_weights_only(checkpoint_dir(self.cfg.checkpoint.load, iteration))
+
+    def _load_engine(self, iteration: int, _) -> dict:
+        """The engine's part of a resume; returns our entries from its client state."""
         c = self.cfg.checkpoint
-
-        def verify(it: int) -> None:
-            # Every rank checks every file (DeepSpeed reads them all), so all agree.
-            verify_checkpoint_files(c.load, it)
-            verify_weights_only(checkpoint_dir(c.load, it))
-
-        iteration, _ = load_newest_intact(c.load, verify)
-        if iteration is None:
-            if self.rt.state.rank == 0:
-                print(
-                    f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr
-                )
-            return TrainState()
         directory = checkpoint_dir(c.load, iteration)
         path, client = self.engine.load_checkpoint(
             c.load,
@@ -149,13 +121,4 @@ class DeepSpeedBackend:
         )
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load this checkpoint")
-        if c.finetune:
-            return TrainState()
-        if not c.no_load_rng:
-            set_rng_state(client["rng_state"], self.rt.device)
-            self.rt.rng_tracker.set_states(client["rng_state"]["tracker"])
-        return TrainState(
-            iteration=client["iteration"],
-            consumed_train_samples=client["consumed_train_samples"],
-            consumed_valid_samples=client["consumed_valid_samples"],
-        )
+        return client

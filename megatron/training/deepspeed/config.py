@@ -13,6 +13,7 @@ import json
 import math
 
 from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.training.microbatches import MicroBatchCalculator
 
 
 def _load(path: str | None) -> dict:
@@ -131,10 +132,12 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
             "size is fixed in the JSON). Fix: drop one of them"
         )
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", "")
+    # The same split into micro batches as the loop's (the ramp is refused above).
+    micro_batches = MicroBatchCalculator(gbs, t.micro_batch_size, dp).num_micro_batches(0)
     _agree(
         ds,
         "gradient_accumulation_steps",
-        gbs // (t.micro_batch_size * dp),
+        micro_batches,
         "--global-batch-size / (--micro-batch-size x DP)",
         "",
     )

@@ -22,14 +22,13 @@ from megatron.config.schema import MegatronConfig, ModelConfig
 from megatron.model.gpt import Embedding, OutputHead, init_weights
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
-from megatron.mpu import (
-    ParallelState,
-    checkpoint,
-    copy_to_tensor_model_parallel_region,
-    vocab_parallel_cross_entropy,
-)
+from megatron.mpu import ParallelState, checkpoint, vocab_parallel_cross_entropy
+from megatron.training.backend import average_loss
+from megatron.training.data import get_batch
 from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.optimizer import _torch_optimizer, param_groups
+from megatron.training.schedules import forward_backward_no_pipelining
+from megatron.training.step import evaluate, lm_loss
 
 
 def import_deepspeed():
@@ -128,27 +127,24 @@ class HeadPipe(OutputHead):
         init_weights(self, cfg, state, seed, prefix="head.")
 
     def forward(self, x):
-        logits = self.output_layer(x)
-        return _mask_padding(logits, self.num_valid)
+        return self.logits(x)
 
 
-def _mask_padding(logits, num_valid: int):
-    if num_valid < logits.size(-1):
-        logits[..., num_valid:] = float("-inf")
-    return logits
-
-
-def _tied_logits(num_valid: int, tp_group, module: EmbeddingPipe, x):
-    x = copy_to_tensor_model_parallel_region(x, tp_group)
-    return _mask_padding(nn.functional.linear(x, module.word_embeddings.weight), num_valid)
+def _tied_logits(head: OutputHead, module: EmbeddingPipe, x):
+    """The last stage's copy of the tied embedding as the output layer (padding masked)."""
+    return head.logits(x, module.word_embeddings.weight)
 
 
 class _LossPipe:
+    """The pipeline engine's loss: the native path's lm_loss over the per-token cross entropy,
+    with the loss mask PipeBatches sends beside the labels."""
+
     def __init__(self, tp_group):
         self.tp_group = tp_group
 
-    def __call__(self, logits, labels):
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
+    def __call__(self, logits, labels_and_mask):
+        labels, loss_mask = labels_and_mask
+        return lm_loss(loss_mask, vocab_parallel_cross_entropy(logits, labels, self.tp_group))[0]
 
 
 def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
@@ -164,14 +160,15 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
         if tied
         else LayerSpec(EmbeddingPipe, *common)
     )
-    head_probe = OutputHead(m, st)  # which logits are vocab padding on this TP rank
     if tied:
+        # A weightless head (meta device) that computes the logits with the tied weight.
+        head_fn = functools.partial(_tied_logits, OutputHead(m, st, device="meta"))
         head = TiedLayerSpec(
             "embed",
             EmbeddingPipe,
             *common,
             tied_weight_attr="word_embeddings.weight",
-            forward_fn=functools.partial(_tied_logits, head_probe.num_valid, st.tp_group),
+            forward_fn=head_fn,
         )
     else:
         head = LayerSpec(HeadPipe, *common)
@@ -272,16 +269,9 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
     return engine, scheduler, pipeline
 
 
-def _dp_mean(value: torch.Tensor, rt) -> float:
-    t = value.detach().float().reshape(1).to(rt.device)
-    if rt.state.dp_size > 1:
-        dist.all_reduce(t, group=rt.state.dp_group)
-        t /= rt.state.dp_size
-    return float(t.item())
-
-
 class PipeBatches:
-    """Our loader's {"text"} micro batches as the (inputs, labels) pairs DeepSpeed's pipe wants."""
+    """Our micro batches (get_batch) as the (tokens, (labels, loss_mask)) pairs DeepSpeed's
+    pipeline engine pulls, as many per step as its gradient accumulation steps."""
 
     def __init__(self, data_iterator, device):
         self.source, self.device = data_iterator, device
@@ -290,26 +280,25 @@ class PipeBatches:
         return self
 
     def __next__(self):
-        text = next(self.source)["text"].to(self.device)
-        return text[:, :-1].contiguous(), text[:, 1:].contiguous()
+        tokens, labels, loss_mask = get_batch(self.source, self.device)
+        return tokens, (labels, loss_mask)
 
 
 def ds_train_step(
-    engine, pipeline, forward_step_func, data_iterator, num_micro_batches, rt
+    engine, pipeline, forward_step_func, data_iterator, num_micro_batches, rt, timers=None
 ) -> dict:
-    """One global batch. The LR schedule steps by its default_increment (iterations/samples)."""
+    """One global batch. The LR schedule steps by its default_increment (iterations/samples).
+
+    PP > 1: the pipeline engine's train_batch, whose loss DeepSpeed already averages over DP
+    and sends to every stage. PP = 1: our micro-batch loop driving the engine, and the loss
+    averaged as the native backend does."""
     if pipeline:
-        loss = engine.train_batch(PipeBatches(data_iterator, rt.device))
-        value = float(loss.item())
+        value = float(engine.train_batch(PipeBatches(data_iterator, rt.device)).item())
     else:
-        losses = []
-        for _ in range(num_micro_batches):
-            output, loss_func = forward_step_func(data_iterator, engine)
-            loss, stats = loss_func(output)
-            engine.backward(loss)
-            engine.step()
-            losses.append(stats["lm loss"])
-        value = _dp_mean(torch.stack([x.float() for x in losses]).mean(), rt)
+        stats = forward_backward_no_pipelining(
+            forward_step_func, data_iterator, engine, num_micro_batches, timers=timers, engine=True
+        )
+        value = average_loss([s["lm loss"] for s in stats], rt)
     norm = engine.get_global_grad_norm()
     return {
         "lm_loss": value,
@@ -322,14 +311,16 @@ def ds_train_step(
 def ds_evaluate(
     engine, pipeline, forward_step_func, data_iterator, eval_iters, num_micro_batches, rt
 ) -> float:
+    """PP > 1: the pipeline engine's eval_batch; PP = 1: the native evaluate over the engine."""
+    if not pipeline:
+        schedule = functools.partial(forward_backward_no_pipelining, engine=True)
+        return evaluate(
+            forward_step_func, data_iterator, engine, eval_iters, num_micro_batches, rt, schedule
+        )
     engine.eval()
-    values = []
-    for _ in range(eval_iters):
-        if pipeline:
-            values.append(float(engine.eval_batch(PipeBatches(data_iterator, rt.device)).item()))
-        else:
-            for _ in range(num_micro_batches):
-                output, loss_func = forward_step_func(data_iterator, engine)
-                values.append(_dp_mean(loss_func(output)[0], rt))
+    values = [
+        float(engine.eval_batch(PipeBatches(data_iterator, rt.device)).item())
+        for _ in range(eval_iters)
+    ]
     engine.train()
     return sum(values) / len(values)

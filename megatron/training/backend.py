@@ -1,0 +1,93 @@
+"""The trainer's backend contract, and the loss averaging both backends report with.
+
+pretrain()'s loop (megatron/training/loop.py) owns the iteration count, consumed samples,
+batch-size ramp, logging, evaluation cadence, checkpoint cadence and exit conditions. A backend
+owns the model, optimizer and LR schedule and answers the loop through `TrainerBackend` only:
+
+- NativeBackend (megatron/training/step.py): our DDP, MegatronOptimizer and schedules.
+- DeepSpeedBackend (megatron/training/deepspeed/backend.py): the same model in a DeepSpeed
+  engine (ZeRO, its pipeline engine for PP > 1).
+
+What both need exists once: resume glue and the checkpoint entries every backend writes
+(megatron/training/state.py), the batch fetch (megatron/training/data.py get_batch), the
+micro-batch loop (megatron/training/schedules.py), the vocab-padding mask
+(megatron/model/gpt.py OutputHead.logits), the barrier (megatron/initialize.py) and the reported
+loss (`average_loss` below).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TypedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.initialize import Runtime
+from megatron.training.learning_rates import AnnealingLR
+from megatron.training.state import TrainState
+from megatron.training.timers import Timers
+
+
+class StepResult(TypedDict):
+    """One optimizer step as the loop logs it (the same values on every rank)."""
+
+    lm_loss: float  # the global batch's mean loss
+    updated: bool  # False: the step was skipped (inf/NaN gradients, fp16 overflow)
+    grad_norm: float | None  # None where the backend cannot tell
+
+
+class TrainerBackend(abc.ABC):
+    """What the training loop asks of a backend. Subclasses set `model` (handed back to the
+    caller in TrainResult.model) and `scheduler` (the AnnealingLR both backends step)."""
+
+    model: nn.Module
+    scheduler: AnnealingLR
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step (the base lr, before any group's lr_mult)."""
+        return self.scheduler.get_last_lr()[0]
+
+    @property
+    @abc.abstractmethod
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without one)."""
+
+    @abc.abstractmethod
+    def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> StepResult:
+        """Forward and backward over `num_micro_batches` micro batches, then one optimizer and
+        LR-schedule step (unless skipped)."""
+
+    @abc.abstractmethod
+    def evaluate(self, data_iterator, eval_iters: int, num_micro_batches: int) -> float:
+        """The mean loss of `eval_iters` global batches, without gradients."""
+
+    @abc.abstractmethod
+    def save(self, state: TrainState) -> None:
+        """Write a complete, crash-safe checkpoint of `state.iteration` to --save."""
+
+    @abc.abstractmethod
+    def load(self) -> TrainState:
+        """Restore from --load (megatron.training.state.resume); a fresh start without one."""
+
+
+def average_loss(losses: list[torch.Tensor], rt: Runtime) -> float:
+    """The global batch's mean loss, the same number on every rank.
+
+    The mean of this rank's micro-batch losses (they exist on the last pipeline stage only),
+    averaged over data parallelism, then broadcast from the last stage to every stage, so all
+    ranks log, and decide on skips and divergence with, one value. The micro batches all have
+    the same size, so the mean of means is the mean over the global batch.
+    """
+    st = rt.state
+    t = torch.zeros(1, device=rt.device)
+    if st.is_last_stage:
+        t = torch.stack([x.detach().float() for x in losses]).mean().reshape(1).to(rt.device)
+        if st.dp_size > 1:
+            dist.all_reduce(t, group=st.dp_group)
+            t /= st.dp_size
+    if st.pp_size > 1:
+        dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
+    return float(t.item())
