@@ -6,8 +6,6 @@ Each broken rule raises `ConfigError` naming the flag and the fix (never an `ass
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
 from megatron.config.schema import (
     ConfigError,
@@ -16,6 +14,8 @@ from megatron.config.schema import (
     ModelConfig,
     OptimizerConfig,
     TrainingConfig,
+    parse_blend,
+    split_weights,
 )
 
 
@@ -175,43 +175,6 @@ def _validate_data(d: DataConfig) -> None:
         split_weights(d.split)
     except ValueError as e:
         _fail("--split", str(e), "pass three non-negative weights such as 969,30,1")
-
-
-def parse_blend(paths: Sequence[str], flag: str = "--data-path") -> list[tuple[float, str]]:
-    """`PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> [(normalized weight, prefix)]."""
-    if not paths:
-        return []
-    if len(paths) == 1:
-        return [(1.0, paths[0])]
-    if len(paths) % 2:
-        _fail(
-            flag,
-            f"{len(paths)} values: a blend needs weight/prefix pairs",
-            "write W1 PREFIX1 W2 PREFIX2 ... (or a single prefix)",
-        )
-    pairs = []
-    for w, prefix in zip(paths[0::2], paths[1::2], strict=True):
-        try:
-            weight = float(w)
-        except ValueError:
-            _fail(flag, f"{w!r} is not a weight", "put a number before each prefix")
-        if weight < 0:
-            _fail(flag, f"negative weight {weight}", "use weights >= 0")
-        pairs.append((weight, prefix))
-    total = sum(w for w, _ in pairs)
-    if total <= 0:
-        _fail(flag, "the weights sum to 0", "give at least one dataset a positive weight")
-    return [(w / total, p) for w, p in pairs]
-
-
-def split_weights(split: str) -> list[float]:
-    """'949,50,1' (or '949/50/1', or fewer values) -> three normalized weights."""
-    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
-    values = [float(p) for p in parts]
-    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"{split!r} is not up to three non-negative weights with a positive sum")
-    values += [0.0] * (3 - len(values))
-    return [v / sum(values) for v in values]
 
 
 def _validate_batch(t: TrainingConfig, dp: int) -> None:

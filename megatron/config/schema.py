@@ -14,6 +14,7 @@ change the weights (kernels, recompute) are sections of their own and are never 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -317,6 +318,48 @@ class DataConfig:
         None, "directory for the cached sample indices (default: beside the data)"
     )
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+# Parsers of DataConfig values, shared by the rules (checked at start-up) and data/builder.py.
+def _blend_error(flag: str, problem: str, fix: str) -> None:
+    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
+
+
+def parse_blend(paths: Sequence[str], flag: str = "--data-path") -> list[tuple[float, str]]:
+    """`PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> [(normalized weight, prefix)]."""
+    if not paths:
+        return []
+    if len(paths) == 1:
+        return [(1.0, paths[0])]
+    if len(paths) % 2:
+        _blend_error(
+            flag,
+            f"{len(paths)} values: a blend needs weight/prefix pairs",
+            "write W1 PREFIX1 W2 PREFIX2 ... (or a single prefix)",
+        )
+    pairs = []
+    for w, prefix in zip(paths[0::2], paths[1::2], strict=True):
+        try:
+            weight = float(w)
+        except ValueError:
+            _blend_error(flag, f"{w!r} is not a weight", "put a number before each prefix")
+        if weight < 0:
+            _blend_error(flag, f"negative weight {weight}", "use weights >= 0")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        _blend_error(flag, "the weights sum to 0", "give at least one dataset a positive weight")
+    return [(w / total, p) for w, p in pairs]
+
+
+def split_weights(split: str) -> list[float]:
+    """'949,50,1' (or '949/50/1', or fewer values) -> three normalized weights."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    values = [float(p) for p in parts]
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"{split!r} is not up to three non-negative weights with a positive sum")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
 
 
 @dataclass(frozen=True)

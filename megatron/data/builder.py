@@ -8,8 +8,7 @@ import os
 import warnings
 from collections.abc import Callable
 
-from megatron.config.rules import parse_blend, split_weights
-from megatron.config.schema import DataConfig
+from megatron.config.schema import DataConfig, parse_blend, split_weights
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.gpt_dataset import GPTDataset, split_document_ranges
 from megatron.data.indexed_dataset import (
