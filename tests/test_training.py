@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -384,3 +385,46 @@ def test_batch_size_ramp_up():
         32,
     ]
     assert calc.num_micro_batches(0) == 2 and calc.num_micro_batches(400) == 8
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(data_prefix, tmp_path):
+    """Promise 7/13: rank 1 is SIGSTOPped mid-run; rank 0 exits non-zero within
+    --distributed-timeout-minutes (0.1 = 6 s) plus a bounded margin, naming rank 1."""
+    from tests.distributed import free_port
+
+    argv = flags(data_prefix, "--distributed-timeout-minutes", "0.1", "--log-interval", "1")
+    argv[argv.index("--train-iters") + 1] = "100000"
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    base.update(WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "pretrain_gpt2.py"), *argv],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for r in range(2)
+    ]
+    try:
+        # rank 1 logs (the last rank); stop it once training is under way
+        for line in procs[1].stdout:
+            if " iteration        3/" in line:
+                break
+        else:
+            pytest.fail(f"rank 1 never reached iteration 3: {procs[1].stderr.read()}")
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # SIGKILL ends a stopped process too
+            p.wait(timeout=30)
+    print(f"rank 0 exited {elapsed:.1f} s after rank 1 was stopped (timeout 6 s)")
+    assert procs[0].returncode != 0
+    assert "rank 1 stopped answering" in err, err[-3000:]
+    assert "rank 0 gave up waiting" in err and "--distributed-timeout-minutes 0.1" in err
+    assert elapsed < 6 + 20, f"took {elapsed:.1f} s, more than the 6 s timeout + 20 s margin"

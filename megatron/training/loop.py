@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.config.rules import validate_model
 from megatron.config.schema import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
+from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.training.data import build_data_iterators
 from megatron.training.log import (
@@ -93,17 +94,28 @@ def pretrain(
         backend = DeepSpeedBackend(cfg, rt, forward_step_func)
     else:
         backend = NativeBackend(cfg, rt, forward_step_func)
-    state = backend.load() if cfg.checkpoint.load else TrainState()
-    iters = build_data_iterators(
-        cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
-    )
-    loop = _TrainLoop(cfg, rt, backend, out)
+    loop = None
     try:
+        state = backend.load() if cfg.checkpoint.load else TrainState()
+        iters = build_data_iterators(
+            cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
+        )
+        loop = _TrainLoop(cfg, rt, backend, out)
         result = loop.run(state, *iters)
         result.model = backend.model
         return result
+    except TrainingError:
+        raise
+    except RuntimeError as e:  # a collective failed (timed out, or a peer closed the connection)
+        why = explain_collective_failure(rt.heartbeat, e, cfg.distributed.timeout_minutes)
+        if why is None:
+            raise
+        raise TrainingError(why) from e
     finally:
-        loop.tensorboard.close()
+        if loop is not None:
+            loop.tensorboard.close()
+        if runtime is None and rt.heartbeat is not None:
+            rt.heartbeat.stop()  # ours to stop: each pretrain() call would start another
 
 
 @dataclass
