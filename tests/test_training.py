@@ -238,26 +238,43 @@ def test_too_many_skipped_steps_exit_non_zero_with_the_message(monkeypatch, caps
     assert "error: 50 iterations in a row were skipped" in capsys.readouterr().err
 
 
+def with_dropout(argv):
+    """The same flags with --hidden-dropout and --attention-dropout 0.1 (both 0 in `flags`)."""
+    out = list(argv)
+    for name in ("--hidden-dropout", "--attention-dropout"):
+        out[out.index(name) + 1] = "0.1"
+    return out
+
+
 def _resume_worker(rank, world, argv, save_dir):
-    straight = _train(rank, world, argv + ["--save", f"{save_dir}/a", "--save-interval", "3"])
-    first = _train(
-        rank, world, [a if a != "6" else "3" for a in argv] + ["--save", f"{save_dir}/b"]
-    )
-    second = _train(rank, world, argv + ["--load", f"{save_dir}/b", "--save", f"{save_dir}/b"])
-    return straight[0], first[0], second[0], second[2]
+    """Straight 6 iterations vs 3 + save + resume + 3, without and with dropout (one spawn)."""
+    runs = {}
+    for kind, variant in (("no dropout", argv), ("dropout", with_dropout(argv))):
+        d = f"{save_dir}/{kind.replace(' ', '_')}"
+        straight = _train(rank, world, variant + ["--save", f"{d}/a", "--save-interval", "3"])
+        first = _train(
+            rank, world, [a if a != "6" else "3" for a in variant] + ["--save", f"{d}/b"]
+        )
+        second = _train(rank, world, variant + ["--load", f"{d}/b", "--save", f"{d}/b"])
+        runs[kind] = (straight[0], first[0], second[0], second[2])
+    return runs
 
 
 @pytest.mark.parametrize("world,extra", [(1, []), (4, ["--tensor-model-parallel-size", "2"])])
 def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
+    """Promises 3 and 15: exact resume, with dropout off and on (1 rank, TP2 x DP2)."""
     argv = flags(data_prefix, *extra)
-    for straight, first, second, final_iter in run_distributed(
-        _resume_worker, world, argv, str(tmp_path)
-    ):
-        assert final_iter == 6 and len(first) == 3 and len(second) == 3
-        assert _losses(first) == _losses(straight)[:3]
-        assert _losses(second) == _losses(straight)[3:], "resume must be bit-exact on CPU"
-        assert [h["lr"] for h in second] == [h["lr"] for h in straight[3:]]
-    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    for runs in run_distributed(_resume_worker, world, argv, str(tmp_path)):
+        for kind, (straight, first, second, final_iter) in runs.items():
+            assert final_iter == 6 and len(first) == 3 and len(second) == 3
+            assert _losses(first) == _losses(straight)[:3], kind
+            assert _losses(second) == _losses(straight)[3:], f"{kind}: resume must be bit-exact"
+            assert [h["lr"] for h in second] == [h["lr"] for h in straight[3:]]
+        off, on = runs["no dropout"][0], runs["dropout"][0]
+        assert _losses(off) != _losses(on), "dropout 0.1 must change the losses"
+    for kind in ("no_dropout", "dropout"):
+        latest = tmp_path / kind / "b" / "latest_checkpointed_iteration.txt"
+        assert latest.read_text().strip() == "6"
 
 
 def _damaged_resume_worker(rank, world, argv, save_dir):
