@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.heartbeat import Heartbeat
 from megatron.mpu import ParallelState, RNGStatesTracker, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
 
@@ -37,6 +38,7 @@ class Runtime:
     state: ParallelState
     device: torch.device
     rng_tracker: RNGStatesTracker
+    heartbeat: Heartbeat | None = None  # names a stopped rank when a collective times out
 
 
 def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
@@ -126,13 +128,16 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
     local_rank = env.local_rank if env.local_rank is not None else cfg.distributed.local_rank or 0
     device = pick_device(local_rank)
     init_distributed(cfg, env, device)
+    timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
     state = initialize_model_parallel(
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
         cfg.parallel.virtual_pipeline_size(cfg.model.num_layers),
+        timeout=timeout,
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
-    return Runtime(state=state, device=device, rng_tracker=tracker)
+    heartbeat = Heartbeat.start_default(timeout.total_seconds())
+    return Runtime(state=state, device=device, rng_tracker=tracker, heartbeat=heartbeat)
 
 
 def barrier() -> None:

@@ -335,7 +335,8 @@ _MAY_IMPORT = {
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
     "data": {"config.schema", "config.declare"},
-    "initialize": {"config.schema", "mpu"},
+    "heartbeat": set(),
+    "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
     "inference": {"checkpoint", "config.schema", "data", "fused_kernels", "initialize"}
     | {"model", "mpu"},
@@ -374,6 +375,12 @@ def test_imports_follow_the_layers():
         own = {i for i in _megatron_imports(path) if i.split(".")[0] == package}
         wrong = _megatron_imports(path) - own - _MAY_IMPORT[package]
         assert not wrong, f"{path} imports {sorted(wrong)}: a lower layer imports an upper one"
+    # The inference tools share code through the library, not through each other.
+    for path in (root / "inference").glob("*.py"):
+        text = path.read_text()
+        for cli in ("generate_cli", "evaluate_cli", "server"):
+            if path.stem != cli:
+                assert f"megatron.inference.{cli} " not in text, f"{path} imports {cli}"
 
 
 def test_checkpoints_record_the_architecture_and_old_ones_still_load():

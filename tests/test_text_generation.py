@@ -147,6 +147,7 @@ def checkpoint(tmp_path_factory):
         "model": cfg.__dict__,
         "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1,
+        "padded_vocab_size": cfg.padded_vocab_size(1),  # as the trainer records it
         "tokenizer": {
             "tokenizer_type": "GPT2BPETokenizer",
             "vocab_file": str(FIXTURES / "vocab.json"),
@@ -179,6 +180,54 @@ def _put(port, payload: bytes):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def _burst(port, n: int, payload: bytes) -> list:
+    """Send n requests at once; each gives its status (503 must carry Retry-After), or the
+    exception's name if the connection was reset or refused."""
+    out = [None] * n
+
+    def one(i):
+        try:
+            status, answer = _put(port, payload)
+            out[i] = status
+        except urllib.error.HTTPError as e:  # a 503 body is JSON too; _put handles HTTPError
+            out[i] = e.code
+        except OSError as e:
+            out[i] = type(e).__name__
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+def test_request_fields_are_validated_naming_the_field():
+    """Every sampling parameter: finite, in range, right type; 400 text names the field."""
+    from megatron.inference.server import BadRequest, params_of, parse_request
+
+    def reason(**fields):
+        body = json.dumps({"prompts": ["x"], **fields}).encode()
+        with pytest.raises(BadRequest) as e:
+            parse_request(body)
+        return str(e.value)
+
+    for value in (float("nan"), float("inf"), 1e-300, -1.0, 1e300, "1", True):
+        assert "'temperature'" in reason(temperature=value), value
+    for value in (float("nan"), -0.5, 1.5, 1e300, None):
+        assert "'top_p'" in reason(top_p=value), value
+    for value in (-1, 1.5, float("nan"), True, "3"):
+        assert "'top_k'" in reason(top_k=value), value
+    for value in (0, -3, 2.0, 10**9, None):
+        assert "'tokens_to_generate'" in reason(tokens_to_generate=value), value
+    for value in (1.5, "7", -1, 2**80):
+        assert "'random_seed'" in reason(random_seed=value), value
+    ok = parse_request(json.dumps({"prompts": ["x"], "temperature": 0, "top_k": 5}).encode())
+    assert params_of(ok).greedy, "temperature 0 means greedy"
+    ok = parse_request(json.dumps({"prompts": ["x"], "temperature": 0.7, "top_p": 0.9}).encode())
+    assert not params_of(ok).greedy and params_of(ok).temperature == 0.7
 
 
 @pytest.mark.slow
@@ -253,9 +302,86 @@ def test_server_matches_the_cli_handles_concurrency_and_rejects_bad_requests(che
             (b'{"prompts": ["x"], "tokens_to_generate": -1}', "'tokens_to_generate'"),
             (b'{"prompts": ["x"], "top_p": 2}', "'top_p'"),
             (b'{"prompts": ["x"], "bogus": 1}', "unknown fields"),
+            (b'{"prompts": ["x"], "temperature": NaN}', "'temperature'"),
+            (b'{"prompts": ["x"], "temperature": 1e-300}', "'temperature'"),
+            (b'{"prompts": ["x"], "tokens_to_generate": 4096}', "context of 64 positions"),
+            (json.dumps({"prompts": ["x " * 300_000]}).encode(), "context of 64 positions"),
         ):
             status, answer = _put(port, bad)
-            assert status == 400 and reason in answer["error"], (bad, answer)
+            assert status == 400 and reason in answer["error"], (bad[:80], answer)
+        # temperature 0 is greedy: the same as top_k = top_p = 0 at temperature 1
+        greedy = {"prompts": prompts, "tokens_to_generate": 5}
+        assert _put(port, json.dumps({**greedy, "temperature": 0, "top_k": 7}).encode()) == _put(
+            port, json.dumps(greedy).encode()
+        )
+        statuses = _burst(port, 150, json.dumps({**body, "tokens_to_generate": 2}).encode())
+        assert set(statuses) <= {200, 503} and 200 in statuses, statuses
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_tp2_server_survives_a_bad_request_and_a_failing_one(checkpoint, tmp_path):
+    """A TP = 2 server: requests that crashed rank 1 (and with it the server) get a 400, and
+    the next good request still gets a 200 from both ranks together."""
+    tp2 = tmp_path / "tp2"
+    conv = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "convert_checkpoint.py"),
+            "--load",
+            checkpoint,
+            "--save",
+            str(tp2),
+            "--target-tensor-model-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert conv.returncode == 0, conv.stderr
+    port, master = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
+    servers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tools" / "run_text_generation_server.py"),
+                "--load",
+                str(tp2),
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(2)
+    ]
+    try:
+        first = servers[0].stdout.readline()
+        assert "serving checkpoint iteration 7" in first, servers[0].stderr.read()
+        for bad in (
+            b'{"prompts": ["x"], "temperature": NaN}',
+            b'{"prompts": ["x"], "temperature": 1e-300}',
+            b'{"prompts": ["x"], "tokens_to_generate": 4096}',
+        ):
+            status, answer = _put(port, bad)
+            assert status == 400, answer
+        good = {"prompts": ["def main("], "tokens_to_generate": 4, "top_k": 3, "random_seed": 2}
+        status, answer = _put(port, json.dumps(good).encode())
+        assert status == 200 and len(answer["tokens"][0]) >= 1, answer
+        assert all(s.poll() is None for s in servers), "a rank exited"
+    finally:
+        for s in servers:
+            s.terminate()
+        for s in servers:
+            try:
+                s.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                s.kill()
+                s.wait()

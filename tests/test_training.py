@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -239,27 +240,44 @@ def test_too_many_skipped_steps_exit_non_zero_with_the_message(monkeypatch, caps
     assert "error: 50 iterations in a row were skipped" in capsys.readouterr().err
 
 
+def with_dropout(argv):
+    """The same flags with --hidden-dropout and --attention-dropout 0.1 (both 0 in `flags`)."""
+    out = list(argv)
+    for name in ("--hidden-dropout", "--attention-dropout"):
+        out[out.index(name) + 1] = "0.1"
+    return out
+
+
 def _resume_worker(rank, world, argv, save_dir):
-    straight = _train(rank, world, argv + ["--save", f"{save_dir}/a", "--save-interval", "3"])
-    first = _train(
-        rank, world, [a if a != "6" else "3" for a in argv] + ["--save", f"{save_dir}/b"]
-    )
-    second = _train(rank, world, argv + ["--load", f"{save_dir}/b", "--save", f"{save_dir}/b"])
-    return straight[0], first[0], second[0], second[2]
+    """Straight 6 iterations vs 3 + save + resume + 3, without and with dropout (one spawn)."""
+    runs = {}
+    for kind, variant in (("no dropout", argv), ("dropout", with_dropout(argv))):
+        d = f"{save_dir}/{kind.replace(' ', '_')}"
+        straight = _train(rank, world, variant + ["--save", f"{d}/a", "--save-interval", "3"])
+        first = _train(
+            rank, world, [a if a != "6" else "3" for a in variant] + ["--save", f"{d}/b"]
+        )
+        second = _train(rank, world, variant + ["--load", f"{d}/b", "--save", f"{d}/b"])
+        runs[kind] = (straight[0], first[0], second[0], second[2])
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", [(1, []), (4, ["--tensor-model-parallel-size", "2"])])
 def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
+    """Promises 3 and 15: exact resume, with dropout off and on (1 rank, TP2 x DP2)."""
     argv = flags(data_prefix, *extra)
-    for straight, first, second, final_iter in run_distributed(
-        _resume_worker, world, argv, str(tmp_path)
-    ):
-        assert final_iter == 6 and len(first) == 3 and len(second) == 3
-        assert _losses(first) == _losses(straight)[:3]
-        assert _losses(second) == _losses(straight)[3:], "resume must be bit-exact on CPU"
-        assert [h["lr"] for h in second] == [h["lr"] for h in straight[3:]]
-    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    for runs in run_distributed(_resume_worker, world, argv, str(tmp_path)):
+        for kind, (straight, first, second, final_iter) in runs.items():
+            assert final_iter == 6 and len(first) == 3 and len(second) == 3
+            assert _losses(first) == _losses(straight)[:3], kind
+            assert _losses(second) == _losses(straight)[3:], f"{kind}: resume must be bit-exact"
+            assert [h["lr"] for h in second] == [h["lr"] for h in straight[3:]]
+        off, on = runs["no dropout"][0], runs["dropout"][0]
+        assert _losses(off) != _losses(on), "dropout 0.1 must change the losses"
+    for kind in ("no_dropout", "dropout"):
+        latest = tmp_path / kind / "b" / "latest_checkpointed_iteration.txt"
+        assert latest.read_text().strip() == "6"
 
 
 def _damaged_resume_worker(rank, world, argv, save_dir):
@@ -414,3 +432,47 @@ def test_both_backends_implement_the_one_contract():
         "save",
         "load",
     }
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(data_prefix, tmp_path):
+    """Promise 7/13: rank 1 is SIGSTOPped mid-run; rank 0 exits non-zero within
+    --distributed-timeout-minutes (0.1 = 6 s) plus a bounded margin, naming rank 1."""
+    from tests.distributed import free_port
+
+    argv = flags(data_prefix, "--distributed-timeout-minutes", "0.1", "--log-interval", "1")
+    argv[argv.index("--train-iters") + 1] = "100000"
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    base.update(WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "pretrain_gpt2.py"), *argv],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for r in range(2)
+    ]
+    try:
+        # rank 1 logs (the last rank); stop it once training is under way
+        for line in procs[1].stdout:
+            if " iteration        3/" in line:
+                break
+        else:
+            pytest.fail(f"rank 1 never reached iteration 3: {procs[1].stderr.read()}")
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # SIGKILL ends a stopped process too
+            p.wait(timeout=30)
+    print(f"rank 0 exited {elapsed:.1f} s after rank 1 was stopped (timeout 6 s)")
+    assert procs[0].returncode != 0
+    assert "rank 1 stopped answering" in err, err[-3000:]
+    assert "rank 0 gave up waiting" in err and "--distributed-timeout-minutes 0.1" in err
+    assert elapsed < 6 + 20, f"took {elapsed:.1f} s, more than the 6 s timeout + 20 s margin"

@@ -15,7 +15,7 @@ from megatron.inference.evaluation import (
     progress_bar,
     read_jsonl_texts,
 )
-from megatron.inference.generate_cli import add_checkpoint_args, setup
+from megatron.inference.session import add_checkpoint_args, setup
 from megatron.initialize import shutdown_distributed
 
 

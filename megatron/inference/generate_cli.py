@@ -12,21 +12,10 @@ import json
 import sys
 
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import MegatronConfig, ParallelConfig
-from megatron.inference.engine import broadcast_json, load_inference_model
-from megatron.inference.generation import SamplingParams, generate
-from megatron.initialize import initialize_megatron, read_launch_env, shutdown_distributed
-
-
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """The flags every inference tool shares: which checkpoint, and how it is pipelined."""
-    p.add_argument("--load", required=True, help="checkpoint directory (shapes come from it)")
-    p.add_argument(
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="PP of the checkpoint (TP = processes / PP)",
-    )
+from megatron.inference.engine import broadcast_json
+from megatron.inference.generation import SamplingParams
+from megatron.inference.session import add_checkpoint_args, complete, setup
+from megatron.initialize import shutdown_distributed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,35 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (1.0)")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed (1234)")
     return p
-
-
-def setup(load: str, pp: int):
-    env = read_launch_env()
-    if env.world_size % pp:
-        raise ValueError(
-            f"--pipeline-model-parallel-size {pp} does not divide the {env.world_size} processes"
-        )
-    cfg = MegatronConfig(
-        parallel=ParallelConfig(
-            tensor_model_parallel_size=env.world_size // pp,
-            pipeline_model_parallel_size=pp,
-            world_size=env.world_size,
-        )
-    )
-    rt = initialize_megatron(cfg, env)
-    engine, tokenizer, iteration = load_inference_model(load, rt)
-    if tokenizer is None:
-        raise ValueError(f"--load {load}: the checkpoint records no tokenizer (trained on ids)")
-    return rt, engine, tokenizer, iteration
-
-
-def complete(engine, tokenizer, texts: list[str], params: SamplingParams) -> list[dict]:
-    ids = generate(engine, [tokenizer.tokenize(t) for t in texts], params, eod=tokenizer.eod)
-    out = []
-    for text, seq in zip(texts, ids, strict=True):
-        new = seq[len(tokenizer.tokenize(text)) :]
-        out.append({"prompt": text, "text": tokenizer.detokenize(new), "tokens": new})
-    return out
 
 
 def _interactive(rt, engine, tokenizer, params) -> None:

@@ -8,6 +8,7 @@ share a node and its fast links), then DP, then PP, as in Megatron-LM. `None` as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch.distributed as dist
@@ -116,11 +117,15 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    timeout: timedelta | None = None,
 ) -> ParallelState:
     """Build every process group from the rank grid; all ranks must call this together.
 
     torch.distributed must already be initialized. Groups are created in the same order on every
-    rank (a requirement of `new_group`), and this rank keeps the ones it belongs to.
+    rank (a requirement of `new_group`), and this rank keeps the ones it belongs to. `timeout`
+    (the `--distributed-timeout-minutes` value) is given to every group: `new_group` does not
+    inherit the default group's timeout, so without it a collective on a stopped peer waits
+    torch's default 30 minutes.
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed before building model-parallel groups")
@@ -129,14 +134,14 @@ def initialize_model_parallel(
     mine: dict[str, tuple[tuple[int, ...], object]] = {}
     for axis in ("tp", "dp", "pp", "mp"):
         for ranks in _groups_along(grid, axis):
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 mine[axis] = (ranks, group)
     emb_ranks: tuple[int, ...] = ()
     emb_group = None
     for ranks in _groups_along(grid, "pp"):
         e = _embedding_ranks(ranks)
-        group = dist.new_group(list(e))
+        group = dist.new_group(list(e), timeout=timeout)
         if rank in ranks:
             emb_ranks = e
             emb_group = group if rank in e else None

@@ -36,6 +36,12 @@ def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime):
         num_workers=cfg.training.num_workers,
         pin_memory=rt.device.type == "cuda",
         persistent_workers=cfg.training.num_workers > 0,
+        # Its own generator: iter(loader) draws a worker base seed, and from the global torch
+        # generator that would shift the dropout stream. A resume restores that generator from
+        # the checkpoint *before* building the loaders (they need the consumed-sample count), so
+        # the draw landed after the restore and dropout after a resume differed from straight
+        # through. The base seed only seeds loader workers; the samples never depend on it.
+        generator=torch.Generator().manual_seed(cfg.training.seed + rt.state.rank),
     )
     return iter(loader)
 

@@ -19,6 +19,7 @@ from megatron.config.files import RUN_CONFIG_NAME, to_yaml
 from megatron.config.rules import validate_model
 from megatron.config.schema import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
+from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.data import build_data_iterators
@@ -104,18 +105,29 @@ def pretrain(
     cfg, _ = resolve_vocab(cfg)
     rt = runtime or initialize_megatron(cfg)
     backend = build_backend(cfg, rt, forward_step_func)
-    state = backend.load() if cfg.checkpoint.load else TrainState()
-    iters = build_data_iterators(
-        cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
-    )
-    loop = _TrainLoop(cfg, rt, backend, out)
+    loop = None
     try:
+        state = backend.load() if cfg.checkpoint.load else TrainState()
+        iters = build_data_iterators(
+            cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
+        )
+        loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.tensorboard)
         result = loop.run(state, *iters)
         result.model = backend.model
         return result
+    except TrainingError:
+        raise
+    except RuntimeError as e:  # a collective failed (timed out, or a peer closed the connection)
+        why = explain_collective_failure(rt.heartbeat, e, cfg.distributed.timeout_minutes)
+        if why is None:
+            raise
+        raise TrainingError(why) from e
     finally:
-        loop.tensorboard.close()
+        if loop is not None:
+            loop.tensorboard.close()
+        if runtime is None and rt.heartbeat is not None:
+            rt.heartbeat.stop()  # ours to stop: each pretrain() call would start another
 
 
 def build_backend(cfg: MegatronConfig, rt: Runtime, forward_step_func) -> TrainerBackend:

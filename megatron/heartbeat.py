@@ -1,0 +1,112 @@
+"""Name the rank that stopped answering when a collective times out.
+
+A collective that times out only tells the rank that waited that *someone* did not come; the
+operator needs the rank that stopped (SIGSTOP, a dead node, a deadlock in its own code). Every
+rank therefore bumps a counter in the c10d store (the TCPStore of init) from a daemon thread.
+A stopped or dead process stops bumping it, while ranks that are merely blocked in a collective
+keep beating (the thread runs while the main thread waits in C++ with the GIL released). When a
+collective fails, the rank that saw the failure reads every counter twice, a few beats apart, and
+names the ranks whose counter did not move.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_KEY = "megatron/heartbeat/"
+
+
+def beat_interval(timeout_s: float) -> float:
+    """Seconds between beats: a tenth of the collective timeout, within [0.2 s, 5 s].
+
+    Short enough that a stopped rank is told apart within the margin after a timeout, long
+    enough that the store sees at most a few small writes per second per rank.
+    """
+    return min(max(timeout_s / 10.0, 0.2), 5.0)
+
+
+class Heartbeat:
+    """A per-rank counter in a c10d store, bumped every `interval` seconds by a daemon thread."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.interval = beat_interval(timeout_s)
+        self._stop = threading.Event()
+        self.store.set(f"{_KEY}{rank}", "0")
+        self._thread = threading.Thread(target=self._run, name="megatron-heartbeat", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start_default(cls, timeout_s: float) -> Heartbeat | None:
+        """Beat into the default group's store; None for one process (nothing to wait for)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return cls(store, dist.get_rank(), dist.get_world_size(), timeout_s)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.wait(self.interval):
+            n += 1
+            try:
+                self.store.set(f"{_KEY}{self.rank}", str(n))
+            except Exception:  # the store is gone: silent_ranks() reports that instead
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _read(self) -> dict[int, int]:
+        out = {}
+        for r in range(self.world_size):
+            key = f"{_KEY}{r}"
+            out[r] = int(self.store.get(key)) if self.store.check([key]) else -1
+        return out
+
+    def silent_ranks(self) -> list[int] | str:
+        """Ranks whose counter did not move over three beats, or a sentence if the store is gone.
+
+        Called after a collective failed; takes about 3 x interval seconds (the bounded margin
+        added to --distributed-timeout-minutes before the job exits).
+        """
+        try:
+            self.store.set_timeout(timedelta(seconds=max(4 * self.interval, 2.0)))
+            before = self._read()
+            time.sleep(3 * self.interval)
+            after = self._read()
+        except Exception as e:  # rank 0's process (or the launcher) hosts the store
+            return (
+                f"the c10d store at MASTER_ADDR:MASTER_PORT (hosted by rank 0 or the launcher) "
+                f"does not answer ({type(e).__name__}); rank 0 has probably stopped or died"
+            )
+        return [r for r in range(self.world_size) if r != self.rank and after[r] <= before[r]]
+
+
+def explain_collective_failure(
+    heartbeat: Heartbeat | None, error: BaseException, timeout_minutes: float
+) -> str | None:
+    """A message naming the rank(s) that stopped answering, or None if every rank still beats."""
+    if heartbeat is None:
+        return None
+    silent = heartbeat.silent_ranks()
+    if not silent:
+        return None
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    who = (
+        silent
+        if isinstance(silent, str)
+        else (
+            f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
+            "(no heartbeat in the c10d store: the process is stopped, dead, or its host is down)"
+        )
+    )
+    return (
+        f"{who}; rank {heartbeat.rank} gave up waiting for it in a collective after "
+        f"--distributed-timeout-minutes {timeout_minutes:g} ({type(error).__name__}: "
+        f"{first_line}). Fix: check that process and its node (SIGSTOP, OOM killer, hardware), "
+        "then restart from the last checkpoint with --load"
+    )
