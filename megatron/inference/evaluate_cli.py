@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from megatron.checkpoint.storage import CheckpointError
 from megatron.inference.evaluation import (
     evaluate_lambada,
     evaluate_loose_json,
@@ -15,8 +13,7 @@ from megatron.inference.evaluation import (
     progress_bar,
     read_jsonl_texts,
 )
-from megatron.inference.session import add_checkpoint_args, setup
-from megatron.initialize import shutdown_distributed
+from megatron.inference.session import add_checkpoint_args, run_tool, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,13 +88,10 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> None:
         result = run(args)
         if result:
             print(json.dumps(result), flush=True)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_distributed()
-    return 0
+
+    return run_tool(body)

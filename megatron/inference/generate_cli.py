@@ -11,11 +11,9 @@ import argparse
 import json
 import sys
 
-from megatron.checkpoint.storage import CheckpointError
 from megatron.inference.engine import broadcast_json
 from megatron.inference.generation import SamplingParams
-from megatron.inference.session import add_checkpoint_args, complete, setup
-from megatron.initialize import shutdown_distributed
+from megatron.inference.session import add_checkpoint_args, complete, run_tool, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +59,8 @@ def main(argv=None) -> int:
     params = SamplingParams(
         args.max_new_tokens, args.greedy, args.top_k, args.top_p, args.temperature, args.seed
     )
-    try:
+
+    def body() -> None:
         params.validate()
         rt, engine, tokenizer, iteration = setup(args.load, args.pipeline_model_parallel_size)
         if args.prompt or args.sample_input_file:
@@ -79,9 +78,5 @@ def main(argv=None) -> int:
                     sys.stdout.write(lines)
         else:
             _interactive(rt, engine, tokenizer, params)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_distributed()
-    return 0
+
+    return run_tool(body)

@@ -23,11 +23,9 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megatron.checkpoint.storage import CheckpointError
 from megatron.inference.engine import broadcast_json
 from megatron.inference.generation import SamplingParams
-from megatron.inference.session import add_checkpoint_args, complete, setup
-from megatron.initialize import shutdown_distributed
+from megatron.inference.session import add_checkpoint_args, complete, run_tool, setup
 
 MAX_PROMPTS = 128
 MAX_TOKENS = 4096
@@ -259,12 +257,13 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--port", type=int, default=5000, help="port (5000)")
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         rt, engine, tokenizer, iteration = setup(args.load, args.pipeline_model_parallel_size)
         generator = _Generator(rt, engine, tokenizer)
         if rt.state.rank != 0:
             generator.serve_worker()
-            return 0
+            return
         signal.signal(signal.SIGTERM, _interrupt)  # stop the worker ranks cleanly too
         server = _Server((args.host, args.port), _handler(generator))
         print(
@@ -279,9 +278,5 @@ def main(argv=None) -> int:
         finally:
             server.server_close()
             generator.stop_workers()
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_distributed()
-    return 0
+
+    return run_tool(body)

@@ -7,11 +7,14 @@ CLI module imports another.
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
+from megatron.checkpoint.storage import CheckpointError
 from megatron.config.schema import MegatronConfig, ParallelConfig
 from megatron.inference.engine import load_inference_model
 from megatron.inference.generation import SamplingParams, generate
-from megatron.initialize import initialize_megatron, read_launch_env
+from megatron.initialize import initialize_megatron, read_launch_env, shutdown_distributed
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -52,3 +55,16 @@ def complete(engine, tokenizer, texts: list[str], params: SamplingParams) -> lis
         new = seq[len(tokenizer.tokenize(text)) :]
         out.append({"prompt": text, "text": tokenizer.detokenize(new), "tokens": new})
     return out
+
+
+def run_tool(body: Callable[[], None]) -> int:
+    """Run an inference tool: a named error (bad flag, file or checkpoint) is one line on stderr
+    and exit status 1; torch.distributed is shut down whatever happens."""
+    try:
+        body()
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_distributed()
+    return 0
