@@ -1,8 +1,14 @@
 """Start-up: torch.distributed from the launcher's environment, device, process groups, seeds.
 
 Launchers supported: `torchrun` and the `deepspeed` launcher (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT), Slurm `srun` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with
-MASTER_ADDR/MASTER_PORT exported by the batch script), and a plain `python` (one process).
+MASTER_ADDR, MASTER_PORT), Slurm `srun` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), MPI
+launchers (`mpirun`/`horovodrun` with OpenMPI: OMPI_COMM_WORLD_*; MPICH/Intel MPI: PMI_RANK,
+PMI_SIZE, MPI_LOCALRANKID; MVAPICH: MV2_COMM_WORLD_*), all with MASTER_ADDR/MASTER_PORT exported
+by the batch script, and a plain `python` (one process).
+
+Under `torchrun --max-restarts N` each restart is a new rendezvous on the same store: the keys of
+the process groups are put under a per-attempt prefix (TORCHELASTIC_RESTART_COUNT), otherwise
+the restarted ranks read the dead attempt's addresses and hang or fail to connect.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.schema import LAUNCHER_VARIABLES, ConfigError, MegatronConfig
 from megatron.heartbeat import Heartbeat
 from megatron.mpu import ParallelState, RNGStatesTracker, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
@@ -29,6 +35,7 @@ class LaunchEnv:
     local_rank: int | None
     master_addr: str | None
     master_port: str | None
+    restart_count: int = 0  # torchrun --max-restarts: which attempt this is (0: the first)
 
 
 @dataclass(frozen=True)
@@ -42,21 +49,20 @@ class Runtime:
 
 
 def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
-    """Rank, world size and local rank from torchrun/deepspeed variables, else Slurm's, else 1."""
+    """Rank, world size and local rank from torchrun/deepspeed variables, else Slurm's, else an
+    MPI launcher's (OpenMPI, MPICH/Intel MPI, MVAPICH), else one process."""
     env = os.environ if env is None else env
 
-    def first(*names: str) -> str | None:
-        return next((env[n] for n in names if env.get(n)), None)
-
-    rank = first("RANK", "SLURM_PROCID")
-    world = first("WORLD_SIZE", "SLURM_NTASKS")
-    local = first("LOCAL_RANK", "SLURM_LOCALID")
+    # The first launcher whose world-size variable is set names all three (never a mix).
+    names = next((v for v in LAUNCHER_VARIABLES if env.get(v[1])), LAUNCHER_VARIABLES[0])
+    rank, world, local = (env.get(n) or None for n in names)
     return LaunchEnv(
         rank=int(rank or 0),
         world_size=int(world or 1),
         local_rank=int(local) if local is not None else None,
         master_addr=env.get("MASTER_ADDR"),
         master_port=env.get("MASTER_PORT"),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT") or 0),
     )
 
 
@@ -87,7 +93,8 @@ def init_distributed(cfg: MegatronConfig, env: LaunchEnv, device: torch.device) 
     if env.world_size > 1 and not (env.master_addr and env.master_port):
         raise ConfigError(
             "MASTER_ADDR/MASTER_PORT are not set for a multi-process run. Fix: launch with "
-            "torchrun or deepspeed, or export both (e.g. the first node's hostname and 29500)."
+            "torchrun or deepspeed, or export both (e.g. the first node's hostname and 29500; "
+            "mpirun: `-x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500`)."
         )
     backend = pick_backend(cfg.distributed.backend, device)
     if device.type == "cuda":
@@ -99,12 +106,15 @@ def init_distributed(cfg: MegatronConfig, env: LaunchEnv, device: torch.device) 
             backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
         return
+    for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port)):
+        if value:  # env:// reads them from the environment
+            os.environ.setdefault(name, value)
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    # A restarted attempt reuses torchrun's store: its own prefix keeps the dead attempt's keys
+    # (gloo/nccl addresses of ranks that no longer exist) out of sight.
+    store = dist.PrefixStore(f"megatron/attempt_{env.restart_count}", store)
     dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
+        backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
 
 

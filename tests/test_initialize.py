@@ -103,3 +103,43 @@ def _init_worker(rank, world):
 @pytest.mark.slow
 def test_initialize_from_slurm_env_tp2_dp2():
     assert run_distributed(_init_worker, 4, init=False, env_per_rank=_slurm_env) == [True] * 4
+
+
+def test_launch_env_from_mpi_launchers():
+    """mpirun/horovodrun (OpenMPI), MPICH/Intel MPI and MVAPICH set their own variables."""
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}
+    ompi["OMPI_COMM_WORLD_LOCAL_RANK"] = "1"
+    assert read_launch_env(ompi) == LaunchEnv(3, 4, 1, None, None)
+    pmi = {"PMI_RANK": "2", "PMI_SIZE": "8", "MPI_LOCALRANKID": "0", "MASTER_ADDR": "n0"}
+    assert read_launch_env(pmi) == LaunchEnv(2, 8, 0, "n0", None)
+    mv2 = {"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2"}
+    assert read_launch_env(mv2) == LaunchEnv(1, 2, None, None, None)
+    # torchrun wins over an MPI launcher that started it; a restart count is read
+    both = {**ompi, "RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "3"}
+    assert read_launch_env(both) == LaunchEnv(0, 2, None, None, None, restart_count=3)
+
+
+def _openmpi_env(rank):
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+    }
+
+
+def _mpi_worker(rank, world):
+    import os
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        os.environ.pop(var, None)
+    addr, port = os.environ.pop("MASTER_ADDR"), os.environ.pop("MASTER_PORT")
+    cfg = parse_args(ARGS)  # world size from OMPI_COMM_WORLD_SIZE
+    with pytest.raises(ConfigError, match="mpirun: `-x MASTER_ADDR"):
+        initialize_megatron(cfg)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=port)
+    return _init_worker(rank, world)
+
+
+@pytest.mark.slow
+def test_initialize_from_openmpi_env_tp2_dp2():
+    assert run_distributed(_mpi_worker, 4, init=False, env_per_rank=_openmpi_env) == [True] * 4

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from megatron.config.declare import Tree
 from megatron.config.files import parse_overrides, read_config_file, to_yaml
 from megatron.config.rules import validate
-from megatron.config.schema import MegatronConfig
+from megatron.config.schema import LAUNCHER_VARIABLES, MegatronConfig
 
 
 @functools.cache
@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def world_size_from_env() -> int:
-    """Processes in the job, as torchrun / deepspeed (WORLD_SIZE) or Slurm (SLURM_NTASKS) say."""
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+    """Processes in the job, as the launcher says (torchrun/deepspeed, Slurm, or MPI)."""
+    for _, var, _ in LAUNCHER_VARIABLES:
         if os.environ.get(var):
             return int(os.environ[var])
     return 1

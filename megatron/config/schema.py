@@ -202,6 +202,16 @@ class RecomputeConfig:
     )
 
 
+# (rank, world size, local rank) variables of each launcher, in order of precedence.
+LAUNCHER_VARIABLES = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),  # torchrun, deepspeed, torch.distributed.launch
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # OpenMPI
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH, Intel MPI
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),  # MVAPICH
+)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the ranks are split: TP fastest, then DP, then PP."""
