@@ -4,6 +4,7 @@ checkpoint in the same --save/--load directory, and ends with the uninterrupted 
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,8 @@ ROOT = Path(__file__).parent.parent
 _LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ .*\| lm loss: ([0-9.E+-]+) \|")
 
 
-def _torchrun(script_args, cwd, max_restarts=1):
-    cmd = [
+def _command(script_args, max_restarts=1):
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -30,13 +31,23 @@ def _torchrun(script_args, cwd, max_restarts=1):
         str(free_port()),
         *script_args,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _losses(stdout: str) -> dict[int, str]:
     losses = {}
-    for line in run.stdout.splitlines():  # a resumed attempt logs its iterations again
+    for line in stdout.splitlines():  # a resumed attempt logs its iterations again
         if m := _LOSS.search(line):
             losses[int(m[1])] = m[2]
-    return run, losses
+    return losses
+
+
+def _torchrun(script_args, cwd, max_restarts=1):
+    cmd = _command(script_args, max_restarts)
+    run = subprocess.run(cmd, cwd=cwd, env=_ENV, capture_output=True, text=True, timeout=240)
+    return run, _losses(run.stdout)
 
 
 @pytest.mark.slow
@@ -61,3 +72,40 @@ def test_torchrun_restart_after_a_killed_rank_resumes_with_the_same_losses(
     assert re.search(r"loaded checkpoint from .* at iteration 4\n", log), log[-3000:]
     assert sorted(got) == list(range(1, 11))
     assert got == want  # bit-identical losses as logged, iterations 1-10
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_and_the_requeued_job_resumes_exactly(
+    data_prefix,  # noqa: F811
+    tmp_path,
+):
+    """A scheduler's SIGTERM goes to torchrun, which passes it to every rank: with
+    --exit-signal-handler they save at the next iteration boundary and stop; launching the
+    same command again (a requeue) continues with the uninterrupted run's losses."""
+    argv = flags(data_prefix, "--distributed-backend", "gloo", "--exit-signal-handler", iters=40)
+    argv[argv.index("--lr-decay-iters") + 1] = "40"
+    pretrain = str(ROOT / "pretrain_gpt2.py")
+    straight, want = _torchrun([pretrain, *argv, "--save", str(tmp_path / "a")], tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ckpt = ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")]
+    first = subprocess.Popen(
+        _command([pretrain, *argv, *ckpt], 0),
+        cwd=tmp_path,
+        env=_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen = []
+    for line in first.stdout:
+        seen.append(line)
+        if " iteration        5/" in line:
+            first.send_signal(signal.SIGTERM)
+            break
+    out, err = first.communicate(timeout=120)
+    saved = int((tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text())
+    assert 5 <= saved < 40, err[-3000:]
+    requeued, got = _torchrun([pretrain, *argv, *ckpt], tmp_path, max_restarts=0)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    got = {**_losses("".join(seen) + out), **got}
+    assert sorted(got) == list(range(1, 41)) and got == want
