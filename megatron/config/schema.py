@@ -303,7 +303,7 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """mmap .bin/.idx datasets written by preprocess_data.py: where, split, blend."""
+    """.bin/.idx datasets written by preprocess_data.py: where, split, blend, format."""
 
     data_path: tuple[str, ...] = setting(
         (), "PREFIX, or a blend W1 PREFIX1 W2 PREFIX2 ... (weights are normalized)"
@@ -316,6 +316,15 @@ class DataConfig:
     test_data_path: tuple[str, ...] = setting((), "separate test data")
     data_cache_path: str | None = setting(
         None, "directory for the cached sample indices (default: beside the data)"
+    )
+    data_impl: str = setting(
+        "infer",
+        "dataset format: mmap (what tools/preprocess_data.py writes), lazy / cached (v1.x's "
+        "older TNTIDX files, read on demand / held in memory), infer (from the index's magic)",
+        choices=("infer", "mmap", "lazy", "cached"),
+    )
+    mmap_warmup: bool = setting(
+        False, "read every page of each .bin (and mmap .idx) once at load, so reads never fault"
     )
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
