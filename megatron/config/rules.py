@@ -157,6 +157,9 @@ def validate(cfg: MegatronConfig) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
+    problem = d.tokenizer.pretrained_problem()
+    if problem:
+        _fail(*problem)
     separate = d.train_data_path or d.valid_data_path or d.test_data_path
     if d.data_path and separate:
         _fail(

@@ -299,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
                     "keys; give one key (it names the output) or use JSON input"
                 )
     tok = section_from_args(TokenizerConfig, args)
+    problem = tok.pretrained_problem()
+    if problem:
+        raise ValueError("{}: {}. Fix: {}.".format(*problem))
     tok_kwargs = {**tok.kwargs(), "vocab_size": args.vocab_size}
     tokenizer = build_tokenizer(tok.tokenizer_type, **tok_kwargs)  # fail fast on bad flags
     dtype = token_dtype(args.dataset_impl, tokenizer.vocab_size)
@@ -444,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.tokenizer_type is None:
+    if args.tokenizer_type is None and args.tokenizer_model_type is None:
         print("error: --tokenizer-type is required (e.g. GPT2BPETokenizer)", file=sys.stderr)
         return 2
     try:
