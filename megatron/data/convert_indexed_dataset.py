@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from megatron.data.dataset_impl import infer_dataset_impl
 from megatron.data.indexed_dataset import (
     IndexedDatasetError,
     best_dtype,
@@ -63,6 +64,11 @@ def convert(input_prefix: str, output_prefix: str, vocab_size: int | None = None
     """Write OUTPUT.bin/.idx (mmap) holding the tokens of INPUT (TNTIDX); returns the dtype."""
     if os.path.abspath(input_prefix) == os.path.abspath(output_prefix):
         raise ValueError("--output-prefix must differ from --input (the input is read as written)")
+    if infer_dataset_impl(input_prefix) == "mmap":
+        raise IndexedDatasetError(
+            f"{index_file_path(input_prefix)}: already the mmap format; read it with --data-impl "
+            "mmap (or infer), nothing to convert"
+        )
     ds = LegacyIndexedDataset(input_prefix)
     top = _check_ids(ds, vocab_size)
     dtype = np.dtype(best_dtype(vocab_size if vocab_size is not None else top + 1))
