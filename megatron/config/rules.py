@@ -157,6 +157,9 @@ def validate(cfg: MegatronConfig) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
+    problem = d.tokenizer.pretrained_problem()
+    if problem:
+        _fail(*problem)
     separate = d.train_data_path or d.valid_data_path or d.test_data_path
     if d.data_path and separate:
         _fail(
@@ -216,6 +219,8 @@ def validate_training(cfg: MegatronConfig) -> None:
             _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
     if t.eval_iters < 0:
         _fail("--eval-iters", f"must be >= 0, got {t.eval_iters}", "pass 0 to skip validation")
+    if t.num_workers < 0:
+        _fail("--num-workers", f"must be >= 0, got {t.num_workers}", "pass 0 to load in-process")
     if o.lr is None or o.lr <= 0:
         _fail("--lr", "a positive peak learning rate is required", "pass e.g. --lr 1.5e-4")
     if o.min_lr < 0 or o.min_lr > o.lr:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron.config.declare import ConfigError, setting
+from megatron.config.pretrained_vocab import PRETRAINED, find_files
+from megatron.config.pretrained_vocab import problem as pretrained_problem
 from megatron.config.schema_run import (
     CheckpointConfig,
     DeepSpeedConfig,
@@ -301,6 +303,37 @@ class TokenizerConfig:
         "tokenizer.json (or its directory) for HuggingFaceTokenizer, "
         ".model for SentencePieceTokenizer",
     )
+    tokenizer_model_type: str | None = setting(
+        None,
+        "a named pretrained vocab (older Megatron): sets --tokenizer-type and finds its files in "
+        "--cache-dir unless --vocab-file/--merge-file are given; nothing is downloaded",
+        choices=tuple(PRETRAINED),
+    )
+    cache_dir: str | None = setting(
+        None, "directory holding the --tokenizer-model-type vocab files (e.g. gpt2-vocab.json)"
+    )
+
+    def __post_init__(self) -> None:
+        """--tokenizer-model-type fills the tokenizer type and the files not given (the rules
+        check what is still missing or conflicting)."""
+        name = self.tokenizer_model_type
+        if name not in PRETRAINED:
+            return
+        if self.tokenizer_type is None:
+            object.__setattr__(self, "tokenizer_type", PRETRAINED[name][0])
+        for kwarg, path in find_files(name, self.cache_dir).items():
+            if getattr(self, kwarg) is None and path is not None:
+                object.__setattr__(self, kwarg, path)
+
+    def pretrained_problem(self) -> tuple[str, str, str] | None:
+        """(flag, problem, fix) when --tokenizer-model-type cannot be honoured (the rules and
+        tools/preprocess_data.py report it), else None."""
+        if self.tokenizer_model_type is None:
+            return None
+        given = {"vocab_file": self.vocab_file, "merge_file": self.merge_file}
+        return pretrained_problem(
+            self.tokenizer_model_type, self.tokenizer_type, self.cache_dir, given
+        )
 
     def kwargs(self) -> dict:
         """Keyword arguments of megatron.data.tokenizers.build_tokenizer."""
@@ -313,7 +346,7 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """mmap .bin/.idx datasets written by preprocess_data.py: where, split, blend."""
+    """.bin/.idx datasets written by preprocess_data.py: where, split, blend, format."""
 
     data_path: tuple[str, ...] = setting(
         (), "PREFIX, or a blend W1 PREFIX1 W2 PREFIX2 ... (weights are normalized)"
@@ -326,6 +359,15 @@ class DataConfig:
     test_data_path: tuple[str, ...] = setting((), "separate test data")
     data_cache_path: str | None = setting(
         None, "directory for the cached sample indices (default: beside the data)"
+    )
+    data_impl: str = setting(
+        "infer",
+        "dataset format: mmap (what tools/preprocess_data.py writes), lazy / cached (v1.x's "
+        "older TNTIDX files, read on demand / held in memory), infer (from the index's magic)",
+        choices=("infer", "mmap", "lazy", "cached"),
+    )
+    mmap_warmup: bool = setting(
+        False, "read every page of each .bin (and mmap .idx) once at load, so reads never fault"
     )
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 

@@ -10,12 +10,9 @@ from collections.abc import Callable
 
 from megatron.config.schema import DataConfig, parse_blend, split_weights
 from megatron.data.blendable_dataset import BlendableDataset
+from megatron.data.dataset_impl import make_indexed_dataset
 from megatron.data.gpt_dataset import GPTDataset, split_document_ranges
-from megatron.data.indexed_dataset import (
-    MMapIndexedDataset,
-    dtype_vocab_problem,
-    index_file_path,
-)
+from megatron.data.indexed_dataset import dtype_vocab_problem, index_file_path
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -28,7 +25,9 @@ def _split_datasets(
     seed: int,
     common: dict,
 ) -> list[GPTDataset | None]:
-    indexed = MMapIndexedDataset(prefix)
+    reader = {k: common[k] for k in ("data_impl", "mmap_warmup")}
+    common = {k: v for k, v in common.items() if k not in reader}
+    indexed = make_indexed_dataset(prefix, reader["data_impl"], reader["mmap_warmup"])
     problem = dtype_vocab_problem(indexed.dtype, common["vocab_size"])
     if problem:
         warnings.warn(
@@ -96,6 +95,8 @@ def build_train_valid_test_datasets(
 ) -> list:
     """[train, valid, test] datasets (None where a split is empty or not asked for)."""
     common = {
+        "data_impl": data.data_impl,
+        "mmap_warmup": data.mmap_warmup,
         "cache_dir": data.data_cache_path,
         "vocab_size": vocab_size,
         "is_builder": is_builder,

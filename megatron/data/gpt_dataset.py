@@ -152,7 +152,8 @@ def cached_indices(
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Samples of `seq_length + 1` tokens from documents [doc_range) of an mmap dataset."""
+    """Samples of `seq_length + 1` tokens from documents [doc_range) of an indexed dataset
+    (MMapIndexedDataset, or LegacyIndexedDataset for --data-impl lazy/cached)."""
 
     def __init__(
         self,

@@ -9,6 +9,10 @@ Every header problem raises `IndexedDatasetError` naming the file, never an `ass
 also checks that every sequence starts where the previous one ends (pointers against sizes,
 vectorized) and that the last one ends at the end of the `.bin`, so an index that claims more
 or fewer tokens for any sequence than the `.bin` holds is refused, naming the sequence.
+
+`--mmap-warmup` (`warmup=True`) touches every page of both mappings once at load, so later
+reads find them mapped instead of faulting to disk (v1.x's skip_warmup=False).
+Megatron's older TNTIDX format (`--data-impl lazy/cached`) lives in legacy_indexed_dataset.py.
 """
 
 from __future__ import annotations
@@ -67,6 +71,27 @@ def dtype_vocab_problem(dtype, vocab_size: int | None) -> str | None:
 def best_dtype(vocab_size: int | None) -> type:
     """uint16 when every id fits (vocab < 65500, Megatron's rule), else int32."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+_PAGE = 4096
+_WARMUP_BLOCK = 1 << 26  # bytes per touched block: bounds the temporaries
+
+
+def touch_pages(buffer: np.ndarray) -> int:
+    """Read one byte of every page of a uint8 mapping (faulting each page in); returns the
+    number of bytes covered, i.e. len(buffer)."""
+    for start in range(0, len(buffer), _WARMUP_BLOCK):
+        int(buffer[start : start + _WARMUP_BLOCK : _PAGE].sum(dtype=np.uint64))
+    return len(buffer)
+
+
+def warm_up_file(path: str | os.PathLike) -> int:
+    """Read every byte of a file once (into the page cache); returns the bytes read."""
+    total, block = 0, bytearray(_WARMUP_BLOCK)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            total += n
+    return total
 
 
 def data_file_path(prefix: str | os.PathLike) -> str:
@@ -174,8 +199,9 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
         head = f.read(HEADER_SIZE)
     if head.startswith(LEGACY_MAGIC):
         raise IndexedDatasetError(
-            f"{idx_path}: this is Megatron's legacy 'TNTIDX' (lazy/cached) format, which is not "
-            "supported; re-run tools/preprocess_data.py to write the mmap format"
+            f"{idx_path}: this is Megatron's legacy 'TNTIDX' (lazy/cached) format, not mmap. "
+            "Fix: pass --data-impl infer (or lazy / cached) to read it, or convert it once with "
+            "tools/convert_indexed_dataset.py"
         )
     if head[:9] != MAGIC:
         raise IndexedDatasetError(
@@ -198,8 +224,20 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
 class MMapIndexedDataset:
     """Read-only view of PREFIX.bin/.idx; `ds[i]` is sequence i as a numpy array (zero-copy)."""
 
-    def __init__(self, prefix: str | os.PathLike):
+    def __init__(self, prefix: str | os.PathLike, warmup: bool = False):
         self.prefix = str(prefix)
+        self._load()
+        self.warmed_bytes = touch_pages(self._idx) + touch_pages(self._bin) if warmup else 0
+
+    def __getstate__(self):  # DataLoader workers under spawn/forkserver re-map the files
+        return {"prefix": self.prefix, "warmed_bytes": self.warmed_bytes}
+
+    def __setstate__(self, state):
+        self.prefix, self.warmed_bytes = state["prefix"], state["warmed_bytes"]
+        self._load()
+
+    def _load(self) -> None:
+        prefix = self.prefix
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         self.dtype, n, d = _read_header(idx_path)
         expected = HEADER_SIZE + 12 * n + 8 * d

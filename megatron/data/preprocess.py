@@ -30,7 +30,6 @@ import numpy as np
 
 from megatron.config.declare import add_section_args, section_from_args
 from megatron.config.schema import TokenizerConfig
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
 from megatron.data.preprocess_inputs import (
     TEXT,
     BadRecord,
@@ -42,6 +41,7 @@ from megatron.data.preprocess_inputs import (
     read_chunks,
     split_sentences,
 )
+from megatron.data.preprocess_outputs import DATASET_IMPLS, Outputs, token_dtype
 from megatron.data.tokenizers import build_tokenizer
 
 _MAX_REPORTED = 20
@@ -95,7 +95,7 @@ def _tokenize_docs(texts: list[str], dtype) -> KeyResult:
     append the end-of-document id after each document's last sequence."""
     tok = _TOKENIZER
     if _OPTIONS["split_sentences"]:
-        sentences = [split_sentences(t) for t in texts]
+        sentences = [split_sentences(t, _OPTIONS["keep_newlines"]) for t in texts]
         per_doc = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
         flat, seq_len = tok.tokenize_batch_arrays(list(itertools.chain.from_iterable(sentences)))
     else:
@@ -259,35 +259,6 @@ def _encode_in_order(chunks, workers: int, init_args):
         pool.close(graceful=finished)
 
 
-class _Outputs:
-    """One builder per key, writing to temporary names until `commit()` renames them."""
-
-    def __init__(self, prefix: str, keys: list[str], level: str, dtype):
-        self.final = {k: f"{prefix}_{k}_{level}" for k in keys}
-        self.tag = f".tmp-{os.getpid()}"
-        self.builders = {
-            k: MMapIndexedDatasetBuilder(f"{p}.bin{self.tag}", dtype) for k, p in self.final.items()
-        }
-
-    def add(self, result: ChunkResult) -> None:
-        for k, r in result.per_key.items():
-            self.builders[k].add_batch(r.tokens, r.seq_lengths, r.seqs_per_doc)
-
-    def commit(self) -> list[str]:
-        for k, p in self.final.items():
-            self.builders[k].finalize(f"{p}.idx{self.tag}")
-            os.replace(f"{p}.bin{self.tag}", f"{p}.bin")
-            os.replace(f"{p}.idx{self.tag}", f"{p}.idx")
-        return list(self.final.values())
-
-    def discard(self) -> None:
-        for k, p in self.final.items():
-            self.builders[k].abort()
-            for path in (f"{p}.bin{self.tag}", f"{p}.idx{self.tag}"):
-                if os.path.exists(path):
-                    os.remove(path)
-
-
 @dataclass
 class Stats:
     documents: int = 0
@@ -328,9 +299,12 @@ def run(args: argparse.Namespace) -> int:
                     "keys; give one key (it names the output) or use JSON input"
                 )
     tok = section_from_args(TokenizerConfig, args)
+    problem = tok.pretrained_problem()
+    if problem:
+        raise ValueError("{}: {}. Fix: {}.".format(*problem))
     tok_kwargs = {**tok.kwargs(), "vocab_size": args.vocab_size}
     tokenizer = build_tokenizer(tok.tokenizer_type, **tok_kwargs)  # fail fast on bad flags
-    dtype = best_dtype(tokenizer.vocab_size)
+    dtype = token_dtype(args.dataset_impl, tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     options = {
@@ -338,9 +312,10 @@ def run(args: argparse.Namespace) -> int:
         "dtype": dtype,
         "append_eod": args.append_eod,
         "split_sentences": args.split_sentences,
+        "keep_newlines": args.keep_newlines,
     }
     level = "sentence" if args.split_sentences else "document"
-    outputs = _Outputs(args.output_prefix, keys, level, dtype)
+    outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl)
     progress, stats = ProgressFile(), Stats()
     total = sum(os.path.getsize(p) for p in paths)
     chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs)
@@ -420,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="one sequence per sentence (built-in rule-based splitter)",
     )
     g.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="with --split-sentences: keep the whitespace and newlines after each sentence at "
+        "its end (v1.x; without it they are dropped). Whole documents always keep them",
+    )
+    g.add_argument(
         "--txt-paragraphs",
         action="store_true",
         help=".txt inputs: documents are separated by blank lines, not one per line",
@@ -435,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="vocab of the NullTokenizer")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    g.add_argument(
+        "--dataset-impl",
+        choices=DATASET_IMPLS,
+        default="mmap",
+        help="mmap (default): Megatron's mmap format; lazy / cached: v1.x's older TNTIDX format "
+        "(int32 tokens; both names write the same files), read with --data-impl lazy/cached",
+    )
     g.add_argument(
         "--append-eod",
         action="store_true",
@@ -459,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.tokenizer_type is None:
+    if args.tokenizer_type is None and args.tokenizer_model_type is None:
         print("error: --tokenizer-type is required (e.g. GPT2BPETokenizer)", file=sys.stderr)
         return 2
     try:

@@ -271,16 +271,21 @@ def decode_record(kind: str, payload, keys: list[str]) -> tuple[dict | None, str
 _SENTENCE_END = re.compile(r"[.!?]+[\"'”’)\]]*\s+|[。！？；]+[”’」』)]*\s*|\n\s*\n")
 
 
-def split_sentences(text: str) -> list[str]:
+def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
     """A small rule-based splitter (no model download): ends at . ! ? followed by space, at
-    CJK full stops, and at blank lines. Whitespace between sentences is dropped."""
-    out, start = [], 0
-    for m in _SENTENCE_END.finditer(text):
-        piece = text[start : m.end()].strip()
-        if piece:
-            out.append(piece)
-        start = m.end()
-    tail = text[start:].strip()
-    if tail:
-        out.append(tail)
+    CJK full stops, and at blank lines. Whitespace between sentences is dropped; with
+    `keep_newlines` (v1.x's --keep-newlines) it stays at the end of the sentence before it, so
+    the sentences concatenate back to the text (leading whitespace joins the first one)."""
+    out, start, lead = [], 0, ""
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)]
+    for end in ends:
+        piece, start = text[start:end], end
+        if not piece.strip():  # whitespace only: belongs to the sentence before it
+            if out:
+                out[-1] += piece if keep_newlines else ""
+            else:
+                lead += piece
+            continue
+        out.append(lead + piece if keep_newlines else piece.strip())
+        lead = ""
     return out
