@@ -386,3 +386,39 @@ def test_v1x_architecture_at_tp2_and_pp2_equals_one_process():
     gradient at TP2, and at PP2 with each unique layer on its own stage; the fp16 LM loss at
     TP2."""
     assert run_distributed(_tp_pp_worker, 2) == [True, True]
+
+
+# ---- Hugging Face export ---------------------------------------------------------------------
+
+
+def _full_state(model, cfg):
+    vocab = ("embedding.word_embeddings.weight", "head.output_layer.weight")
+    return {n: t[: cfg.vocab_size] if n in vocab else t for n, t in model.state_dict().items()}
+
+
+def test_hf_export_openai_gelu_as_gelu_new_and_shared_layers_copied(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="HF export checks need transformers")
+    import json
+
+    from megatron.checkpoint.hf import from_hf, hf_architecture, to_hf
+
+    cfg = ModelConfig(**{**BASE, **V1, "apply_residual_connection_post_layernorm": False})
+    model = GPTModel(cfg, ST, seed=3).eval()
+    with torch.no_grad():  # biases and norms away from 0 and 1
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=_gen(8)) * 0.05)
+    args = {"model": dataclasses.asdict(cfg), "tokenizer": {"tokenizer_type": None}}
+    assert to_hf(_full_state(model, cfg), args, str(tmp_path)) == "gpt2"
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["activation_function"] == "gelu_new" and config["n_layer"] == 4
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path), local_files_only=True).eval()
+    tokens = _tokens(cfg)
+    with torch.no_grad():
+        ours = model(tokens)[..., : cfg.vocab_size]
+        torch.testing.assert_close(hf(tokens).logits, ours, rtol=1e-5, atol=1e-5)
+    # Imported back: the tanh GeLU is recorded (the layers come back unshared).
+    _, imported = from_hf(str(tmp_path))
+    assert imported["model"]["openai_gelu"] and imported["model"]["num_unique_layers"] is None
+    post_ln = dataclasses.replace(cfg, apply_residual_connection_post_layernorm=True)
+    with pytest.raises(ValueError, match="--apply-residual-connection-post-layernorm"):
+        hf_architecture(post_ln)
