@@ -215,6 +215,19 @@ def test_bias_gelu(dtype, cols):
     assert outs[0].dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_tanh_form(dtype):
+    """--openai-gelu: the kernel's tanh GeLU (forward and both grads) against F.gelu's."""
+    x, bias = (2 * torch.randn(2, 3, 40)).to(dtype), torch.randn(40).to(dtype)
+    tanh = check_against_float64(
+        lambda x, b: act.bias_gelu(x, b, "tanh"),
+        lambda x, b: act.torch_bias_gelu(x, b, "tanh"),
+        [x, bias],
+        dtype,
+    )[0][0]
+    assert not torch.allclose(tanh.float(), act.bias_gelu(x, bias).float(), atol=1e-6)
+
+
 def test_bias_gelu_bias_grad_over_many_row_chunks(monkeypatch):
     # 8 x 8 tiles: 5 chunks of 8 rows with partial bias-grad sums, the last one ragged
     monkeypatch.setattr(act, "TILE", 64)

@@ -233,7 +233,7 @@ def test_classic_and_current_megatron_keys_load():
         (dict(decay_steps=0), "decay_steps"),
         (dict(warmup_steps=-1), "warmup_steps"),
         (dict(warmup_steps=110), "warmup_steps"),
-        (dict(decay_style="exponential"), "decay_style"),
+        (dict(decay_style="polynomial"), "decay_style"),
         (dict(decay_style="WSD"), "wsd_decay_steps"),
         (dict(decay_style="WSD", wsd_decay_steps=101), "wsd_decay_steps"),
         (dict(decay_style="WSD", wsd_decay_steps=0), "wsd_decay_steps"),
@@ -254,7 +254,7 @@ def test_constant_allows_warmup_past_decay_and_bad_checkpoint_is_rejected():
     assert sched.get_lr(100) == 0.5 and sched.get_lr(300) == MAX_LR
     sched = make_scheduler(use_checkpoint_lr_scheduler=True)
     with pytest.raises(ValueError, match="checkpoint's lr scheduler state.*decay_style"):
-        sched.load_state_dict({"num_steps": 3, "decay_style": "exponential"})
+        sched.load_state_dict({"num_steps": 3, "decay_style": "polynomial"})
     with pytest.raises(ValueError, match="increment"):
         sched.step(increment=-1)
 
@@ -343,7 +343,7 @@ def test_schedule_rules_name_the_flag(extra, flag):
 @pytest.mark.parametrize(
     "field,value,flag",
     [
-        ("lr_decay_style", "exponential", "--lr-decay-style"),
+        ("lr_decay_style", "polynomial", "--lr-decay-style"),
         ("lr_wsd_decay_style", "x", "--lr-wsd"),
     ],
 )

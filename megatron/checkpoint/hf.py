@@ -1,9 +1,12 @@
 """Export a full state (megatron.checkpoint.resharding) as a Hugging Face model, and back.
 
 Two architectures match our GPT exactly (same logits in fp32):
-  GPT2LMHeadModel   learned positions, LayerNorm, exact GeLU, biases, one KV head per head
+  GPT2LMHeadModel   learned positions, LayerNorm, exact GeLU ("gelu") or with --openai-gelu
+                    GPT-2's own tanh GeLU ("gelu_new"), biases, one KV head per head
   LlamaForCausalLM  RoPE (rotate-half, as ours), RMSNorm, SwiGLU; any GQA, biases optional
-Other flag combinations raise ValueError. Files written: config.json, model.safetensors,
+Shared layers (--num-unique-layers) are written out once per layer; --apply-query-key-layer-
+scaling changes no logits. --apply-residual-connection-post-layernorm has no HF twin, and
+other flag combinations raise ValueError. Files written: config.json, model.safetensors,
 generation_config.json and, when the tokenizer files are known, the tokenizer. Reading needs
 only `safetensors` (no `transformers`, no network).
 """
@@ -45,6 +48,12 @@ _LLAMA_NEEDS = {
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """'gpt2' or 'llama': the HF architecture computing exactly what our model computes."""
+    if cfg.apply_residual_connection_post_layernorm:
+        raise ValueError(
+            "--apply-residual-connection-post-layernorm: no Hugging Face GPT architecture "
+            "takes its residuals after the layer norm (GPT-2 and Llama are pre-norm), so no "
+            "export would compute this model's logits"
+        )
     gpt2 = [flag for f, (v, flag) in _GPT2_NEEDS.items() if getattr(cfg, f) != v]
     if cfg.query_groups != cfg.num_attention_heads:
         gpt2.append("no --num-query-groups (GPT-2 has one key/value head per query head)")
@@ -114,7 +123,7 @@ def _gpt2_tensors(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {"transformer.wte.weight": state[WORD_EMBEDDINGS]}
     out["transformer.wpe.weight"] = state[POSITION_EMBEDDINGS]
     for i in range(cfg.num_layers):
-        p, o = f"layers.{i}.", f"transformer.h.{i}."
+        p, o = f"layers.{cfg.layer_owner(i)}.", f"transformer.h.{i}."  # shared: copied
         for ours, theirs in _GPT2_LAYER:
             out[o + theirs] = state[p + ours]
         for ours, theirs in _GPT2_CONV1D:
@@ -153,7 +162,7 @@ def _llama_tensors(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     ffn = cfg.ffn_size
     params = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
     for i in range(cfg.num_layers):
-        p, o = f"layers.{i}.", f"model.layers.{i}."
+        p, o = f"layers.{cfg.layer_owner(i)}.", f"model.layers.{i}."  # shared: copied
         for ours, theirs in _LLAMA_LAYER:
             if p + ours in state:
                 out[o + theirs] = state[p + ours]
@@ -316,7 +325,8 @@ def _hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, eod: int | None)
             "n_layer": cfg.num_layers,
             "n_head": cfg.num_attention_heads,
             "n_inner": cfg.ffn_size,
-            "activation_function": "gelu",  # exact (erf) GeLU, as ours; not GPT-2's gelu_new
+            # exact (erf) GeLU, or --openai-gelu: GPT-2's own tanh form, HF's gelu_new
+            "activation_function": "gelu_new" if cfg.openai_gelu else "gelu",
             "layer_norm_epsilon": cfg.layernorm_epsilon,
             "resid_pdrop": cfg.hidden_dropout,
             "embd_pdrop": cfg.hidden_dropout,
@@ -414,13 +424,6 @@ def _gpt2_config(hf: dict) -> dict:
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"config.json activation_function={act!r}: ours is GeLU")
-    if act != "gelu":
-        print(
-            f"warning: the HF model uses activation_function={act!r} (tanh-approximate GeLU, "
-            "within 5e-4 of GeLU); ours is the exact erf GeLU, so its logits differ slightly "
-            "and an export writes activation_function='gelu'",
-            file=sys.stderr,
-        )
     _check_equal(hf, "scale_attn_by_inverse_layer_idx", False, "not supported")
     _check_equal(hf, "scale_attn_weights", True, "ours always scales by 1/sqrt(head_dim)")
     _check_equal(hf, "add_cross_attention", False, "not supported")
@@ -434,6 +437,7 @@ def _gpt2_config(hf: dict) -> dict:
         "layernorm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
         "hidden_dropout": hf.get("resid_pdrop", 0.1),
         "attention_dropout": hf.get("attn_pdrop", 0.1),
+        "openai_gelu": act != "gelu",  # gelu_new / gelu_pytorch_tanh: the tanh form
     }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from megatron.config.schema import OptimizerConfig, TrainingConfig
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 

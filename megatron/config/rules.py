@@ -101,6 +101,40 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
             f"{m.seq_length} exceeds --max-position-embeddings {m.max_positions}",
             "raise --max-position-embeddings to at least the sequence length",
         )
+    _validate_v1_architecture(m)
+
+
+def _validate_v1_architecture(m: ModelConfig) -> None:
+    n = m.num_unique_layers
+    if n is not None and not (1 <= n <= m.num_layers and m.num_layers % n == 0):
+        _fail(
+            "--num-unique-layers",
+            f"{n} does not divide --num-layers {m.num_layers}",
+            "use a divisor of the layer count (or drop it: no sharing)",
+        )
+    if m.param_sharing_style not in ("grouped", "spaced"):
+        _fail("--param-sharing-style", f"unknown {m.param_sharing_style!r}", "grouped or spaced")
+    if m.openai_gelu and m.swiglu:
+        _fail("--openai-gelu", "the MLP is --swiglu, which has no GeLU", "drop one of them")
+
+
+def layer_sharing_problem(m: ModelConfig, pp: int, vp_layers: int | None = None) -> str | None:
+    """Why the shared layers (--num-unique-layers) cannot be split into `pp` stages (of
+    `vp_layers`-layer model chunks), or None. A unique layer's weights live in one model chunk,
+    so every layer that runs it must be in that chunk."""
+    if not m.num_unique_layers or m.num_unique_layers == m.num_layers:
+        return None
+    per_chunk = vp_layers or m.num_layers // max(pp, 1)
+    chunk_of: dict[int, int] = {}
+    for i in range(m.num_layers):
+        u, c = m.unique_layer(i), i // per_chunk
+        if chunk_of.setdefault(u, c) != c:
+            return (
+                f"unique layer {u + 1} runs as layers {chunk_of[u] * per_chunk}.. and {i}, which "
+                f"are in different pipeline model chunks of {per_chunk} layers; shared weights "
+                "must stay on one stage"
+            )
+    return None
 
 
 def validate(cfg: MegatronConfig) -> None:
@@ -148,12 +182,46 @@ def validate(cfg: MegatronConfig) -> None:
             )
     if cfg.precision.fp16 and cfg.precision.bf16:
         _fail("--fp16/--bf16", "both are set", "choose one mixed-precision mode")
+    problem = layer_sharing_problem(m, pp, vlayers)
+    if problem:
+        _fail(
+            "--num-unique-layers/--param-sharing-style",
+            f"{problem} (--pipeline-model-parallel-size {pp})",
+            "use --param-sharing-style spaced with --num-unique-layers a multiple of the "
+            "number of model chunks, or no pipeline parallelism",
+        )
+    _validate_v1_kernels(cfg)
     if cfg.distributed.backend not in (None, "nccl", "gloo"):
         _fail("--distributed-backend", f"unknown {cfg.distributed.backend!r}", "use nccl or gloo")
     if cfg.distributed.timeout_minutes <= 0:
         _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
     _validate_batch(cfg.training, par.data_parallel_size)
     _validate_data(cfg.data)
+
+
+def _validate_v1_kernels(cfg: MegatronConfig) -> None:
+    k = cfg.kernels
+    if k.fp16_lm_cross_entropy and not (cfg.precision.fp16 or cfg.precision.bf16):
+        _fail(
+            "--fp16-lm-cross-entropy",
+            "given without --fp16/--bf16: the logits are fp32 already",
+            "add --fp16 (as Megatron-LM v1.x required) or drop the flag",
+        )
+    if k.fp16_lm_cross_entropy and k.cross_entropy_loss_fusion:
+        _fail(
+            "--fp16-lm-cross-entropy",
+            "given with --cross-entropy-loss-fusion, whose kernel already keeps no fp32 logits "
+            "(and accumulates in fp32)",
+            "choose one of them",
+        )
+    if k.bias_dropout_fusion:
+        _fail(
+            "--bias-dropout-fusion",
+            "there is no bias-dropout-add kernel here: the bias add, dropout and residual add "
+            "run as torch ops (a Triton dropout would draw other masks than the RNG tracker "
+            "replays)",
+            "drop the flag (same results), or pass --torch-compile to fuse them",
+        )
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -112,6 +112,30 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = setting(
         False, "separate output head instead of reusing the input embedding"
     )
+    # The Megatron-LM v1.x architecture options (its GPT-2 scripts run unchanged).
+    apply_query_key_layer_scaling: bool = setting(
+        False,
+        "v1.x fp16 overflow guard: q k^T is divided by the layer number L inside the GEMM and "
+        "multiplied back in the fp32 softmax (same result in exact math); under fp16/bf16 the "
+        "attention then takes the matmul + fp32-softmax path",
+    )
+    openai_gelu: bool = setting(
+        False, "tanh-approximate GeLU (OpenAI GPT-2's, HF gelu_new) instead of the exact erf GeLU"
+    )
+    apply_residual_connection_post_layernorm: bool = setting(
+        False, "residuals start from the normed input (original BERT order), not from x"
+    )
+    num_unique_layers: int | None = setting(
+        None,
+        "share weights: only this many distinct layers, reused to make --num-layers "
+        "(must divide it; default: no sharing)",
+    )
+    param_sharing_style: str = setting(
+        "grouped",
+        "order of the shared layers, e.g. 4 layers of 2 unique: grouped [1, 2, 1, 2], "
+        "spaced [1, 1, 2, 2] (PP > 1 needs each unique layer on one stage: spaced)",
+        choices=("grouped", "spaced"),
+    )
 
     @property
     def ffn_size(self) -> int:
@@ -121,6 +145,20 @@ class ModelConfig:
             # Keeps SwiGLU's parameter count near the 4h GeLU MLP (as Megatron does).
             return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
+
+    def unique_layer(self, i: int) -> int:
+        """Which of the --num-unique-layers distinct layers layer i (0-based) runs."""
+        n = self.num_unique_layers or self.num_layers
+        if self.param_sharing_style == "spaced":
+            return i // (self.num_layers // n)
+        return i % n
+
+    def layer_owner(self, i: int) -> int:
+        """The layer whose name (`layers.<owner>.`) holds layer i's weights: the first layer
+        that runs the same unique layer (i itself without sharing)."""
+        u = self.unique_layer(i)
+        n = self.num_unique_layers or self.num_layers
+        return u * (self.num_layers // n) if self.param_sharing_style == "spaced" else u
 
     @property
     def query_groups(self) -> int:
@@ -164,16 +202,61 @@ class KernelConfig:
         "fused: matmul + Triton scaled causal softmax; unfused: plain torch",
         choices=("sdpa", "fused", "unfused"),
     )
-    masked_softmax_fusion: bool = setting(True, "torch softmax in the fused backend")
+    masked_softmax_fusion: bool = setting(
+        True,
+        "torch softmax in the fused backend",
+        shortcuts={
+            flag: (
+                True,
+                f"v1.x spelling of the default: Triton {what} softmax with "
+                "--attention-backend fused (sdpa fuses the whole attention already)",
+            )
+            for flag, what in (
+                ("--scaled-upper-triang-masked-softmax-fusion", "scaled causal"),
+                ("--scaled-masked-softmax-fusion", "scaled masked"),
+            )
+        },
+    )
     layer_norm_fusion: bool = setting(
         True, "separate residual add and norm", "--no-persist-layer-norm"
     )
-    bias_gelu_fusion: bool = setting(True, "separate bias add and GeLU")
+    bias_gelu_fusion: bool = setting(
+        True,
+        "separate bias add and GeLU",
+        shortcuts={
+            "--bias-gelu-fusion": (
+                True,
+                "v1.x spelling of the default: Triton bias + GeLU where it runs "
+                "(erf or, with --openai-gelu, tanh form)",
+            )
+        },
+    )
+    bias_dropout_fusion: bool = setting(
+        False,
+        "v1.x flag: bias + dropout + residual add as one op. Refused: they run as separate "
+        "torch ops here (fused only by --torch-compile)",
+    )
     bias_swiglu_fusion: bool = setting(True, "torch SwiGLU")
     cross_entropy_loss_fusion: bool = setting(
         False, "Triton vocab-parallel cross-entropy without fp32 logits"
     )
     torch_compile: bool = setting(False, "torch.compile each transformer layer")
+    attention_softmax_in_fp32: bool = setting(
+        False,
+        "with fp16/bf16, attention probabilities from an fp32 softmax for every backend "
+        "(sdpa then takes the matmul + fp32-softmax path; fused/unfused always do)",
+    )
+    fp16_lm_cross_entropy: bool = setting(
+        False,
+        "v1.x: the loss from the fp16/bf16 logits in their own dtype (saves the fp32 copy of "
+        "the logits); default: computed in fp32",
+    )
+    onnx_safe: str | None = setting(
+        None,
+        "v1.x: use ONNX-exportable ops (took a value, e.g. --onnx-safe true). Accepted; "
+        "changes nothing here: the model's ops (exact GeLU as torch gelu, SDPA) export as they are",
+        metavar="BOOL",
+    )
 
 
 @dataclass(frozen=True)

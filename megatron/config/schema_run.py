@@ -72,8 +72,8 @@ class OptimizerConfig:
     sgd_momentum: float = setting(0.9, "SGD momentum")
     lr_decay_style: str = setting(
         "linear",
-        "decay after warmup",
-        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+        "decay after warmup (exponential: Megatron-LM v1.x's, halving over the decay)",
+        choices=("constant", "linear", "cosine", "exponential", "inverse-square-root", "WSD"),
     )
     lr_decay_iters: int | None = setting(None, "iterations to decay over (default --train-iters)")
     lr_decay_samples: int | None = setting(None, "samples to decay over (default --train-samples)")

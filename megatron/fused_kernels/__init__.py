@@ -40,6 +40,10 @@ class FusedOps:
     bias_gelu: str = "torch"
     swiglu: str = "torch"
     cross_entropy: str = "torch"
+    # Precision modes (KernelConfig), not implementations: --attention-softmax-in-fp32 and
+    # --fp16-lm-cross-entropy (loss in the logits' dtype instead of fp32).
+    softmax_in_fp32: bool = False
+    fp16_lm_cross_entropy: bool = False
 
     def describe(self) -> str:
         attn = {
@@ -75,10 +79,10 @@ class FusedOps:
 
         return fused_add_rms_norm(x, residual, weight, eps)
 
-    def gelu_with_bias(self, x, bias):
+    def gelu_with_bias(self, x, bias, approximate: str = "none"):
         from megatron.fused_kernels.triton_activations import bias_gelu
 
-        return bias_gelu(x, bias)
+        return bias_gelu(x, bias, approximate)
 
     def swiglu_act(self, x):
         if self.swiglu == "triton":
@@ -96,7 +100,9 @@ class FusedOps:
             return vocab_parallel_cross_entropy_fused(logits, target, group)
         from megatron.mpu import vocab_parallel_cross_entropy
 
-        return vocab_parallel_cross_entropy(logits, target, group)
+        return vocab_parallel_cross_entropy(
+            logits, target, group, upcast=not self.fp16_lm_cross_entropy
+        )
 
 
 TORCH_OPS = FusedOps()
@@ -128,7 +134,12 @@ def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
                 "--attention-backend fused: the Triton softmax failed its check "
                 "on this device (see the warning). Fix: --attention-backend sdpa"
             )
-    return FusedOps(attention_backend=cfg.attention_backend, **chosen)
+    return FusedOps(
+        attention_backend=cfg.attention_backend,
+        softmax_in_fp32=cfg.attention_softmax_in_fp32,
+        fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
+        **chosen,
+    )
 
 
 def _self_check(op: str, device: torch.device) -> bool:

@@ -2,6 +2,9 @@
 
 bias_gelu: y = gelu(z), z = x + b, gelu(z) = z * Phi(z) (the erf form, F.gelu's default).
   Backward: dz = dy * (Phi(z) + z * phi(z)); dx = dz, db = sum_rows(dz).
+  approximate="tanh" (--openai-gelu, F.gelu's tanh form): gelu(z) = z (1 + t) / 2 with
+  t = tanh(k (z + c z^3)), k = sqrt(2 / pi), c = 0.044715;
+  dz = dy * ((1 + t) / 2 + z (1 - t^2) k (1 + 3 c z^2) / 2).
 swiglu: x = [gate | up] along the last dim, y = silu(gate) * up, silu(g) = g * sigmoid(g).
   Backward: dgate = dy * up * s * (1 + g * (1 - s)) with s = sigmoid(g); dup = dy * silu(g).
 
@@ -39,14 +42,31 @@ def _tile(n_rows, n_cols, row_start, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexp
 
 
 @_jit
+def _tanh_gelu_t(z):
+    """t = tanh(k (z + c z^3)) as 2 sigmoid(2u) - 1 (tanh is not in every Triton's tl.math)."""
+    u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
+
+
+@_jit
 def _bias_gelu_fwd_kernel(
-    x_ptr, b_ptr, y_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr,
+    b_ptr,
+    y_ptr,
+    n_rows,
+    n_cols,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TANH: tl.constexpr,
 ):
     rows, cols, keep = _tile(n_rows, n_cols, tl.program_id(0) * BLOCK_R, BLOCK_R, BLOCK_C)
     offs = rows * n_cols + cols
     z = tl.load(x_ptr + offs, mask=keep, other=0.0).to(tl.float32)
     z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    y = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))  # erf(z / sqrt(2))
+    if TANH:
+        y = 0.5 * z * (1.0 + _tanh_gelu_t(z))
+    else:
+        y = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))  # erf(z / sqrt(2))
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=keep)
 
 
@@ -62,6 +82,7 @@ def _bias_gelu_bwd_kernel(
     chunk_rows,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    TANH: tl.constexpr,
 ):
     """dx for rows [chunk * chunk_rows, +chunk_rows) of one column block, and their sum of dz."""
     chunk = tl.program_id(0)
@@ -73,9 +94,14 @@ def _bias_gelu_bwd_kernel(
         offs = rows * n_cols + tile_cols
         z = tl.load(x_ptr + offs, mask=keep, other=0.0).to(tl.float32) + bias[None, :]
         dy = tl.load(dy_ptr + offs, mask=keep, other=0.0).to(tl.float32)
-        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        pdf = 0.3989422804014327 * tl.exp(-0.5 * z * z)  # exp(-z^2 / 2) / sqrt(2 pi)
-        dz = dy * (cdf + z * pdf)  # 0 off the tensor (dy loaded as 0)
+        if TANH:
+            t = _tanh_gelu_t(z)
+            slope = 0.7978845608028654 * (1.0 + 0.134145 * z * z)  # k (1 + 3 c z^2)
+            dz = dy * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * slope)
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+            pdf = 0.3989422804014327 * tl.exp(-0.5 * z * z)  # exp(-z^2 / 2) / sqrt(2 pi)
+            dz = dy * (cdf + z * pdf)  # 0 off the tensor (dy loaded as 0)
         tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=keep)
         acc += dz
     tl.store(db_part_ptr + chunk * n_cols + cols, tl.sum(acc, 0), mask=cols < n_cols)
@@ -127,15 +153,16 @@ def _check(x: torch.Tensor) -> None:
 
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias):
+    def forward(ctx, x, bias, tanh: bool):
         x = x.contiguous()
         y = torch.empty_like(x)
         n_cols = x.shape[-1]
         n_rows = x.numel() // n_cols
         if n_rows:
             grid, meta = _tile_grid(n_rows, n_cols)
-            _bias_gelu_fwd_kernel[grid](x, bias.contiguous(), y, n_rows, n_cols, **meta)
+            _bias_gelu_fwd_kernel[grid](x, bias.contiguous(), y, n_rows, n_cols, TANH=tanh, **meta)
         ctx.save_for_backward(x, bias)
+        ctx.tanh = tanh
         return y
 
     @staticmethod
@@ -161,9 +188,10 @@ class _BiasGelu(torch.autograd.Function):
                 chunk_rows,
                 BLOCK_R=block_r,
                 BLOCK_C=block_c,
+                TANH=ctx.tanh,
                 num_warps=8,
             )
-        return dx, db_part.sum(0).to(bias.dtype)
+        return dx, db_part.sum(0).to(bias.dtype), None
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -192,12 +220,15 @@ class _SwiGLU(torch.autograd.Function):
         return dx
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """gelu(x + bias), exact (erf) GeLU; x (..., H), bias (H,)."""
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(x + bias); x (..., H), bias (H,). approximate: "none" (exact erf GeLU) or "tanh"
+    (OpenAI's), as F.gelu's argument."""
     _check(x)
     if bias.shape != x.shape[-1:]:
         raise ValueError(f"bias must be ({x.shape[-1]},), got {tuple(bias.shape)}")
-    return _BiasGelu.apply(x, bias)
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _BiasGelu.apply(x, bias, approximate == "tanh")
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -208,10 +239,10 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(x)
 
 
-def torch_bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def torch_bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"):
     """Reference / fallback for `bias_gelu`: the add and the GeLU in (at least) fp32."""
     ct = torch.promote_types(x.dtype, torch.float32)
-    return F.gelu(x.to(ct) + bias.to(ct)).to(x.dtype)
+    return F.gelu(x.to(ct) + bias.to(ct), approximate=approximate).to(x.dtype)
 
 
 def torch_swiglu(x: torch.Tensor) -> torch.Tensor:

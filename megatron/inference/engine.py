@@ -41,8 +41,8 @@ class InferenceModel:
         cfg = self.model.cfg
         groups = cfg.query_groups // self.state.tp_size
         return {
-            int(n): KVCache(batch, max_length, groups, cfg.head_dim, self.device, self.dtype)
-            for n in self.model.layers
+            n: KVCache(batch, max_length, groups, cfg.head_dim, self.device, self.dtype)
+            for n in self.model.layer_numbers  # one per layer run (shared weights or not)
         }
 
     def _stage_forward(self, tokens, position_ids, caches, labels=None):

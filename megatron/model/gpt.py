@@ -3,6 +3,10 @@
 Parameter names do not depend on the parallel layout (`layers.7.mlp...` is layer 7 wherever it
 lives), and every weight is drawn from a generator seeded by (seed, name) on its full,
 unsharded shape before being sliced, so one seed gives one model at any TP size.
+
+With --num-unique-layers N < L, layer i runs unique layer cfg.unique_layer(i), whose weights
+exist once, under the name of the first layer that runs it (`cfg.layer_owner(i)`); autograd
+sums the gradients of its uses, and checkpoints hold each unique layer once.
 """
 
 from __future__ import annotations
@@ -156,14 +160,26 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(cfg, state, device, dtype, word_only=not pre_process)
             if not pre_process:
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
-        self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerLayer(
-                    cfg, state, rng_tracker, device, dtype, self.ops, self.recompute
+        self.layer_numbers = list(layer_range)  # the layers this chunk runs, in order
+        self.layers = nn.ModuleDict()  # their weights: owner layer -> module
+        for i in layer_range:
+            owner = cfg.layer_owner(i)
+            if owner not in layer_range:
+                raise ValueError(
+                    f"layer {i} shares the weights of layer {owner}, which is not in this "
+                    f"pipeline chunk ({layer_range}); see --param-sharing-style"
                 )
-                for i in layer_range
-            }
-        )
+            if str(owner) not in self.layers:
+                self.layers[str(owner)] = TransformerLayer(
+                    cfg,
+                    state,
+                    rng_tracker,
+                    device,
+                    dtype,
+                    self.ops,
+                    self.recompute,
+                    layer_number=cfg.unique_layer(i) + 1,
+                )
         self.head = OutputHead(cfg, state, device, dtype) if post_process else None
         self._input: torch.Tensor | None = None
         init_weights(self, cfg, state, seed)
@@ -174,7 +190,11 @@ class GPTModel(nn.Module):
     def layer_list(self) -> list[nn.Module]:
         """The ordered layers; pipeline stages are contiguous slices of this list."""
         first = [self.embedding] if self.pre_process else []
-        return [*first, *self.layers.values(), *([self.head] if self.head else [])]
+        return [*first, *self.run_order(), *([self.head] if self.head else [])]
+
+    def run_order(self) -> list[nn.Module]:
+        """The transformer layers in the order they run (a shared one once per use)."""
+        return [self.layers[str(self.cfg.layer_owner(i))] for i in self.layer_numbers]
 
     def word_embeddings_weight(self) -> torch.Tensor | None:
         return self.embedding.word_embeddings.weight if self.embedding is not None else None
@@ -187,11 +207,11 @@ class GPTModel(nn.Module):
         """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference.engine)."""
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
         if kv_caches is not None:
-            for number, layer in self.layers.items():
-                x = layer(x, position_ids, kv_caches[int(number)])
+            for number, layer in zip(self.layer_numbers, self.run_order(), strict=True):
+                x = layer(x, position_ids, kv_caches[number])
         else:
             x = run_layers(
-                list(self.layers.values()),
+                self.run_order(),
                 x,
                 position_ids,
                 self.recompute,

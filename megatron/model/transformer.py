@@ -104,6 +104,9 @@ class ParallelAttention(nn.Module):
 
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
+
+    `layer_number` (1-based) is L of --apply-query-key-layer-scaling: scores q k^T / (sqrt(d) L)
+    from the GEMM, softmax(L x scores) in fp32 (v1.x's fp16 overflow guard; equal in exact math).
     """
 
     def __init__(
@@ -115,9 +118,11 @@ class ParallelAttention(nn.Module):
         dtype=None,
         ops: FusedOps | None = None,
         recompute: RecomputeConfig | None = None,
+        layer_number: int = 1,
     ):
         super().__init__()
         self.rng_tracker = rng_tracker
+        self.qk_coeff = float(layer_number) if cfg.apply_query_key_layer_scaling else None
         self.head_dim = cfg.head_dim
         self.heads = divide(cfg.num_attention_heads, state.tp_size)  # local query heads
         self.groups = divide(cfg.query_groups, state.tp_size)  # local key/value heads
@@ -183,16 +188,34 @@ class ParallelAttention(nn.Module):
         # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with rng:
-            if self.ops.attention_backend != "sdpa":
+            if self.ops.attention_backend != "sdpa" or self._fp32_softmax(q.dtype):
                 # Every mask here is causal with the queries at the end of the keys (training,
                 # and KV-cache steps alike), which is what the causal softmax computes.
-                scores = torch.matmul(q, k.transpose(-1, -2))  # (b, heads, s_q, s_k)
-                probs = self.ops.causal_softmax(scores, 1.0 / math.sqrt(q.size(-1)))
+                scores, scale = self._scores(q, k)  # (b, heads, s_q, s_k)
+                probs = self.ops.causal_softmax(scores, scale)  # fp32 math inside
                 return torch.matmul(F.dropout(probs, p), v)
             if mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             attn_mask = None if mask is False else mask
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+
+    def _fp32_softmax(self, dtype: torch.dtype) -> bool:
+        """SDPA's softmax precision is its kernel's choice: under fp16/bf16 the v1.x precision
+        flags take the explicit matmul + fp32-softmax path instead."""
+        wanted = self.ops.softmax_in_fp32 or self.qk_coeff is not None
+        return wanted and dtype in (torch.float16, torch.bfloat16)
+
+    def _scores(self, q, k):
+        """(q k^T, softmax scale); with --apply-query-key-layer-scaling (q k^T / (sqrt(d) L), L),
+        the division done inside the GEMM so fp16 scores stay L times smaller."""
+        if self.qk_coeff is None:
+            return torch.matmul(q, k.transpose(-1, -2)), 1.0 / math.sqrt(q.size(-1))
+        b, n, sq, d = q.shape
+        q3, k3 = q.reshape(b * n, sq, d), k.reshape(b * n, -1, d)  # (b heads, s, d)
+        out = torch.empty(b * n, sq, k3.size(1), dtype=q.dtype, device=q.device)
+        alpha = 1.0 / (math.sqrt(d) * self.qk_coeff)
+        out = torch.baddbmm(out, q3, k3.transpose(1, 2), beta=0.0, alpha=alpha)
+        return out.view(b, n, sq, -1), self.qk_coeff
 
 
 class ParallelMLP(nn.Module):
@@ -208,6 +231,7 @@ class ParallelMLP(nn.Module):
     ):
         super().__init__()
         self.swiglu, self.ops = cfg.swiglu, ops or TORCH_OPS
+        self.gelu_approx = "tanh" if cfg.openai_gelu else "none"  # --openai-gelu
         kw = {
             "group": state.tp_group,
             "bias": cfg.add_bias_linear,
@@ -231,15 +255,20 @@ class ParallelMLP(nn.Module):
         if self.swiglu:
             y = self.ops.swiglu_act(fc1(x))  # [gate; up] -> silu(gate) * up
         elif self.ops.bias_gelu == "triton" and fc1.bias is not None:
-            y = self.ops.gelu_with_bias(fc1.forward_without_bias(x), fc1.bias)
+            y = self.ops.gelu_with_bias(fc1.forward_without_bias(x), fc1.bias, self.gelu_approx)
         else:
-            y = F.gelu(fc1(x))
+            y = F.gelu(fc1(x), approximate=self.gelu_approx)
         return self.dense_4h_to_h(y)
 
 
 class TransformerLayer(nn.Module):
     """x + drop(attn(norm(x))), then + drop(mlp(norm(.))). Residual dropout uses the default
-    generator, identical on every TP rank, because these tensors are replicated over TP."""
+    generator, identical on every TP rank, because these tensors are replicated over TP.
+
+    --apply-residual-connection-post-layernorm (v1.x, BERT's order): each residual starts from
+    the normed input instead, n1 = norm(x); h = n1 + drop(attn(n1)); n2 = norm(h);
+    out = n2 + drop(mlp(n2)).
+    """
 
     def __init__(
         self,
@@ -250,12 +279,14 @@ class TransformerLayer(nn.Module):
         dtype=None,
         ops: FusedOps | None = None,
         recompute: RecomputeConfig | None = None,
+        layer_number: int = 1,
     ):
         super().__init__()
         self.hidden_dropout, self.ops = cfg.hidden_dropout, ops or TORCH_OPS
+        self.post_ln_residual = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg, device, dtype)
         self.self_attention = ParallelAttention(
-            cfg, state, rng_tracker, device, dtype, ops, recompute
+            cfg, state, rng_tracker, device, dtype, ops, recompute, layer_number
         )
         self.post_attention_layernorm = build_norm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, state, device, dtype, ops)
@@ -267,12 +298,16 @@ class TransformerLayer(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
-        attn = self.self_attention(self.input_layernorm(x), position_ids, kv_cache)
+        normed = self.input_layernorm(x)
+        attn = self.self_attention(normed, position_ids, kv_cache)
+        if self.post_ln_residual:
+            x = normed
         if self.ops.add_norm == "triton":  # residual add + norm in one kernel
             y, x = self._add_norm(F.dropout(attn, p), x)
-            return x + F.dropout(self.mlp(y), p)
+            return (y if self.post_ln_residual else x) + F.dropout(self.mlp(y), p)
         x = x + F.dropout(attn, p)
-        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), p)
+        y = self.post_attention_layernorm(x)
+        return (y if self.post_ln_residual else x) + F.dropout(self.mlp(y), p)
 
     def _add_norm(self, x, residual):
         norm = self.post_attention_layernorm

@@ -20,11 +20,12 @@ def _all_reduce(x: torch.Tensor, op, group) -> None:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group):
+    def forward(ctx, logits, target, group, upcast):
         # logits: (*, V/p) this rank's vocab slice; target: (*,) global ids
         local_v = logits.size(-1)
         start = group_rank(group) * local_v
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # >= fp32 math
+        # >= fp32 math, or the logits' own dtype; never in place (the caller's logits stay).
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32)) if upcast else logits
         zmax = z.max(dim=-1).values
         _all_reduce(zmax, dist.ReduceOp.MAX, group)
         z = z - zmax.unsqueeze(-1)
@@ -52,9 +53,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         hit = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None
+        return grad.to(ctx.input_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None):
-    """Per-token loss (float32 or wider, shape of `target`) from vocab-sharded `logits` (*, V/p)."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group=None, upcast: bool = True
+):
+    """Per-token loss (shape of `target`) from vocab-sharded `logits` (*, V/p): computed in
+    float32 (or wider), or with `upcast=False` in the logits' own dtype (Megatron-LM v1.x's
+    --fp16-lm-cross-entropy: no fp32 copy of the logits, an fp16 loss)."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, upcast)

@@ -4,6 +4,9 @@ With n = steps done, W = warmup_steps, D = decay_steps:
 
     n <= W (W > 0)               lr = max_lr * n / W
     'constant'                   lr = max_lr
+    'exponential' (v1.x)         lr = max(min_lr, max_lr * exp(-0.693 * min(r, 1))),
+                                 r = (n - W) / (D - W): halves over the decay, then stays
+                                 (v1.x's formula when W = 0)
     n > D                        lr = min_lr
     'inverse-square-root'        lr = max(min_lr, max_lr * sqrt(max(W, 1)) / sqrt(max(n, 1)))
     otherwise, r = (n - W) / (D - W) and lr = min_lr + c * (max_lr - min_lr) with
@@ -152,6 +155,9 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
             return self.max_lr * n / w
         if self.decay_style == "constant":
             return self.max_lr
+        if self.decay_style == "exponential":  # exp(-0.693) = 1/2, v1.x's constant
+            r = min(n - w, d - w) / (d - w)
+            return max(self.min_lr, self.max_lr * math.exp(-0.693 * r))
         if n > d:
             return self.min_lr
         if self.decay_style == "inverse-square-root":

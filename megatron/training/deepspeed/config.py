@@ -126,6 +126,14 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
             "has no interleaved schedule. Fix: drop the flag, or train without "
             "--deepspeed (our pipeline schedules support it)"
         )
+    m = cfg.model
+    shared = m.num_unique_layers is not None and m.num_unique_layers < m.num_layers
+    if shared and cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            "--num-unique-layers: DeepSpeed's pipeline engine builds one module per layer and "
+            "cannot share a layer's weights between layers. Fix: train without --deepspeed "
+            "(our pipeline shares them), or with --pipeline-model-parallel-size 1"
+        )
     if t.rampup_batch_size is not None:
         raise ConfigError(
             "--rampup-batch-size is not supported with --deepspeed (its batch "

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config.schema import MegatronConfig, ModelConfig
+from megatron.fused_kernels import select_ops
 from megatron.model.gpt import Embedding, OutputHead, init_weights
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
@@ -100,8 +101,12 @@ class EmbeddingPipe(Embedding):
 
 
 class TransformerLayerPipe(TransformerLayer):
-    def __init__(self, cfg, state, tracker, seed: int, number: int, device, dtype, recompute):
-        super().__init__(cfg, state, tracker, device, dtype, recompute=recompute)
+    def __init__(
+        self, cfg, state, tracker, seed: int, number: int, device, dtype, recompute, ops=None
+    ):
+        super().__init__(
+            cfg, state, tracker, device, dtype, ops, recompute, layer_number=number + 1
+        )
         init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
 
     def forward(self, x):
@@ -139,12 +144,13 @@ class _LossPipe:
     """The pipeline engine's loss: the native path's lm_loss over the per-token cross entropy,
     with the loss mask PipeBatches sends beside the labels."""
 
-    def __init__(self, tp_group):
-        self.tp_group = tp_group
+    def __init__(self, tp_group, upcast: bool = True):
+        self.tp_group, self.upcast = tp_group, upcast
 
     def __call__(self, logits, labels_and_mask):
         labels, loss_mask = labels_and_mask
-        return lm_loss(loss_mask, vocab_parallel_cross_entropy(logits, labels, self.tp_group))[0]
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.upcast)
+        return lm_loss(loss_mask, per_token)[0]
 
 
 def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
@@ -153,6 +159,7 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     m, st, seed = cfg.model, rt.state, cfg.training.seed
+    ops = select_ops(cfg.kernels, rt.device)
     common = (cfg.model, st, seed, rt.device, cfg.precision.params_dtype)
     tied = not m.untie_embeddings_and_output_weights
     embed = (
@@ -185,6 +192,7 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
                 rt.device,
                 cfg.precision.params_dtype,
                 cfg.recompute,
+                ops,
             )
             for i in range(m.num_layers)
         ),
@@ -198,7 +206,7 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
     del deepspeed
     return PipelineModule(
         layers=layers,
-        loss_fn=_LossPipe(st.tp_group),
+        loss_fn=_LossPipe(st.tp_group, upcast=not cfg.kernels.fp16_lm_cross_entropy),
         topology=topology,
         partition_method="type:TransformerLayerPipe",
         activation_checkpoint_interval=cfg.recompute.num_layers if recompute else 0,
@@ -248,6 +256,7 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
             device=rt.device,
             dtype=cfg.precision.params_dtype,
             checkpoint_impl=impl,
+            ops=select_ops(cfg.kernels, rt.device),
             recompute=cfg.recompute,
             torch_compile=cfg.kernels.torch_compile,
         )
