@@ -17,15 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
-import sys
-import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import socket
 
-from megatron.inference.engine import broadcast_json
 from megatron.inference.generation import SamplingParams
-from megatron.inference.session import add_checkpoint_args, complete, run_tool, setup
+from megatron.inference.ops import Leader, Model, follow
+from megatron.inference.session import add_checkpoint_args, run_tool, setup
 
 MAX_PROMPTS = 128
 MAX_TOKENS = 4096
@@ -129,126 +125,46 @@ class Busy(RuntimeError):
     """The queue of waiting requests is full; the client should retry later (503)."""
 
 
-class _Generator:
-    """Runs one request at a time on every rank (rank 0 broadcasts it first).
-
-    At most QUEUE_SIZE requests are admitted (generating or waiting for the lock); the rest are
-    turned away at once with Busy instead of piling up threads and timing out.
-    """
-
-    def __init__(self, rt, engine, tokenizer):
-        self.rt, self.engine, self.tokenizer = rt, engine, tokenizer
-        self.lock = threading.Lock()
-        self.slots = threading.BoundedSemaphore(QUEUE_SIZE)
-
-    def check_length(self, req: dict) -> None:
-        """Refuse (never truncate) a request whose prompt + tokens_to_generate exceeds the
-        model's positions; checked on rank 0 so followers never see it."""
-        limit = self.engine.model.cfg.max_positions
-        longest = max(len(self.tokenizer.tokenize(p)) for p in req["prompts"])
-        if longest + req["tokens_to_generate"] > limit:
-            raise BadRequest(
-                f"the longest prompt has {longest} tokens and 'tokens_to_generate' is "
-                f"{req['tokens_to_generate']}: together more than the model's context of "
-                f"{limit} positions. Shorten the prompt or ask for at most "
-                f"{max(limit - longest, 0)} tokens"
-            )
-
-    def __call__(self, req: dict) -> dict:
-        if not self.slots.acquire(blocking=False):
-            raise Busy(f"{QUEUE_SIZE} requests are already queued")
-        try:
-            with self.lock:
-                broadcast_json({"op": "generate", "request": req}, self.rt.device)
-                results = complete(self.engine, self.tokenizer, req["prompts"], params_of(req))
-        finally:
-            self.slots.release()
-        return {"text": [r["text"] for r in results], "tokens": [r["tokens"] for r in results]}
-
-    def stop_workers(self) -> None:
-        with self.lock:
-            broadcast_json({"op": "stop"}, self.rt.device)
-
-    def serve_worker(self) -> None:
-        """Ranks other than 0: generate whatever rank 0 broadcasts, until it says stop.
-
-        A request that fails here fails on rank 0 too (same validated request, same code), which
-        answers that client with a 500; this rank logs it and keeps serving.
-        """
-        while True:
-            cmd = broadcast_json(None, self.rt.device)
-            if cmd["op"] == "stop":
-                return
-            try:
-                req = cmd["request"]
-                complete(self.engine, self.tokenizer, req["prompts"], params_of(req))
-            except Exception as e:  # noqa: BLE001 - one request must not end the server
-                print(f"[server rank {self.rt.state.rank}] request failed: {e!r}", file=sys.stderr)
+def check_length(req: dict, tokenizer, limit: int) -> None:
+    """Refuse (never truncate) a request whose prompt + tokens_to_generate exceeds the model's
+    positions; checked on rank 0 so followers never see it."""
+    longest = max(len(tokenizer.tokenize(p)) for p in req["prompts"])
+    if longest + req["tokens_to_generate"] > limit:
+        raise BadRequest(
+            f"the longest prompt has {longest} tokens and 'tokens_to_generate' is "
+            f"{req['tokens_to_generate']}: together more than the model's context of "
+            f"{limit} positions. Shorten the prompt or ask for at most "
+            f"{max(limit - longest, 0)} tokens"
+        )
 
 
-def _handler(generator: _Generator):
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, status: int, payload: dict, headers: dict | None = None) -> None:
-            body = json.dumps(payload, ensure_ascii=False).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_PUT(self):  # noqa: N802 - http.server's naming
-            if self.path.rstrip("/") != "/api":
-                return self._reply(HTTPStatus.NOT_FOUND, {"error": "use PUT /api"})
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                return self._reply(HTTPStatus.BAD_REQUEST, {"error": "bad Content-Length"})
-            if not 0 <= length <= MAX_BODY_BYTES:
-                return self._reply(
-                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    {"error": f"the body must be at most {MAX_BODY_BYTES} bytes"},
-                )
-            try:
-                req = parse_request(self.rfile.read(length))
-                generator.check_length(req)
-            except BadRequest as e:
-                return self._reply(HTTPStatus.BAD_REQUEST, {"error": str(e)})
-            try:
-                return self._reply(HTTPStatus.OK, generator(req))
-            except Busy as e:
-                return self._reply(
-                    HTTPStatus.SERVICE_UNAVAILABLE,
-                    {"error": f"{e}; retry in a few seconds"},
-                    {"Retry-After": "2"},
-                )
-            except ValueError as e:  # the generator's own input checks
-                return self._reply(HTTPStatus.BAD_REQUEST, {"error": str(e)})
-            except Exception as e:  # noqa: BLE001 - answer this client, keep serving the rest
-                self.log_message("generation failed: %r", e)
-                return self._reply(
-                    HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"generation failed: {e}"}
-                )
-
-        do_POST = do_PUT  # noqa: N815
-
-        def log_message(self, fmt, *args):
-            print(f"[server] {self.address_string()} {fmt % args}", file=sys.stderr)
-
-    return Handler
+def _listen(host: str, port: int) -> socket.socket:
+    """Bound and listening before the first line is printed, so a client that reads that line
+    can connect at once; the backlog holds a burst of clients (the default of 5 reset 9 of 150
+    concurrent connections)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
+    return sock
 
 
-class _Server(ThreadingHTTPServer):
-    """A threading server whose listen backlog holds a burst of clients (the default of 5
-    reset 9 of 150 concurrent connections)."""
+def serve(model: Model, leader: Leader, sock: socket.socket, name: str) -> None:
+    """Rank 0: answer HTTP on `sock` until SIGINT / SIGTERM, then stop the other ranks."""
+    import uvicorn
 
-    request_queue_size = LISTEN_BACKLOG
-    daemon_threads = True
+    from megatron.inference.http_app import Scheduler, build_app
 
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    scheduler = Scheduler(leader)
+    app = build_app(scheduler, model, name)
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=5, backlog=LISTEN_BACKLOG
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])  # handles SIGINT / SIGTERM itself
+    finally:
+        scheduler.close()
 
 
 def main(argv=None) -> int:
@@ -256,27 +172,28 @@ def main(argv=None) -> int:
     add_checkpoint_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--port", type=int, default=5000, help="port (5000)")
+    p.add_argument(
+        "--model-name", default="megatron", help="the model id /v1/models reports (megatron)"
+    )
     args = p.parse_args(argv)
 
     def body() -> None:
         rt, engine, tokenizer, iteration = setup(args.load, args.pipeline_model_parallel_size)
-        generator = _Generator(rt, engine, tokenizer)
+        model = Model(engine, tokenizer)
         if rt.state.rank != 0:
-            generator.serve_worker()
+            follow(model, rt.device, rt.state.rank)
             return
-        signal.signal(signal.SIGTERM, _interrupt)  # stop the worker ranks cleanly too
-        server = _Server((args.host, args.port), _handler(generator))
+        leader = Leader(model, rt.device)
+        try:
+            sock = _listen(args.host, args.port)
+        except OSError:
+            leader.stop()
+            raise
         print(
             f"serving checkpoint iteration {iteration} on http://{args.host}:"
-            f"{server.server_address[1]}/api",
+            f"{sock.getsockname()[1]} (PUT /api, POST /v1/completions, GET /health)",
             flush=True,
         )
-        try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.server_close()
-            generator.stop_workers()
+        serve(model, leader, sock, args.model_name)
 
     return run_tool(body)
