@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import socket
 
 from megatron.inference.generation import SamplingParams
@@ -161,8 +162,12 @@ def serve(model: Model, leader: Leader, sock: socket.socket, name: str) -> None:
     config = uvicorn.Config(
         app, log_level="warning", timeout_graceful_shutdown=5, backlog=LISTEN_BACKLOG
     )
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM and then raises the signal again for
+    # the handler found before it: a no-op one, so the other ranks are stopped below.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.Server(config).run(sockets=[sock])  # handles SIGINT / SIGTERM itself
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         scheduler.close()
 
