@@ -52,7 +52,9 @@ def make_checkpoint(root: Path, cfg: ModelConfig = CFG, seed: int = 5) -> str:
 def convert(args: list[str]) -> None:
     """tools/convert_checkpoint.py with these arguments (reshard or export to HF)."""
     tool = str(ROOT / "tools" / "convert_checkpoint.py")
-    done = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, tool, *args], capture_output=True, text=True, timeout=120
+    )
     if done.returncode:
         raise AssertionError(done.stderr)
 

@@ -6,7 +6,6 @@ equals tools/evaluate.py's. Fully offline: local task YAMLs over local JSONL fil
 import glob
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -131,7 +130,9 @@ def test_megatron_model_matches_the_hf_export_and_evaluate_py(tmp_path):
     tool = [sys.executable, str(ROOT / "tools" / "lm_eval.py")]
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     args = f"load={pp2},pipeline_model_parallel_size=2"
-    _run(tool + _lm_eval("megatron", args, "local_mc,local_ppl,local_gen", tasks, ours), tmp_path, 2)
+    _run(
+        tool + _lm_eval("megatron", args, "local_mc,local_ppl,local_gen", tasks, ours), tmp_path, 2
+    )
     hf_cmd = [sys.executable, "-m", "lm_eval"]
     _run(hf_cmd + _lm_eval("hf", f"pretrained={hf}", "local_mc,local_ppl", tasks, theirs), tmp_path)
 

@@ -46,7 +46,9 @@ def _reference_logprobs(ids: list[int]) -> torch.Tensor:
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     ckpt = make_checkpoint(root / "tp1")
-    convert(["--load", ckpt, "--save", str(root / "tp2"), "--target-tensor-model-parallel-size", "2"])
+    convert(
+        ["--load", ckpt, "--save", str(root / "tp2"), "--target-tensor-model-parallel-size", "2"]
+    )
     srv = Server(str(root / "tp2"), world=2)
     yield srv
     codes = srv.stop()
@@ -85,7 +87,9 @@ def test_openai_completions_logprobs_echo_stop_seed(server):
     # A stop string cuts the text before it.
     text = greedy.choices[0].text
     stop = text[len(text) // 2 :][:3]
-    cut = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model="m", prompt=prompt, max_tokens=6, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
     # Sampling: the same seed gives the same text, per request.
     sample = {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "top_k": 50, "top_p": 0.9}
@@ -133,7 +137,9 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_never_hurts_the_ranks(server)
     temperature = b'{"prompt": "x", "temperature": NaN}'
     assert _post(server, temperature).json()["error"]["param"] == "temperature"
     assert _post(server, b"x" * (9 << 20)).status_code == 413  # over the body limit
-    assert httpx.put(server.url + "/api", content=b'{"prompts": ["x"], "top_p": 2}').status_code == 400
+    assert (
+        httpx.put(server.url + "/api", content=b'{"prompts": ["x"], "top_p": 2}').status_code == 400
+    )
     assert httpx.get(server.url + "/nope").status_code == 404
     # A client that hangs up while its long request waits or runs.
     for _ in range(3):
@@ -174,8 +180,7 @@ class _SlowLeader:
 
 
 def test_queue_is_bounded_skips_cancelled_jobs_and_stops_the_ranks_last():
-    from megatron.inference.http_app import Scheduler
-    from megatron.inference.server import QUEUE_SIZE, Busy
+    from megatron.inference.http_app import QUEUE_SIZE, Busy, Scheduler
 
     leader = _SlowLeader()
     scheduler = Scheduler(leader)
@@ -189,3 +194,19 @@ def test_queue_is_bounded_skips_cancelled_jobs_and_stops_the_ranks_last():
     assert [f.result(10) for f in futures[2:5]] == [2, 3, 4]
     scheduler.close()
     assert 1 not in leader.ran and leader.ran[-1] == "stop" and leader.ran[0] == 0
+
+
+def test_training_and_the_inference_tools_import_no_web_framework_or_lm_eval():
+    import subprocess
+    import sys
+
+    from tests.serving import ROOT
+
+    code = (
+        "import sys, pretrain_gpt2, megatron.training.loop, megatron.inference.server, "
+        "megatron.inference.evaluate_cli, megatron.inference.generate_cli\n"
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'lm_eval', 'openai') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr + out.stdout

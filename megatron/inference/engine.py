@@ -94,7 +94,6 @@ class InferenceModel:
         packed = self._broadcast(packed, (2, *tokens.shape), torch.float32)
         return packed[0], packed[1].long()
 
-
     @torch.no_grad()
     def token_logprobs(self, tokens, labels, top_n: int = 0):
         """log p(labels | tokens) (b, s) over the real vocab (padding ids excluded, as in the
@@ -110,6 +109,7 @@ class InferenceModel:
         packed = self._broadcast(packed, (*tokens.shape, 1 + 2 * top_n), torch.float32)
         n = top_n
         return packed[..., 0], packed[..., 1 + n :].long(), packed[..., 1 : 1 + n]
+
 
 def _vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
     """Global argmax over a vocab split across TP: each rank's best, then the best of those."""

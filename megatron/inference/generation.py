@@ -17,7 +17,6 @@ import torch
 
 from megatron.inference.engine import InferenceModel
 
-
 # (position just written, that step's (b, V) logits, tokens (b, total)) -> rows to stop, or None
 StepHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 

@@ -25,17 +25,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from megatron.inference import openai_api
+from megatron.inference.megatron_api import BadRequest, check_length, parse_request
 from megatron.inference.ops import Leader
-from megatron.inference.server import (
-    MAX_BODY_BYTES,
-    QUEUE_SIZE,
-    BadRequest,
-    Busy,
-    check_length,
-    parse_request,
-)
 
+MAX_BODY_BYTES = 8 << 20  # a larger body gets 413 before it is read in full
+QUEUE_SIZE = 64  # requests running or waiting; more get 503 with Retry-After
 DISCONNECT_POLL_S = 0.25
+
+
+class Busy(RuntimeError):
+    """The queue of waiting requests is full; the client should retry later (503)."""
 
 
 class Scheduler:

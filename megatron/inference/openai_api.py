@@ -11,10 +11,16 @@ send. Everything else is refused with a 400 naming the field (never silently ign
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 
-from megatron.inference.server import MAX_PROMPTS, MAX_TEMPERATURE, MIN_TEMPERATURE, BadRequest
+from megatron.inference.megatron_api import (
+    MAX_PROMPTS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    BadRequest,
+)
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
@@ -53,7 +59,7 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v == v and abs(v) != 1e999
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _prompts(value, tokenizer, vocab_size: int) -> list[list[int]]:
@@ -181,7 +187,12 @@ def _logprobs_body(tokenizer, ids: list[int], result: dict, first: int, offset0:
         else:
             token_lps.append(result["logprobs"][t - 1])
             tops.append({tokenizer.detokenize([i]): lp for i, lp in result["top"][t - 1]})
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def completion_response(args: dict, results: list[dict], tokenizer) -> dict:

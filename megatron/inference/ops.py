@@ -23,6 +23,8 @@ import torch
 
 from megatron.inference.engine import broadcast_json
 from megatron.inference.generation import SamplingParams, generate
+from megatron.inference.megatron_api import params_of
+from megatron.inference.session import complete as complete_texts
 
 
 @dataclass
@@ -116,9 +118,7 @@ def complete(model: Model, args: dict) -> list[dict]:
             args["seed"],
         )
         hook = _stop_hook(model, prompts, stops)
-        full = generate(
-            model.engine, prompts, params, eod=model.tokenizer.eod, step_hook=hook
-        )
+        full = generate(model.engine, prompts, params, eod=model.tokenizer.eod, step_hook=hook)
     else:
         full = [list(p) for p in prompts]
     results = []
@@ -134,9 +134,6 @@ def complete(model: Model, args: dict) -> list[dict]:
 
 def megatron_generate(model: Model, req: dict) -> dict:
     """Megatron's PUT /api: {"text": [...], "tokens": [[...]]} (see server.parse_request)."""
-    from megatron.inference.server import params_of
-    from megatron.inference.session import complete as complete_texts
-
     results = complete_texts(model.engine, model.tokenizer, req["prompts"], params_of(req))
     return {"text": [r["text"] for r in results], "tokens": [r["tokens"] for r in results]}
 
