@@ -5,6 +5,8 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 README = Path(__file__).with_name("README.md")
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx", "openai>=1.0"]
+EVAL = ["lm-eval>=0.4.5", "accelerate"]
 
 setup(
     name="megatron-3d",
@@ -33,7 +35,13 @@ setup(
             "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)
             "safetensors",  # HF weight files (megatron/checkpoint/hf.py)
             "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
+            *SERVE,
+            *EVAL,
         ],
+        # tools/run_text_generation_server.py (and its tests: httpx, openai)
+        "serve": SERVE,
+        # tools/lm_eval.py; accelerate for lm-eval's own hf model (the parity test)
+        "eval": EVAL,
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

@@ -94,6 +94,22 @@ class InferenceModel:
         packed = self._broadcast(packed, (2, *tokens.shape), torch.float32)
         return packed[0], packed[1].long()
 
+    @torch.no_grad()
+    def token_logprobs(self, tokens, labels, top_n: int = 0):
+        """log p(labels | tokens) (b, s) over the real vocab (padding ids excluded, as in the
+        HF export), and the top_n most likely ids (b, s, n) with their log-probabilities, the
+        same on every rank. The vocab-split logits are never gathered: each TP rank sends its
+        own top_n only. A row may be right-padded: causal attention keeps padding out of the
+        earlier positions."""
+        position_ids = torch.arange(tokens.size(1), device=self.device).expand_as(tokens)
+        out = self._stage_forward(tokens, position_ids, None)
+        packed = None
+        if out is not None:  # logits (b, s, V_pad / p)
+            packed = _vocab_parallel_logprobs(out, labels, top_n, self.vocab_size, self.state)
+        packed = self._broadcast(packed, (*tokens.shape, 1 + 2 * top_n), torch.float32)
+        n = top_n
+        return packed[..., 0], packed[..., 1 + n :].long(), packed[..., 1 : 1 + n]
+
 
 def _vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
     """Global argmax over a vocab split across TP: each rank's best, then the best of those."""
@@ -108,6 +124,44 @@ def _vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
     stacked = torch.stack(parts)  # (p, 2, b, s)
     best = stacked[:, 0].argmax(dim=0)  # first rank wins ties, like a single argmax
     return stacked[:, 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
+
+
+def _vocab_parallel_logprobs(logits, labels, top_n: int, vocab_size: int, state):
+    """(b, s, 1 + 2 n) float32: log p(label), then the top n log-probabilities and their ids.
+
+    log p(v) = z_v - logsumexp(z) with the logsumexp over the real vocab of every TP rank
+    (max and sum of exp all-reduced); each rank's top n are all-gathered and the best n kept.
+    """
+    group = state.tp_group
+    size = 1 if group is None else dist.get_world_size(group)
+    z = logits.float()  # (b, s, V_pad / p)
+    width = z.size(-1)
+    offset = (0 if group is None else dist.get_rank(group)) * width
+    ids = torch.arange(offset, offset + width, device=z.device)
+    z = z.masked_fill(ids >= vocab_size, float("-inf"))  # padding rows never count
+    zmax = z.max(dim=-1, keepdim=True).values  # (b, s, 1)
+    if size > 1:
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+    sumexp = (z - zmax).exp().sum(dim=-1, keepdim=True)
+    local = labels - offset
+    mine = (local >= 0) & (local < width)
+    picked = z.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)  # (b, s)
+    picked = torch.where(mine, picked, torch.zeros_like(picked))
+    if size > 1:
+        dist.all_reduce(sumexp, group=group)
+        dist.all_reduce(picked, group=group)
+    lse = zmax + sumexp.log()  # (b, s, 1)
+    parts = [picked.unsqueeze(-1) - lse]  # (b, s, 1)
+    if top_n > 0:
+        values, idx = z.topk(min(top_n, width), dim=-1)  # (b, s, n)
+        both = torch.stack([values, (idx + offset).float()])  # (2, b, s, n); ids exact in fp32
+        if size > 1:
+            gathered = [torch.empty_like(both) for _ in range(size)]
+            dist.all_gather(gathered, both, group=group)
+            both = torch.cat(gathered, dim=-1)  # (2, b, s, p n)
+        best, order = both[0].topk(top_n, dim=-1)  # (b, s, n)
+        parts += [best - lse, both[1].gather(-1, order)]
+    return torch.cat(parts, dim=-1)  # (b, s, 1 + 2 n): log p(label), top log p, top ids
 
 
 def load_inference_model(load_dir: str, rt) -> tuple[InferenceModel, object, int]:

@@ -10,11 +10,15 @@ so all ranks agree on every token without another broadcast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megatron.inference.engine import InferenceModel
+
+# (position just written, that step's (b, V) logits, tokens (b, total)) -> rows to stop, or None
+StepHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,14 @@ def generate(
     eod: int | None = None,
     max_length: int | None = None,
     use_cache: bool = True,
+    step_hook: StepHook | None = None,
 ) -> list[list[int]]:
-    """prompt + generated ids for each prompt (generation of a row stops after its eod)."""
+    """prompt + generated ids for each prompt (generation of a row stops after its eod).
+
+    `step_hook(pos, logits, tokens)`, if given, sees each step's (b, V) logits and the tokens
+    so far (position `pos` just written) and may return a (b,) bool of rows to stop after
+    `pos` (e.g. a stop sequence appeared); it must answer the same on every rank.
+    """
     params.validate()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -92,8 +102,12 @@ def generate(
         chosen = torch.where(in_prompt, tokens[:, pos], chosen)
         chosen = torch.where(done, tokens[:, pos], chosen)
         tokens[:, pos] = chosen
-        if eod is not None and params.stop_at_eod:
-            finished = (chosen == eod) & ~in_prompt & ~done
+        stop = step_hook(pos, logits, tokens) if step_hook is not None else None
+        if stop is not None or (eod is not None and params.stop_at_eod):
+            finished = torch.zeros_like(done) if stop is None else stop.to(device)
+            if eod is not None and params.stop_at_eod:
+                finished = finished | (chosen == eod)
+            finished &= ~in_prompt & ~done
             ends = torch.where(finished, torch.full_like(ends, pos + 1), ends)
             done |= finished
             if bool(done.all()):

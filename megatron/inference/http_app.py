@@ -1,0 +1,180 @@
+"""The HTTP side of the generation server (rank 0 only): FastAPI routes on uvicorn, a bounded
+queue, and one worker thread that runs the queued operations on every rank in order.
+
+Why FastAPI + uvicorn rather than Flask: one asyncio event loop holds any number of waiting
+clients without a thread each, and notices a client that hung up (the request is dropped
+from the queue if it has not started; a running one finishes on every rank and its answer is
+discarded, so the ranks never fall out of step). The model runs one operation at a time
+anyway: every rank must take part in each forward pass.
+
+    PUT /api              Megatron's request (server.parse_request) -> {"text", "tokens"}
+    POST /v1/completions  OpenAI's completions (openai_api) -> a text_completion
+    GET /health           {"status": "ok", "queued": n}, 200 while the worker is alive
+    GET /v1/models        the one model, for clients that list models first
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+from concurrent.futures import Future
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from megatron.inference import openai_api
+from megatron.inference.megatron_api import BadRequest, check_length, parse_request
+from megatron.inference.ops import Leader
+
+MAX_BODY_BYTES = 8 << 20  # a larger body gets 413 before it is read in full
+QUEUE_SIZE = 64  # requests running or waiting; more get 503 with Retry-After
+DISCONNECT_POLL_S = 0.25
+
+
+class Busy(RuntimeError):
+    """The queue of waiting requests is full; the client should retry later (503)."""
+
+
+class Scheduler:
+    """At most QUEUE_SIZE operations wait; one thread runs them in order on every rank."""
+
+    def __init__(self, leader: Leader):
+        self.leader = leader
+        self.jobs: queue.Queue = queue.Queue(maxsize=QUEUE_SIZE)
+        self.thread = threading.Thread(target=self._work, name="generation", daemon=True)
+        self.thread.start()
+
+    def submit(self, op: str, args: dict) -> Future:
+        future: Future = Future()
+        try:
+            self.jobs.put_nowait((op, args, future))
+        except queue.Full:
+            raise Busy(f"{QUEUE_SIZE} requests are already queued") from None
+        return future
+
+    def _work(self) -> None:
+        while True:
+            op, args, future = self.jobs.get()
+            if op == "stop":
+                self.leader.stop()
+                future.set_result(None)
+                return
+            if not future.set_running_or_notify_cancel():
+                continue  # the client hung up before its turn: no rank runs it
+            try:
+                future.set_result(self.leader.run(op, args))
+            except Exception as e:  # noqa: BLE001 - answered as a 500 to that client only
+                future.set_exception(e)
+
+    def close(self) -> None:
+        """Cancel what waits, let the running operation finish, then stop the other ranks."""
+        while True:
+            try:
+                self.jobs.get_nowait()[2].cancel()
+            except queue.Empty:
+                break
+        done: Future = Future()
+        self.jobs.put(("stop", None, done))
+        done.result()
+        self.thread.join()
+
+
+def _megatron_error(status: int, message: str, headers=None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _openai_error(status: int, message: str, field=None, headers=None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = openai_api.error_body(message, field, kind)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refusing (413) more than MAX_BODY_BYTES whatever Content-Length says."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+        raise _TooLarge
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise _TooLarge
+    return bytes(body)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _wait(request: Request, future: Future):
+    """The operation's result; None if the client hung up first (its job is cancelled)."""
+    waiting = asyncio.wrap_future(future)
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return waiting.result()
+        if await request.is_disconnected():
+            future.cancel()  # dropped if not started; a running one finishes, unheard
+            return None
+
+
+def build_app(scheduler: Scheduler, model, model_name: str) -> FastAPI:
+    """The routes; `model` (ops.Model) gives the tokenizer and context for validation."""
+    app = FastAPI(title="megatron-3d", docs_url=None, redoc_url=None, openapi_url=None)
+    tokenizer = model.tokenizer
+    vocab = model.engine.vocab_size
+    busy = {"Retry-After": "2"}
+
+    @app.get("/health")
+    async def health():
+        alive = scheduler.thread.is_alive()
+        body = {"status": "ok" if alive else "worker stopped", "queued": scheduler.jobs.qsize()}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "owned_by": "megatron-3d"}
+        return {"object": "list", "data": [card]}
+
+    @app.api_route("/api", methods=["PUT", "POST"])
+    async def megatron_api(request: Request):
+        try:
+            body = await _read_body(request)
+            req = await asyncio.to_thread(parse_request, body)
+            await asyncio.to_thread(check_length, req, tokenizer, model.max_positions)
+            result = await _wait(request, scheduler.submit("generate", req))
+        except _TooLarge:
+            return _megatron_error(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
+        except BadRequest as e:
+            return _megatron_error(400, str(e))
+        except Busy as e:
+            return _megatron_error(503, f"{e}; retry in a few seconds", busy)
+        except Exception as e:  # noqa: BLE001 - answer this client, keep serving the rest
+            print(f"[server] generation failed: {e!r}", file=sys.stderr)
+            return _megatron_error(500, f"generation failed: {e}")
+        return JSONResponse(result) if result is not None else JSONResponse({}, 499)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            body = await _read_body(request)
+            args = await asyncio.to_thread(
+                openai_api.completion_args, body, tokenizer, model.max_positions, vocab
+            )
+            results = await _wait(request, scheduler.submit("complete", args))
+            if results is None:
+                return JSONResponse({}, 499)
+            return openai_api.completion_response(args, results, tokenizer)
+        except _TooLarge:
+            return _openai_error(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
+        except openai_api.FieldError as e:
+            return _openai_error(400, str(e), e.field)
+        except Busy as e:
+            return _openai_error(503, f"{e}; retry in a few seconds", headers=busy)
+        except Exception as e:  # noqa: BLE001
+            print(f"[server] completion failed: {e!r}", file=sys.stderr)
+            return _openai_error(500, f"completion failed: {e}")
+
+    return app

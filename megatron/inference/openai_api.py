@@ -1,0 +1,233 @@
+"""OpenAI's POST /v1/completions on our model: request validation and the response body.
+
+Supported: prompt (a string, a list of strings, a list of ids or a list of lists of ids),
+max_tokens (0 scores the prompt only), temperature (0 = greedy), top_p, top_k (an extension,
+as in vLLM; 0 or -1 = off), stop (a string or a list), seed, logprobs (top-n alternatives per
+token, 0..20), echo (the prompt is returned, with its log-probabilities when logprobs is set),
+n = 1, stream = false. This is what lm-eval's `local-completions` model and the openai client
+send. Everything else is refused with a 400 naming the field (never silently ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+
+from megatron.inference.megatron_api import (
+    MAX_PROMPTS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    BadRequest,
+)
+
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
+_KNOWN = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "logprobs",
+    "echo",
+    "n",
+    "stream",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "best_of",
+}
+# Fields accepted only at the value that means "off", since we do not implement them.
+_ONLY = {"n": 1, "best_of": 1, "stream": False, "presence_penalty": 0, "frequency_penalty": 0}
+
+
+class FieldError(BadRequest):
+    """A bad field: OpenAI's error body names it in "param"."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _prompts(value, tokenizer, vocab_size: int) -> list[list[int]]:
+    """The prompt field as lists of ids (strings are tokenized)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise FieldError("prompt", "'prompt' must be a string, a list of strings or of ids")
+    if all(_is_int(v) for v in value):
+        value = [value]  # one prompt given as ids
+    if len(value) > MAX_PROMPTS:
+        raise FieldError("prompt", f"'prompt' may hold at most {MAX_PROMPTS} prompts")
+    out = []
+    for p in value:
+        if isinstance(p, str) and p:
+            out.append(tokenizer.tokenize(p))
+        elif isinstance(p, list) and p and all(_is_int(t) and 0 <= t < vocab_size for t in p):
+            out.append(p)
+        else:
+            raise FieldError(
+                "prompt",
+                f"'prompt' entries must be non-empty strings or lists of ids in [0, {vocab_size})",
+            )
+        if not out[-1]:
+            raise FieldError("prompt", "'prompt' has a string that tokenizes to nothing")
+    return out
+
+
+def _int(req: dict, name: str, default, low: int, high: int):
+    value = req.get(name, default)
+    if value is None and default is None:
+        return None
+    if not _is_int(value) or not low <= value <= high:
+        raise FieldError(name, f"'{name}' must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _stops(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_STOPS
+        or not all(isinstance(s, str) and s for s in value)
+    ):
+        raise FieldError("stop", f"'stop' must be a string or a list of 1 to {MAX_STOPS} strings")
+    return value
+
+
+def _sampling(req: dict) -> dict:
+    temperature = req.get("temperature", 1.0)
+    if not _is_number(temperature) or not (
+        temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
+    ):
+        raise FieldError(
+            "temperature",
+            f"'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+            f"got {temperature!r}",
+        )
+    top_p = req.get("top_p", 1.0)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise FieldError("top_p", f"'top_p' must be a number in (0, 1], got {top_p!r}")
+    top_k = _int(req, "top_k", 0, -1, 1 << 30)
+    return {
+        "greedy": temperature == 0,
+        "temperature": float(temperature) or 1.0,
+        "top_p": float(top_p) if top_p < 1 else 0.0,  # 0: no nucleus filter
+        "top_k": max(top_k, 0),
+    }
+
+
+def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int) -> dict:
+    """The validated request as the arguments of ops.complete, or FieldError."""
+    try:
+        req = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FieldError(None, f"the body is not JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise FieldError(None, "the body must be a JSON object")
+    unknown = sorted(set(req) - _KNOWN)
+    if unknown:
+        raise FieldError(unknown[0], f"unknown fields {unknown}")
+    for name, only in _ONLY.items():
+        if name in req and req[name] is not None and req[name] != only:
+            raise FieldError(name, f"'{name}' is not supported (only {json.dumps(only)})")
+    if not isinstance(req.get("model", ""), str):
+        raise FieldError("model", "'model' must be a string")
+    if not isinstance(req.get("echo", False), bool):
+        raise FieldError("echo", "'echo' must be true or false")
+    prompts = _prompts(req.get("prompt"), tokenizer, vocab_size)
+    max_tokens = _int(req, "max_tokens", 16, 0, max_positions)
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > max_positions:
+        raise FieldError(
+            "max_tokens",
+            f"the longest prompt has {longest} tokens and 'max_tokens' is {max_tokens}: together "
+            f"more than the model's context of {max_positions} positions",
+        )
+    seed = _int(req, "seed", None, 0, 2**63 - 1)
+    return {
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "stop": _stops(req.get("stop")),
+        "seed": seed if seed is not None else int(uuid.uuid4().int % (2**63)),
+        "logprobs": _int(req, "logprobs", None, 0, MAX_LOGPROBS),
+        "echo": req.get("echo", False),
+        "model": req.get("model") or "megatron",
+        **_sampling(req),
+    }
+
+
+def _logprobs_body(tokenizer, ids: list[int], result: dict, first: int, offset0: int) -> dict:
+    """OpenAI's logprobs object for ids[first:] (the first token of a prompt has no context)."""
+    tokens, token_lps, tops, offsets, at = [], [], [], [], offset0
+    for t in range(first, len(ids)):
+        piece = tokenizer.detokenize([ids[t]])
+        tokens.append(piece)
+        offsets.append(at)
+        at += len(piece)
+        if t == 0:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(result["logprobs"][t - 1])
+            tops.append({tokenizer.detokenize([i]): lp for i, lp in result["top"][t - 1]})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def completion_response(args: dict, results: list[dict], tokenizer) -> dict:
+    """The OpenAI text_completion body for the results of ops.complete."""
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, (prompt, r) in enumerate(zip(args["prompts"], results, strict=True)):
+        prompt_text = tokenizer.detokenize(prompt) if args["echo"] else ""
+        logprobs = None
+        if args["logprobs"] is not None:
+            first = 0 if args["echo"] else len(prompt)
+            offset0 = 0 if args["echo"] else len(tokenizer.detokenize(prompt))
+            logprobs = _logprobs_body(tokenizer, prompt + r["ids"], r, first, offset0)
+        choices.append(
+            {
+                "index": i,
+                "text": prompt_text + r["text"],
+                "logprobs": logprobs,
+                "finish_reason": r["finish_reason"],
+            }
+        )
+        prompt_tokens += len(prompt)
+        completion_tokens += len(r["ids"])
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": args["model"],
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def error_body(message: str, field: str | None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": field, "code": None}}
