@@ -221,6 +221,9 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
         partition_method="type:TransformerLayerPipe",
         activation_checkpoint_interval=cfg.recompute.num_layers if recompute else 0,
         activation_checkpoint_func=checkpoint_fn,
+        # Transformer layers only: DeepSpeed's default also checkpoints the embedding, whose
+        # inputs (token ids) need no grad, so stage 0's output had none and backward failed.
+        checkpointable_layers=["TransformerLayerPipe"],
     )
 
 
