@@ -45,6 +45,17 @@ def test_fields_from_known_tokens():
     assert DocumentMasking.from_config(parse_args(["--vocab-size", "8"]).data, EOD) is None
 
 
+def test_masked_softmax_under_the_causal_mask_is_the_causal_softmax_bit_for_bit():
+    # So a KV-cache step (a causal mask tensor) on the unfused backend computes what it did.
+    from megatron.fused_kernels import TORCH_OPS
+
+    scores = torch.randn(2, 3, 5, 7)
+    keep = torch.ones(5, 7, dtype=torch.bool).tril(2)
+    assert torch.equal(
+        TORCH_OPS.masked_softmax(scores, keep, 0.3), TORCH_OPS.causal_softmax(scores, 0.3)
+    )
+
+
 def test_collate_and_get_batch_carry_the_fields_to_the_model_inputs():
     text = np.array([1, 2, 9, 3, 4, 5, 9, 6, 7])  # tokens = text[:-1], labels = text[1:]
     batch = get_batch(iter([collate(ALL, [{"text": text}, {"text": text[::-1].copy()}])]), "cpu")
