@@ -246,6 +246,23 @@ def _validate_data(d: DataConfig) -> None:
         split_weights(d.split)
     except ValueError as e:
         _fail("--split", str(e), "pass three non-negative weights such as 969,30,1")
+    if d.uses_documents and d.tokenizer.tokenizer_type is None:
+        flag = next(
+            f
+            for f, on in (
+                ("--reset-position-ids", d.reset_position_ids),
+                ("--reset-attention-mask", d.reset_attention_mask),
+                ("--eod-mask-loss", d.eod_mask_loss),
+            )
+            if on
+        )
+        _fail(
+            flag,
+            "needs the end-of-document id, which comes from the tokenizer, and no "
+            "--tokenizer-type is set",
+            "pass the --tokenizer-type the data was preprocessed with (NullTokenizer for "
+            "pre-tokenized ids: its end-of-document id is --vocab-size)",
+        )
 
 
 def _validate_batch(t: TrainingConfig, dp: int) -> None:

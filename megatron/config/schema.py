@@ -452,6 +452,25 @@ class DataConfig:
     mmap_warmup: bool = setting(
         False, "read every page of each .bin (and mmap .idx) once at load, so reads never fault"
     )
+    # Document boundaries inside a packed sample (the tokenizer's end-of-document id marks them;
+    # an EOD token ends the document it follows). Training semantics, never saved with a model.
+    reset_position_ids: bool = setting(
+        False, "position ids restart at 0 after each end-of-document token of a sample"
+    )
+    reset_attention_mask: bool = setting(
+        False,
+        "a token attends only to earlier tokens of its own document: none before or at an "
+        "end-of-document token that precedes it",
+    )
+    eod_mask_loss: bool = setting(
+        False, "no loss where the input token is end-of-document (predicting across documents)"
+    )
+
+    @property
+    def uses_documents(self) -> bool:
+        """Any option that needs the end-of-document id."""
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 

@@ -7,8 +7,9 @@ is how the tests exercise them), and every op has a plain torch implementation w
 math that is used everywhere else and serves as the reference.
 
 Ops: the attention core (`--attention-backend sdpa|fused|unfused`; fused = Triton scaled causal
-softmax), residual-add + LayerNorm/RMSNorm, bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel
-cross-entropy that never materializes fp32 logits.
+softmax, or scaled masked softmax under a document mask), residual-add + LayerNorm/RMSNorm,
+bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel cross-entropy that never materializes fp32
+logits.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class FusedOps:
 
             return scaled_upper_triang_masked_softmax(scores, scale)
         return reference.torch_scaled_upper_triang_masked_softmax(scores, scale)
+
+    def masked_softmax(self, scores: torch.Tensor, keep: torch.Tensor, scale: float):
+        """softmax(scale x scores) over the keys where `keep` (bool, broadcastable to scores,
+        e.g. (b, 1, s_q, s_k)) is True: the fused backend's Triton scaled masked softmax, else
+        the same math in torch."""
+        if self.softmax == "triton" and self.attention_backend == "fused":
+            from megatron.fused_kernels.triton_softmax import scaled_masked_softmax
+
+            return scaled_masked_softmax(scores, ~keep, scale)
+        return reference.torch_scaled_masked_softmax(scores, keep, scale)
 
     # The next three run only where dispatch chose Triton; the torch path keeps the model's
     # plain `x + residual; norm(x)` and `gelu(linear(x))`.

@@ -16,6 +16,16 @@ def torch_scaled_upper_triang_masked_softmax(scores: torch.Tensor, scale: float)
     return x.masked_fill(~keep, float("-inf")).softmax(dim=-1).to(scores.dtype)
 
 
+def torch_scaled_masked_softmax(
+    scores: torch.Tensor, keep: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(scale x scores) over the keys where `keep` is True (every row keeps one or more).
+
+    With keep = the causal mask this is torch_scaled_upper_triang_masked_softmax, bit for bit."""
+    x = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    return x.masked_fill(~keep, float("-inf")).softmax(dim=-1).to(scores.dtype)
+
+
 def torch_swiglu(x: torch.Tensor) -> torch.Tensor:
     """[gate | up] -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)

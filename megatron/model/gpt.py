@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
+from megatron.model.documents import document_attention_mask
 from megatron.model.transformer import NORM_TYPES, TransformerLayer, build_norm
 from megatron.mpu import (
     ColumnParallelLinear,
@@ -203,9 +204,15 @@ class GPTModel(nn.Module):
         """The activation received from the previous pipeline stage."""
         self._input = x
 
-    def forward(self, tokens=None, position_ids=None, labels=None, kv_caches=None):
-        """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference.engine)."""
+    def forward(
+        self, tokens=None, position_ids=None, labels=None, kv_caches=None, document_ids=None
+    ):
+        """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference.engine).
+        `position_ids`, `document_ids` (b, s): positions, and the document of each token that
+        attention stays within (--reset-position-ids / --reset-attention-mask); every pipeline
+        stage gets them (RoPE and the mask act in each layer)."""
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
+        mask = None if document_ids is None else document_attention_mask(document_ids)
         if kv_caches is not None:
             for number, layer in zip(self.layer_numbers, self.run_order(), strict=True):
                 x = layer(x, position_ids, kv_caches[number])
@@ -218,6 +225,7 @@ class GPTModel(nn.Module):
                 self.rng_tracker,
                 self.training,
                 self.checkpoint_impl,
+                mask,
             )
         if not self.post_process:
             return x
@@ -228,29 +236,34 @@ class GPTModel(nn.Module):
 
 
 def run_layers(
-    layers, x, position_ids, recompute: RecomputeConfig, tracker, training: bool, impl=None
+    layers,
+    x,
+    position_ids,
+    recompute: RecomputeConfig,
+    tracker,
+    training: bool,
+    impl=None,
+    attention_mask=None,
 ):
     """Run the transformer layers, recomputing activations as --recompute-* asks.
 
     full + uniform: checkpoint every group of N consecutive layers; full + block: checkpoint
-    the first N layers only. (Selective recompute lives inside the attention layer.)
+    the first N layers only. (Selective recompute lives inside the attention layer.) The mask
+    goes last: DeepSpeed's activation partitioning leaves non-float arguments whole.
     """
+    extra = (position_ids, None, attention_mask)  # (position ids, no KV cache, mask)
     if recompute.granularity != "full" or not training:
         for layer in layers:
-            x = layer(x, position_ids)
+            x = layer(x, *extra)
         return x
     n = recompute.num_layers
     if recompute.method == "block":
         for i, layer in enumerate(layers):
-            x = (
-                checkpoint(layer, tracker, x, position_ids, impl=impl)
-                if i < n
-                else layer(x, position_ids)
-            )
+            x = checkpoint(layer, tracker, x, *extra, impl=impl) if i < n else layer(x, *extra)
         return x
     for start in range(0, len(layers), n):
         group = layers[start : start + n]
-        x = checkpoint(_Sequential(group), tracker, x, position_ids, impl=impl)
+        x = checkpoint(_Sequential(group), tracker, x, *extra, impl=impl)
     return x
 
 
@@ -258,9 +271,9 @@ class _Sequential:
     def __init__(self, layers):
         self.layers = layers
 
-    def __call__(self, x, position_ids):
+    def __call__(self, x, *extra):
         for layer in self.layers:
-            x = layer(x, position_ids)
+            x = layer(x, *extra)
         return x
 
 

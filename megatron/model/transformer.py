@@ -101,6 +101,8 @@ class KVCache:
 class ParallelAttention(nn.Module):
     """Causal self-attention over this rank's heads: torch SDPA, or (--attention-backend)
     softmax(scale q k^T) v with a Triton (fused) or torch (unfused) scaled causal softmax.
+    An `attention_mask` (b, 1, s, s) of the keys each query may see (documents of a packed
+    sample, model/documents.py) replaces the causal mask: SDPA's attn_mask, or a masked softmax.
 
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
@@ -153,6 +155,7 @@ class ParallelAttention(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
@@ -163,7 +166,7 @@ class ParallelAttention(nn.Module):
                 start = kv_cache.length if kv_cache is not None else 0
                 position_ids = torch.arange(start, start + s, device=x.device).expand(b, s)
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
-        mask = None
+        mask = attention_mask  # None: causal
         if kv_cache is not None:  # generation: attend to the cached prefix as well
             past = kv_cache.length
             k, v = kv_cache.append(k, v)  # (b, past + s, g, d)
@@ -175,7 +178,7 @@ class ParallelAttention(nn.Module):
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
         if self.recompute_core and self.training:  # --recompute-granularity selective
-            ctx = checkpoint(self._core_attention, self.rng_tracker, q, k, v)
+            ctx = checkpoint(self._core_attention, self.rng_tracker, q, k, v, mask)
         else:
             ctx = self._core_attention(q, k, v, mask)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
@@ -189,10 +192,11 @@ class ParallelAttention(nn.Module):
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with rng:
             if self.ops.attention_backend != "sdpa" or self._fp32_softmax(q.dtype):
-                # Every mask here is causal with the queries at the end of the keys (training,
-                # and KV-cache steps alike), which is what the causal softmax computes.
                 scores, scale = self._scores(q, k)  # (b, heads, s_q, s_k)
-                probs = self.ops.causal_softmax(scores, scale)  # fp32 math inside
+                if isinstance(mask, torch.Tensor):  # documents (or a KV-cache prefix)
+                    probs = self.ops.masked_softmax(scores, mask, scale)  # fp32 math inside
+                else:  # causal with the queries at the end of the keys (None, or False: s_q 1)
+                    probs = self.ops.causal_softmax(scores, scale)  # fp32 math inside
                 return torch.matmul(F.dropout(probs, p), v)
             if mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -296,10 +300,11 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
         normed = self.input_layernorm(x)
-        attn = self.self_attention(normed, position_ids, kv_cache)
+        attn = self.self_attention(normed, position_ids, kv_cache, attention_mask)
         if self.post_ln_residual:
             x = normed
         if self.ops.add_norm == "triton":  # residual add + norm in one kernel

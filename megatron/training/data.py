@@ -6,9 +6,14 @@ no broadcast is needed. Index files are built by global rank 0 while the others 
 
 from __future__ import annotations
 
-import torch
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from megatron.config.schema import MegatronConfig
+import torch
+import torch.nn.functional as F
+
+from megatron.config.schema import DataConfig, MegatronConfig
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime, barrier
@@ -24,7 +29,68 @@ def split_sample_counts(cfg: MegatronConfig, dp_size: int) -> tuple[int, int, in
     return train, valid, t.eval_iters * gbs
 
 
-def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime):
+@dataclass(frozen=True)
+class DocumentMasking:
+    """Megatron's document-boundary options over packed samples (--reset-position-ids,
+    --reset-attention-mask, --eod-mask-loss) and the end-of-document id `eod` they key on."""
+
+    eod: int
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @classmethod
+    def from_config(cls, data: DataConfig, eod: int | None) -> DocumentMasking | None:
+        """None when no option is on (the batches are then exactly as without them)."""
+        if not data.uses_documents:
+            return None
+        if eod is None:
+            raise ValueError(
+                "--reset-position-ids/--reset-attention-mask/--eod-mask-loss need the "
+                "end-of-document id. Fix: pass --tokenizer-type"
+            )
+        return cls(eod, data.reset_position_ids, data.reset_attention_mask, data.eod_mask_loss)
+
+    @property
+    def model_inputs(self) -> bool:
+        """The options that change what the model sees (not only the loss)."""
+        return self.reset_position_ids or self.reset_attention_mask
+
+
+def document_fields(tokens: torch.Tensor, documents: DocumentMasking) -> dict[str, torch.Tensor]:
+    """The per-token fields the options ask for, from the input tokens (b, s).
+
+    An end-of-document (EOD) token belongs to the document it ends; the next token starts a new
+    one. document_ids[b, t] = number of EODs in tokens[b, :t] (the model keeps attention within
+    equal ids); position_ids[b, t] = t - (start of t's document); loss_mask is 0 where the input
+    is an EOD (its label is the next document's first token). Megatron's
+    get_ltor_masks_and_position_ids, vectorized, with ids instead of an (s, s) mask.
+    """
+    eod = tokens == documents.eod  # (b, s)
+    fields = {}
+    if documents.eod_mask_loss:
+        fields["loss_mask"] = (~eod).to(torch.float32)
+    if documents.reset_attention_mask:
+        fields["document_ids"] = eod.long().cumsum(1) - eod.long()
+    if documents.reset_position_ids:
+        t = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)  # (b, s)
+        after_eod = torch.where(eod, t + 1, 0)  # where a new document would start
+        # start[t] = max(after_eod[:t]): the first position of t's document
+        start = F.pad(after_eod.cummax(1).values[:, :-1], (1, 0))
+        fields["position_ids"] = t - start
+    return fields
+
+
+def collate(documents: DocumentMasking | None, samples: list[dict]) -> dict[str, torch.Tensor]:
+    """The default collate, plus the document fields of the input tokens text[:, :-1] (in the
+    loader's workers, off the training loop)."""
+    batch = torch.utils.data.default_collate(samples)
+    if documents is not None:
+        batch.update(document_fields(batch["text"][:, :-1], documents))
+    return batch
+
+
+def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=None):
     if dataset is None:
         return None
     sampler = MegatronPretrainingSampler(
@@ -36,6 +102,7 @@ def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime):
         num_workers=cfg.training.num_workers,
         pin_memory=rt.device.type == "cuda",
         persistent_workers=cfg.training.num_workers > 0,
+        collate_fn=functools.partial(collate, documents) if documents is not None else None,
         # Its own generator: iter(loader) draws a worker base seed, and from the global torch
         # generator that would shift the dropout stream. A resume restores that generator from
         # the checkpoint *before* building the loaders (they need the consumed-sample count), so
@@ -47,8 +114,14 @@ def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime):
 
 
 def build_data_iterators(
-    cfg: MegatronConfig, rt: Runtime, consumed_train: int, consumed_valid: int
+    cfg: MegatronConfig,
+    rt: Runtime,
+    consumed_train: int,
+    consumed_valid: int,
+    documents: DocumentMasking | None = None,
 ):
+    """Train / valid / test iterators of batch dicts: "text" (b, s + 1), plus the fields of
+    `documents` (see document_fields)."""
     counts = split_sample_counts(cfg, rt.state.dp_size)
     datasets = build_train_valid_test_datasets(
         cfg.data,
@@ -63,17 +136,37 @@ def build_data_iterators(
     if train is None:
         raise ValueError("no training data: pass --data-path (with --split) or --train-data-path")
     return (
-        _loader(train, consumed_train, cfg, rt),
-        _loader(valid, consumed_valid, cfg, rt),
-        _loader(test, 0, cfg, rt),
+        _loader(train, consumed_train, cfg, rt, documents),
+        _loader(valid, consumed_valid, cfg, rt, documents),
+        _loader(test, 0, cfg, rt, documents),
     )
 
 
-def get_batch(data_iterator, device: torch.device):
-    """(tokens, labels, loss_mask) of the next micro batch: text[:, :-1] predicts text[:, 1:].
+class Batch(NamedTuple):
+    """One micro batch. position_ids / document_ids (b, s) are None unless
+    --reset-position-ids / --reset-attention-mask ask for them (the model then uses 0..s-1 and
+    plain causal attention)."""
+
+    tokens: torch.Tensor  # (b, s)
+    labels: torch.Tensor  # (b, s)
+    loss_mask: torch.Tensor  # (b, s) float32
+    position_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
+
+
+def get_batch(data_iterator, device: torch.device) -> Batch:
+    """The next micro batch: text[:, :-1] predicts text[:, 1:], with the loss mask and the
+    document fields the loader added (see collate).
 
     The one batch fetch of both backends: the GPT's forward_step (training/step.py) and the
     DeepSpeed pipeline engine's PipeBatches (training/deepspeed/engine.py)."""
-    text = next(data_iterator)["text"].to(device, non_blocking=True)
+    data = next(data_iterator)
+    text = data["text"].to(device, non_blocking=True)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-    return tokens, labels, torch.ones_like(labels, dtype=torch.float32)
+    optional = (data.get(k) for k in ("loss_mask", "position_ids", "document_ids"))
+    loss_mask, position_ids, document_ids = (
+        None if t is None else t.to(device, non_blocking=True) for t in optional
+    )
+    if loss_mask is None:
+        loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    return Batch(tokens, labels, loss_mask, position_ids, document_ids)

@@ -22,7 +22,7 @@ from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.training.backend import StepResult, TrainerBackend
-from megatron.training.data import build_data_iterators
+from megatron.training.data import DocumentMasking, build_data_iterators
 from megatron.training.log import (
     TensorBoard,
     iteration_line,
@@ -102,14 +102,15 @@ def pretrain(
 ) -> TrainResult:
     """Train as the config says; returns the per-iteration history (the last rank logs it)."""
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
-    cfg, _ = resolve_vocab(cfg)
+    cfg, tokenizer = resolve_vocab(cfg)
+    documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)
     rt = runtime or initialize_megatron(cfg)
     backend = build_backend(cfg, rt, forward_step_func)
     loop = None
     try:
         state = backend.load() if cfg.checkpoint.load else TrainState()
         iters = build_data_iterators(
-            cfg, rt, state.consumed_train_samples, state.consumed_valid_samples
+            cfg, rt, state.consumed_train_samples, state.consumed_valid_samples, documents
         )
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.tensorboard)

@@ -31,9 +31,14 @@ from megatron.training.timers import Timers
 
 def forward_step(data_iterator, model):
     """One GPT micro batch: the chunk's output and the loss function for the last stage."""
-    tokens, labels, loss_mask = get_batch(data_iterator, _device_of(model))
-    output = model(tokens, labels=labels)  # per-token loss (b, s) on the last stage
-    return output, functools.partial(lm_loss, loss_mask)
+    batch = get_batch(data_iterator, _device_of(model))
+    output = model(  # per-token loss (b, s) on the last stage
+        batch.tokens,
+        position_ids=batch.position_ids,
+        labels=batch.labels,
+        document_ids=batch.document_ids,
+    )
+    return output, functools.partial(lm_loss, batch.loss_mask)
 
 
 def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor):

@@ -7,6 +7,8 @@
   `train_batch`. Every layer draws the weights GPTModel would (same names, same seed).
 - Activation recompute through `deepspeed.checkpointing` (partitioning, CPU offload, ...) with
   our TP dropout stream replayed on recompute.
+- Document options (--reset-position-ids / --reset-attention-mask): the pipeline layers pass
+  (hidden, position ids, document ids) from stage to stage instead of the hidden states alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from megatron.config.schema import MegatronConfig, ModelConfig
 from megatron.fused_kernels import select_ops
+from megatron.model.documents import document_attention_mask
 from megatron.model.gpt import Embedding, OutputHead, init_weights
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
@@ -88,7 +91,8 @@ class MpuAdapter:
         return self.s.pp_size
 
 
-# ---- pipeline layers: the GPT's pieces with one tensor in and one out ----
+# ---- pipeline layers: the GPT's pieces with one tensor in and one out, or, under the document
+# options, the tuple (tensor, position_ids, document_ids) (b, s) each (see PipeBatches) ----
 
 
 class EmbeddingPipe(Embedding):
@@ -96,21 +100,42 @@ class EmbeddingPipe(Embedding):
         super().__init__(cfg, state, device, dtype)
         init_weights(self, cfg, state, seed, prefix="embedding.")
 
-    def forward(self, tokens):
-        return super().forward(tokens)
+    def forward(self, inputs):
+        if isinstance(inputs, tuple):
+            tokens, position_ids, document_ids = inputs
+            return super().forward(tokens, position_ids), position_ids, document_ids
+        return super().forward(inputs)
 
 
 class TransformerLayerPipe(TransformerLayer):
+    """`document_mask`: attend within documents (--reset-attention-mask); each layer builds
+    the mask from the document ids it passes on."""
+
     def __init__(
-        self, cfg, state, tracker, seed: int, number: int, device, dtype, recompute, ops=None
+        self,
+        cfg,
+        state,
+        tracker,
+        seed: int,
+        number: int,
+        device,
+        dtype,
+        recompute,
+        ops=None,
+        document_mask: bool = False,
     ):
         super().__init__(
             cfg, state, tracker, device, dtype, ops, recompute, layer_number=number + 1
         )
         init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
+        self.document_mask = document_mask
 
-    def forward(self, x):
-        return super().forward(x)
+    def forward(self, inputs):
+        if not isinstance(inputs, tuple):
+            return super().forward(inputs)
+        x, position_ids, document_ids = inputs
+        mask = document_attention_mask(document_ids) if self.document_mask else None
+        return super().forward(x, position_ids, None, mask), position_ids, document_ids
 
 
 class FinalNormPipe(nn.Module):
@@ -119,8 +144,8 @@ class FinalNormPipe(nn.Module):
         self.final_layernorm = build_norm(cfg, device, dtype)
         init_weights(self, cfg, state, seed, prefix="head.")
 
-    def forward(self, x):
-        return self.final_layernorm(x)
+    def forward(self, inputs):
+        return self.final_layernorm(inputs[0] if isinstance(inputs, tuple) else inputs)
 
 
 class HeadPipe(OutputHead):
@@ -193,6 +218,7 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
                 cfg.precision.params_dtype,
                 cfg.recompute,
                 ops,
+                cfg.data.reset_attention_mask,
             )
             for i in range(m.num_layers)
         ),
@@ -211,6 +237,9 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
         partition_method="type:TransformerLayerPipe",
         activation_checkpoint_interval=cfg.recompute.num_layers if recompute else 0,
         activation_checkpoint_func=checkpoint_fn,
+        # Transformer layers only: DeepSpeed's default also checkpoints the embedding, whose
+        # inputs (token ids) need no grad, so stage 0's output had none and backward failed.
+        checkpointable_layers=["TransformerLayerPipe"],
     )
 
 
@@ -279,8 +308,12 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
 
 
 class PipeBatches:
-    """Our micro batches (get_batch) as the (tokens, (labels, loss_mask)) pairs DeepSpeed's
-    pipeline engine pulls, as many per step as its gradient accumulation steps."""
+    """Our micro batches (get_batch) as the (inputs, (labels, loss_mask)) pairs DeepSpeed's
+    pipeline engine pulls, as many per step as its gradient accumulation steps.
+
+    inputs: the tokens; or, when the batch has position or document ids, (tokens, position_ids,
+    document_ids), the engine sending only tensors: absent positions are 0..s-1 (what the model
+    uses without them) and absent document ids 0 (unused: the layers then build no mask)."""
 
     def __init__(self, data_iterator, device):
         self.source, self.device = data_iterator, device
@@ -289,8 +322,18 @@ class PipeBatches:
         return self
 
     def __next__(self):
-        tokens, labels, loss_mask = get_batch(self.source, self.device)
-        return tokens, (labels, loss_mask)
+        batch = get_batch(self.source, self.device)
+        targets = (batch.labels, batch.loss_mask)
+        if batch.position_ids is None and batch.document_ids is None:
+            return batch.tokens, targets
+        tokens = batch.tokens
+        positions = batch.position_ids
+        if positions is None:
+            positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+        documents = batch.document_ids
+        if documents is None:
+            documents = torch.zeros_like(tokens)
+        return (tokens, positions.contiguous(), documents), targets
 
 
 def ds_train_step(
