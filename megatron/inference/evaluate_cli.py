@@ -156,8 +156,8 @@ def _adapt_tasks(args, given: dict) -> None:
     finetune = [f for f in _FINETUNE_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
     if args.task not in V1_TASKS or finetune:
         raise ValueError(
-            f"{' '.join([f'--task {args.task}', *finetune])}: only zero-shot evaluation is supported "
-            f"here. Fix: --task one of {', '.join(V1_TASKS)}, without finetuning flags"
+            f"{' '.join([f'--task {args.task}', *finetune])}: only zero-shot evaluation is "
+            f"supported here. Fix: --task one of {', '.join(V1_TASKS)}, without finetuning flags"
         )
     if not args.valid_data or len(args.valid_data) != 1:
         raise ValueError(f"--valid-data: give exactly one file, got {args.valid_data or []}")
