@@ -112,16 +112,17 @@ def test_unconditional_recompute_file_and_interactive_modes_match_the_library(
     rt, engine, tok = loaded
     greedy = SamplingParams(6, greedy=True)
     lib = list(unconditional_samples(engine, tok, 2, 2, greedy))
-    gen = ["--load", checkpoint, "--greedy", "--out-seq-length", "6", *TOKENIZER]
+    base = ["--load", checkpoint, "--out-seq-length", "6", *TOKENIZER, "--num-samples", "2"]
     for tool_argv, v1 in (
-        (["--recompute", "--batch-size", "2", "--genfile", tmp_path / "a.json"], True),
-        (["--genfile", tmp_path / "b.json"], False),
+        (["--greedy", "--recompute", "--batch-size", "2", "--genfile", tmp_path / "a.json"], True),
+        (["--genfile", tmp_path / "b.json", "--top_k", "1", "--temperature", "0.5"], False),
     ):
-        argv = [*gen, "--num-samples", "2", *tool_argv]
+        argv = [*base, *tool_argv]
         assert generate_cli.main(list(map(str, argv)), v1=v1) == 0
-    for name in ("a.json", "b.json"):  # --recompute (no KV cache) == the cache, greedy
+    for name in ("a.json", "b.json"):  # --recompute (no KV cache) == the cache; top_k 1 = greedy
         assert [json.loads(x) for x in (tmp_path / name).read_text().splitlines()] == lib
     # Prompts from a file: Megatron's text blocks in <input>.out, the library's continuations.
+    gen = ["--load", checkpoint, "--greedy", "--out-seq-length", "6", *TOKENIZER]
     prompts = str(data / "prompts.txt")
     assert generate_cli.main([*gen, "--sample-input-file", prompts], v1=True) == 0
     texts = [r["text"] for r in _complete(engine, tok, ["def main(", "The quick brown fox"])]
@@ -159,7 +160,7 @@ def test_tasks_main_and_run_gpt2_eval_give_tools_evaluate_numbers(checkpoint, lo
     wiki_args = ["--valid-data", str(data / "wiki.tokens"), "--overlapping-eval", "16"]
     got = last_json(evaluate_cli.tasks_main(["--task", "WIKITEXT103", *wiki_args, *v1]))
     ours = ["--task", "wikitext", "--load", checkpoint, "--seq-length", "32", "--batch-size", "3"]
-    ours += wiki_args
+    ours += ["--tensor-model-parallel-size", "1", "--distributed-backend", "gloo", *wiki_args]
     assert got == last_json(evaluate_cli.main(ours))  # tools/evaluate.py
     assert got["ppl"] == pytest.approx(wiki["ppl"], rel=1e-6)
     assert got["adjusted_ppl"] == pytest.approx(wiki["adjusted_ppl"], rel=1e-6)

@@ -20,7 +20,7 @@ from megatron.inference.evaluation import (
     progress_bar,
     read_jsonl_texts,
 )
-from megatron.inference.flags import parse_with_training_flags
+from megatron.inference.flags import EPILOG, parse_with_training_flags
 from megatron.inference.session import add_checkpoint_args, run_tool, setup
 
 V1_TASKS = {"LAMBADA": "lambada", "WIKITEXT103": "wikitext"}
@@ -52,7 +52,9 @@ def _add_eval_args(p: argparse.ArgumentParser, batch: int, stride: int | None) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog=EPILOG, allow_abbrev=False
+    )
     p.add_argument("--task", required=True, choices=["wikitext", "lambada", "loose-json"])
     p.add_argument(
         "--valid-data",
@@ -141,6 +143,7 @@ _FINETUNE_FLAGS = ("--epochs", "--pretrained-checkpoint", "--keep-last", "--trai
 def build_tasks_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Megatron-LM v1.x tasks/main.py: zero-shot LAMBADA / WIKITEXT103",
+        epilog=EPILOG,
         allow_abbrev=False,
     )
     p.add_argument("--task", required=True, help="LAMBADA or WIKITEXT103")
@@ -197,6 +200,7 @@ def build_gpt2_eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="2019 Megatron-LM scripts/run_gpt2_eval.py: WikiText perplexity (default), "
         "LAMBADA (--cloze-eval) or loose-JSON perplexity (--webtext-eval)",
+        epilog=EPILOG,
         allow_abbrev=False,
     )
     p.add_argument("--model-path", required=True, dest="load", help="checkpoint directory")

@@ -53,6 +53,15 @@ _EFFECTIVE = {
 }
 
 
+EPILOG = (
+    "Also accepted: the training run's flags. Shape flags (--num-layers, --hidden-size, ...) "
+    "must match the checkpoint; --tensor-model-parallel-size x --pipeline-model-parallel-size "
+    "must equal the process count; --fp16/--bf16, the tokenizer flags, --distributed-backend "
+    "and --log-interval are used; --checkpoint-activations, --no-load-optim, --no-load-rng "
+    "have nothing to do at inference. Other training flags are refused."
+)
+
+
 @functools.cache
 def _tree() -> Tree:
     return Tree(MegatronConfig)

@@ -15,7 +15,7 @@ import json
 import sys
 
 from megatron.inference.engine import broadcast_json
-from megatron.inference.flags import parse_with_training_flags
+from megatron.inference.flags import EPILOG, parse_with_training_flags
 from megatron.inference.generation import SamplingParams
 from megatron.inference.samples import (
     interactive,
@@ -30,7 +30,9 @@ from megatron.inference.session import add_checkpoint_args, complete, run_tool, 
 def build_parser(v1: bool = False) -> argparse.ArgumentParser:
     """`v1`: Megatron-LM v1.x's defaults (--out-seq-length 1024, text blocks to
     --sample-output-file, by default the input file + '.out')."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog=EPILOG, allow_abbrev=False
+    )
     add_checkpoint_args(p)
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable)")
     p.add_argument("--sample-input-file", default=None, help="one prompt per line")
