@@ -149,6 +149,9 @@ def test_tasks_main_and_run_gpt2_eval_give_tools_evaluate_numbers(checkpoint, lo
     rt, engine, tok = loaded
     wiki = evaluate_wikitext(engine, tok, WIKI, 32, 16, 8)
     loose = evaluate_loose_json(engine, tok, LAMBADA, 16, 16, 2, max_batches=1)
+    one, padded = (evaluate_lambada(engine, tok, LAMBADA, True, batch_size=b) for b in (1, 3))
+    assert padded["accuracy"] == one["accuracy"]  # right padding never reaches a target
+    assert padded["ppl"] == pytest.approx(one["ppl"], rel=1e-6)
     v1 = ["--load", checkpoint, *TOKENIZER, *SHAPES.split(), "--model-parallel-size", "1"]
     v1 += ["--checkpoint-activations", "--log-interval", "10", "--no-load-optim", "--no-load-rng"]
     v1 += ["--distributed-backend", "gloo", "--batch-size", "3", "--seq-length", "32"]

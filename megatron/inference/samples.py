@@ -46,11 +46,12 @@ def unconditional_samples(
 
 
 def write_jsonl(path: str, records) -> int:
-    """Write each record as one JSON line; the number written."""
+    """Write each record as one JSON line (ASCII, non-ASCII escaped, as Megatron writes its
+    --genfile); the number written."""
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.write(json.dumps(record) + "\n")
             n += 1
     return n
 
