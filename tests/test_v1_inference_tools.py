@@ -193,6 +193,15 @@ def test_v1_lambada_under_torch_distributed_launch_on_tp2(checkpoint, loaded, da
         "10", "--no-load-optim", "--no-load-rng", "--distributed-backend", "gloo",
     ).stdout  # fmt: skip
     assert "validation results on LAMBADA | number correct:" in out
+    genfile = data / "tp2_samples.json"
+    _run(
+        "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+        "--master_port", str(free_port()), ROOT / "tools" / "generate_samples_gpt2.py",
+        "--load", tp2, "--model-parallel-size", "2", "--distributed-backend", "gloo",
+        "--greedy", "--out-seq-length", "6", "--num-samples", "2", "--genfile", genfile,
+    )  # fmt: skip
+    greedy = list(unconditional_samples(engine, tok, 2, 1, SamplingParams(6, greedy=True)))
+    assert [json.loads(line) for line in genfile.read_text().splitlines()] == greedy
     result = json.loads(out.strip().splitlines()[-1])
     assert result["accuracy"] == lam["accuracy"]
     assert result["ppl"] == pytest.approx(lam["ppl"], rel=1e-5)
@@ -228,6 +237,9 @@ def test_flags_must_agree_with_the_checkpoint_and_process_count(checkpoint, data
     assert "--genfile is written by unconditional sampling" in capsys.readouterr().err
     assert generate_cli.main(["--load", checkpoint, "--num-samples", "2"], v1=True) == 1
     assert "--num-samples needs --genfile" in capsys.readouterr().err
+    missing = ["--load", checkpoint, "--sample-input-file", str(data / "missing.txt")]
+    assert generate_cli.main(missing, v1=True) == 1
+    assert "--sample-input-file: [Errno 2]" in capsys.readouterr().err
 
 
 def test_fp16_runs_on_cpu_and_stays_close_to_fp32(checkpoint, loaded):  # noqa: F811

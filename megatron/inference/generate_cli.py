@@ -102,11 +102,19 @@ def _check_modes(args) -> None:
 
 def _conditional(args, rt, engine, tokenizer, params, v1: bool, **kw) -> None:
     texts = list(args.prompt)
-    if args.sample_input_file:
-        lines = None
+    if args.sample_input_file:  # read on rank 0; a bad file stops every rank, not just it
+        read = None
         if rt.state.rank == 0:
-            lines = read_prompts(args.sample_input_file, kw["max_length"], tokenizer)
-        texts += broadcast_json(lines, rt.device)
+            try:
+                read = {
+                    "prompts": read_prompts(args.sample_input_file, kw["max_length"], tokenizer)
+                }
+            except (OSError, ValueError) as e:
+                read = {"error": f"--sample-input-file: {e}"}
+        read = broadcast_json(read, rt.device)
+        if "error" in read:
+            raise ValueError(read["error"])
+        texts += read["prompts"]
     results = complete(engine, tokenizer, texts, params, batch_size=args.batch_size, **kw)
     if rt.state.rank != 0:
         return
