@@ -177,8 +177,9 @@ def test_tasks_main_and_run_gpt2_eval_give_tools_evaluate_numbers(checkpoint, lo
 
 
 @pytest.mark.slow
-def test_v1_lambada_under_torch_distributed_launch_on_tp2(checkpoint, loaded, data):  # noqa: F811
-    """examples/evaluate_zeroshot_gpt2.sh scaled down, 2 processes, and the 2019 --cloze-eval."""
+def test_v1_commands_under_torch_distributed_launch_on_tp2(checkpoint, loaded, data):  # noqa: F811
+    """evaluate_zeroshot_gpt2.sh and generate_text.sh scaled down on 2 processes (TP2), and the
+    2019 --cloze-eval."""
     rt, engine, tok = loaded
     lam = evaluate_lambada(engine, tok, LAMBADA, strict=True)
     tp2 = data / "tp2"
