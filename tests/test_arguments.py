@@ -338,7 +338,8 @@ _MAY_IMPORT = {
     "heartbeat": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
-    "inference": {"checkpoint", "config.schema", "data", "fused_kernels", "initialize"}
+    "inference": {"checkpoint", "config.declare", "config.schema", "data", "fused_kernels"}
+    | {"initialize"}
     | {"model", "mpu"},
 }
 

@@ -6,6 +6,9 @@
         --strict-lambada
     torchrun --nproc_per_node 4 tools/evaluate.py --task loose-json --valid-data held_out.jsonl \
         --load ckpt_tp2_pp2 --pipeline-model-parallel-size 2
+The training run's flags are accepted too (--tensor-model-parallel-size, --fp16, the shape flags,
+which must match the checkpoint, ...). Megatron-LM v1.x's tasks/main.py and the 2019
+scripts/run_gpt2_eval.py run the same evaluation with their own command lines.
 The last line printed is the result as JSON:
     {"task": "wikitext", "ppl": ..., "adjusted_ppl": ..., "num_tokens": ...}
 """

@@ -4,7 +4,9 @@
     torchrun --nproc_per_node 2 tools/generate_text.py --load ckpt_tp2 --top-p 0.9
     python tools/generate_text.py --load ckpt --sample-input-file prompts.txt \
         --sample-output-file samples.jsonl --top-k 40
-With neither --prompt nor --sample-input-file it asks for prompts interactively.
+    python tools/generate_text.py --load ckpt --num-samples 8 --genfile samples.jsonl --top-p 0.9
+With none of --prompt, --sample-input-file, --num-samples it asks for prompts interactively
+(an empty line gives an unconditional sample; 'stop' or Ctrl-D quits).
 """
 
 import os

@@ -164,11 +164,16 @@ def _vocab_parallel_logprobs(logits, labels, top_n: int, vocab_size: int, state)
     return torch.cat(parts, dim=-1)  # (b, s, 1 + 2 n): log p(label), top log p, top ids
 
 
-def load_inference_model(load_dir: str, rt) -> tuple[InferenceModel, object, int]:
-    """(engine, tokenizer or None, checkpoint iteration) for this rank's TP/PP position."""
+def load_inference_model(
+    load_dir: str, rt, dtype=None, tokenizer: dict | None = None
+) -> tuple[InferenceModel, object, int]:
+    """(engine, tokenizer or None, checkpoint iteration) for this rank's TP/PP position;
+    `dtype` and `tokenizer` as in load_model_for_inference."""
     from megatron.inference.loading import load_model_for_inference
 
-    chunks, tokenizer, model_cfg, iteration = load_model_for_inference(load_dir, rt)
+    chunks, tokenizer, model_cfg, iteration = load_model_for_inference(
+        load_dir, rt, dtype=dtype, tokenizer=tokenizer
+    )
     engine = InferenceModel(chunks, rt.state, model_cfg.vocab_size, model_cfg.hidden_size)
     return engine, tokenizer, iteration
 

@@ -73,11 +73,15 @@ def stream_nll(
     stride: int,
     batch_size: int,
     progress: Callable[[int, int], None] | None = None,
-) -> float:
-    """Sum of the negative log-likelihood of every target token of the stream."""
+    max_batches: int | None = None,
+) -> tuple[float, int]:
+    """(sum of the negative log-likelihood, number of targets scored) over the stream: every
+    target token, or those of the first `max_batches` batches of windows."""
     plan = window_plan(len(tokens), seq_length, stride)
+    if max_batches is not None:
+        plan = plan[: max_batches * batch_size]
     ids = torch.tensor(tokens, device=engine.device)
-    total = 0.0
+    total, scored = 0.0, 0
     for i in range(0, len(plan), batch_size):
         group = plan[i : i + batch_size]
         for length in sorted({g[1] for g in group}):  # equal-length windows batch together
@@ -87,9 +91,10 @@ def stream_nll(
             losses, _ = engine.token_losses(x, y)
             for row, (_, _, first) in enumerate(same):
                 total += float(losses[row, first:].double().sum())
+                scored += length - first
         if progress:
             progress(min(i + batch_size, len(plan)), len(plan))
-    return total
+    return total, scored
 
 
 def evaluate_wikitext(
@@ -97,7 +102,7 @@ def evaluate_wikitext(
 ) -> dict:
     words = len(text.strip().split(" "))  # the original word-level tokens, as Megatron counts
     tokens = tokenizer.tokenize(wikitext_detokenize(text))
-    nll = stream_nll(engine, tokens, seq_length, stride, batch_size, progress)
+    nll, _ = stream_nll(engine, tokens, seq_length, stride, batch_size, progress)
     loss = nll / (len(tokens) - 1)
     ratio = (len(tokens) - 1) / (words - 1)
     return {
@@ -112,17 +117,28 @@ def evaluate_wikitext(
 
 
 def evaluate_loose_json(
-    engine, tokenizer, docs: list[str], seq_length: int, stride: int, batch_size: int, progress=None
+    engine,
+    tokenizer,
+    docs: list[str],
+    seq_length: int,
+    stride: int,
+    batch_size: int,
+    progress=None,
+    max_batches: int | None = None,
 ) -> dict:
+    """Perplexity of the documents joined with end-of-document, over every target or those of
+    the first `max_batches` batches of windows (the 2019 --webtext-eval --eval-iters)."""
     tokens = []
     for doc in docs:
         tokens += tokenizer.tokenize(doc) + [tokenizer.eod]
-    loss = stream_nll(engine, tokens, seq_length, stride, batch_size, progress) / (len(tokens) - 1)
+    nll, scored = stream_nll(engine, tokens, seq_length, stride, batch_size, progress, max_batches)
+    loss = nll / scored
     return {
         "task": "loose-json",
         "loss": loss,
         "ppl": math.exp(min(20.0, loss)),
         "num_tokens": len(tokens),
+        "num_scored": scored,
     }
 
 
@@ -139,17 +155,28 @@ def lambada_example(tokenizer, text: str, strict: bool) -> tuple[list[int], int]
     return tokenizer.tokenize(text), 1
 
 
-def evaluate_lambada(engine, tokenizer, texts: list[str], strict: bool, progress=None) -> dict:
+def evaluate_lambada(
+    engine, tokenizer, texts: list[str], strict: bool, progress=None, batch_size: int = 1
+) -> dict:
+    """Accuracy (every target token is the argmax) and perplexity of the targets. Examples run
+    `batch_size` at a time, padded on the right with end-of-document: causal attention never
+    lets the padding reach the scored positions."""
+    examples = [lambada_example(tokenizer, text, strict) for text in texts]
     correct, nll, scored = 0, 0.0, 0
-    for i, text in enumerate(texts):
-        tokens, n = lambada_example(tokenizer, text, strict)
-        ids = torch.tensor([tokens], device=engine.device)
-        losses, argmax = engine.token_losses(ids[:, :-1], ids[:, 1:])
-        correct += bool((argmax[0, -n:] == ids[0, -n:]).all())
-        nll += float(losses[0, -n:].double().sum())
-        scored += n
+    for i in range(0, len(examples), batch_size):
+        group = examples[i : i + batch_size]
+        width = max(len(tokens) for tokens, _ in group)
+        ids = torch.full((len(group), width), tokenizer.eod, device=engine.device)
+        for row, (tokens, _) in enumerate(group):
+            ids[row, : len(tokens)] = torch.tensor(tokens, device=engine.device)
+        losses, argmax = engine.token_losses(ids[:, :-1], ids[:, 1:])  # (b, width - 1)
+        for row, (tokens, n) in enumerate(group):
+            end = len(tokens) - 1  # targets tokens[1:] sit at positions 0 .. end - 1
+            correct += bool((argmax[row, end - n : end] == ids[row, end - n + 1 : end + 1]).all())
+            nll += float(losses[row, end - n : end].double().sum())
+            scored += n
         if progress:
-            progress(i + 1, len(texts))
+            progress(min(i + batch_size, len(examples)), len(examples))
     return {
         "task": "lambada",
         "accuracy": correct / len(texts),

@@ -12,10 +12,18 @@ from megatron.fused_kernels import select_ops
 from megatron.model.stages import build_model
 
 
-def load_model_for_inference(load_dir: str, rt, dtype=None, kernels: KernelConfig | None = None):
+def load_model_for_inference(
+    load_dir: str,
+    rt,
+    dtype=None,
+    kernels: KernelConfig | None = None,
+    tokenizer: dict | None = None,
+):
     """(model chunks, tokenizer or None, model config, iteration) for this rank's TP/PP
     position; `model[0]` is this stage's GPTModel. `kernels`: the run-time kernel switches
-    (None: plain torch), never the ones a checkpoint from before they left ModelConfig holds."""
+    (None: plain torch), never the ones a checkpoint from before they left ModelConfig holds.
+    `dtype`: cast the weights (None: as saved). `tokenizer`: TokenizerConfig fields that
+    replace the checkpoint's record (the command line's --vocab-file etc.)."""
     iteration = resolve_load_iteration(load_dir)
     if iteration is None:
         raise CheckpointError(f"--load {load_dir}: no checkpoint there")
@@ -34,8 +42,9 @@ def load_model_for_inference(load_dir: str, rt, dtype=None, kernels: KernelConfi
     if (saved_tp, saved_pp) != (st.tp_size, st.pp_size):
         raise CheckpointError(
             f"--load {load_dir}: saved with TP={saved_tp} x PP={saved_pp}, but this run has "
-            f"TP={st.tp_size} x PP={st.pp_size}; launch {saved_tp * saved_pp} processes with "
-            "those sizes"
+            f"--tensor-model-parallel-size {st.tp_size} x --pipeline-model-parallel-size "
+            f"{st.pp_size}. Fix: launch {saved_tp * saved_pp} processes with those sizes (or "
+            "reshard it with tools/convert_checkpoint.py)"
         )
     model_cfg = model_config_from_saved(args["model"])
     model_cfg = dataclasses.replace(model_cfg, hidden_dropout=0.0, attention_dropout=0.0)
@@ -53,10 +62,22 @@ def load_model_for_inference(load_dir: str, rt, dtype=None, kernels: KernelConfi
         torch_compile=kernels is not None and kernels.torch_compile,
     )
     model.load_state_dict(shard["model"])
-    tok_cfg = TokenizerConfig(**args.get("tokenizer", {}))
-    tokenizer = None
-    if tok_cfg.tokenizer_type:
-        tokenizer = build_tokenizer(
-            tok_cfg.tokenizer_type, vocab_size=model_cfg.vocab_size, **tok_cfg.kwargs()
+    tok = _build_tokenizer({**args.get("tokenizer", {}), **(tokenizer or {})}, model_cfg)
+    return model, tok, model_cfg, iteration
+
+
+def _build_tokenizer(fields: dict, model_cfg):
+    """The tokenizer of the merged record, checked to fit the model's vocabulary."""
+    tok_cfg = TokenizerConfig(**fields)
+    if not tok_cfg.tokenizer_type:
+        return None
+    tok = build_tokenizer(
+        tok_cfg.tokenizer_type, vocab_size=model_cfg.vocab_size, **tok_cfg.kwargs()
+    )
+    if model_cfg.vocab_size is not None and tok.vocab_size > model_cfg.vocab_size:
+        raise CheckpointError(
+            f"--vocab-file {tok_cfg.vocab_file or tok_cfg.tokenizer_model}: {tok.vocab_size} "
+            f"tokens, but the checkpoint's model has {model_cfg.vocab_size}. Fix: pass the "
+            "tokenizer files the model was trained with"
         )
-    return model, tokenizer, model_cfg, iteration
+    return tok

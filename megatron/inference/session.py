@@ -7,12 +7,19 @@ CLI module imports another.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import MegatronConfig, ParallelConfig
+from megatron.config.schema import DistributedConfig, MegatronConfig, ParallelConfig
 from megatron.inference.engine import load_inference_model
+from megatron.inference.flags import (
+    check_against_checkpoint,
+    layout,
+    precision_dtype,
+    tokenizer_overrides,
+)
 from megatron.inference.generation import SamplingParams, generate
 from megatron.initialize import initialize_megatron, read_launch_env, shutdown_distributed
 
@@ -28,33 +35,65 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def setup(load: str, pp: int):
+def setup(load: str, pp: int = 1, given: dict | None = None):
+    """(runtime, engine, tokenizer, iteration). `given`: the training flags of the command line
+    (megatron.inference.flags): layout, backend, precision and tokenizer are used, shapes must
+    match the checkpoint."""
+    given = given or {}
     env = read_launch_env()
-    if env.world_size % pp:
-        raise ValueError(
-            f"--pipeline-model-parallel-size {pp} does not divide the {env.world_size} processes"
-        )
+    tp, pp = layout(given, env.world_size, pp)
+    dist_keys = {f"distributed.{k}": k for k in ("backend", "timeout_minutes", "local_rank")}
     cfg = MegatronConfig(
         parallel=ParallelConfig(
-            tensor_model_parallel_size=env.world_size // pp,
+            tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             world_size=env.world_size,
-        )
+        ),
+        distributed=DistributedConfig(**{k: given[p] for p, k in dist_keys.items() if p in given}),
     )
     rt = initialize_megatron(cfg, env)
-    engine, tokenizer, iteration = load_inference_model(load, rt)
+    engine, tokenizer, iteration = load_inference_model(
+        load, rt, dtype=precision_dtype(given), tokenizer=tokenizer_overrides(given)
+    )
+    check_against_checkpoint(given, engine.model.cfg, load)
     if tokenizer is None:
         raise ValueError(f"--load {load}: the checkpoint records no tokenizer (trained on ids)")
     return rt, engine, tokenizer, iteration
 
 
-def complete(engine, tokenizer, texts: list[str], params: SamplingParams) -> list[dict]:
-    ids = generate(engine, [tokenizer.tokenize(t) for t in texts], params, eod=tokenizer.eod)
-    out = []
-    for text, seq in zip(texts, ids, strict=True):
-        new = seq[len(tokenizer.tokenize(text)) :]
-        out.append({"prompt": text, "text": tokenizer.detokenize(new), "tokens": new})
-    return out
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The ids a prompt starts from. An empty prompt starts a new document: [end-of-document],
+    the context of an unconditional sample (Megatron's generate_samples_unconditional)."""
+    return tokenizer.tokenize(text) if text else [tokenizer.eod]
+
+
+def complete_iter(
+    engine,
+    tokenizer,
+    texts: list[str],
+    params: SamplingParams,
+    batch_size: int | None = None,
+    **generate_kwargs,
+) -> Iterator[list[dict]]:
+    """The completions of `texts`, one list per batch of `batch_size` (None: one batch).
+    Batch i samples with seed + i, so batches of the same prompts differ."""
+    step = max(batch_size or len(texts), 1)
+    for i in range(0, len(texts), step):
+        chunk = texts[i : i + step]
+        prompts = [prompt_ids(tokenizer, t) for t in chunk]
+        seeded = dataclasses.replace(params, seed=params.seed + i // step)
+        ids = generate(engine, prompts, seeded, eod=tokenizer.eod, **generate_kwargs)
+        out = []
+        for text, prompt, seq in zip(chunk, prompts, ids, strict=True):
+            new = seq[len(prompt) :]
+            out.append({"prompt": text, "text": tokenizer.detokenize(new), "tokens": new})
+        yield out
+
+
+def complete(engine, tokenizer, texts: list[str], params: SamplingParams, **kwargs) -> list[dict]:
+    """{"prompt", "text" (the continuation), "tokens" (its ids)} per text; kwargs as in
+    complete_iter and generate (max_length, use_cache)."""
+    return [r for batch in complete_iter(engine, tokenizer, texts, params, **kwargs) for r in batch]
 
 
 def run_tool(body: Callable[[], None]) -> int:
