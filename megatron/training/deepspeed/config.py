@@ -88,6 +88,13 @@ def _zero(ds: dict, cfg: MegatronConfig) -> None:
             "accumulation). Fix: use --zero-stage 1 (or 0) with pipeline parallelism, or ZeRO-2/3 "
             "with --pipeline-model-parallel-size 1"
         )
+    if cfg.parallel.sequence_parallel and zero["stage"] == 3:
+        raise ConfigError(
+            "--sequence-parallel with ZeRO stage 3: its partitioned norm weights are gathered "
+            "and released inside forward, so their gradients (from s / TP tokens per rank) "
+            "cannot be summed over TP first. Fix: use --zero-stage 0, 1 or 2 with "
+            "--sequence-parallel, or drop --sequence-parallel"
+        )
 
 
 def _activation_checkpointing(ds: dict, cfg: MegatronConfig) -> None:
