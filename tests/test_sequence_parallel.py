@@ -273,33 +273,64 @@ def _sp_worker(rank, world, argv, ref_weights, resume_dir):
     return history, _resume_worker(rank, world, argv, resume_dir)
 
 
-@pytest.mark.slow
-def test_sequence_parallel_training_matches_one_process_and_resumes_exactly(
-    data_prefix,  # noqa: F811
-    tmp_path,
-):
+_SP_LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def reference(data_prefix):  # noqa: F811
+    """One process, 4 layers: (argv, history, final weights)."""
     argv = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4")
-    ((ref_history, ref_weights),) = run_distributed(_ref_worker, 1, argv)
-    layout = [
-        "--tensor-model-parallel-size",
-        "2",
+    ((history, weights),) = run_distributed(_ref_worker, 1, argv)
+    return argv, history, weights
+
+
+def _assert_same_run(history, ref_history, what: str) -> None:
+    np.testing.assert_allclose(_losses(history), _losses(ref_history), rtol=2e-5, err_msg=what)
+    np.testing.assert_allclose(
+        [h["grad_norm"] for h in history],
+        [h["grad_norm"] for h in ref_history],
+        rtol=1e-4,
+        err_msg=what,
+    )
+
+
+@pytest.mark.slow
+def test_sequence_parallel_training_matches_one_process_and_resumes_exactly(reference, tmp_path):
+    """TP2 x PP2 x DP2, interleaved (2 chunks per stage), SP: losses, grad norms and final
+    weights of one process; straight vs save + resume, with dropout off and on, bit-exact."""
+    argv, ref_history, ref_weights = reference
+    layout = _SP_LAYOUT + [
         "--pipeline-model-parallel-size",
         "2",
         "--num-layers-per-virtual-pipeline-stage",
         "1",
-        "--sequence-parallel",
     ]
     results = run_distributed(_sp_worker, 8, argv + layout, ref_weights, str(tmp_path))
     for rank, (history, resume) in enumerate(results):
-        np.testing.assert_allclose(
-            _losses(history), _losses(ref_history), rtol=2e-5, err_msg=f"rank {rank}"
-        )
-        np.testing.assert_allclose(
-            [h["grad_norm"] for h in history], [h["grad_norm"] for h in ref_history], rtol=1e-4
-        )
+        _assert_same_run(history, ref_history, f"rank {rank}")
         for kind, (straight, first, second, final_iter) in resume.items():
             assert final_iter == 6 and _losses(first) == _losses(straight)[:3], kind
             assert _losses(second) == _losses(straight)[3:], f"{kind}: resume not exact"
+
+
+def _ds_worker(rank, world, argv):
+    ds = argv + _SP_LAYOUT + ["--deepspeed", "--zero-stage"]
+    return {
+        "zero1": _train(rank, world, ds + ["1"])[0],
+        "zero2": _train(rank, world, ds + ["2"])[0],
+        "pipe zero1": _train(rank, world, ds + ["1", "--pipeline-model-parallel-size", "2"])[0],
+    }
+
+
+@pytest.mark.slow
+def test_sequence_parallel_with_deepspeed_matches_one_process(reference):
+    """--deepspeed with SP: TP2 x DP2 with ZeRO-1 and ZeRO-2, TP2 x PP2 in DeepSpeed's pipeline
+    engine (ZeRO-1), against one process (the SP gradients summed over TP in backward)."""
+    pytest.importorskip("deepspeed", reason="--deepspeed needs DeepSpeed")
+    argv, ref_history, _ = reference
+    for rank, runs in enumerate(run_distributed(_ds_worker, 4, argv)):
+        for name, history in runs.items():
+            _assert_same_run(history, ref_history, f"{name} rank {rank}")
 
 
 # ---- the rules ----
@@ -319,13 +350,19 @@ def test_bad_sequence_parallel_layouts_fail_before_any_work(extra, world, messag
     assert str(err.value).startswith("--sequence-parallel:") and "Fix:" in str(err.value)
 
 
-def test_zero3_with_sequence_parallel_is_refused_with_the_reason():
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--zero-stage", "3"], "--sequence-parallel with ZeRO stage 3"),
+        (["--checkpoint-activations", "--partition-activations"], "--partition-activations"),
+    ],
+)
+def test_deepspeed_options_that_assume_equal_tp_activations_are_refused(extra, message):
     from megatron.training.deepspeed.config import build_ds_config
 
-    cfg = parse_args(
-        ["--vocab-size", "64", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-        + ["--deepspeed", "--zero-stage", "3"],
-        world_size=2,
-    )
-    with pytest.raises(ConfigError, match="--sequence-parallel with ZeRO stage 3"):
+    base = ["--vocab-size", "64", "--tensor-model-parallel-size", "2", "--deepspeed"]
+    cfg = parse_args(base + extra + ["--sequence-parallel"], world_size=2)
+    with pytest.raises(ConfigError, match=message):
         build_ds_config(cfg)
+    ds = build_ds_config(parse_args(base + ["--sequence-parallel"], world_size=2))
+    assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}

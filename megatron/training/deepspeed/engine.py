@@ -7,6 +7,9 @@
   `train_batch`. Every layer draws the weights GPTModel would (same names, same seed).
 - Activation recompute through `deepspeed.checkpointing` (partitioning, CPU offload, ...) with
   our TP dropout stream replayed on recompute.
+- --sequence-parallel: the engine reduces and steps inside its own backward()/step(), so the
+  gradients of the parameters that see s / TP tokens are summed over TP by a hook on each
+  fresh gradient, before DeepSpeed accumulates it (ZeRO 0-2; ZeRO-3 is refused by the config).
 """
 
 from __future__ import annotations
@@ -19,10 +22,15 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config.schema import MegatronConfig, ModelConfig
-from megatron.model.gpt import Embedding, OutputHead, init_weights
+from megatron.model.gpt import Embedding, OutputHead, init_weights, mark_sequence_parallel_params
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
-from megatron.mpu import ParallelState, checkpoint, vocab_parallel_cross_entropy
+from megatron.mpu import (
+    ParallelState,
+    checkpoint,
+    reduce_sequence_parallel_grads_in_backward,
+    vocab_parallel_cross_entropy,
+)
 from megatron.training.backend import average_loss
 from megatron.training.data import get_batch
 from megatron.training.deepspeed.config import build_ds_config
@@ -91,9 +99,12 @@ class MpuAdapter:
 
 
 class EmbeddingPipe(Embedding):
-    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
-        super().__init__(cfg, state, device, dtype)
+    def __init__(
+        self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype, rng_tracker=None
+    ):
+        super().__init__(cfg, state, device, dtype, rng_tracker=rng_tracker)
         init_weights(self, cfg, state, seed, prefix="embedding.")
+        mark_sequence_parallel_params(self, state)
 
     def forward(self, tokens):
         return super().forward(tokens)
@@ -103,6 +114,7 @@ class TransformerLayerPipe(TransformerLayer):
     def __init__(self, cfg, state, tracker, seed: int, number: int, device, dtype, recompute):
         super().__init__(cfg, state, tracker, device, dtype, recompute=recompute)
         init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
+        mark_sequence_parallel_params(self, state)
 
     def forward(self, x):
         return super().forward(x)
@@ -113,6 +125,7 @@ class FinalNormPipe(nn.Module):
         super().__init__()
         self.final_layernorm = build_norm(cfg, device, dtype)
         init_weights(self, cfg, state, seed, prefix="head.")
+        mark_sequence_parallel_params(self, state)
 
     def forward(self, x):
         return self.final_layernorm(x)
@@ -155,10 +168,17 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
     m, st, seed = cfg.model, rt.state, cfg.training.seed
     common = (cfg.model, st, seed, rt.device, cfg.precision.params_dtype)
     tied = not m.untie_embeddings_and_output_weights
+    tracker = {"rng_tracker": rt.rng_tracker}  # the embedding's dropout with SP
     embed = (
-        TiedLayerSpec("embed", EmbeddingPipe, *common, tied_weight_attr="word_embeddings.weight")
+        TiedLayerSpec(
+            "embed",
+            EmbeddingPipe,
+            *common,
+            tied_weight_attr="word_embeddings.weight",
+            **tracker,
+        )
         if tied
-        else LayerSpec(EmbeddingPipe, *common)
+        else LayerSpec(EmbeddingPipe, *common, **tracker)
     )
     if tied:
         # A weightless head (meta device) that computes the logits with the tied weight.
@@ -169,6 +189,7 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
             *common,
             tied_weight_attr="word_embeddings.weight",
             forward_fn=head_fn,
+            **tracker,
         )
     else:
         head = LayerSpec(HeadPipe, *common)
@@ -256,6 +277,8 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
             deepspeed.zero.register_external_parameter(
                 model[0].head, model[0].word_embeddings_weight()
             )
+    if rt.state.sequence_parallel:
+        reduce_sequence_parallel_grads_in_backward(model.parameters(), rt.state.tp_group)
     optimizer = _torch_optimizer(param_groups(model), cfg.optimizer)
     scheduler = make_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(
