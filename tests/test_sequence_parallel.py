@@ -19,6 +19,7 @@ from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import FusedOps
 from megatron.model import GPTModel
+from megatron.model.memory import SavedActivations
 from megatron.model.transformer import TransformerLayer
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
@@ -228,17 +229,35 @@ def _check_dropout_streams(state) -> None:
             assert all(torch.equal(c, copies[0]) for c in copies), n
 
 
+def _activation_bytes(state, cfg) -> int:
+    model = GPTModel(cfg, state, seed=5, rng_tracker=_tracker(5, state.tp_rank))
+    tokens, labels = _batch(cfg, 0)
+    with SavedActivations(exclude=model.parameters()) as saved:
+        model(tokens, labels=labels).mean().backward()
+    return saved.bytes
+
+
+def _check_activation_memory(state) -> float:
+    """What a forward keeps for backward: less with SP than with TP alone, same TP group."""
+    cfg = dataclasses.replace(_BASE, seq_length=64, num_layers=4)
+    sp = _activation_bytes(state, cfg)
+    tp_only = _activation_bytes(dataclasses.replace(state, sequence_parallel=False), cfg)
+    assert sp < tp_only, (sp, tp_only)
+    return sp / tp_only
+
+
 def _model_worker(rank, world):
     torch.manual_seed(0)
-    everything, some = list(_VARIANTS), list(_VARIANTS)[:2]
+    everything, some, ratios = list(_VARIANTS), list(_VARIANTS)[:2], {}
     for tp, names in ((4, everything), (2, some)):  # TP 2 x DP 2: each TP pair checks itself
         state = initialize_model_parallel(tp, sequence_parallel=True)
         _check_mappings(state.tp_group)
         _check_grad_sync(state.tp_group)
         _check_model_equivalence(state, names)
         _check_dropout_streams(state)
+        ratios[tp] = _check_activation_memory(state)
         destroy_model_parallel(state)
-    return True
+    return ratios
 
 
 def test_sequence_parallel_mappings_and_model_match_one_process():
@@ -246,7 +265,8 @@ def test_sequence_parallel_mappings_and_model_match_one_process():
     gradients, weights after 3 AdamW steps (learned/RoPE, LayerNorm/RMSNorm, GeLU/SwiGLU, tied
     and untied, full and selective recompute, Triton kernels); dropout streams."""
     env = {"TRITON_INTERPRET": "1"}
-    assert run_distributed(_model_worker, 4, env_per_rank=lambda r: env) == [True] * 4
+    ratios = run_distributed(_model_worker, 4, env_per_rank=lambda r: env)
+    print(f"saved activations, SP / TP alone: {ratios[0]}")
 
 
 # ---- the trainer: TP2 x PP2 x DP2 (interleaved) with SP vs one process; exact resume ----

@@ -29,7 +29,7 @@ from megatron.mpu import (
     checkpoint,
     copy_full_into_param,
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
+    gathered_linear,
     mark_sequence_parallel,
     sequence_slice,
 )
@@ -128,11 +128,10 @@ class OutputHead(nn.Module):
         reduce-scatter), so the logits and the vocab-parallel loss see the whole sequence."""
         if self.output_layer is not None:
             logits = self.output_layer(x)
+        elif self.sequence_parallel:  # (b, s/p, h) -> (b, s, V / p)
+            logits = gathered_linear(x, word_embeddings, None, self.tp_group)
         else:
-            if self.sequence_parallel:
-                x = gather_from_sequence_parallel_region(x, self.tp_group)  # (b, s, h)
-            else:
-                x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
             logits = nn.functional.linear(x, word_embeddings)
         if self.num_valid < logits.size(-1):
             logits[..., self.num_valid :] = float("-inf")

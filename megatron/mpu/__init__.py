@@ -13,6 +13,7 @@ from megatron.mpu.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_full_into_param,
+    gathered_linear,
     init_normal,
     is_sequence_parallel,
     is_tensor_parallel,
@@ -39,6 +40,7 @@ from megatron.mpu.random import MODEL_PARALLEL_RNG, RNGStatesTracker, checkpoint
 from megatron.mpu.utils import shard, unshard
 
 __all__ = [
+    "gathered_linear",
     "sequence_slice",
     "scatter_to_sequence_parallel_region",
     "reduce_sequence_parallel_grads_in_backward",

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.mpu.mappings import (
+    all_gather_sequence,
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
@@ -99,13 +100,51 @@ def _init_param(param: nn.Parameter, full_shape, init_method: InitMethod | None,
     copy_full_into_param(param, master, group)
 
 
+class _GatheredLinear(torch.autograd.Function):
+    """Y = [X_1; ...; X_p] A_i + b_i: the sequence-parallel input all-gathered into a linear.
+
+    Keeps only this rank's slice X_r (b, s/p, h) for backward and all-gathers it again there,
+    so the full (b, s, h) input is never held between forward and backward (the point of
+    sequence parallelism's memory saving). Backward: dL/dX reduce-scattered along the sequence,
+    dL/dA_i = dL/dY^T X, dL/db_i = sum of dL/dY.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_sequence(x, group), weight, bias)  # (b, s, out / p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = reduce_scatter_sequence(grad.matmul(weight), ctx.group)  # (b, s/p, h)
+        if ctx.needs_input_grad[1]:
+            full = all_gather_sequence(x, ctx.group)  # (b, s, h), again
+            grad_w = grad.reshape(-1, grad.size(-1)).t().matmul(full.reshape(-1, full.size(-1)))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.size(-1)).sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias, group) -> torch.Tensor:
+    """Sequence-parallel X (b, s/p, h) all-gathered into X A^T + b, keeping only the slice for
+    backward (see _GatheredLinear); `weight` is this rank's (out / p, h) shard."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _GatheredLinear.apply(x, weight, bias, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A split along its output dimension: A = [A_1, ..., A_p], rank i holds A_i.
 
     Forward: copy_to (identity) -> Y_i = X A_i + b_i -> optional all-gather of [Y_1 .. Y_p].
     Backward: all-reduce of dL/dX over TP (from copy_to).
     sequence_parallel: X arrives as this rank's (b, s/p, h); forward all-gathers it along the
-    sequence, backward reduce-scatters dL/dX (the all-reduce and the split in one).
+    sequence, backward reduce-scatters dL/dX (the all-reduce and the split in one) and gathers
+    X again for dL/dA, so only the slice is kept for backward.
     """
 
     def __init__(
@@ -137,20 +176,20 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _input(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(x, self.group)  # (b, s/p, h) -> (b, s, h)
-        return copy_to_tensor_model_parallel_region(x, self.group)
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.sequence_parallel:  # x: (b, s/p, h)
+            return gathered_linear(x, self.weight, bias, self.group)
+        return F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(self._input(x), self.weight, self.bias)  # (..., output_size / p)
+        y = self._linear(x, self.bias)  # (..., output_size / p)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y
 
     def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
         """X A_i only, for a caller that fuses the bias into the next op (bias + GeLU)."""
-        return F.linear(self._input(x), self.weight)
+        return self._linear(x, None)
 
 
 class RowParallelLinear(nn.Module):

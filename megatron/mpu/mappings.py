@@ -123,7 +123,9 @@ def sequence_slice(x: torch.Tensor, group, dim: int = SEQUENCE_DIM) -> torch.Ten
     return x.narrow(dim, group_rank(group) * local, local)
 
 
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/p, h) on each rank -> (b, s, h), rank order (no autograd: for autograd functions
+    that do their own backward, such as the sequence-parallel column-parallel linear)."""
     size = group_size(group)
     if size == 1:
         return x
@@ -133,7 +135,9 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=SEQUENCE_DIM)  # (b, s, h) from p x (b, s/p, h)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s, h) on each rank -> this rank's s / p positions of the sum over ranks (no
+    autograd)."""
     size = group_size(group)
     if size == 1:
         return x
@@ -154,7 +158,7 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
@@ -165,12 +169,12 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, grad_is_partial):
         ctx.group, ctx.grad_is_partial = group, grad_is_partial
-        return _gather_seq(x, group)
+        return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.grad_is_partial:
-            return _reduce_scatter_seq(grad, ctx.group), None, None
+            return reduce_scatter_sequence(grad, ctx.group), None, None
         return sequence_slice(grad, ctx.group).contiguous(), None, None
 
 
@@ -180,11 +184,11 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
