@@ -338,14 +338,16 @@ def _ds_worker(rank, world, argv):
     return {
         "zero1": _train(rank, world, ds + ["1"])[0],
         "zero2": _train(rank, world, ds + ["2"])[0],
+        "zero1 recompute": _train(rank, world, ds + ["1", "--checkpoint-activations"])[0],
         "pipe zero1": _train(rank, world, ds + ["1", "--pipeline-model-parallel-size", "2"])[0],
     }
 
 
 @pytest.mark.slow
 def test_sequence_parallel_with_deepspeed_matches_one_process(reference):
-    """--deepspeed with SP: TP2 x DP2 with ZeRO-1 and ZeRO-2, TP2 x PP2 in DeepSpeed's pipeline
-    engine (ZeRO-1), against one process (the SP gradients summed over TP in backward)."""
+    """--deepspeed with SP: TP2 x DP2 with ZeRO-1, ZeRO-2 and ZeRO-1 + DeepSpeed's (reentrant)
+    activation checkpointing, TP2 x PP2 in DeepSpeed's pipeline engine (ZeRO-1), against one
+    process (the SP gradients summed over TP in backward)."""
     pytest.importorskip("deepspeed", reason="--deepspeed needs DeepSpeed")
     argv, ref_history, _ = reference
     for rank, runs in enumerate(run_distributed(_ds_worker, 4, argv)):
