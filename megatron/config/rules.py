@@ -154,6 +154,7 @@ def validate(cfg: MegatronConfig) -> None:
             "launch a multiple of TP x PP processes or change the parallel sizes",
         )
     validate_model(m, tp)
+    _validate_sequence_parallel(cfg)
     if cfg.recompute.num_layers < 1:
         _fail(
             "--recompute-num-layers",
@@ -221,6 +222,26 @@ def _validate_v1_kernels(cfg: MegatronConfig) -> None:
             "run as torch ops (a Triton dropout would draw other masks than the RNG tracker "
             "replays)",
             "drop the flag (same results), or pass --torch-compile to fuse them",
+        )
+
+
+def _validate_sequence_parallel(cfg: MegatronConfig) -> None:
+    """--sequence-parallel splits the sequence over the TP group: TP > 1 ranks and s % TP = 0."""
+    if not cfg.parallel.sequence_parallel:
+        return
+    tp, s = cfg.parallel.tensor_model_parallel_size, cfg.model.seq_length
+    if tp == 1:
+        _fail(
+            "--sequence-parallel",
+            "needs --tensor-model-parallel-size > 1 (it splits the sequence over the TP ranks)",
+            "drop --sequence-parallel or raise --tensor-model-parallel-size",
+        )
+    if s % tp:
+        _fail(
+            "--sequence-parallel",
+            f"--seq-length {s} is not divisible by --tensor-model-parallel-size {tp}",
+            f"use a sequence length that is a multiple of {tp} (e.g. {s + tp - s % tp}), or drop "
+            "--sequence-parallel",
         )
 
 

@@ -308,6 +308,12 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = setting(
         None, "layers per model chunk for the interleaved pipeline schedule"
     )
+    sequence_parallel: bool = setting(
+        False,
+        "split the activations outside the tensor-parallel regions (norms, dropout, residuals) "
+        "along the sequence over the TP group, s / TP tokens per rank (needs TP > 1 and a "
+        "sequence length divisible by TP)",
+    )
     world_size: int = setting(
         1, "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)", from_env=True
     )

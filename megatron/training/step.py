@@ -19,6 +19,7 @@ from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.stages import build_model
+from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.training.backend import StepResult, TrainerBackend, average_loss
 from megatron.training.data import get_batch
 from megatron.training.ddp import DistributedDataParallel
@@ -109,6 +110,14 @@ def sync_embedding_grads(model, state) -> None:
         dist.all_reduce(weight.main_grad, group=state.embedding_group)
 
 
+def sync_sequence_parallel_grads(model, state) -> None:
+    """--sequence-parallel: norm weights, row-parallel biases and the position table saw only
+    this TP rank's s / p tokens; sum their gradients over TP so every rank steps on the whole
+    sequence's gradient (one all-reduce of the flattened gradients)."""
+    if state.sequence_parallel:
+        all_reduce_sequence_parallel_grads(model.parameters(), state.tp_group)
+
+
 def _schedule(cfg: MegatronConfig, rt: Runtime):
     return get_forward_backward_func(
         rt.state,
@@ -144,6 +153,7 @@ def train_step(
     timers("grads-all-reduce", 2).start()
     model.finish_grad_sync()
     sync_embedding_grads(model, rt.state)
+    sync_sequence_parallel_grads(model, rt.state)
     timers("grads-all-reduce", 2).stop()
     loss = average_loss(
         [s["lm loss"] for s in stats], rt

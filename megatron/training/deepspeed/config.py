@@ -106,6 +106,36 @@ def _activation_checkpointing(ds: dict, cfg: MegatronConfig) -> None:
     ac["number_checkpoints"] = cfg.model.num_layers
 
 
+def _sequence_parallel(ds: dict, cfg: MegatronConfig) -> None:
+    """--sequence-parallel: TP ranks hold different tokens, so nothing DeepSpeed splits over TP
+    on the assumption that TP ranks hold equal activations may stay on."""
+    if not cfg.parallel.sequence_parallel:
+        return
+    fix = "Fix: drop it, or drop --sequence-parallel"
+    if ds["zero_optimization"]["stage"] == 3:
+        raise ConfigError(
+            "--sequence-parallel with ZeRO stage 3: its partitioned norm weights are gathered "
+            "and released inside forward, so their gradients (from s / TP tokens per rank) "
+            "cannot be summed over TP first. Fix: use --zero-stage 0, 1 or 2 with "
+            "--sequence-parallel, or drop --sequence-parallel"
+        )
+    if ds.get("activation_checkpointing", {}).get("partition_activations"):
+        raise ConfigError(
+            "--partition-activations (activation_checkpointing.partition_activations) with "
+            "--sequence-parallel: it keeps 1/TP of each checkpoint and rebuilds it from the TP "
+            f"peers, which hold other tokens under sequence parallelism. {fix}"
+        )
+    pipe = ds.setdefault("pipeline", {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipe.get(key):
+            raise ConfigError(
+                f"pipeline.{key} in the DeepSpeed JSON with --sequence-parallel: DeepSpeed sends "
+                "1/TP of each stage's activations (gradients) and rebuilds them from the TP "
+                f"peers, which hold other tokens under sequence parallelism. {fix}"
+            )
+        pipe[key] = False  # DeepSpeed's default is True
+
+
 def build_ds_config(cfg: MegatronConfig) -> dict:
     """The JSON of --deepspeed_config, completed and checked against the command line."""
     ds = copy.deepcopy(_load(cfg.deepspeed.config))
@@ -154,6 +184,7 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
     _precision(ds, cfg)
     _zero(ds, cfg)
     _activation_checkpointing(ds, cfg)
+    _sequence_parallel(ds, cfg)
     ds.setdefault("steps_per_print", 10**9)  # we log; DeepSpeed stays quiet
     ds.setdefault("wall_clock_breakdown", False)
     return ds

@@ -9,6 +9,9 @@
   our TP dropout stream replayed on recompute.
 - Document options (--reset-position-ids / --reset-attention-mask): the pipeline layers pass
   (hidden, position ids, document ids) from stage to stage instead of the hidden states alone.
+- --sequence-parallel: the engine reduces and steps inside its own backward()/step(), so the
+  gradients of the parameters that see s / TP tokens are summed over TP by a hook on each
+  fresh gradient, before DeepSpeed accumulates it (ZeRO 0-2; ZeRO-3 is refused by the config).
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from torch import nn
 from megatron.config.schema import MegatronConfig, ModelConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.documents import document_attention_mask
-from megatron.model.gpt import Embedding, OutputHead, init_weights
+from megatron.model.gpt import Embedding, OutputHead, init_weights, mark_sequence_parallel_params
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
-from megatron.mpu import ParallelState, checkpoint, vocab_parallel_cross_entropy
+from megatron.mpu import (
+    ParallelState,
+    checkpoint,
+    reduce_sequence_parallel_grads_in_backward,
+    vocab_parallel_cross_entropy,
+)
 from megatron.training.backend import average_loss
 from megatron.training.data import get_batch
 from megatron.training.deepspeed.config import build_ds_config
@@ -96,9 +104,12 @@ class MpuAdapter:
 
 
 class EmbeddingPipe(Embedding):
-    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
-        super().__init__(cfg, state, device, dtype)
+    def __init__(
+        self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype, rng_tracker=None
+    ):
+        super().__init__(cfg, state, device, dtype, rng_tracker=rng_tracker)
         init_weights(self, cfg, state, seed, prefix="embedding.")
+        mark_sequence_parallel_params(self, state)
 
     def forward(self, inputs):
         if isinstance(inputs, tuple):
@@ -128,6 +139,7 @@ class TransformerLayerPipe(TransformerLayer):
             cfg, state, tracker, device, dtype, ops, recompute, layer_number=number + 1
         )
         init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
+        mark_sequence_parallel_params(self, state)
         self.document_mask = document_mask
 
     def forward(self, inputs):
@@ -143,6 +155,7 @@ class FinalNormPipe(nn.Module):
         super().__init__()
         self.final_layernorm = build_norm(cfg, device, dtype)
         init_weights(self, cfg, state, seed, prefix="head.")
+        mark_sequence_parallel_params(self, state)
 
     def forward(self, inputs):
         return self.final_layernorm(inputs[0] if isinstance(inputs, tuple) else inputs)
@@ -187,10 +200,17 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
     ops = select_ops(cfg.kernels, rt.device)
     common = (cfg.model, st, seed, rt.device, cfg.precision.params_dtype)
     tied = not m.untie_embeddings_and_output_weights
+    tracker = {"rng_tracker": rt.rng_tracker}  # the embedding's dropout with SP
     embed = (
-        TiedLayerSpec("embed", EmbeddingPipe, *common, tied_weight_attr="word_embeddings.weight")
+        TiedLayerSpec(
+            "embed",
+            EmbeddingPipe,
+            *common,
+            tied_weight_attr="word_embeddings.weight",
+            **tracker,
+        )
         if tied
-        else LayerSpec(EmbeddingPipe, *common)
+        else LayerSpec(EmbeddingPipe, *common, **tracker)
     )
     if tied:
         # A weightless head (meta device) that computes the logits with the tied weight.
@@ -201,6 +221,7 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
             *common,
             tied_weight_attr="word_embeddings.weight",
             forward_fn=head_fn,
+            **tracker,
         )
     else:
         head = LayerSpec(HeadPipe, *common)
@@ -294,6 +315,8 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
             deepspeed.zero.register_external_parameter(
                 model[0].head, model[0].word_embeddings_weight()
             )
+    if rt.state.sequence_parallel:
+        reduce_sequence_parallel_grads_in_backward(model.parameters(), rt.state.tp_group)
     optimizer = _torch_optimizer(param_groups(model), cfg.optimizer)
     scheduler = make_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(
