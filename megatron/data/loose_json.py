@@ -207,7 +207,7 @@ def _tokenize(spec: CacheSpec, corpus: Corpus, prefix: str) -> str:
     with contextlib.redirect_stderr(tee):
         status = preprocess.run(args)
     if status != 0:
-        bad = [line.removeprefix("bad record: ") for line in tee.lines if "bad record" in line]
+        bad = [line[12:] for line in tee.lines if line.startswith("bad record: ")]
         raise CorpusError(
             f"corpus {corpus.name!r}: {len(bad)} bad record(s), nothing was cached: "
             + "; ".join(bad[:5])
