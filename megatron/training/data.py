@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron.config.schema import MegatronConfig
 from megatron.data.builder import build_train_valid_test_datasets
-from megatron.data.loose_json import prepare_loose_json
+from megatron.data.loose_json import CorpusError, prepare_loose_json
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime, barrier
 
@@ -58,17 +58,19 @@ def _share_from_rank0(wait_minutes: float):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return lambda status: status
 
+    # Made by every rank now, before rank 0 starts tokenizing.
+    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=wait_minutes))
+
     def share(status):
-        group = dist.new_group(backend="gloo", timeout=timedelta(minutes=wait_minutes))
         box = [status]
         try:
             dist.broadcast_object_list(box, src=0, group=group)
         except RuntimeError as e:
-            raise RuntimeError(
+            raise CorpusError(
                 f"rank {dist.get_rank()} waited {wait_minutes} min for rank 0 to tokenize the "
                 "--train-data/--valid-data/--test-data corpora into --cache-dir and gave up "
-                f"({e}). Fix: raise --cache-wait-minutes, or build the cache first with one "
-                "process (the same command with 1 rank and --train-iters 0)"
+                f"({e}). Fix: raise --cache-wait-minutes (rank 0's log says whether it is "
+                "still tokenizing)"
             ) from None
         finally:
             dist.destroy_process_group(group)
