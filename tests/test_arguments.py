@@ -334,7 +334,7 @@ _MAY_IMPORT = {
     "config": set(),
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
-    "data": {"config.schema", "config.declare"},
+    "data": {"config.schema", "config.declare", "config.schema_corpora"},
     "heartbeat": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},

@@ -17,6 +17,7 @@ from megatron.config.schema import (
     parse_blend,
     split_weights,
 )
+from megatron.config.schema_corpora import parse_corpus_list
 
 
 def _fail(flag: str, problem: str, fix: str) -> None:
@@ -249,6 +250,7 @@ def _validate_data(d: DataConfig) -> None:
     problem = d.tokenizer.pretrained_problem()
     if problem:
         _fail(*problem)
+    _validate_loose_json(d)
     separate = d.train_data_path or d.valid_data_path or d.test_data_path
     if d.data_path and separate:
         _fail(
@@ -284,6 +286,60 @@ def _validate_data(d: DataConfig) -> None:
             "pass the --tokenizer-type the data was preprocessed with (NullTokenizer for "
             "pre-tokenized ids: its end-of-document id is --vocab-size)",
         )
+
+
+def _validate_loose_json(d: DataConfig) -> None:
+    """--train-data & co. (loose JSON, cached in --cache-dir) replace the mmap data flags."""
+    lj = d.loose_json
+    loose = [
+        (f, v)
+        for f, v in (
+            ("--train-data", lj.train_data),
+            ("--valid-data", lj.valid_data),
+            ("--test-data", lj.test_data),
+        )
+        if v
+    ]
+    if not loose:
+        return
+    mmap = [
+        (f, v)
+        for f, v in (
+            ("--data-path", d.data_path),
+            ("--train-data-path", d.train_data_path),
+            ("--valid-data-path", d.valid_data_path),
+            ("--test-data-path", d.test_data_path),
+        )
+        if v
+    ]
+    if mmap:
+        _fail(
+            loose[0][0],
+            f"given together with {mmap[0][0]}: one names loose JSON corpora to tokenize, the "
+            "other preprocessed .bin/.idx prefixes",
+            f"use either {loose[0][0]} (loose JSON) or {mmap[0][0]} (prefixes), not both",
+        )
+    if not lj.train_data:
+        _fail(loose[0][0], "needs --train-data", "name the training corpus with --train-data")
+    for flag, values in loose:
+        try:
+            parse_corpus_list(values, flag)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if not d.tokenizer.cache_dir:
+        _fail(
+            loose[0][0],
+            "the corpora are tokenized once into --cache-dir, which is not set",
+            "pass --cache-dir DIR (a directory every node can read)",
+        )
+    if d.tokenizer.tokenizer_type is None:
+        _fail(
+            loose[0][0],
+            "loose JSON needs a tokenizer",
+            "pass --tokenizer-type (with its --vocab-file etc.) or --tokenizer-model-type",
+        )
+    if lj.cache_wait_minutes <= 0:
+        _fail("--cache-wait-minutes", f"must be > 0, got {lj.cache_wait_minutes}", "pass e.g. 120")
 
 
 def _validate_batch(t: TrainingConfig, dp: int) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from megatron.config.declare import ConfigError, setting
 from megatron.config.pretrained_vocab import PRETRAINED, find_files
 from megatron.config.pretrained_vocab import problem as pretrained_problem
+from megatron.config.schema_corpora import LooseJsonConfig
 from megatron.config.schema_run import (
     CheckpointConfig,
     DeepSpeedConfig,
@@ -399,7 +400,9 @@ class TokenizerConfig:
         choices=tuple(PRETRAINED),
     )
     cache_dir: str | None = setting(
-        None, "directory holding the --tokenizer-model-type vocab files (e.g. gpt2-vocab.json)"
+        None,
+        "directory holding the --tokenizer-model-type vocab files (e.g. gpt2-vocab.json); "
+        "--train-data/--valid-data/--test-data write their tokenized corpora under DIR/loose_json",
     )
 
     def __post_init__(self) -> None:
@@ -478,6 +481,7 @@ class DataConfig:
         return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
 
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    loose_json: LooseJsonConfig = field(default_factory=LooseJsonConfig)
 
 
 # Parsers of DataConfig values, shared by the rules (checked at start-up) and data/builder.py.

@@ -95,7 +95,10 @@ def _tokenize_docs(texts: list[str], dtype) -> KeyResult:
     append the end-of-document id after each document's last sequence."""
     tok = _TOKENIZER
     if _OPTIONS["split_sentences"]:
-        sentences = [split_sentences(t, _OPTIONS["keep_newlines"]) for t in texts]
+        if _OPTIONS.get("presplit_sentences"):  # the corpus has one sentence per line
+            sentences = [[s for s in t.split("\n") if s.strip()] for t in texts]
+        else:
+            sentences = [split_sentences(t, _OPTIONS["keep_newlines"]) for t in texts]
         per_doc = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
         flat, seq_len = tok.tokenize_batch_arrays(list(itertools.chain.from_iterable(sentences)))
     else:
@@ -311,10 +314,11 @@ def run(args: argparse.Namespace) -> int:
         "keys": keys,
         "dtype": dtype,
         "append_eod": args.append_eod,
-        "split_sentences": args.split_sentences,
+        "split_sentences": args.split_sentences or args.presplit_sentences,
+        "presplit_sentences": args.presplit_sentences,
         "keep_newlines": args.keep_newlines,
     }
-    level = "sentence" if args.split_sentences else "document"
+    level = "sentence" if options["split_sentences"] else "document"
     outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl)
     progress, stats = ProgressFile(), Stats()
     total = sum(os.path.getsize(p) for p in paths)
@@ -393,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--split-sentences",
         action="store_true",
         help="one sequence per sentence (built-in rule-based splitter)",
+    )
+    g.add_argument(
+        "--presplit-sentences",
+        action="store_true",
+        help="one sequence per sentence, where each non-empty line of a document is a "
+        "sentence (the corpus is already split; Megatron-LM 2019's flag)",
     )
     g.add_argument(
         "--keep-newlines",
