@@ -1,0 +1,286 @@
+"""Bytes per rank of a parallel layout: parameters, gradients, optimizer state, activations.
+
+Parameters of a rank are counted exactly from the model's shapes (the layers of its pipeline
+stage split over TP, the embedding on the first stage, the final norm and head, or the tied
+embedding's copy, on the last). Per parameter the native trainer keeps D bytes of weights
+(D = 2 for fp16/bf16, 4 for fp32), a 4-byte fp32 gradient buffer, and Adam's state: fp32 master
++ two moments = 12 bytes in half precision, the two moments = 8 in fp32. The distributed
+optimizer (ZeRO-1) divides the optimizer state by DP (D + 4 + 12/DP bytes per parameter in
+bf16, 8 + 8/DP in fp32); ZeRO-2 also the gradients, ZeRO-3 also the weights.
+
+Activations kept for backward by one transformer layer for one micro batch of b sequences of s
+tokens, u = s b h elements (Korthikanti et al. 2022, Megatron's 34 s b h + 5 a s^2 b in fp16):
+
+    outside the TP regions  4 D u + 2 M u       (norm inputs and outputs, the two residual
+                                                  dropout masks of M bytes); / t with SP
+    inside the TP regions   D s b (qkv + ctx + 2 ffn) / t = 12 D u / t for a 4h GeLU MLP
+    attention core          a s^2 b (2 D + M) / t with a score matrix (unfused, or CPU SDPA with
+                            attention dropout); 4 a s b / t (the log-sum-exp) for flash SDPA
+    norm statistics         2 norms x 2 x 4 s b bytes; / t with SP
+
+Selective recompute drops the attention core; full recompute keeps each group's input (D u,
+/ t with SP) and rebuilds one group of layers at a time in backward (the recompute working set).
+The first virtual stage adds the token and position ids and the embedding's dropout mask, the
+last the final norm, the fp32 logits 4 s b V / t and the labels. Pipeline stages hold the
+activations of the micro batches in flight, simulated with the schedule's own action order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron.config.schema import ModelConfig
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run: TP x PP x DP ranks, V model chunks per stage (None: not interleaved),
+    M micro batches of b samples per step, recompute and sequence parallelism."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_micro_batches: int
+    vp: int | None = None
+    recompute: str | None = None  # None, "selective", "full"
+    sequence_parallel: bool = False
+
+    def describe(self) -> str:
+        v = f" V{self.vp}" if self.vp else ""
+        sp = " SP" if self.sequence_parallel else ""
+        rc = f" rc={self.recompute}" if self.recompute else ""
+        return f"TP{self.tp} PP{self.pp}{v} DP{self.dp} mb{self.micro_batch}{sp}{rc}"
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the memory model needs to know about the device and the framework.
+
+    `mask_bytes`: one dropout-mask element (CUDA keeps bool masks; CPU keeps a mask in the
+    activation dtype). `flash_attention`: SDPA keeps O(s) per head (CUDA flash / memory-efficient
+    kernels; CPU only without attention dropout). `overhead_bytes`: the framework's own memory
+    (CUDA context, allocator caching, workspaces): a constant measured once per setup."""
+
+    mask_bytes: int = 1
+    flash_attention: bool = True
+    overhead_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Training:
+    """The run settings the memory model reads besides the model and the layout."""
+
+    dtype_bytes: int = 2  # weights and activations: 2 for fp16/bf16, 4 for fp32
+    optimizer: str = "adam"  # adam, or sgd
+    sgd_momentum: float = 0.9
+    sharding: str = "none"  # none, distributed (= ZeRO-1), zero2, zero3
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    attention_backend: str = "sdpa"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of the fullest rank (pipeline stage `stage`), term by term."""
+
+    stage: int
+    terms: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+
+# ---- parameters ----
+
+
+def norm_params(m: ModelConfig) -> int:
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+def layer_params(m: ModelConfig, tp: int) -> int:
+    """Weights of one transformer layer on one TP rank (row-parallel biases are replicated)."""
+    h, hd, bias = m.hidden_size, m.head_dim, int(m.add_bias_linear)
+    qkv = (m.num_attention_heads + 2 * m.query_groups) * hd // tp
+    ctx = m.num_attention_heads * hd // tp
+    ffn = m.ffn_size // tp
+    fc1 = ffn * (2 if m.swiglu else 1)
+    linear = h * qkv + qkv * bias + ctx * h + h * bias + h * fc1 + fc1 * bias + ffn * h + h * bias
+    return linear + 2 * norm_params(m)
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """Weights on a rank of pipeline stage `stage` (its V chunks together)."""
+    words = m.padded_vocab_size(tp) * m.hidden_size // tp
+    n = m.num_layers // pp * layer_params(m, tp)
+    if stage == 0:
+        n += words + (m.max_positions * m.hidden_size if m.position_embedding_type == "learned" else 0)
+    if stage == pp - 1:
+        n += norm_params(m)
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            n += words  # the output head, or the tied embedding's copy on the last stage
+    return n
+
+
+def model_state_bytes(params: int, dp: int, t: Training) -> dict[str, int]:
+    """Weights, fp32 gradient buffer and optimizer state of `params` parameters."""
+    half = t.dtype_bytes < 4
+    if t.optimizer == "adam":
+        opt = 12 if half else 8
+    else:
+        opt = (4 if half else 0) + (4 if t.sgd_momentum else 0)
+    shard = {"none": 0, "distributed": 1, "zero2": 2, "zero3": 3}[t.sharding]
+    return {
+        "parameters": params * t.dtype_bytes // (dp if shard >= 3 else 1),
+        "gradients": params * 4 // (dp if shard >= 2 else 1),
+        "optimizer": params * opt // (dp if shard >= 1 else 1),
+    }
+
+
+# ---- activations of one micro batch ----
+
+
+def _attention_core_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device) -> int:
+    """What the attention kernel keeps (a s^2 b score matrices, or a s b log-sum-exps)."""
+    a, s, b, D = m.num_attention_heads // lay.tp, m.seq_length, lay.micro_batch, t.dtype_bytes
+    scores = t.attention_backend != "sdpa" or not dev.flash_attention
+    if not scores:
+        return 4 * a * s * b
+    per = 2 * D + dev.mask_bytes if m.attention_dropout > 0 else D
+    return a * s * s * b * per
+
+
+def layer_activation_bytes(
+    m: ModelConfig, lay: Layout, t: Training, dev: Device, *, core: bool = True
+) -> int:
+    """Bytes one layer keeps for backward for one micro batch (no full recompute); `core`:
+    whether the attention core's are kept (False under selective recompute)."""
+    s, b, h, D, tp = m.seq_length, lay.micro_batch, m.hidden_size, t.dtype_bytes, lay.tp
+    sp = tp if lay.sequence_parallel else 1
+    masks = 2 * dev.mask_bytes if m.hidden_dropout > 0 else 0
+    outside = (4 * D + masks) * s * b * h // sp + 2 * 2 * 4 * s * b // sp
+    hd = m.head_dim
+    width = (m.num_attention_heads + 2 * m.query_groups) * hd + m.num_attention_heads * hd
+    width += (3 if m.swiglu else 2) * m.ffn_size
+    inside = D * s * b * width // tp
+    return outside + inside + (_attention_core_bytes(m, lay, t, dev) if core else 0)
+
+
+def layer_input_bytes(m: ModelConfig, lay: Layout, t: Training) -> int:
+    """One (b, s, h) activation between layers (b, s / t, h with SP)."""
+    sp = lay.tp if lay.sequence_parallel else 1
+    return t.dtype_bytes * m.seq_length * lay.micro_batch * m.hidden_size // sp
+
+
+def embedding_extra_bytes(m: ModelConfig, lay: Layout, dev: Device) -> int:
+    """First virtual stage: token and position ids, the embedding's dropout mask."""
+    s, b = m.seq_length, lay.micro_batch
+    sp = lay.tp if lay.sequence_parallel else 1
+    mask = dev.mask_bytes * s * b * m.hidden_size // sp if m.hidden_dropout > 0 else 0
+    return 8 * s * b + 8 * s + mask
+
+
+def head_extra_bytes(m: ModelConfig, lay: Layout, t: Training) -> int:
+    """Last virtual stage: the final norm's input and output and statistics, the fp32 logits
+    the vocab-parallel loss keeps (s b V / t), the labels and the loss mask."""
+    s, b, tp = m.seq_length, lay.micro_batch, lay.tp
+    sp = tp if lay.sequence_parallel else 1
+    logits = 4 * s * b * m.padded_vocab_size(tp) // tp
+    return 2 * layer_input_bytes(m, lay, t) + 8 * s * b // sp + logits + 17 * s * b
+
+
+def chunk_activation_bytes(
+    m: ModelConfig, lay: Layout, t: Training, dev: Device, first: bool, last: bool
+) -> tuple[int, int]:
+    """(kept until backward, extra working set while its backward runs) for one micro batch of
+    one model chunk of L / (P V) layers; `first` / `last`: the first / last virtual stage."""
+    n = m.num_layers // (lay.pp * (lay.vp or 1))
+    full = layer_activation_bytes(m, lay, t, dev, core=lay.recompute != "selective")
+    kept, working = n * full, 0
+    if lay.recompute == "full":
+        k = min(t.recompute_num_layers, n)
+        x = layer_input_bytes(m, lay, t)
+        if t.recompute_method == "uniform":  # groups of k layers: their inputs; one rebuilt
+            kept, working = -(-n // k) * x, k * full
+        else:  # block: the first k layers each keep their input only
+            kept, working = k * x + (n - k) * full, full
+    extra = (embedding_extra_bytes(m, lay, dev) if first else 0) + (
+        head_extra_bytes(m, lay, t) if last else 0
+    )
+    return kept + extra, working
+
+
+# ---- the pipeline schedule ----
+
+
+def schedule_actions(P: int, s: int, M: int, V: int = 1) -> list[tuple[str, int, int]]:
+    """Stage s's ('F'|'B', chunk, micro batch) order: the training schedule's rule
+    (megatron.training.pipeline.pipeline_actions; a test holds the two equal)."""
+
+    def order(k: int) -> tuple[int, int]:
+        return (k // P) % V, (k // (P * V)) * P + k % P
+
+    total = M * V
+    fwd = [("F", *order(k)) for k in range(total)]
+    bwd = [("B", V - 1 - c, mb) for c, mb in (order(k) for k in range(total))]
+    warmup = min(P - s - 1, M) if V == 1 else min((P - s - 1) * 2 + (V - 1) * P, total)
+    actions = fwd[:warmup]
+    for i in range(total - warmup):
+        actions += [fwd[warmup + i], bwd[i]]
+    return actions + bwd[total - warmup :]
+
+
+def stage_activation_peak(
+    m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
+) -> dict[str, int]:
+    """Peak bytes of a stage over one step: activations kept for backward (all micro batches
+    in flight), the recompute working set on top, the pipeline's output buffers."""
+    P, V = lay.pp, lay.vp or 1
+    sizes = {}
+    for c in range(V):
+        virtual = c * P + stage
+        sizes[c] = chunk_activation_bytes(m, lay, t, dev, virtual == 0, virtual == P * V - 1)
+    if P == 1:  # gradient accumulation: one micro batch at a time
+        kept, working = sizes[0]
+        return {"activations": kept, "recompute_working": working, "p2p_buffers": 0}
+    live, peak, with_working, outputs, peak_out = 0, 0, 0, 0, 0
+    out_bytes = layer_input_bytes(m, lay, t)
+    for kind, c, _ in schedule_actions(P, stage, lay.num_micro_batches, V):
+        kept, working = sizes[c]
+        last = c * P + stage == P * V - 1
+        if kind == "F":
+            live += kept
+            outputs += 0 if last else out_bytes
+            peak, peak_out = max(peak, live), max(peak_out, outputs)
+        else:
+            with_working = max(with_working, live + working)
+            live -= kept
+            outputs -= 0 if last else out_bytes
+    working = max(0, with_working - peak)
+    return {"activations": peak, "recompute_working": working, "p2p_buffers": peak_out}
+
+
+def stage_memory(
+    m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
+) -> dict[str, int]:
+    """Every term of one pipeline stage's rank, in bytes."""
+    terms = model_state_bytes(stage_params(m, lay.tp, lay.pp, stage), lay.dp, t)
+    terms.update(stage_activation_peak(m, lay, t, dev, stage))
+    terms["overhead"] = dev.overhead_bytes
+    return terms
+
+
+def estimate_memory(
+    m: ModelConfig, lay: Layout, t: Training, dev: Device = Device()
+) -> MemoryEstimate:
+    """The fullest rank of the layout (the pipeline stage with the largest total)."""
+    stages = [MemoryEstimate(s, stage_memory(m, lay, t, dev, s)) for s in range(lay.pp)]
+    return max(stages, key=lambda e: e.total)
+
+
+def replace(lay: Layout, **changes) -> Layout:
+    return dataclasses.replace(lay, **changes)
