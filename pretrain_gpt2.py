@@ -7,18 +7,33 @@
         --vocab-file vocab.json --merge-file merges.txt --save ckpt --load ckpt
 """
 
+import os
 import sys
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate_training
 from megatron.initialize import shutdown_distributed
-from megatron.training.loop import TrainingError, pretrain
+from megatron.planning.auto import auto_parallel
+from megatron.training.loop import TrainingError, pretrain, resolve_vocab
+
+
+def plan_layout(cfg):
+    """--auto-parallel: the planner's layout for the launched world size (logged by rank 0)."""
+    if not cfg.parallel.auto_parallel:
+        return cfg
+    sized, _ = resolve_vocab(cfg)  # the planner needs the vocab size the tokenizer sets
+    rank0 = os.environ.get("RANK", "0") == "0"
+    return auto_parallel(cfg, vocab_size=sized.model.vocab_size, log=print if rank0 else _quiet)
+
+
+def _quiet(line: str) -> None:
+    pass
 
 
 def main(argv=None) -> int:
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, plan=plan_layout)
         validate_training(cfg)
         pretrain(cfg)
     except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as e:

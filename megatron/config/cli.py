@@ -14,7 +14,7 @@ import argparse
 import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron.config.declare import Tree
 from megatron.config.files import parse_overrides, read_config_file, to_yaml
@@ -85,15 +85,19 @@ def resolve(ns: argparse.Namespace, world_size: int) -> MegatronConfig:
 def parse_args(
     argv: Sequence[str] | None = None,
     world_size: int | None = None,
+    plan: Callable[[MegatronConfig], MegatronConfig] | None = None,
 ) -> MegatronConfig:
     """Parse argv (default sys.argv) into a validated, frozen config.
 
     `world_size` defaults to the launcher's environment, so the layout is checked before any
     process group exists. With --print-config the config is printed and the process exits 0
-    here, before any distributed or data work.
+    here, before any distributed or data work. `plan` (pretrain_gpt2.py's --auto-parallel)
+    may replace the layout settings of the resolved config before it is validated.
     """
     ns = build_parser().parse_args(argv)
     cfg = resolve(ns, world_size if world_size is not None else world_size_from_env())
+    if plan is not None:
+        cfg = plan(cfg)
     validate(cfg)
     if ns.print_config:
         sys.stdout.write(to_yaml(cfg, "resolved by --print-config; run it with -c FILE"))

@@ -156,6 +156,7 @@ def validate(cfg: MegatronConfig) -> None:
         )
     validate_model(m, tp)
     _validate_sequence_parallel(cfg)
+    _validate_auto_parallel(cfg)
     if cfg.recompute.num_layers < 1:
         _fail(
             "--recompute-num-layers",
@@ -244,6 +245,16 @@ def _validate_sequence_parallel(cfg: MegatronConfig) -> None:
             f"use a sequence length that is a multiple of {tp} (e.g. {s + tp - s % tp}), or drop "
             "--sequence-parallel",
         )
+
+
+def _validate_auto_parallel(cfg: MegatronConfig) -> None:
+    par = cfg.parallel
+    if par.auto_parallel_gpu_memory_gb is not None and par.auto_parallel_gpu_memory_gb <= 0:
+        _fail("--auto-parallel-gpu-memory-gb", "must be positive", "pass e.g. 80")
+    if par.auto_parallel_gpus_per_node < 1:
+        _fail("--auto-parallel-gpus-per-node", "must be >= 1", "pass e.g. 8")
+    if par.auto_parallel_overhead_gb < 0:
+        _fail("--auto-parallel-overhead-gb", "must be >= 0", "pass e.g. 1")
 
 
 def _validate_data(d: DataConfig) -> None:

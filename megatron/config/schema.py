@@ -315,6 +315,22 @@ class ParallelConfig:
         "along the sequence over the TP group, s / TP tokens per rank (needs TP > 1 and a "
         "sequence length divisible by TP)",
     )
+    auto_parallel: bool = setting(
+        False,
+        "choose TP, PP, virtual stages, --sequence-parallel, the micro batch and recompute for "
+        "the launched world size with the planner (tools/plan_parallel.py): the fastest layout "
+        "predicted to fit; those of them given away from their defaults stay as given; the "
+        "resolved run config records the choice (with auto_parallel off)",
+    )
+    auto_parallel_gpu_memory_gb: float | None = setting(
+        None, "GiB per GPU for --auto-parallel (default: the first CUDA device's total memory)"
+    )
+    auto_parallel_gpus_per_node: int = setting(
+        8, "GPUs per node for --auto-parallel (TP within a node, DP / PP traffic across nodes)"
+    )
+    auto_parallel_overhead_gb: float = setting(
+        1.0, "GiB per GPU the planner reserves for the framework (CUDA context, allocator cache)"
+    )
     world_size: int = setting(
         1, "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)", from_env=True
     )

@@ -118,7 +118,9 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     words = m.padded_vocab_size(tp) * m.hidden_size // tp
     n = m.num_layers // pp * layer_params(m, tp)
     if stage == 0:
-        n += words + (m.max_positions * m.hidden_size if m.position_embedding_type == "learned" else 0)
+        n += words + (
+            m.max_positions * m.hidden_size if m.position_embedding_type == "learned" else 0
+        )
     if stage == pp - 1:
         n += norm_params(m)
         if m.untie_embeddings_and_output_weights or pp > 1:
@@ -249,7 +251,9 @@ def stage_activation_peak(
         return {"activations": kept, "recompute_working": working, "p2p_buffers": 0}
     live, peak, with_working, outputs, peak_out = 0, 0, 0, 0, 0
     out_bytes = layer_input_bytes(m, lay, t)
-    for kind, c, _ in schedule_actions(P, stage, lay.num_micro_batches, V):
+    # After the warm-up the live set repeats every P micro batches: 4P of them show the peak.
+    M = min(lay.num_micro_batches, 4 * P)
+    for kind, c, _ in schedule_actions(P, stage, M, V):
         kept, working = sizes[c]
         last = c * P + stage == P * V - 1
         if kind == "F":
@@ -278,7 +282,8 @@ def estimate_memory(
     m: ModelConfig, lay: Layout, t: Training, dev: Device = Device()
 ) -> MemoryEstimate:
     """The fullest rank of the layout (the pipeline stage with the largest total)."""
-    stages = [MemoryEstimate(s, stage_memory(m, lay, t, dev, s)) for s in range(lay.pp)]
+    # Middle stages hold fewer micro batches than the first and no embedding or head.
+    stages = [MemoryEstimate(s, stage_memory(m, lay, t, dev, s)) for s in {0, lay.pp - 1}]
     return max(stages, key=lambda e: e.total)
 
 

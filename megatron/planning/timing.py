@@ -1,0 +1,112 @@
+"""Seconds per training step of a layout, term by term.
+
+    compute     M x (forward + backward FLOPs of the slowest stage's chunks) / (peak x eff);
+                forward = 2 x tokens x (matmul weights) + 4 b s^2 a d (scores and context);
+                backward = 2 x forward
+    recompute   full: one more forward of the layers; selective: of the attention core
+    tp_comm     per layer and micro batch 4 all-reduces of b s h x D bytes (6 with full
+                recompute; SP's all-gather + reduce-scatter move the same bytes), each
+                2 (t-1)/t x bytes / bandwidth (intra-node while t <= GPUs per node)
+    bubble      (compute + recompute + tp_comm) x (P - 1) / (V M)
+    pp_p2p      2 V M messages of b s h x D bytes (s / t with SP) between neighbouring stages
+    dp_comm     the fp32 gradient all-reduce 2 (d-1)/d x 4 N bytes over DP, minus the part
+                hidden behind the last micro batch's backward (buckets launch during it)
+    launch      M x layers x a fixed cost per layer forward + backward (kernel launches,
+                framework overhead): what makes tiny micro batches slow
+    optimizer   reading and writing weights, gradients and Adam state (memory-bound)
+
+MFU = model FLOPs (3 x forward, no recompute) / (step time x world x peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config.schema import ModelConfig
+from megatron.planning.memory import Layout, Training, layer_params, norm_params, stage_params
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Device and network. Bandwidths in GB/s per GPU (bus bandwidth of a ring collective);
+    `latency_s` is added once per collective or message (large on CPU gloo)."""
+
+    peak_tflops: float = 312.0  # A100 bf16 dense
+    matmul_efficiency: float = 0.55
+    intra_node_gbps: float = 240.0  # NVLink (A100: 300 GB/s unidirectional, ~80% as bus bw)
+    inter_node_gbps: float = 23.0  # 200 Gb/s InfiniBand per GPU, ~90%
+    memory_gbps: float = 1500.0  # HBM
+    gpus_per_node: int = 8
+    latency_s: float = 10e-6
+    layer_overhead_s: float = 100e-6  # kernel launches etc. of one layer's forward + backward
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_tflops * 1e12 * self.matmul_efficiency
+
+
+def layer_forward_flops(m: ModelConfig, micro_batch: int) -> tuple[float, float]:
+    """(matmul FLOPs, attention-core FLOPs) of one layer's forward on one micro batch (all TP
+    ranks together)."""
+    tokens = micro_batch * m.seq_length
+    weights = layer_params(m, 1) - 2 * norm_params(m)  # the matmul weights (biases ~ 0)
+    core = 4 * micro_batch * m.seq_length**2 * m.num_attention_heads * m.head_dim
+    return 2.0 * tokens * weights, float(core)
+
+
+def model_flops(m: ModelConfig, global_batch: int) -> float:
+    """Forward + backward FLOPs of one step, no recompute (the MFU numerator)."""
+    mat, core = layer_forward_flops(m, global_batch)
+    head = 2.0 * global_batch * m.seq_length * m.hidden_size * m.padded_vocab_size(1)
+    return 3.0 * (m.num_layers * (mat + core) + head)
+
+
+def _ring(bytes_: float, n: int, gbps: float, latency: float) -> float:
+    """A ring all-reduce of `bytes_` over n ranks."""
+    return 0.0 if n == 1 else 2 * (n - 1) / n * bytes_ / (gbps * 1e9) + latency
+
+
+def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[str, float]:
+    """Every term of one step, in seconds (see the module docstring)."""
+    P, V, M, tp = lay.pp, lay.vp or 1, lay.num_micro_batches, lay.tp
+    layers = m.num_layers // P
+    mat, core = layer_forward_flops(m, lay.micro_batch)
+    head = 2.0 * lay.micro_batch * m.seq_length * m.hidden_size * m.padded_vocab_size(1)
+    fwd = (layers * (mat + core) + head) / tp  # the last stage: the slowest one
+    compute = M * 3 * fwd / hw.flops_per_s
+    extra = {"full": layers * (mat + core), "selective": layers * core}.get(lay.recompute, 0.0)
+    recompute = M * extra / tp / hw.flops_per_s
+    intra = tp <= hw.gpus_per_node
+    bw = hw.intra_node_gbps if intra else hw.inter_node_gbps
+    act = t.dtype_bytes * lay.micro_batch * m.seq_length * m.hidden_size
+    calls = 6 if lay.recompute == "full" else 4
+    launch = M * layers * hw.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
+    tp_comm = M * layers * calls * _ring(act, tp, bw, hw.latency_s)
+    bubble = (compute + recompute + launch + tp_comm) * (P - 1) / (V * M)
+    p2p_gbps = hw.intra_node_gbps if tp * lay.dp * P <= hw.gpus_per_node else hw.inter_node_gbps
+    sp = tp if lay.sequence_parallel else 1
+    pp_p2p = 0.0 if P == 1 else 2 * V * M * (act / sp / (p2p_gbps * 1e9) + hw.latency_s)
+    params = max(stage_params(m, tp, P, s) for s in {0, P - 1})
+    dp_gbps = hw.intra_node_gbps if tp * lay.dp <= hw.gpus_per_node else hw.inter_node_gbps
+    dp_full = _ring(4.0 * params, lay.dp, dp_gbps, hw.latency_s)
+    hidden = (compute + recompute) / M * 2 / 3  # the last micro batch's backward
+    optimizer = params * (t.dtype_bytes + 4 + 24) / (hw.memory_gbps * 1e9)
+    return {
+        "compute": compute,
+        "recompute": recompute,
+        "launch": launch,
+        "tp_comm": tp_comm,
+        "bubble": bubble,
+        "pp_p2p": pp_p2p,
+        "dp_comm": max(0.0, dp_full - hidden),
+        "optimizer": optimizer,
+    }
+
+
+def mfu(m: ModelConfig, global_batch: int, seconds: float, world: int, hw: Hardware) -> float:
+    return model_flops(m, global_batch) / (seconds * world * hw.peak_tflops * 1e12)
+
+
+def limiting_term(terms: dict[str, float]) -> str:
+    """The largest cost besides the model's own compute."""
+    return max((k for k in terms if k != "compute"), key=lambda k: terms[k])
