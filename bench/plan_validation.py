@@ -24,7 +24,6 @@ checkpoint rebuilds it outside the hooks), the pipeline's send buffers, the fram
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ def base_config():
     model = ModelConfig(
         num_layers=8, hidden_size=64, num_attention_heads=8, seq_length=64, vocab_size=500
     )
-    training = TrainingConfig(global_batch_size=16, train_iters=3, num_workers=0)
+    training = TrainingConfig(global_batch_size=8, train_iters=3, num_workers=0)
     return MegatronConfig(model=model, training=training, optimizer=OptimizerConfig(lr=1e-4))
 
 
@@ -290,27 +289,42 @@ def compare(cfg, layouts, runs, hw) -> list[dict]:
     return rows
 
 
+def select_layouts(cfg, quick: bool, everything: bool):
+    """Every layout the planner ranks (--all); by default every TP x PP x V x SP layout at
+    micro batch 1 without recompute, and for each TP x PP also micro batch 2, selective and
+    full recompute one at a time (--quick: only the former)."""
+    from megatron.planning.enumerate import Search, layouts
+
+    search = Search(WORLD, 1e9, micro_batches=(1, 2), recompute=(None, "selective", "full"))
+    found = layouts(cfg, search)[0]
+    if everything:
+        return found
+
+    def plain(x):
+        return x.micro_batch == 1 and x.recompute is None
+
+    def variant(x):
+        one_change = (x.micro_batch == 2) != (x.recompute is not None)
+        return x.vp is None and not x.sequence_parallel and one_change
+
+    return [x for x in found if plain(x) or (not quick and variant(x))]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="micro batch 1, no recompute")
-    parser.add_argument("--steps", type=int, default=3, help="steps per layout (3)")
+    parser.add_argument("--all", action="store_true", help="every layout (slow on 2 cores)")
+    parser.add_argument("--steps", type=int, default=2, help="steps per layout (2)")
     args = parser.parse_args(argv)
-    from megatron.planning.enumerate import Search
-    from megatron.planning.enumerate import layouts as valid_layouts
     from tests.distributed import run_distributed
 
     cfg = base_config()
-    search = Search(WORLD, 1e9, micro_batches=(1, 2), recompute=(None, "selective", "full"))
-    if args.quick:
-        search = dataclasses.replace(search, micro_batches=(1,), recompute=(None,))
-    layouts = valid_layouts(cfg, search)[0]
+    layouts = select_layouts(cfg, args.quick, args.all)
     start = time.perf_counter()
     results = run_distributed(_worker, WORLD, layouts, args.steps, timeout=1200)
     hw = _hardware([r[0] for r in results])
     rows = compare(cfg, layouts, [r[1] for r in results], hw)
-    print(
-        "| layout | predicted MiB | measured MiB | worst rank error | predicted s | measured s |"
-    )
+    print("| layout | predicted MiB | measured MiB | worst rank error | predicted s | measured s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(

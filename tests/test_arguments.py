@@ -336,6 +336,7 @@ _MAY_IMPORT = {
     "model": {"config.schema", "fused_kernels", "mpu"},
     "data": {"config.schema", "config.declare", "config.schema_corpora"},
     "heartbeat": set(),
+    "planning": {"config.schema", "config.rules"},  # runs before any model or process group
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
     "inference": {"checkpoint", "config.declare", "config.schema", "data", "fused_kernels"}
