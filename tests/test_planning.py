@@ -17,8 +17,8 @@ from megatron.model.memory import SavedActivations
 from megatron.planning.auto import auto_parallel
 from megatron.planning.enumerate import PlanError, Search, best_plan, layouts, plans
 from megatron.planning.memory import (
-    GiB,
     Device,
+    GiB,
     Layout,
     Training,
     estimate_memory,
@@ -190,3 +190,28 @@ def test_auto_parallel_picks_a_layout_and_writes_it_into_the_config(capsys):
         plan=lambda c: auto_parallel(c, log=lines.append),
     )
     assert cfg.parallel.tensor_model_parallel_size == 4
+
+
+def test_pretrain_auto_parallel_resolves_the_layout_and_the_tool_reports_bad_input(
+    monkeypatch, capsys
+):
+    import pretrain_gpt2
+    from tools import plan_parallel
+
+    model = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+             "--seq-length", "1024", "--vocab-size", "50304", "--global-batch-size", "512",
+             "--bf16"]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    argv = model + ["--auto-parallel", "--auto-parallel-gpu-memory-gb", "32", "--print-config"]
+    with pytest.raises(SystemExit) as done:
+        pretrain_gpt2.main(argv)
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "auto-parallel: " in out and "chose TP" in out
+    assert "auto_parallel: false" in out and "micro_batch_size: " in out
+    assert plan_parallel.main(model + ["--world-size", "7", "--gpu-memory", "80"]) == 1
+    assert "Smallest fix: launch 8 ranks instead of 7" in capsys.readouterr().err
+    assert plan_parallel.main(model + ["--world-size", "8", "--gpu-memory", "2"]) == 1
+    assert "GPUs with at least" in capsys.readouterr().err
+    assert plan_parallel.main(model + ["--world-size", "8", "--gpu-memory", "40"]) == 0
+    assert "best: " in capsys.readouterr().out
