@@ -24,6 +24,8 @@ checkpoint rebuilds it outside the hooks), the pipeline's send buffers, the fram
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -315,13 +317,25 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="micro batch 1, no recompute")
     parser.add_argument("--all", action="store_true", help="every layout (slow on 2 cores)")
     parser.add_argument("--steps", type=int, default=2, help="steps per layout (2)")
+    parser.add_argument("--save", metavar="JSON", help="also write the measurements here")
+    parser.add_argument("--load", metavar="JSON", help="predict for saved measurements, no runs")
     args = parser.parse_args(argv)
+    from megatron.planning.memory import Layout
     from tests.distributed import run_distributed
 
     cfg = base_config()
     layouts = select_layouts(cfg, args.quick, args.all)
-    start = time.perf_counter()
-    results = run_distributed(_worker, WORLD, layouts, args.steps, timeout=1200)
+    if args.load:  # re-predict for measurements saved by an earlier run
+        with open(args.load) as f:
+            saved = json.load(f)
+        layouts, results, elapsed = [Layout(**x) for x in saved["layouts"]], saved["results"], 0.0
+    else:
+        start = time.perf_counter()
+        results = run_distributed(_worker, WORLD, layouts, args.steps, timeout=3600)
+        elapsed = time.perf_counter() - start
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"layouts": [dataclasses.asdict(x) for x in layouts], "results": results}, f)
     hw = _hardware([r[0] for r in results])
     rows = compare(cfg, layouts, [r[1] for r in results], hw)
     print("| layout | predicted MiB | measured MiB | worst rank error | predicted s | measured s |")
@@ -334,7 +348,7 @@ def main(argv=None) -> int:
     rho = spearman([r["pred_s"] for r in rows], [r["meas_s"] for r in rows])
     worst = max(r["worst_err"] for r in rows)
     print(
-        f"\n{len(rows)} layouts on {WORLD} gloo ranks in {time.perf_counter() - start:.0f} s; "
+        f"\n{len(rows)} layouts on {WORLD} gloo ranks in {elapsed:.0f} s; "
         f"memory: worst error {worst * 100:.2f}% over every rank of every layout; step time: "
         f"Spearman rank correlation {rho:.3f} (calibrated: {hw.peak_tflops * 1e3:.1f} GFLOP/s per "
         f"rank, layer cost {hw.layer_overhead_s * 1e3:.2f} ms, all-reduce "

@@ -10,6 +10,7 @@ training would refuse. The global batch is the user's: it fixes M = batch / (mic
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -108,17 +109,14 @@ def _check(cfg: MegatronConfig) -> None:
     validate_training(cfg.replace(training=t, optimizer=o))
 
 
-def layouts(cfg: MegatronConfig, s: Search) -> tuple[list[Layout], Counter]:
-    """Every valid layout, and how often each rule refused a candidate."""
+def _candidates(cfg: MegatronConfig, s: Search):
+    """Every combination of the searched settings (not yet checked by the rules)."""
     m, gbs = cfg.model, cfg.training.global_batch_size
-    if gbs is None:
-        raise PlanError("--global-batch-size: the planner needs it. Fix: pass --global-batch-size")
-    found, refused = [], Counter()
     for tp in _divisors(s.world_size):
-        if s.tensor_parallel and tp not in s.tensor_parallel:
-            continue
         for pp in _divisors(s.world_size // tp):
-            if s.pipeline_parallel and pp not in s.pipeline_parallel:
+            if (s.tensor_parallel and tp not in s.tensor_parallel) or (
+                s.pipeline_parallel and pp not in s.pipeline_parallel
+            ):
                 continue
             dp = s.world_size // (tp * pp)
             vps = [None]
@@ -126,19 +124,23 @@ def layouts(cfg: MegatronConfig, s: Search) -> tuple[list[Layout], Counter]:
                 vps += [v for v in _divisors(m.num_layers // pp) if v > 1]
             per_rank = gbs // dp if gbs % dp == 0 else 0
             mbs = s.micro_batches or [b for b in _divisors(per_rank) if b <= 16] or [1]
-            for vp in vps:
-                for b in mbs:
-                    for rc in s.recompute:
-                        for sp in s.sequence_parallel:
-                            if sp and tp == 1:
-                                continue
-                            lay = Layout(tp, pp, dp, b, max(1, gbs // (b * dp)), vp, rc, sp)
-                            try:
-                                _check(candidate(cfg, s.world_size, lay))
-                            except ConfigError as e:
-                                refused[str(e).split(":")[0]] += 1
-                                continue
-                            found.append(lay)
+            for vp, b, rc, sp in itertools.product(vps, mbs, s.recompute, s.sequence_parallel):
+                if not (sp and tp == 1):
+                    yield Layout(tp, pp, dp, b, max(1, gbs // (b * dp)), vp, rc, sp)
+
+
+def layouts(cfg: MegatronConfig, s: Search) -> tuple[list[Layout], Counter]:
+    """Every valid layout, and how often each rule (its flag) refused a candidate."""
+    if cfg.training.global_batch_size is None:
+        raise PlanError("--global-batch-size: the planner needs it. Fix: pass --global-batch-size")
+    found, refused = [], Counter()
+    for lay in _candidates(cfg, s):
+        try:
+            _check(candidate(cfg, s.world_size, lay))
+        except ConfigError as e:
+            refused[str(e).split(":")[0]] += 1
+            continue
+        found.append(lay)
     return found, refused
 
 

@@ -153,7 +153,10 @@ def _attention_core_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device)
     if not scores:
         return 4 * a * s * b
     per = 2 * D + dev.mask_bytes if m.attention_dropout > 0 else D
-    return a * s * s * b * per
+    # With b = 1 the (a s, d) view of v needs no copy, so the whole fused qkv output stays
+    # alive (q and k are copied either way): (a + g) d more per token than a copy of v.
+    qkv_view = D * s * (m.num_attention_heads + m.query_groups) * m.head_dim // lay.tp
+    return a * s * s * b * per + (qkv_view if b == 1 else 0)
 
 
 def layer_activation_bytes(
