@@ -103,15 +103,15 @@ def test_memory_model_against_hand_computed_values():
     assert sum(model_state_bytes(1000, 4, Training(2, sharding="distributed")).values()) == 9000
     assert sum(model_state_bytes(1000, 4, Training(4, sharding="distributed")).values()) == 10000
     # activations per layer: Megatron's s b h (34 + 5 a s / h) in fp16 with 1-byte masks
-    lay = Layout(1, 1, 1, micro_batch=1, num_micro_batches=1)
+    lay = Layout(1, 1, 1, micro_batch=2, num_micro_batches=1)  # (b = 1 keeps the qkv storage)
     no_flash = Device(mask_bytes=1, flash_attention=False)
     t = Training(dtype_bytes=2)
     from megatron.planning.memory import layer_activation_bytes
 
     s, a = 1024, 16
-    expected = s * h * (34 + 5 * a * s / h) + 16 * s  # + the norms' fp32 statistics
+    expected = s * 2 * h * (34 + 5 * a * s / h) + 16 * s * 2  # + the norms' fp32 statistics
     assert layer_activation_bytes(m, lay, t, no_flash) == expected
-    sp = Layout(4, 1, 1, 1, 1, sequence_parallel=True)  # SP divides everything by t
+    sp = Layout(4, 1, 1, 2, 1, sequence_parallel=True)  # SP divides everything by t
     assert layer_activation_bytes(m, sp, t, no_flash) == expected / 4
     # 1F1B: stage 0 of 4 holds 4 micro batches, the last stage 1
     pp = Layout(1, 4, 1, 1, 8)
