@@ -428,3 +428,36 @@ def _validate_lr_schedule(o: OptimizerConfig, t: TrainingConfig, dp: int) -> Non
             f"--lr-decay-style WSD needs it in (0, decay - warmup = {decay - warm}], got {wsd}",
             f"pass --lr-wsd-decay-{unit} within that range",
         )
+
+
+def validate_bert(cfg: MegatronConfig) -> None:
+    """pretrain_bert.py's rules: its settings in range, and what its model cannot do."""
+    b = cfg.bert
+    if not 0.0 < b.mask_prob < 1.0:
+        _fail("--mask-prob", f"{b.mask_prob} is not in (0, 1)", "use e.g. 0.15")
+    if not 0.0 <= b.short_seq_prob <= 1.0:
+        _fail("--short-seq-prob", f"{b.short_seq_prob} is not in [0, 1]", "use e.g. 0.1")
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        _fail(
+            "--num-layers-per-virtual-pipeline-stage",
+            "BERT runs one model chunk per pipeline stage",
+            "drop the flag",
+        )
+    if cfg.model.untie_embeddings_and_output_weights:
+        _fail("--untie-embeddings-and-output-weights", "BERT ties its MLM output", "drop it")
+    if cfg.data.uses_documents:
+        _fail(
+            "--reset-position-ids/--reset-attention-mask/--eod-mask-loss",
+            "GPT's packed-document options; BERT samples hold one document",
+            "drop them",
+        )
+
+
+def refuse_bert_settings(cfg: MegatronConfig) -> None:
+    """pretrain_gpt2.py: the BERT section's flags do nothing for a GPT, so they are refused."""
+    if cfg.bert.changed:
+        _fail(
+            cfg.bert.changed[0],
+            "a BERT pretraining setting; the GPT has no masked-LM or NSP objective",
+            "drop it, or run pretrain_bert.py",
+        )

@@ -517,6 +517,32 @@ def split_weights(split: str) -> list[float]:
 
 
 @dataclass(frozen=True)
+class BertConfig:
+    """BERT pretraining (pretrain_bert.py); pretrain_gpt2.py refuses them when changed."""
+
+    mask_prob: float = setting(0.15, "fraction of each sample's tokens the MLM predicts")
+    short_seq_prob: float = setting(
+        0.1, "probability that a sample is cut to a random shorter length"
+    )
+    bert_no_binary_head: bool = setting(
+        False, "no pooler and next-sentence (NSP) head: MLM only, one segment per sample"
+    )
+    whole_word_masking: bool = setting(
+        False, "choose a word's '##' WordPiece pieces together for masking"
+    )
+
+    @property
+    def changed(self) -> list[str]:
+        """The flags set away from their defaults."""
+        default = BertConfig()
+        return [
+            "--" + f.name.replace("_", "-")
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+
+
+@dataclass(frozen=True)
 class MegatronConfig:
     """The whole run configuration; one field per section."""
 
@@ -532,6 +558,7 @@ class MegatronConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    bert: BertConfig = field(default_factory=BertConfig)
 
     def replace(self, **groups) -> MegatronConfig:
         """A copy with whole groups swapped, e.g. cfg.replace(model=new_model_cfg)."""

@@ -70,6 +70,7 @@ def iteration_line(
     tokens_per_s,
     tflops,
     mfu,
+    others=None,
 ) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
@@ -78,6 +79,7 @@ def iteration_line(
         f"learning rate: {lr:.3E}",
         f"global batch size: {global_batch:5d}",
         f"lm loss: {loss:.6E}",
+        *(f"{name}: {value:.6E}" for name, value in (others or {}).items()),
         f"loss scale: {loss_scale:.1f}",
         f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: -",
         f"number of skipped iterations: {skipped:3d}",

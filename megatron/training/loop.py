@@ -99,18 +99,29 @@ def pretrain(
     forward_step_func=forward_step,
     runtime: Runtime | None = None,
     out=sys.stdout,
+    model_provider=None,
+    datasets_provider=None,
 ) -> TrainResult:
-    """Train as the config says; returns the per-iteration history (the last rank logs it)."""
+    """Train as the config says; returns the per-iteration history (the last rank logs it).
+
+    Another model family plugs in here: `model_provider` (model/stages.py build_model's
+    signature), `datasets_provider(cfg, rt, counts) -> [train, valid, test]` and its
+    `forward_step_func` (pretrain_bert.py)."""
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)
     rt = runtime or initialize_megatron(cfg)
-    backend = build_backend(cfg, rt, forward_step_func)
+    backend = build_backend(cfg, rt, forward_step_func, model_provider)
     loop = None
     try:
         state = backend.load() if cfg.checkpoint.load else TrainState()
         iters = build_data_iterators(
-            cfg, rt, state.consumed_train_samples, state.consumed_valid_samples, documents
+            cfg,
+            rt,
+            state.consumed_train_samples,
+            state.consumed_valid_samples,
+            documents,
+            datasets_provider,
         )
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.tensorboard)
@@ -131,13 +142,16 @@ def pretrain(
             rt.heartbeat.stop()  # ours to stop: each pretrain() call would start another
 
 
-def build_backend(cfg: MegatronConfig, rt: Runtime, forward_step_func) -> TrainerBackend:
+def build_backend(
+    cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider=None
+) -> TrainerBackend:
     """--deepspeed picks DeepSpeed's engine (imported only then), else our own backend."""
+    kw = {} if model_provider is None else {"model_provider": model_provider}
     if cfg.deepspeed.enabled:
         from megatron.training.deepspeed.backend import DeepSpeedBackend
 
-        return DeepSpeedBackend(cfg, rt, forward_step_func)
-    return NativeBackend(cfg, rt, forward_step_func)
+        return DeepSpeedBackend(cfg, rt, forward_step_func, **kw)
+    return NativeBackend(cfg, rt, forward_step_func, **kw)
 
 
 @dataclass
@@ -151,8 +165,11 @@ class _Window:
     loss_sum: float = 0.0
     counted: int = 0
     grad_norm: float | None = None
+    others: dict[str, float] = field(default_factory=dict)  # sums of other_losses
 
     def add(self, step: StepResult, seconds: float) -> None:
+        for name, value in step.get("other_losses", {}).items():
+            self.others[name] = self.others.get(name, 0.0) + value
         self.iters += 1
         self.seconds += seconds
         self.skipped += not step["updated"]
@@ -246,6 +263,7 @@ class _TrainLoop:
                 "updated": step["updated"],
                 "lr": self.backend.lr,
                 "loss_scale": self.backend.loss_scale,
+                **step.get("other_losses", {}),
             }
         )
         limit = self.cfg.training.max_skipped_in_a_row
@@ -322,6 +340,7 @@ class _TrainLoop:
                 tokens_per_s=tokens_per_s,
                 tflops=tflops,
                 mfu=mfu,
+                others={k: v / iters for k, v in w.others.items()},
             )
         )
         if self.cfg.logging.timing_log_level > 0:

@@ -19,7 +19,7 @@ from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.stages import build_model
-from megatron.training.backend import StepResult, TrainerBackend, average_loss
+from megatron.training.backend import StepResult, TrainerBackend, average_loss, other_losses
 from megatron.training.data import get_batch
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.learning_rates import AnnealingLR
@@ -51,12 +51,13 @@ def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
+def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider=build_model):
+    """`model_provider`: build_model's signature (the GPT), or another family's (BERT)."""
     dtype = cfg.precision.params_dtype
     ops = select_ops(cfg.kernels, rt.device)
     if rt.state.rank == 0:
         print(f" {ops.describe()}", file=sys.stderr, flush=True)
-    model = build_model(
+    model = model_provider(
         cfg.model,
         rt.state,
         rng_tracker=rt.rng_tracker,
@@ -153,7 +154,9 @@ def train_step(
     timers("optimizer", 1).stop()
     if updated:
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch
-    return {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
+    result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
+    others = other_losses(forward_step_func, stats, rt)
+    return {**result, "other_losses": others} if others else result
 
 
 @torch.no_grad()
@@ -174,9 +177,13 @@ def evaluate(
 class NativeBackend(TrainerBackend):
     """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
 
-    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func):
+    def __init__(
+        self, cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider=build_model
+    ):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
-        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(cfg, rt)
+        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(
+            cfg, rt, model_provider
+        )
         self.schedule = _schedule(cfg, rt)
 
     @property

@@ -19,6 +19,7 @@ import torch
 
 from megatron.checkpoint.storage import CheckpointError, checkpoint_dir, verify_checkpoint_files
 from megatron.config.schema import MegatronConfig
+from megatron.model.stages import build_model
 from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
 from megatron.training.state import TrainState, checkpoint_entries, commit, resume
@@ -57,10 +58,10 @@ class DeepSpeedBackend(TrainerBackend):
     """The model, our optimizer and LR schedule in a DeepSpeed engine (ZeRO; its pipeline
     engine for PP > 1)."""
 
-    def __init__(self, cfg: MegatronConfig, rt, forward_step_func):
+    def __init__(self, cfg: MegatronConfig, rt, forward_step_func, model_provider=build_model):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.engine, self.scheduler, self.pipeline = setup_deepspeed(
-            cfg, rt, functools.partial(make_scheduler, cfg, rt.state.dp_size)
+            cfg, rt, functools.partial(make_scheduler, cfg, rt.state.dp_size), model_provider
         )
         self.model = self.engine
 

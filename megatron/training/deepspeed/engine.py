@@ -27,7 +27,7 @@ from megatron.model.gpt import Embedding, OutputHead, init_weights
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
 from megatron.mpu import ParallelState, checkpoint, vocab_parallel_cross_entropy
-from megatron.training.backend import average_loss
+from megatron.training.backend import average_loss, other_losses
 from megatron.training.data import get_batch
 from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.optimizer import _torch_optimizer, param_groups
@@ -264,8 +264,9 @@ def _checkpoint_fn(cfg: MegatronConfig, rt):
     return impl, tracked
 
 
-def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
-    """(engine, scheduler, is_pipeline): the model, our optimizer and LR schedule in DeepSpeed."""
+def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler, model_provider=build_model):
+    """(engine, scheduler, is_pipeline): the model, our optimizer and LR schedule in DeepSpeed.
+    `model_provider`: build_model (the GPT) or another family's; PP > 1 is the GPT's only."""
     deepspeed = import_deepspeed()
     # Our process group already exists; DeepSpeed's comm layer adopts it. DeepSpeed also insists
     # on LOCAL_RANK, which a launcher other than torchrun/deepspeed may not set.
@@ -274,10 +275,16 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
     ds_config = build_ds_config(cfg)
     impl, tracked = _checkpoint_fn(cfg, rt)
     pipeline = rt.state.pp_size > 1
+    if pipeline and model_provider is not build_model:
+        raise ValueError(
+            "--deepspeed with --pipeline-model-parallel-size > 1 builds the GPT's "
+            "PipelineModule only. Fix: drop --deepspeed (our pipeline runs this model) or "
+            "use --pipeline-model-parallel-size 1"
+        )
     if pipeline:
         model = build_pipeline_module(cfg, rt, tracked)
     else:
-        model = build_model(
+        model = model_provider(
             cfg.model,
             rt.state,
             rng_tracker=rt.rng_tracker,
@@ -344,6 +351,7 @@ def ds_train_step(
     PP > 1: the pipeline engine's train_batch, whose loss DeepSpeed already averages over DP
     and sends to every stage. PP = 1: our micro-batch loop driving the engine, and the loss
     averaged as the native backend does."""
+    others = {}
     if pipeline:
         value = float(engine.train_batch(PipeBatches(data_iterator, rt.device)).item())
     else:
@@ -351,12 +359,14 @@ def ds_train_step(
             forward_step_func, data_iterator, engine, num_micro_batches, timers=timers, engine=True
         )
         value = average_loss([s["lm loss"] for s in stats], rt)
+        others = other_losses(forward_step_func, stats, rt)
     norm = engine.get_global_grad_norm()
-    return {
+    result = {
         "lm_loss": value,
         "updated": bool(engine.was_step_applied()),
         "grad_norm": None if norm is None else float(norm),
     }
+    return {**result, "other_losses": others} if others else result
 
 
 @torch.no_grad()
