@@ -163,3 +163,11 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
         env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert gpt.returncode == 1 and "pretrain_bert.py" in gpt.stderr, gpt.stderr[-2000:]
+
+
+def test_deepspeed_zero1_dp2_equals_one_process(bert_data):
+    argv = bert_flags(bert_data, iters=3)
+    ((ref, _),) = run_distributed(_train, 1, argv)
+    for out, _ in run_distributed(_train, 2, argv + ["--deepspeed", "--zero-stage", "1"]):
+        for key in ("lm_loss", "nsp loss"):
+            np.testing.assert_allclose(_losses(out, key), _losses(ref, key), rtol=2e-5)
