@@ -150,10 +150,13 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
         "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 1"
     ).split()
     ckpt = str(tmp_path / "ckpt")
+    # + the original BERT's post-LN order, so that the checkpoint has a Hugging Face twin
     paths = ["--save", ckpt, "--load", ckpt, "--vocab-file", vocab]
+    paths += ["--apply-residual-connection-post-layernorm"]
     done = _cli(*v115, *paths, "--data-path", sentence)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lm loss" in done.stdout and "nsp loss" in done.stdout, done.stdout[-2000:]
+    _check_conversions(ckpt, tmp_path)
     bad = _cli(*v115, *paths, "--data-path", document)
     assert bad.returncode == 1 and "--split-sentences" in bad.stderr, bad.stderr[-2000:]
     gpt = subprocess.run(
@@ -171,3 +174,70 @@ def test_deepspeed_zero1_dp2_equals_one_process(bert_data):
     for out, _ in run_distributed(_train, 2, argv + ["--deepspeed", "--zero-stage", "1"]):
         for key in ("lm_loss", "nsp loss"):
             np.testing.assert_allclose(_losses(out, key), _losses(ref, key), rtol=2e-5)
+
+
+def _convert_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert", f"{ROOT}/tools/convert_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.main
+
+
+def _check_conversions(ckpt, tmp_path):
+    """Reshard to TP2 x PP2 and back, export to BertForPreTraining (same logits), import."""
+    import torch
+    from transformers import BertForPreTraining
+
+    from megatron.checkpoint.resharding import load_checkpoint, model_config
+    from megatron.model.bert import BertModel
+    from megatron.mpu import single_process_state
+
+    convert = _convert_tool()
+    original = load_checkpoint(ckpt)
+    assert original.args["model_family"] == "bert"
+    split = str(tmp_path / "tp2pp2")
+    assert (
+        convert(
+            [
+                "--load",
+                ckpt,
+                "--save",
+                split,
+                "--target-tensor-model-parallel-size",
+                "2",
+                "--target-pipeline-model-parallel-size",
+                "2",
+            ]
+        )
+        == 0
+    )
+    resharded = load_checkpoint(split)
+    assert (resharded.tp, resharded.pp) == (2, 2)
+    for name, t in original.state.items():
+        assert torch.equal(resharded.state[name], t), name
+    hf_dir = str(tmp_path / "hf")
+    assert convert(["--load", split, "--to-hf", hf_dir]) == 0
+    cfg = model_config(original.args)
+    ours = BertModel(cfg, single_process_state()).eval()
+    padded = {}
+    for name, t in original.state.items():
+        rows = ours.state_dict()[name].shape[0]
+        padded[name] = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    ours.load_state_dict(padded)
+    hf = BertForPreTraining.from_pretrained(hf_dir).eval()
+    tokens = torch.randint(5, cfg.vocab_size, (2, 10))
+    types = torch.tensor([[0] * 5 + [1] * 5] * 2)
+    pad = torch.ones(2, 10, dtype=torch.long)
+    with torch.no_grad():
+        logits, nsp = ours(tokens, pad, types)
+        out = hf(input_ids=tokens, token_type_ids=types, attention_mask=pad)
+    torch.testing.assert_close(
+        logits[..., : cfg.vocab_size], out.prediction_logits, atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(nsp, out.seq_relationship_logits, atol=1e-4, rtol=1e-4)
+    back = str(tmp_path / "back")
+    assert convert(["--from-hf", hf_dir, "--save", back]) == 0
+    for name, t in load_checkpoint(back).state.items():
+        assert torch.equal(t, original.state[name]), name

@@ -10,6 +10,7 @@ and RNG states are not converted: resume with --no-load-optim --no-load-rng, or 
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -115,6 +116,14 @@ def _export(a) -> int:
     if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
         raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
     loaded = load_checkpoint(a.load, a.iteration)
+    if loaded.args.get("model_family", "gpt").startswith("bert"):
+        from megatron.checkpoint.hf_bert import export_hf_bert
+
+        export_hf_bert(loaded.state, loaded.args, a.to_hf)
+        print(
+            f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as BertForPreTraining"
+        )
+        return 0
     arch = to_hf(loaded.state, loaded.args, a.to_hf, tokenizer_files=a.tokenizer_files)
     name = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
     print(f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as {name}")
@@ -124,7 +133,13 @@ def _export(a) -> int:
 def _import(a) -> int:
     from megatron.checkpoint.hf import from_hf
 
-    state, args = from_hf(a.from_hf)
+    hf_cfg = _hf_config_json(a.from_hf)
+    if hf_cfg.get("model_type") == "bert":
+        from megatron.checkpoint.hf_bert import import_hf_bert
+
+        state, args = import_hf_bert(a.from_hf, hf_cfg)
+    else:
+        state, args = from_hf(a.from_hf)
     cfg = model_config(args)
     tp = a.target_tensor_model_parallel_size or 1
     pp = a.target_pipeline_model_parallel_size or 1
@@ -137,6 +152,14 @@ def _import(a) -> int:
         f"{a.save} --finetune (the model flags must match: see args in the checkpoint)"
     )
     return 0
+
+
+def _hf_config_json(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return {}  # from_hf names the problem
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def main(argv=None) -> int:

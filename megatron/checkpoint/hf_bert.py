@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import ModelConfig, model_config_from_saved
 
 _LAYER = {  # ours (under layers.{l}.) -> HF (under bert.encoder.layer.{l}.), besides qkv / norms
     "self_attention.dense": "attention.output.dense",
@@ -142,3 +142,72 @@ def hf_to_bert(
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     pad = torch.zeros(rows - t.size(0), *t.shape[1:], dtype=t.dtype)
     return torch.cat([t, pad])
+
+
+def export_hf_bert(full_state: dict, args: dict, out_dir: str) -> None:
+    """Write `out_dir` for BertForPreTraining.from_pretrained: safetensors, config, vocab.txt."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cfg = model_config_from_saved(args["model"])
+    if args.get("model_family") == "bert-no-binary-head":
+        raise ValueError("BertForPreTraining has an NSP head; this BERT was trained without one")
+    tensors = bert_to_hf(full_state, cfg)
+    tensors.pop("cls.predictions.decoder.weight")  # tied: the word embedding
+    tensors.pop("cls.predictions.decoder.bias")  # tied: cls.predictions.bias
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {n: t.cpu().contiguous() for n, t in tensors.items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf_cfg = hf_bert_config(cfg).to_dict()
+    hf_cfg["architectures"] = ["BertForPreTraining"]
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_cfg, f, indent=2, sort_keys=True)
+    vocab = (args.get("tokenizer") or {}).get("vocab_file")
+    if vocab and os.path.isfile(vocab):
+        shutil.copyfile(vocab, os.path.join(out_dir, "vocab.txt"))
+
+
+def import_hf_bert(hf_dir: str, hf_cfg: dict) -> tuple[dict, dict]:
+    """(full state, checkpoint args at TP = PP = 1) of a BertForPreTraining directory."""
+    import dataclasses
+    import os
+
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig(
+        num_layers=hf_cfg["num_hidden_layers"],
+        hidden_size=hf_cfg["hidden_size"],
+        num_attention_heads=hf_cfg["num_attention_heads"],
+        ffn_hidden_size=hf_cfg["intermediate_size"],
+        seq_length=hf_cfg["max_position_embeddings"],
+        max_position_embeddings=hf_cfg["max_position_embeddings"],
+        vocab_size=hf_cfg["vocab_size"],
+        layernorm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),
+        init_method_std=hf_cfg.get("initializer_range", 0.02),
+        openai_gelu=hf_cfg.get("hidden_act", "gelu") in ("gelu_new", "gelu_pytorch_tanh"),
+        apply_residual_connection_post_layernorm=True,
+    )
+    path = os.path.join(hf_dir, "model.safetensors")
+    if not os.path.isfile(path):
+        raise ValueError(f"--from-hf {hf_dir}: no model.safetensors (save with safetensors)")
+    hf = load_file(path)
+    state = hf_to_bert(hf, cfg, cfg.padded_vocab_size(1))
+    state["embedding.word_embeddings.weight"] = state["embedding.word_embeddings.weight"][
+        : cfg.vocab_size
+    ]
+    state["head.lm_bias"] = state["head.lm_bias"][: cfg.vocab_size]
+    vocab = os.path.join(hf_dir, "vocab.txt")
+    tokenizer = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": os.path.abspath(vocab)}
+    args = {
+        "model": dataclasses.asdict(cfg),
+        "tokenizer": tokenizer if os.path.isfile(vocab) else {},
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "padded_vocab_size": cfg.padded_vocab_size(1),
+        "params_dtype": str(state["embedding.word_embeddings.weight"].dtype),
+        "model_family": "bert",
+    }
+    return state, args

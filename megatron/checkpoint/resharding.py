@@ -37,13 +37,36 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved
+from megatron.model.bert import BertModel
 from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS, GPTModel
 from megatron.model.stages import stage_layer_range
 from megatron.mpu import partition_of, single_process_state
 from megatron.mpu.utils import shard, unshard
 
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
-VOCAB_WEIGHTS = (WORD_EMBEDDINGS, OUTPUT_WEIGHTS)
+VOCAB_WEIGHTS = (WORD_EMBEDDINGS, OUTPUT_WEIGHTS, "head.lm_bias")  # the last: BERT's MLM bias
+# Model families (args["model_family"]; absent = "gpt"). A BERT checkpoint is told by its
+# token-type embedding, and one without the NSP head by its missing pooler.
+FAMILIES = ("gpt", "bert", "bert-no-binary-head")
+
+
+def model_family(args: dict) -> str:
+    return args.get("model_family", "gpt")
+
+
+def family_of_names(names) -> str:
+    names = set(names)
+    if "embedding.tokentype_embeddings.weight" not in names:
+        return "gpt"
+    return "bert" if "head.pooler.weight" in names else "bert-no-binary-head"
+
+
+def _build_tp1(cfg: ModelConfig, family: str) -> nn.Module:
+    if family == "gpt":
+        return GPTModel(cfg, single_process_state())
+    return BertModel(cfg, single_process_state(), binary_head=family == "bert")
+
+
 DROPPED_STATE_NOTE = (
     "note: the optimizer state (Adam moments, fp32 master weights, loss scale) and the RNG "
     "states were dropped: they depend on the TP/PP layout. Resume with --no-load-optim "
@@ -75,14 +98,16 @@ def partition_record(model: nn.Module) -> dict[str, Rule]:
 
 
 @functools.lru_cache(maxsize=4)
-def model_layout(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, Rule]]:
+def model_layout(
+    cfg: ModelConfig, family: str = "gpt"
+) -> tuple[dict[str, tuple[int, ...]], dict[str, Rule]]:
     """(full shapes, split rules) of every tensor of the model `cfg` describes, in model order.
 
     Read off the TP = 1 model built on the meta device (no memory, no weights drawn): the model
     code is the one statement of which tensors exist, their shapes and how they split.
     """
     with torch.device("meta"):
-        model = GPTModel(cfg, single_process_state())
+        model = _build_tp1(cfg, family)
     shapes = {}
     for name, tensor in model.state_dict().items():
         rows = cfg.vocab_size if name in VOCAB_WEIGHTS else tensor.shape[0]
@@ -101,14 +126,16 @@ def model_config(args: dict) -> ModelConfig:
     return model_config_from_saved(args["model"])
 
 
-def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def full_shapes(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the full state (unpadded vocab), in model order."""
-    return dict(model_layout(cfg)[0])
+    return dict(model_layout(cfg, family)[0])
 
 
-def check_full_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> None:
+def check_full_state(
+    full_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str, family: str = "gpt"
+) -> None:
     """Raise CheckpointError unless `full_state` has exactly the model's names and shapes."""
-    expected = full_shapes(cfg)
+    expected = full_shapes(cfg, family)
     missing = [n for n in expected if n not in full_state]
     extra = [n for n in full_state if n not in expected]
     wrong = [
@@ -151,7 +178,9 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int, vp_layers: int | None = 
         )
 
 
-def stage_names(cfg: ModelConfig, pp: int, pp_rank: int, vp_layers: int | None = None) -> list[str]:
+def stage_names(
+    cfg: ModelConfig, pp: int, pp_rank: int, vp_layers: int | None = None, family: str = "gpt"
+) -> list[str]:
     """Names of the full state a pipeline rank holds (its model chunks' union), model order.
 
     The last stage of a PP > 1 model with tied embeddings also holds the word embedding (the
@@ -164,7 +193,7 @@ def stage_names(cfg: ModelConfig, pp: int, pp_rank: int, vp_layers: int | None =
     first, last = pp_rank == 0, pp_rank == pp - 1
     tied = not cfg.untie_embeddings_and_output_weights
     names = []
-    for name in full_shapes(cfg):
+    for name in full_shapes(cfg, family):
         if name.startswith("layers."):
             keep = int(name.split(".")[1]) in layers
         elif name == WORD_EMBEDDINGS:
@@ -275,8 +304,11 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             cfg = model_config(args)
         _merge_stage(shards, cfg, f"{directory} PP stage {pp_rank}", full)
         del shards
-    check_full_state(full, cfg, directory)
-    full = {n: full[n] for n in full_shapes(cfg)}  # model order, whatever the stage order
+    family = family_of_names(full)
+    if family != "gpt":
+        args = {**args, "model_family": family}
+    check_full_state(full, cfg, directory, family)
+    full = {n: full[n] for n in full_shapes(cfg, family)}  # model order, whatever the stage order
     return LoadedCheckpoint(full, args, it, meta, tp, pp)
 
 
@@ -317,9 +349,9 @@ def save_resharded(
     schedule, which does not depend on the layout). `vp_layers` lays stages out for
     --num-layers-per-virtual-pipeline-stage. The optimizer and RNG state are not written.
     """
-    cfg = model_config(args)
+    cfg, family = model_config(args), model_family(args)
     validate_layout(cfg, tp, pp, vp_layers)
-    check_full_state(full_state, cfg, "the state to save")
+    check_full_state(full_state, cfg, "the state to save", family)
     target = checkpoint_dir(save_dir, iteration)
     if os.path.exists(target):
         raise ValueError(f"--save {save_dir}: {target} already exists; pick an empty directory")
@@ -329,9 +361,9 @@ def save_resharded(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=padded
     )
     meta = meta or {}
-    rules = model_layout(cfg)[1]
+    rules = model_layout(cfg, family)[1]
     for pp_rank in range(pp):
-        names = stage_names(cfg, pp, pp_rank, vp_layers)
+        names = stage_names(cfg, pp, pp_rank, vp_layers, family)
         partition = {n: rules[n] for n in names}
         for tp_rank in range(tp):
             model = {
