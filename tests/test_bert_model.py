@@ -11,6 +11,7 @@ from megatron.checkpoint.hf_bert import bert_to_hf, hf_bert_config, hf_to_bert
 from megatron.config.schema import ModelConfig
 from megatron.model.bert import BertModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron.training.bert_eval import vocab_parallel_argmax
 from tests.distributed import run_distributed
 
 # vocab 100 pads to 104 / 112 at TP 1 / 2: the padding differs, the model must not.
@@ -132,6 +133,11 @@ def _tp_worker(rank, world):
                 atol=1e-12,
                 msg=lambda m, n=name: f"{n}: {m}",
             )
+        with torch.no_grad():
+            tokens, types, pad, _ = batch
+            want = ref(tokens, pad, types)[0].argmax(-1)
+            got = vocab_parallel_argmax(model(tokens, pad, types)[0], state.tp_group)
+        assert torch.equal(got, want), "the argmax of vocab-parallel logits"
         destroy_model_parallel(state)
     return True
 

@@ -157,6 +157,16 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lm loss" in done.stdout and "nsp loss" in done.stdout, done.stdout[-2000:]
     _check_conversions(ckpt, tmp_path)
+    scored = subprocess.run(
+        [sys.executable, f"{ROOT}/tools/evaluate_bert.py", *v115, *paths, "--data-path", sentence],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    metrics = dict(part.split(": ") for part in scored.stdout.strip().splitlines()[-1].split(" | "))
+    assert set(metrics) == {"mlm loss", "mlm accuracy", "nsp accuracy"}, metrics
+    assert 0 <= float(metrics["mlm accuracy"]) <= 1 and float(metrics["mlm loss"]) > 0
     bad = _cli(*v115, *paths, "--data-path", document)
     assert bad.returncode == 1 and "--split-sentences" in bad.stderr, bad.stderr[-2000:]
     gpt = subprocess.run(
