@@ -142,5 +142,6 @@ def _tp_worker(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_same_loss_and_gradients_at_tp1_and_tp2():
     assert run_distributed(_tp_worker, 2) == [True, True]

@@ -105,6 +105,7 @@ def _layouts_worker(rank, world, argv, save_dir):
     return out
 
 
+@pytest.mark.slow
 def test_tp2_and_pp2_equal_one_process_and_resume_exactly(bert_data, tmp_path):
     argv = bert_flags(bert_data)
     ((ref, _),) = run_distributed(_train, 1, argv)
@@ -139,6 +140,7 @@ def _cli(*argv):
     )
 
 
+@pytest.mark.slow
 def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
     sentence, document, vocab = bert_data
     # examples/pretrain_bert.sh of v1.1.5, sizes and paths shrunk, no GPU (no --fp16)
@@ -178,6 +180,7 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
     assert gpt.returncode == 1 and "pretrain_bert.py" in gpt.stderr, gpt.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_deepspeed_zero1_dp2_equals_one_process(bert_data):
     argv = bert_flags(bert_data, iters=3)
     ((ref, _),) = run_distributed(_train, 1, argv)
