@@ -131,3 +131,19 @@ def test_document_level_corpus_is_refused_naming_split_sentences(tmp_path):
     corpus = write_corpus(str(tmp_path / "c_text_document"), docs)
     with pytest.raises(DataError, match="--split-sentences"):
         BertDataset("train", corpus, range(5), 10, 1, BertOptions(16), TOK, cache_dir=str(tmp_path))
+
+
+def test_sentence_splitter_handles_english_and_chinese():
+    from megatron.data.preprocess_inputs import split_sentences
+
+    text = "Hello there. How are you? 今天天气很好。我们去公园！好吗？Fine.\n\nNew one"
+    assert split_sentences(text) == [
+        "Hello there.",
+        "How are you?",
+        "今天天气很好。",
+        "我们去公园！",
+        "好吗？",
+        "Fine.",
+        "New one",
+    ]
+    assert "".join(split_sentences(text, keep_newlines=True)) == text

@@ -87,6 +87,22 @@ def test_padding_changes_nothing_for_the_real_tokens_and_no_binary_head():
     assert not any("pooler" in k or "binary" in k for k in headless.state_dict())
 
 
+def test_unfused_masked_softmax_path_equals_sdpa_with_padding():
+    from megatron.fused_kernels import FusedOps
+
+    tokens, types, pad, labels = _batch()
+    results = []
+    for ops in (None, FusedOps(attention_backend="unfused")):
+        model = BertModel(CFG, mpu.single_process_state(), seed=3, dtype=DT, ops=ops)
+        loss, nsp = model(tokens, pad, types, labels)
+        ((loss * pad).sum() + nsp.sum()).backward()
+        results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[k], rtol=1e-8, atol=1e-12, msg=k)
+
+
 def _grads_full(model, state):
     out = {}
     for name, p in model.named_parameters():
