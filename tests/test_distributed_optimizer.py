@@ -1,0 +1,137 @@
+"""--use-distributed-optimizer equals the plain optimizer (losses, grads, weights) at DP=2, DP=4
+and TP2 x PP2 x DP2 in fp32/bf16/fp16; an fp16 overflow skips on every rank together; its
+checkpoints resume at another DP size (4 -> 2, 4 -> 1, 1 -> 2) with the uninterrupted losses."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.checkpoint.storage import checkpoint_dir
+from megatron.config.cli import parse_args
+from megatron.config.schema import ConfigError
+from megatron.training.distrib_optimizer import parameter_names, shard_pieces
+from megatron.training.state import CheckpointError
+from tests.distributed import run_distributed
+from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
+    _LAST_MODEL,
+    _CALLS,
+    _losses,
+    _poison_third_micro_batch_on_rank1,
+    _train,
+    data_prefix,
+    flags,
+)
+
+DISTRIB = ["--use-distributed-optimizer"]
+# Tolerances (loss rtol, weight rtol/atol, grad rtol/atol). fp32: reduction order only (the
+# reduce-scatter sums in another order than the all-reduce). Half weights: ~1 ulp apart after
+# a few steps (bf16: 2^-8 relative), so the gradients they give differ by about as much.
+TOL = {
+    "fp32": (2e-5, 1e-4, 1e-6, 1e-4, 1e-7),
+    "bf16": (2e-3, 2e-2, 1e-2, 5e-2, 5e-5),
+    "fp16": (5e-4, 2e-3, 1e-3, 1e-2, 1e-5),
+}
+
+
+def _snapshot(model) -> tuple[dict, dict]:
+    """(weights by name, this rank's gradient ranges by name: (lo, hi, flat fp32 grad)).
+
+    The distributed optimizer only reduces this rank's shard, so grads are compared there."""
+    names = parameter_names(model.module)
+    weights = {names[id(p)]: p.detach().float().clone() for p, _, _ in model.param_ranges}
+    if model.distributed:
+        grads = {
+            pc.name: (pc.lo, pc.hi, model.grad_buffer[pc.buf_lo : pc.buf_hi].clone())
+            for pc in shard_pieces(model)
+        }
+    else:
+        grads = {names[id(p)]: p.main_grad.detach().flatten().clone() for p, _, _ in model.param_ranges}
+    return weights, grads
+
+
+def _compare(plain, distrib, tol, what):
+    (w0, g0), (w1, g1) = plain, distrib
+    _, w_rtol, w_atol, g_rtol, g_atol = tol
+    for name, w in w0.items():
+        torch.testing.assert_close(
+            w1[name], w, rtol=w_rtol, atol=w_atol, msg=lambda m, n=name: f"{what} weight {n}: {m}"
+        )
+    for name, (lo, hi, g) in g1.items():
+        torch.testing.assert_close(
+            g, g0[name][lo:hi], rtol=g_rtol, atol=g_atol, msg=lambda m, n=name: f"{what} grad {n}: {m}"
+        )
+
+
+def _equivalence_worker(rank, world, layouts, save_dir=None, overflow=True):
+    """Each layout trained with the plain and the distributed optimizer in this spawn."""
+    out = {}
+    for what, argv, extra, tol in layouts:
+        runs = []
+        for opt in ([], extra):
+            history, _, _ = _train(rank, world, argv + opt)
+            runs.append((history, _snapshot(_LAST_MODEL["model"])))
+        _compare(runs[0][1], runs[1][1], TOL[tol], what)
+        out[what] = [runs[0][0], runs[1][0]]
+    if save_dir is not None:  # the DP=world reference run, saved at iteration 3
+        argv = [*layouts[0][1], "--train-iters", "6", *DISTRIB]
+        argv += ["--save", save_dir, "--save-interval", "3"]
+        out["straight"] = _train(rank, world, argv)[0]
+    if not overflow:
+        return out
+    _CALLS["n"] = 0  # fp16, rank 1's 3rd micro batch overflows: every rank skips together
+    overflow = [*layouts[0][1], "--fp16", "--hysteresis", "1", "--initial-loss-scale", "1024"]
+    out["overflow"] = _train(rank, world, overflow + DISTRIB, _poison_third_micro_batch_on_rank1)[0]
+    return out
+
+
+def _check_equivalence(results, layouts, overflow=True):
+    for rank, out in enumerate(results):
+        for what, _, _, tol in layouts:
+            plain, distrib = out[what]
+            rtol = TOL[tol][0]
+            np.testing.assert_allclose(
+                _losses(distrib), _losses(plain), rtol=rtol, err_msg=f"{what} rank {rank}"
+            )
+            norms = [[h["grad_norm"] for h in run] for run in (distrib, plain)]
+            np.testing.assert_allclose(*norms, rtol=max(rtol, 1e-4), err_msg=what)
+        if not overflow:
+            continue
+        h16 = out["overflow"]
+        # DP=4, one micro batch per rank and step: rank 1's 3rd is in iteration 3.
+        assert [h["updated"] for h in h16] == [True, True, False, True], rank
+        assert [h["loss_scale"] for h in h16] == [1024.0, 1024.0, 512.0, 512.0], rank
+        assert h16[2]["grad_norm"] is None
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, tmp_path):
+    # Accumulation (2 micro batches per DP rank and step at DP=4, 4 at DP=2), 6 steps each.
+    base = flags(data_prefix, "--adam-eps", "1e-4", "--num-layers", "4", iters=4)
+    dp4 = [
+        ("DP4 fp32", base, DISTRIB, "fp32"),
+        (
+            "DP4 bf16, 4000-element buckets, overlapped gather",
+            base + ["--bf16", "--ddp-bucket-size", "4000"],
+            DISTRIB + ["--overlap-param-gather"],
+            "bf16",
+        ),
+        (
+            "PP2 interleaved x DP2 fp16",
+            base + ["--pipeline-model-parallel-size", "2"]
+            + ["--num-layers-per-virtual-pipeline-stage", "1", "--fp16", "--initial-loss-scale", "4096"],
+            DISTRIB + ["--overlap-param-gather"],
+            "fp16",
+        ),
+    ]
+    results = run_distributed(_equivalence_worker, 4, dp4, str(tmp_path / "dp4"))
+    _check_equivalence(results, dp4)
+    tp2pp2dp2 = [
+        (
+            "TP2 x PP2 x DP2",
+            base + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+            DISTRIB + ["--overlap-param-gather"],
+            "fp32",
+        )
+    ]
+    results = run_distributed(_equivalence_worker, 8, tp2pp2dp2, None, False)
+    _check_equivalence(results, tp2pp2dp2, overflow=False)
