@@ -2,13 +2,13 @@
 and TP2 x PP2 x DP2 in fp32/bf16/fp16; an fp16 overflow skips on every rank together; its
 checkpoints resume at another DP size (4 -> 2, 4 -> 1, 1 -> 2) with the uninterrupted losses."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
-from megatron.checkpoint.storage import checkpoint_dir
-from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError
+from megatron.checkpoint.storage import checkpoint_dir, tracker_path, write_text_atomic
 from megatron.training.distrib_optimizer import parameter_names, shard_pieces
 from megatron.training.state import CheckpointError
 from tests.distributed import run_distributed
@@ -135,3 +135,53 @@ def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, 
     ]
     results = run_distributed(_equivalence_worker, 8, tp2pp2dp2, None, False)
     _check_equivalence(results, tp2pp2dp2, overflow=False)
+
+
+def _checkpoint_at(src: str, iteration: int, dst) -> str:
+    """A copy of `src` whose pointer names `iteration` (resume from the middle of a run)."""
+    shutil.copytree(checkpoint_dir(src, iteration), checkpoint_dir(str(dst), iteration))
+    write_text_atomic(tracker_path(str(dst)), f"{iteration}\n")
+    return str(dst)
+
+
+def _resume_worker(rank, world, argv, runs):
+    """Each (load dir, extra flags) resumed to iteration 6 in this spawn: history or error."""
+    out = []
+    for load, extra in runs:
+        try:
+            out.append(_train(rank, world, [*argv, "--load", load, *extra])[0])
+        except CheckpointError as e:
+            out.append(str(e))
+    return out
+
+
+def _continues(history, straight, first, what):
+    assert [h["iteration"] for h in history] == list(range(first, 7)), what
+    np.testing.assert_allclose(
+        _losses(history), _losses(straight)[first - 1 :], rtol=2e-5, err_msg=what
+    )
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, tmp_path):
+    """DP=4 saves at 3; DP=1 and DP=2 resume it; DP=1's iteration 4 resumes at DP=2. Each ends
+    with the uninterrupted DP=4 losses (rtol 2e-5: sums over DP ranks and micro batches in
+    another order); the plain optimizer is refused a distributed checkpoint, naming the fix."""
+    base = flags(data_prefix, "--adam-eps", "1e-4", "--num-layers", "4")
+    layouts = [("DP4 fp32", base, DISTRIB, "fp32")]
+    (out, *_) = run_distributed(_equivalence_worker, 4, layouts, str(tmp_path / "dp4"), False)
+    straight = out["straight"]
+    at3 = _checkpoint_at(str(tmp_path / "dp4"), 3, tmp_path / "at3")
+    dp1 = str(tmp_path / "dp1")
+    runs = [(at3, [*DISTRIB, "--save", dp1, "--save-interval", "1"]), (at3, [])]
+    (to_dp1, refused), *_ = run_distributed(_resume_worker, 1, base, runs)
+    _continues(to_dp1, straight, 4, "DP4 -> DP1")
+    assert "--use-distributed-optimizer" in refused and "--no-load-optim" in refused, refused
+    at4 = _checkpoint_at(dp1, 4, tmp_path / "at4")
+    runs = [(at3, DISTRIB), (at4, DISTRIB), (at3, [*DISTRIB, "--no-load-optim", "--no-load-rng"])]
+    for rank, (to_dp2, back_up, fresh) in enumerate(run_distributed(_resume_worker, 2, base, runs)):
+        _continues(to_dp2, straight, 4, f"DP4 -> DP2 rank {rank}")
+        _continues(back_up, straight, 5, f"DP1 -> DP2 rank {rank}")
+        # Weights loaded, optimizer afresh: the first loss is the checkpoint's, then it differs.
+        np.testing.assert_allclose(_losses(fresh)[0], _losses(straight)[3], rtol=2e-5)
+        assert _losses(fresh)[1] != pytest.approx(_losses(straight)[4], rel=1e-6)
