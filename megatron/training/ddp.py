@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.mpu.utils import group_size
+from megatron.mpu.utils import group_rank, group_size
 
 # Shard sizes are multiples of this (elements): aligned shard starts for the collectives.
 _SHARD_ALIGN = 64
@@ -67,7 +67,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.dp_group, self.dp_size = dp_group, group_size(dp_group)
-        self.dp_rank = dist.get_rank(dp_group) if self.dp_size > 1 else 0
+        self.dp_rank = group_rank(dp_group)
         self.overlap = overlap_grad_reduce and self.dp_size > 1
         self.distributed = use_distributed_optimizer
         self.sync_enabled = True
