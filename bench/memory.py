@@ -81,9 +81,13 @@ def model_state_bytes(cfg: ModelConfig, state, dp: int, distributed: bool, dtype
         )
     kw = {"params_dtype": dtype, "state": state, "clip_grad": 1.0}
     ocfg = OptimizerConfig(lr=1e-4)
-    opt = DistributedOptimizer(ddp, ocfg, **kw) if distributed else MegatronOptimizer(model, ocfg, **kw)
+    opt = (
+        DistributedOptimizer(ddp, ocfg, **kw)
+        if distributed
+        else MegatronOptimizer(model, ocfg, **kw)
+    )
     mains = [m for _, m in opt._pairs()]
-    for main, grad in zip(mains, _grads(opt, ddp)):
+    for main, grad in zip(mains, _grads(opt, ddp), strict=True):
         main.grad = grad
     for group in opt.optimizer.param_groups:  # torch's fused kernel does not run on meta
         group.update(fused=False, foreach=True)
@@ -91,7 +95,9 @@ def model_state_bytes(cfg: ModelConfig, state, dp: int, distributed: bool, dtype
     params = {id(p) for p in model.parameters()}
     own_mains = [m for m in mains if id(m) not in params and m._base is None]  # fp32 copies
     moments = [t for s in opt.optimizer.state.values() for t in s.values() if t.ndim > 0]
-    param_bytes = _nbytes(ddp.param_buffer) if distributed else sum(map(_nbytes, model.parameters()))
+    param_bytes = (
+        _nbytes(ddp.param_buffer) if distributed else sum(map(_nbytes, model.parameters()))
+    )
     return {
         "params": param_bytes,
         "grads": _nbytes(ddp.grad_buffer),
@@ -202,8 +208,10 @@ def print_states(rows) -> None:
 
 
 def print_activations(rows, seq: int, batch: int) -> None:
-    note = "" if SP_SUPPORTED else (
-        "; SP measured: n/a, this model has no sequence_parallel switch yet (formula only)"
+    note = (
+        ""
+        if SP_SUPPORTED
+        else ("; SP measured: n/a, this model has no sequence_parallel switch yet (formula only)")
     )
     print(
         f"\nActivations kept for backward, one micro batch, bf16, s={seq} b={batch} (/sbh: "

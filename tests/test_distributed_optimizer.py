@@ -9,12 +9,19 @@ import pytest
 import torch
 
 from megatron.checkpoint.storage import checkpoint_dir, tracker_path, write_text_atomic
-from megatron.training.distrib_optimizer import parameter_names, shard_pieces
+from megatron.config.cli import parse_args
+from megatron.config.schema import ConfigError, ModelConfig
+from megatron.model import GPTModel
+from megatron.mpu import single_process_state
+from megatron.training import ddp as ddp_module
+from megatron.training.ddp import DistributedDataParallel
+from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_names, shard_pieces
 from megatron.training.state import CheckpointError
 from tests.distributed import run_distributed
+from tests.test_arguments import BASE
 from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
-    _LAST_MODEL,
     _CALLS,
+    _LAST_MODEL,
     _losses,
     _poison_third_micro_batch_on_rank1,
     _train,
@@ -45,7 +52,9 @@ def _snapshot(model) -> tuple[dict, dict]:
             for pc in shard_pieces(model)
         }
     else:
-        grads = {names[id(p)]: p.main_grad.detach().flatten().clone() for p, _, _ in model.param_ranges}
+        grads = {
+            names[id(p)]: p.main_grad.detach().flatten().clone() for p, _, _ in model.param_ranges
+        }
     return weights, grads
 
 
@@ -58,7 +67,11 @@ def _compare(plain, distrib, tol, what):
         )
     for name, (lo, hi, g) in g1.items():
         torch.testing.assert_close(
-            g, g0[name][lo:hi], rtol=g_rtol, atol=g_atol, msg=lambda m, n=name: f"{what} grad {n}: {m}"
+            g,
+            g0[name][lo:hi],
+            rtol=g_rtol,
+            atol=g_atol,
+            msg=lambda m, n=name: f"{what} grad {n}: {m}",
         )
 
 
@@ -104,7 +117,7 @@ def _check_equivalence(results, layouts, overflow=True):
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, tmp_path):
+def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, tmp_path):  # noqa: F811
     # Accumulation (2 micro batches per DP rank and step at DP=4, 4 at DP=2), 6 steps each.
     base = flags(data_prefix, "--adam-eps", "1e-4", "--num-layers", "4", iters=4)
     dp4 = [
@@ -117,8 +130,15 @@ def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, 
         ),
         (
             "PP2 interleaved x DP2 fp16",
-            base + ["--pipeline-model-parallel-size", "2"]
-            + ["--num-layers-per-virtual-pipeline-stage", "1", "--fp16", "--initial-loss-scale", "4096"],
+            base
+            + ["--pipeline-model-parallel-size", "2"]
+            + [
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--fp16",
+                "--initial-loss-scale",
+                "4096",
+            ],
             DISTRIB + ["--overlap-param-gather"],
             "fp16",
         ),
@@ -163,7 +183,7 @@ def _continues(history, straight, first, what):
 
 
 @pytest.mark.slow
-def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, tmp_path):
+def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, tmp_path):  # noqa: F811
     """DP=4 saves at 3; DP=1 and DP=2 resume it; DP=1's iteration 4 resumes at DP=2. Each ends
     with the uninterrupted DP=4 losses (rtol 2e-5: sums over DP ranks and micro batches in
     another order); the plain optimizer is refused a distributed checkpoint, naming the fix."""
@@ -185,3 +205,57 @@ def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, tmp_path)
         # Weights loaded, optimizer afresh: the first loss is the checkpoint's, then it differs.
         np.testing.assert_allclose(_losses(fresh)[0], _losses(straight)[3], rtol=2e-5)
         assert _losses(fresh)[1] != pytest.approx(_losses(straight)[4], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "extra,flag,says",
+    [
+        (["--use-distributed-optimizer", "--deepspeed"], "--use-distributed-optimizer", "ZeRO"),
+        (["--overlap-param-gather"], "--overlap-param-gather", "--use-distributed-optimizer"),
+    ],
+)
+def test_rules_name_the_flag_and_the_fix(extra, flag, says):
+    with pytest.raises(ConfigError) as err:
+        parse_args([*BASE, *extra], world_size=2)
+    assert flag in str(err.value) and says in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_shards_cover_every_parameter_once_and_the_tied_embedding_has_its_own_bucket(
+    monkeypatch,
+):
+    """DP=3 laid out on the meta device: the three ranks' pieces partition every parameter,
+    each bucket is padded to equal shards, and `own_bucket` isolates the embedding."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    with torch.device("meta"):
+        model = GPTModel(cfg, single_process_state())
+    tied = model.word_embeddings_weight()
+    monkeypatch.setattr(ddp_module, "group_size", lambda g: 1 if g is None else 3)
+    covered = {}
+    for dp_rank in range(3):
+        monkeypatch.setattr(ddp_module, "group_rank", lambda g, r=dp_rank: 0 if g is None else r)
+        ddp = DistributedDataParallel(
+            model, "dp", bucket_size=20_000, use_distributed_optimizer=True, own_bucket=(tied,)
+        )
+        assert all((b.end - b.start) % (3 * 64) == 0 for b in ddp.buckets)
+        (own,) = [b for b in ddp.buckets if any(p is tied for p in b.params)]
+        assert len(own.params) == 1
+        assert len(ddp.buckets) > 2
+        for pc in shard_pieces(ddp):
+            covered.setdefault(pc.name, []).append((pc.lo, pc.hi))
+    for name, p in model.named_parameters():
+        ranges = sorted(covered[name])
+        assert ranges[0][0] == 0 and ranges[-1][1] == p.numel(), name
+        assert all(a[1] == b[0] for a, b in zip(ranges[:-1], ranges[1:], strict=True)), name
+
+
+def test_assemble_cuts_any_saved_ranges_and_refuses_gaps():
+    moment = torch.arange(10.0)
+    saved = [
+        {"range": (0, 4), "exp_avg": moment[0:4], "step": torch.tensor(3.0)},
+        {"range": (4, 10), "exp_avg": moment[4:10], "step": torch.tensor(3.0)},
+    ]
+    piece = _Piece("w", None, 2, 7, 0, 5)
+    out = _assemble(piece, saved)
+    assert torch.equal(out["exp_avg"], moment[2:7]) and float(out["step"]) == 3.0
+    with pytest.raises(ValueError, match="covers 2 of the 5 elements"):
+        _assemble(piece, saved[:1])

@@ -92,8 +92,10 @@ class DistributedOptimizer(MegatronOptimizer):
         overlap_param_gather: bool = False,
     ):
         if not getattr(model, "distributed", False):
-            raise ValueError("DistributedOptimizer needs DistributedDataParallel built with "
-                             "use_distributed_optimizer=True (sharded, padded buckets)")
+            raise ValueError(
+                "DistributedOptimizer needs DistributedDataParallel built with "
+                "use_distributed_optimizer=True (sharded, padded buckets)"
+            )
         self.state, self.clip_grad, self.ddp = state, clip_grad, model
         self.overlap_param_gather = overlap_param_gather
         self.half = params_dtype in (torch.float16, torch.bfloat16)
@@ -102,7 +104,8 @@ class DistributedOptimizer(MegatronOptimizer):
         self.mains = [self._main(piece) for piece in self.pieces]
         groups = []
         for mult in (1.0, 0.0):  # both groups always, so every rank's state has the same shape
-            mine = [m for m, pc in zip(self.mains, self.pieces) if wd_mult[id(pc.param)] == mult]
+            pairs = zip(self.mains, self.pieces, strict=True)
+            mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
             groups.append({"params": mine, "wd_mult": mult})
         self.optimizer = _torch_optimizer(groups, cfg)
         self.scaler = make_grad_scaler(cfg, params_dtype)
@@ -123,7 +126,7 @@ class DistributedOptimizer(MegatronOptimizer):
         tp_rank = self.state.tp_rank
         squares = [
             torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-            for g, pc in zip(grads, self.pieces)
+            for g, pc in zip(grads, self.pieces, strict=True)
             if counts_once(pc.param, tp_rank)
         ]
         total = torch.stack(squares).sum() if squares else torch.zeros(())
@@ -135,7 +138,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _step(self, nonfinite_loss: bool) -> tuple[bool, float | None]:
         grads = self._grads()
-        for main, grad in zip(self.mains, grads):
+        for main, grad in zip(self.mains, grads, strict=True):
             main.grad = grad  # the DP-averaged shard of the gradient, no copy
         found_inf = self._unscale_and_check(grads) or nonfinite_loss
         norm = None
