@@ -19,6 +19,7 @@ from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_nam
 from megatron.training.state import CheckpointError
 from tests.distributed import run_distributed
 from tests.test_arguments import BASE
+from tests.test_convert_checkpoint import _cli
 from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
     _CALLS,
     _LAST_MODEL,
@@ -184,7 +185,8 @@ def _continues(history, straight, first, what):
 
 @pytest.mark.slow
 def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, tmp_path):  # noqa: F811
-    """DP=4 saves at 3; DP=1 and DP=2 resume it; DP=1's iteration 4 resumes at DP=2. Each ends
+    """DP=4 saves at 3; DP=1 and DP=2 resume it; DP=1's iteration 4 resumes at DP=2;
+    tools/convert_checkpoint.py turns it into TP=2, which resumes with its optimizer. Each ends
     with the uninterrupted DP=4 losses (rtol 2e-5: sums over DP ranks and micro batches in
     another order); the plain optimizer is refused a distributed checkpoint, naming the fix."""
     base = flags(data_prefix, "--adam-eps", "1e-4", "--num-layers", "4")
@@ -198,10 +200,19 @@ def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, tmp_path)
     _continues(to_dp1, straight, 4, "DP4 -> DP1")
     assert "--use-distributed-optimizer" in refused and "--no-load-optim" in refused, refused
     at4 = _checkpoint_at(dp1, 4, tmp_path / "at4")
-    runs = [(at3, DISTRIB), (at4, DISTRIB), (at3, [*DISTRIB, "--no-load-optim", "--no-load-rng"])]
-    for rank, (to_dp2, back_up, fresh) in enumerate(run_distributed(_resume_worker, 2, base, runs)):
+    tp2 = str(tmp_path / "tp2")  # the converter carries the sharded state over to TP=2
+    assert _cli()(["--load", at3, "--save", tp2, "--target-tensor-model-parallel-size", "2"]) == 0
+    runs = [
+        (at3, DISTRIB),
+        (at4, DISTRIB),
+        (at3, [*DISTRIB, "--no-load-optim", "--no-load-rng"]),
+        (tp2, [*DISTRIB, "--tensor-model-parallel-size", "2", "--no-load-rng"]),
+    ]
+    results = run_distributed(_resume_worker, 2, base, runs)
+    for rank, (to_dp2, back_up, fresh, converted) in enumerate(results):
         _continues(to_dp2, straight, 4, f"DP4 -> DP2 rank {rank}")
         _continues(back_up, straight, 5, f"DP1 -> DP2 rank {rank}")
+        _continues(converted, straight, 4, f"DP4 -> converted to TP2 x DP1 rank {rank}")
         # Weights loaded, optimizer afresh: the first loss is the checkpoint's, then it differs.
         np.testing.assert_allclose(_losses(fresh)[0], _losses(straight)[3], rtol=2e-5)
         assert _losses(fresh)[1] != pytest.approx(_losses(straight)[4], rel=1e-6)
