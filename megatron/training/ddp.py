@@ -83,7 +83,7 @@ class DistributedDataParallel(nn.Module):
             p.main_grad = self.grad_buffer[start:end].view_as(p)
             p.register_post_accumulate_grad_hook(self._accumulate)
         if self.distributed and overlap_param_gather and self.dp_size > 1:
-            self._hook_forward_waits()
+            self._hook_forward_waits(own_bucket)
 
     def _lay_out(self, params: list, bucket_size: int, own: set[int]) -> int:
         """Assign each parameter its buffer range and bucket (reverse order); returns the size."""
@@ -188,8 +188,13 @@ class DistributedDataParallel(nn.Module):
                 bucket.gather.wait()
                 bucket.gather = None
 
-    def _hook_forward_waits(self) -> None:
-        """--overlap-param-gather: a module's forward first waits for its parameters' buckets."""
+    def _hook_forward_waits(self, own_bucket) -> None:
+        """--overlap-param-gather: a module's forward first waits for its parameters' buckets.
+        The last stage's tied embedding belongs to a module that never runs (the head reads
+        the weight): each model chunk waits for the `own_bucket` parameters before it starts."""
+        shared = [p for p in own_bucket if id(p) in self._bucket_of]
+        for chunk in getattr(self.module, "chunks", [self.module]) if shared else []:
+            chunk.register_forward_pre_hook(lambda _m, _a: self.finish_param_sync(shared))
         for module in self.module.modules():
             own = [p for p in module.parameters(recurse=False) if id(p) in self._bucket_of]
             if own:
