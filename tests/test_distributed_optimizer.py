@@ -117,39 +117,50 @@ def _check_equivalence(results, layouts, overflow=True):
         assert h16[2]["grad_norm"] is None
 
 
-@pytest.mark.slow
-def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, tmp_path):  # noqa: F811
-    # Accumulation (2 micro batches per DP rank and step at DP=4, 4 at DP=2), 6 steps each.
-    base = flags(data_prefix, "--adam-eps", "1e-4", "--num-layers", "4", iters=4)
-    dp4 = [
+def _base(prefix, iters=4):
+    return flags(prefix, "--adam-eps", "1e-4", "--num-layers", "4", iters=iters)
+
+
+def _dp4_layouts(base):
+    return [
         ("DP4 fp32", base, DISTRIB, "fp32"),
         (
-            "DP4 bf16, 4000-element buckets, overlapped gather",
-            base + ["--bf16", "--ddp-bucket-size", "4000"],
+            "DP4 bf16, 2 micro batches, 4000-element buckets, overlapped gather",
+            base + ["--bf16", "--ddp-bucket-size", "4000", "--global-batch-size", "16"],
             DISTRIB + ["--overlap-param-gather"],
             "bf16",
         ),
         (
             "PP2 interleaved x DP2 fp16",
             base
-            + ["--pipeline-model-parallel-size", "2"]
-            + [
-                "--num-layers-per-virtual-pipeline-stage",
-                "1",
-                "--fp16",
-                "--initial-loss-scale",
-                "4096",
-            ],
+            + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage"]
+            + ["1", "--fp16", "--initial-loss-scale", "4096"],
             DISTRIB + ["--overlap-param-gather"],
             "fp16",
         ),
     ]
-    results = run_distributed(_equivalence_worker, 4, dp4, str(tmp_path / "dp4"))
-    _check_equivalence(results, dp4)
+
+
+@pytest.fixture(scope="module")
+def dp4_spawn(data_prefix, tmp_path_factory):  # noqa: F811
+    """One 4-rank spawn for both tests: the DP=4 layouts (plain vs distributed), the DP=4 run
+    saved at iterations 3 and 6, and the fp16 overflow."""
+    save_dir = str(tmp_path_factory.mktemp("distopt") / "dp4")
+    layouts = _dp4_layouts(_base(data_prefix))
+    return run_distributed(_equivalence_worker, 4, layouts, save_dir), layouts, save_dir
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, dp4_spawn):  # noqa: F811
+    # Micro batches per rank and step (global 8, micro 2): 1 at DP=4 (2 in the bf16 layout,
+    # global 16), 2 at DP=2; the pipeline layouts accumulate over them under no_sync too.
+    results, layouts, _ = dp4_spawn
+    _check_equivalence(results, layouts)
     tp2pp2dp2 = [
         (
             "TP2 x PP2 x DP2",
-            base + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+            _base(data_prefix)
+            + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
             DISTRIB + ["--overlap-param-gather"],
             "fp32",
         )
@@ -184,16 +195,15 @@ def _continues(history, straight, first, what):
 
 
 @pytest.mark.slow
-def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, tmp_path):  # noqa: F811
+def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, dp4_spawn, tmp_path):  # noqa: F811
     """DP=4 saves at 3; DP=1 and DP=2 resume it; DP=1's iteration 4 resumes at DP=2;
     tools/convert_checkpoint.py turns it into TP=2, which resumes with its optimizer. Each ends
     with the uninterrupted DP=4 losses (rtol 2e-5: sums over DP ranks and micro batches in
     another order); the plain optimizer is refused a distributed checkpoint, naming the fix."""
-    base = flags(data_prefix, "--adam-eps", "1e-4", "--num-layers", "4")
-    layouts = [("DP4 fp32", base, DISTRIB, "fp32")]
-    (out, *_) = run_distributed(_equivalence_worker, 4, layouts, str(tmp_path / "dp4"), False)
+    base = _base(data_prefix, iters=6)
+    (out, *_), _, dp4 = dp4_spawn
     straight = out["straight"]
-    at3 = _checkpoint_at(str(tmp_path / "dp4"), 3, tmp_path / "at3")
+    at3 = _checkpoint_at(dp4, 3, tmp_path / "at3")
     dp1 = str(tmp_path / "dp1")
     runs = [(at3, [*DISTRIB, "--save", dp1, "--save-interval", "1"]), (at3, [])]
     (to_dp1, refused), *_ = run_distributed(_resume_worker, 1, base, runs)
