@@ -42,6 +42,10 @@ from megatron.training.optimizer import (
     param_groups,
 )
 
+# Param-group entries that say how this run's torch optimizer computes, not what it computes:
+# kept as built here, so a checkpoint of a CUDA (fused) run loads into a CPU run and back.
+_IMPLEMENTATION_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")
+
 
 @dataclass
 class _Piece:
@@ -199,7 +203,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 "with the same optimizer, or pass --no-load-optim"
             )
         for group, saved in zip(self.optimizer.param_groups, sd["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS})
         if self.scaler is not None and "grad_scaler" in sd:
             self.scaler.load_state_dict(sd["grad_scaler"])
         saved_ranges = _index_ranges(shards)
