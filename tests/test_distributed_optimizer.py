@@ -16,7 +16,6 @@ from megatron.mpu import single_process_state
 from megatron.training import ddp as ddp_module
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_names, shard_pieces
-from megatron.training.state import CheckpointError
 from tests.distributed import run_distributed
 from tests.test_arguments import BASE
 from tests.test_convert_checkpoint import _cli
@@ -177,14 +176,8 @@ def _checkpoint_at(src: str, iteration: int, dst) -> str:
 
 
 def _resume_worker(rank, world, argv, runs):
-    """Each (load dir, extra flags) resumed to iteration 6 in this spawn: history or error."""
-    out = []
-    for load, extra in runs:
-        try:
-            out.append(_train(rank, world, [*argv, "--load", load, *extra])[0])
-        except CheckpointError as e:
-            out.append(str(e))
-    return out
+    """Each (load dir, extra flags) resumed to iteration 6 in this spawn: its history."""
+    return [_train(rank, world, [*argv, "--load", load, *extra])[0] for load, extra in runs]
 
 
 def _continues(history, straight, first, what):
@@ -199,17 +192,21 @@ def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, dp4_spawn
     """DP=4 saves at 3; DP=1 and DP=2 resume it; DP=1's iteration 4 resumes at DP=2;
     tools/convert_checkpoint.py turns it into TP=2, which resumes with its optimizer. Each ends
     with the uninterrupted DP=4 losses (rtol 2e-5: sums over DP ranks and micro batches in
-    another order); the plain optimizer is refused a distributed checkpoint, naming the fix."""
+    another order); the plain optimizer resumes from the distributed one's checkpoint, and back."""
     base = _base(data_prefix, iters=6)
     (out, *_), _, dp4 = dp4_spawn
     straight = out["straight"]
     at3 = _checkpoint_at(dp4, 3, tmp_path / "at3")
-    dp1 = str(tmp_path / "dp1")
-    runs = [(at3, [*DISTRIB, "--save", dp1, "--save-interval", "1"]), (at3, [])]
-    (to_dp1, refused), *_ = run_distributed(_resume_worker, 1, base, runs)
+    dp1, plain = str(tmp_path / "dp1"), str(tmp_path / "plain")
+    runs = [
+        (at3, [*DISTRIB, "--save", dp1, "--save-interval", "1"]),
+        (at3, ["--save", plain, "--save-interval", "1"]),  # into the plain optimizer
+    ]
+    (to_dp1, to_plain), *_ = run_distributed(_resume_worker, 1, base, runs)
     _continues(to_dp1, straight, 4, "DP4 -> DP1")
-    assert "--use-distributed-optimizer" in refused and "--no-load-optim" in refused, refused
+    _continues(to_plain, straight, 4, "DP4 distributed -> DP1 plain optimizer")
     at4 = _checkpoint_at(dp1, 4, tmp_path / "at4")
+    plain_at4 = _checkpoint_at(plain, 4, tmp_path / "plain_at4")
     tp2 = str(tmp_path / "tp2")  # the converter carries the sharded state over to TP=2
     assert _cli()(["--load", at3, "--save", tp2, "--target-tensor-model-parallel-size", "2"]) == 0
     runs = [
@@ -217,9 +214,11 @@ def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, dp4_spawn
         (at4, DISTRIB),
         (at3, [*DISTRIB, "--no-load-optim", "--no-load-rng"]),
         (tp2, [*DISTRIB, "--tensor-model-parallel-size", "2", "--no-load-rng"]),
+        (plain_at4, DISTRIB),  # the plain optimizer's checkpoint into the distributed one
     ]
     results = run_distributed(_resume_worker, 2, base, runs)
-    for rank, (to_dp2, back_up, fresh, converted) in enumerate(results):
+    for rank, (to_dp2, back_up, fresh, converted, from_plain) in enumerate(results):
+        _continues(from_plain, straight, 5, f"DP1 plain -> DP2 distributed rank {rank}")
         _continues(to_dp2, straight, 4, f"DP4 -> DP2 rank {rank}")
         _continues(back_up, straight, 5, f"DP1 -> DP2 rank {rank}")
         _continues(converted, straight, 4, f"DP4 -> converted to TP2 x DP1 rank {rank}")

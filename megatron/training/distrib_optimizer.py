@@ -197,12 +197,11 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def load_state_dict(self, sd: dict, shards: list[dict] | None = None) -> None:
         """Restore from the shared part `sd` and the saved DP ranks' `shards` (any DP size)."""
-        if not sd.get("distributed") or shards is None:
-            raise ValueError(
-                "this optimizer state was saved without --use-distributed-optimizer; resume "
-                "with the same optimizer, or pass --no-load-optim"
-            )
-        for group, saved in zip(self.optimizer.param_groups, sd["param_groups"], strict=True):
+        if not sd.get("distributed"):  # the plain optimizer's: every parameter whole
+            sd, shards = plain_to_distributed(sd, self.ddp.module)
+        saved_groups = {g.get("wd_mult"): g for g in sd["param_groups"]}
+        for group in self.optimizer.param_groups:
+            saved = saved_groups.get(group["wd_mult"], {})
             group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS})
         if self.scaler is not None and "grad_scaler" in sd:
             self.scaler.load_state_dict(sd["grad_scaler"])
@@ -255,4 +254,55 @@ def _assemble(pc: _Piece, entries: list[dict]) -> dict[str, torch.Tensor]:
             f"the saved distributed optimizer state covers {covered} of the {pc.hi - pc.lo} "
             f"elements [{pc.lo}, {pc.hi}) of {pc.name}; the checkpoint is incomplete"
         )
+    return out
+
+
+def _plain_order(module) -> list:
+    """The parameters in MegatronOptimizer's order (its torch state is keyed by position)."""
+    return [p for g in param_groups(module) for p in g["params"]]
+
+
+def plain_to_distributed(saved: dict, module) -> tuple[dict, list[dict]]:
+    """A plain MegatronOptimizer state dict as (shared part, [one shard]) of this optimizer:
+    each parameter's state as one range covering it whole."""
+    names, torch_sd = parameter_names(module), saved["optimizer"]
+    mains = saved.get("fp32_from_fp16_params")
+    pieces = {}
+    for i, p in enumerate(_plain_order(module)):
+        entry = {"range": (0, p.numel())}
+        for key, value in torch_sd["state"].get(i, {}).items():
+            entry[key] = value.reshape(-1) if value.ndim else value
+        if mains is not None:
+            entry["main"] = mains[i].reshape(-1)
+        pieces[names[id(p)]] = entry
+    shared = {"distributed": True, "dp_size": 1, "param_groups": torch_sd["param_groups"]}
+    if "grad_scaler" in saved:
+        shared["grad_scaler"] = saved["grad_scaler"]
+    return shared, [{"pieces": pieces}]
+
+
+def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool) -> dict:
+    """The distributed optimizer's checkpoint (any DP size) as a MegatronOptimizer state dict
+    for `module`: each parameter's ranges reassembled, keyed by position as torch keys it."""
+    names, index = parameter_names(module), _index_ranges(shards)
+    saved_groups = {g.get("wd_mult"): g for g in sd["param_groups"]}
+    state, mains, groups, i = {}, [], [], 0
+    for group in param_groups(module):
+        hyper = {k: v for k, v in saved_groups.get(group["wd_mult"], {}).items()}
+        groups.append({**hyper, "wd_mult": group["wd_mult"], "params": []})
+        for p in group["params"]:
+            piece = _Piece(names[id(p)], p, 0, p.numel(), 0, 0)
+            restored = _assemble(piece, index.get(piece.name, []))
+            main = restored.pop("main", None)
+            if half:
+                mains.append(p.detach().float().clone() if main is None else main.view(p.shape))
+            if restored:
+                state[i] = {k: v.view(p.shape) if v.ndim else v for k, v in restored.items()}
+            groups[-1]["params"].append(i)
+            i += 1
+    out = {"optimizer": {"state": state, "param_groups": groups}}
+    if "grad_scaler" in sd:
+        out["grad_scaler"] = sd["grad_scaler"]
+    if half:
+        out["fp32_from_fp16_params"] = mains
     return out

@@ -39,6 +39,7 @@ from megatron.checkpoint.storage import (
 )
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
+from megatron.training.distrib_optimizer import distributed_to_plain
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
@@ -228,7 +229,7 @@ def load_training_state(
             optimizer.reload_model_params()
         _require(shard, c, iteration)
         if not (c.finetune or c.no_load_optim):
-            _load_optimizer(optimizer, shard, c.load, iteration)
+            _load_optimizer(optimizer, model, shard)
             scheduler.load_state_dict(shard["opt_param_scheduler"])
         return shard
 
@@ -252,21 +253,16 @@ def _require(shard: dict, c, iteration: int) -> None:
         )
 
 
-def _load_optimizer(optimizer, shard: dict, load: str, iteration: int) -> None:
-    """The plain optimizer from its state dict; the distributed one from the shared part and
-    every saved DP rank's shard. A checkpoint of the other kind is refused, naming the fix."""
+def _load_optimizer(optimizer, model, shard: dict) -> None:
+    """Either optimizer from either kind of checkpoint: the distributed one's state (shared
+    part + every saved DP rank's ranges) reassembles per parameter for any DP size, or for the
+    plain optimizer; the plain one's (keyed by position) is cut into ranges."""
     saved = shard["optimizer"]
-    saved_distributed = bool(saved.get("distributed"))
-    if saved_distributed != hasattr(optimizer, "shard_state_dict"):
-        was = f"with --use-distributed-optimizer (DP={saved.get('dp_size')})"
-        raise CheckpointError(
-            f"--load {load}: iteration {iteration} was saved "
-            f"{was if saved_distributed else 'without --use-distributed-optimizer'}, but this "
-            f"run {'does not use' if saved_distributed else 'uses'} it. Fix: "
-            f"{'add' if saved_distributed else 'drop'} --use-distributed-optimizer (the DP "
-            "size may differ), or pass --no-load-optim to start the optimizer afresh"
-        )
-    if saved_distributed:
+    distributed = hasattr(optimizer, "shard_state_dict")
+    if saved.get("distributed") and distributed:
         optimizer.load_state_dict(saved, shard["distrib_optim"])
+    elif saved.get("distributed"):
+        plain = distributed_to_plain(saved, shard["distrib_optim"], model.module, optimizer.half)
+        optimizer.load_state_dict(plain)
     else:
-        optimizer.load_state_dict(saved)
+        optimizer.load_state_dict(saved)  # the distributed one converts a plain state itself
