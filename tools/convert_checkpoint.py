@@ -5,8 +5,10 @@
     python tools/convert_checkpoint.py --load ckpt --to-hf hf_model
     python tools/convert_checkpoint.py --from-hf hf_model --save ckpt \\
         --target-tensor-model-parallel-size 2
-One CPU process, no torch.distributed; the whole model is held in memory once. The optimizer
-and RNG states are not converted: resume with --no-load-optim --no-load-rng, or --finetune.
+One CPU process, no torch.distributed; the whole model is held in memory once. RNG states are
+not converted, nor the plain optimizer's: resume with --no-load-optim --no-load-rng, or
+--finetune. The state of --use-distributed-optimizer (saved per parameter) is converted with
+the weights: resume with --use-distributed-optimizer --no-load-rng, at any DP size.
 """
 
 import argparse
@@ -99,7 +101,15 @@ def _reshard(a) -> int:
     vp = a.target_num_layers_per_virtual_pipeline_stage
     validate_layout(cfg, tp, pp, vp)
     save_resharded(
-        loaded.state, loaded.args, a.save, tp, pp, loaded.iteration, meta=loaded.meta, vp_layers=vp
+        loaded.state,
+        loaded.args,
+        a.save,
+        tp,
+        pp,
+        loaded.iteration,
+        meta=loaded.meta,
+        vp_layers=vp,
+        optimizer=loaded.optimizer,
     )
     print(
         f"converted iteration {loaded.iteration} of {a.load} (TP={loaded.tp} x PP={loaded.pp}, "

@@ -199,6 +199,25 @@ def validate(cfg: MegatronConfig) -> None:
         _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
     _validate_batch(cfg.training, par.data_parallel_size)
     _validate_data(cfg.data)
+    _validate_distributed_optimizer(cfg)
+
+
+def _validate_distributed_optimizer(cfg: MegatronConfig) -> None:
+    o = cfg.optimizer
+    if o.use_distributed_optimizer and cfg.deepspeed.enabled:
+        _fail(
+            "--use-distributed-optimizer",
+            "our sharded optimizer cannot run inside --deepspeed, whose ZeRO shards the "
+            "optimizer itself",
+            "drop --use-distributed-optimizer and pass --zero-stage 1 (ZeRO-1 shards the "
+            "optimizer states like it; 2 also shards gradients, 3 weights), or drop --deepspeed",
+        )
+    if o.overlap_param_gather and not o.use_distributed_optimizer:
+        _fail(
+            "--overlap-param-gather",
+            "overlaps the all-gather of the distributed optimizer's weights, which is off",
+            "add --use-distributed-optimizer or drop --overlap-param-gather",
+        )
 
 
 def _validate_v1_kernels(cfg: MegatronConfig) -> None:

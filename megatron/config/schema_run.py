@@ -97,6 +97,17 @@ class OptimizerConfig:
     min_loss_scale: float = setting(1.0, "fp16: the dynamic scale never goes below this")
     loss_scale_window: int = setting(1000, "fp16: steps without overflow before the scale doubles")
     hysteresis: int = setting(2, "fp16: overflows tolerated before the scale is halved")
+    use_distributed_optimizer: bool = setting(
+        False,
+        "shard the fp32 main weights and optimizer moments over the data-parallel ranks "
+        "(ZeRO-1): gradients are reduce-scattered, each rank updates its shard, the weights "
+        "are all-gathered",
+    )
+    overlap_param_gather: bool = setting(
+        False,
+        "with --use-distributed-optimizer: all-gather the updated weights bucket by bucket "
+        "during the next forward instead of right after the step",
+    )
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,8 @@ def pretrain(
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.tensorboard)
         result = loop.run(state, *iters)
+        if hasattr(backend.model, "finish_param_sync"):  # an --overlap-param-gather in flight
+            backend.model.finish_param_sync()
         result.model = backend.model
         return result
     except TrainingError:

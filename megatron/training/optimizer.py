@@ -81,6 +81,17 @@ class ConstantGradScaler:
         self.scale = float(sd["scale"])
 
 
+def make_grad_scaler(cfg: OptimizerConfig, params_dtype: torch.dtype):
+    """fp16: the static (--loss-scale) or dynamic loss scaler; other precisions: None."""
+    if params_dtype != torch.float16:
+        return None
+    if cfg.loss_scale:
+        return ConstantGradScaler(cfg.loss_scale)
+    return DynamicGradScaler(
+        cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis
+    )
+
+
 def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     for g in groups:
         g["weight_decay"] = cfg.weight_decay * g["wd_mult"]
@@ -134,18 +145,7 @@ class MegatronOptimizer:
         else:
             main_groups = [dict(g) for g in self.model_groups]
         self.optimizer = _torch_optimizer(main_groups, cfg)
-        self.scaler = None
-        if params_dtype == torch.float16:
-            self.scaler = (
-                ConstantGradScaler(cfg.loss_scale)
-                if cfg.loss_scale
-                else DynamicGradScaler(
-                    cfg.initial_loss_scale,
-                    cfg.min_loss_scale,
-                    cfg.loss_scale_window,
-                    cfg.hysteresis,
-                )
-            )
+        self.scaler = make_grad_scaler(cfg, params_dtype)
 
     @property
     def param_groups(self):

@@ -23,6 +23,7 @@ from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.training.backend import StepResult, TrainerBackend, average_loss
 from megatron.training.data import get_batch
 from megatron.training.ddp import DistributedDataParallel
+from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
@@ -68,15 +69,25 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
         recompute=cfg.recompute,
         torch_compile=cfg.kernels.torch_compile,
     )
+    distributed = cfg.optimizer.use_distributed_optimizer
+    tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
     ddp = DistributedDataParallel(
         model,
         rt.state.dp_group,
         bucket_size=cfg.distributed.ddp_bucket_size,
         overlap_grad_reduce=cfg.distributed.overlap_grad_reduce,
+        use_distributed_optimizer=distributed,
+        overlap_param_gather=cfg.optimizer.overlap_param_gather,
+        # first and last stage must shard the tied embedding alike (see sync_embedding_grads)
+        own_bucket=(tied,) if tied is not None else (),
     )
-    optimizer = MegatronOptimizer(
-        model, cfg.optimizer, params_dtype=dtype, state=rt.state, clip_grad=cfg.training.clip_grad
-    )
+    kw = {"params_dtype": dtype, "state": rt.state, "clip_grad": cfg.training.clip_grad}
+    if distributed:
+        optimizer = DistributedOptimizer(
+            ddp, cfg.optimizer, overlap_param_gather=cfg.optimizer.overlap_param_gather, **kw
+        )
+    else:
+        optimizer = MegatronOptimizer(model, cfg.optimizer, **kw)
     return ddp, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
 
 
@@ -102,7 +113,9 @@ def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
 
 def sync_embedding_grads(model, state) -> None:
     """Tied embeddings on the first and last stage: sum their gradients so both copies take
-    the same step and stay equal."""
+    the same step and stay equal. With the distributed optimizer the DP reduce-scatter came
+    first: only this rank's shard of main_grad is reduced, which is all it reads, and the
+    embedding has a bucket of its own on both stages, so both shard it alike."""
     if state.pp_size == 1 or state.embedding_group is None:
         return
     weight = model.module.word_embeddings_weight()
@@ -153,6 +166,9 @@ def train_step(
     timers("grads-all-reduce", 2).start()
     model.finish_grad_sync()
     sync_embedding_grads(model, rt.state)
+    # After the DP reduction, before optimizer.step() (inf/NaN check, norm, clipping). With
+    # --use-distributed-optimizer only this rank's shards are DP-reduced here; TP peers share
+    # the buffer layout, hence own the same ranges, so the TP sum is right where it is read.
     sync_sequence_parallel_grads(model, rt.state)
     timers("grads-all-reduce", 2).stop()
     loss = average_loss(
