@@ -137,6 +137,12 @@ def _dp4_layouts(base):
             DISTRIB + ["--overlap-param-gather"],
             "fp16",
         ),
+        (
+            "TP2 x DP2 with --sequence-parallel",
+            base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            DISTRIB + ["--overlap-param-gather"],
+            "fp32",
+        ),
     ]
 
 
