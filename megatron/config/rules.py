@@ -6,6 +6,7 @@ Each broken rule raises `ConfigError` naming the flag and the fix (never an `ass
 
 from __future__ import annotations
 
+from megatron.config.legacy import validate_compat, validate_vocab
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
 from megatron.config.schema import (
     ConfigError,
@@ -154,6 +155,7 @@ def validate(cfg: MegatronConfig) -> None:
         _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
     _validate_batch(cfg.training, par.data_parallel_size)
     _validate_data(cfg.data)
+    validate_compat(cfg)
 
 
 def _validate_data(d: DataConfig) -> None:
@@ -243,6 +245,7 @@ def validate_training(cfg: MegatronConfig) -> None:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
+    validate_vocab(cfg)
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:
