@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.config.legacy import uses_deepspeed_checkpointing
 from megatron.config.schema import MegatronConfig, ModelConfig
 from megatron.model.gpt import Embedding, OutputHead, init_weights
 from megatron.model.stages import build_model
@@ -207,24 +208,44 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
 
 
 def _checkpoint_fn(cfg: MegatronConfig, rt):
-    """DeepSpeed's checkpoint with our TP dropout stream replayed, configured from the flags."""
-    deepspeed = import_deepspeed()
-    d = cfg.deepspeed
-    deepspeed.checkpointing.configure(
-        MpuAdapter(rt.state),
-        partition_activations=d.partition_activations,
-        contiguous_checkpointing=d.contigious_checkpointing,
-        num_checkpoints=cfg.model.num_layers,
-        checkpoint_in_cpu=d.checkpoint_in_cpu,
-        synchronize=d.synchronize_each_layer,
-        profile=d.profile_backward,
-    )
-    impl = deepspeed.checkpointing.checkpoint
+    """(impl, tracked): the checkpoint implementation for recompute and that checkpoint with our
+    TP dropout stream replayed. DeepSpeed's (deepspeed.checkpointing, configured from the
+    flags) with --deepspeed-activation-checkpointing or one of its options, as v1.x did;
+    otherwise our mpu checkpoint (impl None)."""
+    impl = None
+    if uses_deepspeed_checkpointing(cfg):
+        deepspeed = import_deepspeed()
+        d = cfg.deepspeed
+        deepspeed.checkpointing.configure(
+            MpuAdapter(rt.state),
+            partition_activations=d.partition_activations,
+            contiguous_checkpointing=d.contigious_checkpointing,
+            num_checkpoints=-(-cfg.model.num_layers // cfg.recompute.num_layers),
+            checkpoint_in_cpu=d.checkpoint_in_cpu,
+            synchronize=d.synchronize_each_layer,
+            profile=d.profile_backward,
+        )
+        impl = deepspeed.checkpointing.checkpoint
 
     def tracked(function, *args):
         return checkpoint(function, rt.rng_tracker, *args, impl=impl)
 
     return impl, tracked
+
+
+def _client_optimizer(groups: list[dict], cfg: MegatronConfig):
+    """Our AdamW/SGD, or with --cpu-optimizer (ZeRO offload) DeepSpeed's CPU Adam kernel in
+    AdamW mode (--cpu_torch_adam: torch's AdamW, which DeepSpeed is told to accept)."""
+    d, o = cfg.deepspeed, cfg.optimizer
+    if not d.cpu_optimizer or d.cpu_torch_adam or o.optimizer != "adam":
+        return _torch_optimizer(groups, o)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    for g in groups:
+        g["weight_decay"] = o.weight_decay * g["wd_mult"]
+    return DeepSpeedCPUAdam(
+        groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, adamw_mode=True
+    )
 
 
 def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
@@ -256,7 +277,7 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
             deepspeed.zero.register_external_parameter(
                 model[0].head, model[0].word_embeddings_weight()
             )
-    optimizer = _torch_optimizer(param_groups(model), cfg.optimizer)
+    optimizer = _client_optimizer(param_groups(model), cfg)
     scheduler = make_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
