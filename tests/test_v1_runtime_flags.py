@@ -224,13 +224,14 @@ def _distributed_checkpoint_check(group) -> None:
 
 @contextlib.contextmanager
 def _all_reduce_dtypes():
-    """Record the dtype of every all-reduce the data-parallel wrapper launches."""
+    """Record the dtype of every gradient all-reduce the data-parallel wrapper launches."""
     import megatron.training.ddp as ddp
 
     seen, real = [], ddp.dist.all_reduce
 
     def spy(tensor, *args, **kwargs):
-        seen.append(tensor.dtype)
+        if kwargs.get("async_op"):  # the gradient buckets (the other all-reduces are scalars)
+            seen.append(tensor.dtype)
         return real(tensor, *args, **kwargs)
 
     ddp.dist.all_reduce = spy
@@ -266,16 +267,16 @@ def _native_worker(rank, world, argv, save_dir):
         with _all_reduce_dtypes() as seen:
             out[f"bf16_{name}"] = _run(rank, world, argv + ["--bf16", *extra])[0]
         out[f"dtypes_{name}"] = sorted(set(map(str, seen)))
-    out["cpu_optimizer"], w_cpu, model = _run(rank, world, argv + ["--cpu-optimizer"])
-    out["cpu_opt_weights"] = max(float((w_local[k] - w_cpu[k]).abs().max()) for k in w_local)
+    # --cpu-optimizer and --use-cpu-initialization together: each must leave the run unchanged.
     devices, real_build = [], step.build_model
     step.build_model = lambda *a, **kw: devices.append(str(kw["device"])) or real_build(*a, **kw)
     try:
-        out["cpu_init"], w_init, _ = _run(rank, world, argv + ["--use-cpu-initialization"])
+        cpu = ["--cpu-optimizer", "--use-cpu-initialization"]
+        out["cpu"], w_cpu, _ = _run(rank, world, argv + cpu)
     finally:
         step.build_model = real_build
     out["cpu_init_device"] = devices
-    out["cpu_init_weights_equal"] = all(torch.equal(w_local[k], w_init[k]) for k in w_local)
+    out["cpu_weights"] = max(float((w_local[k] - w_cpu[k]).abs().max()) for k in w_local)
     tp2 = argv + ["--tensor-model-parallel-size", "2", "--checkpoint-activations"]
     out["tp2_recompute"] = _run(rank, world, tp2)[0]
     out["tp2_distributed"] = _run(rank, world, tp2 + ["--distribute-checkpointed-activations"])[0]
@@ -309,10 +310,8 @@ def test_native_v1_flags_take_effect_at_dp2_and_tp2(data_prefix, tmp_path):  # n
         ref = out["local"]
         np.testing.assert_allclose(out["torch"], ref, rtol=1e-6, err_msg="--DDP-impl torch")
         assert out["torch_weights"] < 1e-6, "same updated weights through torch DDP"
-        np.testing.assert_allclose(out["cpu_optimizer"], ref, rtol=1e-6, err_msg="--cpu-optimizer")
-        assert out["cpu_opt_weights"] < 1e-6
-        assert out["cpu_init"] == ref and out["cpu_init_weights_equal"]
-        assert out["cpu_init_device"] == ["cpu"]
+        np.testing.assert_allclose(out["cpu"], ref, rtol=1e-6, err_msg="--cpu-optimizer")
+        assert out["cpu_weights"] < 1e-6 and out["cpu_init_device"] == ["cpu"]
         assert out["dtypes_fp32"] == ["torch.float32"], "--fp32-allreduce reduces in fp32"
         assert out["dtypes_params"] == ["torch.bfloat16"], "--allreduce-dtype params: in bf16"
         np.testing.assert_allclose(out["bf16_params"], out["bf16_fp32"], rtol=2e-2)
@@ -323,3 +322,65 @@ def test_native_v1_flags_take_effect_at_dp2_and_tp2(data_prefix, tmp_path):  # n
         assert "Fix: resume with --no-load-optim --no-load-rng" in no_save["plain"]
         assert "Fix: resume with --no-load-rng" in no_save["--no-load-optim"]
         assert len(no_save["resumed"]) == 4  # iterations 3..6 after the saved 2
+
+
+# ---- --deepspeed: the flags reach the engine and deepspeed.checkpointing (one spawn) ----
+
+ZERO_FLAGS = ["--zero-stage", "1", "--zero-reduce-bucket-size", "1000"]
+ZERO_FLAGS += ["--zero-allgather-bucket-size", "2000", "--zero-reduce-scatter"]
+ZERO_FLAGS += ["--zero-contigious-gradients", "--cpu-optimizer", "--cpu_torch_adam"]
+DS_RECOMPUTE = ["--partition-activations", "--checkpoint-in-cpu", "--contigious-checkpointing"]
+DS_RECOMPUTE += ["--synchronize-each-layer", "--profile-backward"]
+
+
+def _ds_worker(rank, world, argv):
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    calls, real = [], deepspeed.checkpointing.checkpoint
+    deepspeed.checkpointing.checkpoint = lambda *a: calls.append(1) or real(*a)
+    out = {}
+    try:
+        ds = argv + ["--deepspeed", "--checkpoint-activations"]
+        out["mpu"] = _run(rank, world, ds)[0]  # recompute through our mpu checkpoint
+        out["mpu_calls"], out["configured_plain"] = len(calls), ds_ckpt.is_configured()
+        out["ds"] = _run(rank, world, ds + ["--deepspeed-activation-checkpointing"])[0]
+        out["ds_calls"] = len(calls)
+        out["full"], _, engine = _run(rank, world, ds + ZERO_FLAGS + DS_RECOMPUTE)
+    finally:
+        deepspeed.checkpointing.checkpoint = real
+    out["engine"] = [
+        engine.zero_optimization_stage(),
+        engine.zero_reduce_bucket_size(),
+        engine.zero_allgather_bucket_size(),
+        engine.zero_reduce_scatter(),
+        engine.zero_contiguous_gradients(),
+        getattr(
+            engine.zero_offload_optimizer().device, "value", engine.zero_offload_optimizer().device
+        ),
+        type(engine.optimizer.optimizer).__name__,
+    ]
+    out["checkpointing"] = [
+        ds_ckpt.is_configured(),
+        ds_ckpt.PARTITION_ACTIVATIONS,
+        ds_ckpt.CPU_CHECKPOINT,
+        ds_ckpt.CONTIGUOUS_CHECKPOINTING,
+        ds_ckpt.SYNCHRONIZE,
+        ds_ckpt.PROFILE_TIME,
+        ds_ckpt.num_layers,
+    ]
+    return out
+
+
+@pytest.mark.slow
+def test_deepspeed_v1_flags_reach_the_engine(data_prefix):  # noqa: F811
+    pytest.importorskip("deepspeed")
+    argv = flags(data_prefix, "--adam-eps", "1e-4", iters=3)
+    ((ref, _, _),) = run_distributed(_train, 1, argv)
+    for out in run_distributed(_ds_worker, 2, argv):
+        assert out["mpu_calls"] == 0 and not out["configured_plain"], "v1.x: mpu checkpoint"
+        assert out["ds_calls"] > 0, "--deepspeed-activation-checkpointing: DeepSpeed's checkpoint"
+        for name in ("mpu", "ds", "full"):
+            np.testing.assert_allclose(out[name], _losses(ref), rtol=2e-5, err_msg=name)
+        assert out["engine"] == [1, 1000, 2000, True, True, "cpu", "AdamW"]
+        assert out["checkpointing"] == [True, True, True, True, True, True, 2]

@@ -106,7 +106,17 @@ def checkpoint(function: Callable, tracker: RNGStatesTracker | None, *args, impl
             tracker.set_states(current)
 
     if impl is not None:
-        return impl(run, *args, **kwargs)
+        # Tensors only: DeepSpeed's checkpoint, partitioning activations, mishandles other
+        # arguments (a None position_ids); they are bound here instead.
+        where = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+
+        def tensors_only(*tensors):
+            full = list(args)
+            for i, t in zip(where, tensors, strict=True):
+                full[i] = t
+            return run(*full, **kwargs)
+
+        return impl(tensors_only, *(args[i] for i in where))
     return torch_checkpoint.checkpoint(
         run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
     )

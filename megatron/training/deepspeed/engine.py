@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config.legacy import uses_deepspeed_checkpointing
-from megatron.config.schema import MegatronConfig, ModelConfig
+from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.model.gpt import Embedding, OutputHead, init_weights
 from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
@@ -216,6 +216,12 @@ def _checkpoint_fn(cfg: MegatronConfig, rt):
     if uses_deepspeed_checkpointing(cfg):
         deepspeed = import_deepspeed()
         d = cfg.deepspeed
+        if d.checkpoint_in_cpu and not d.partition_activations and rt.device.type == "cpu":
+            raise ConfigError(
+                "--checkpoint-in-cpu: the activations already live on the CPU here, and "
+                "DeepSpeed's CPU checkpointing without partitioning loses the saved layer input "
+                "when the device is the CPU. Fix: drop it, or add --partition-activations"
+            )
         deepspeed.checkpointing.configure(
             MpuAdapter(rt.state),
             partition_activations=d.partition_activations,
