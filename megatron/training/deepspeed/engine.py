@@ -204,6 +204,9 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
         partition_method="type:TransformerLayerPipe",
         activation_checkpoint_interval=cfg.recompute.num_layers if recompute else 0,
         activation_checkpoint_func=checkpoint_fn,
+        # Only transformer layers: DeepSpeed's reentrant checkpoint gives the embedding (whose
+        # input, the token ids, needs no gradient) no gradient at all.
+        checkpointable_layers=["TransformerLayerPipe"],
     )
 
 
@@ -293,7 +296,30 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
         mpu=None if pipeline else MpuAdapter(rt.state),
         dist_init_required=False,
     )
+    if pipeline and ds_config.get("wall_clock_breakdown"):
+        _tolerate_restarted_backward_timers(engine)
     return engine, scheduler, pipeline
+
+
+def _tolerate_restarted_backward_timers(engine) -> None:
+    """wall_clock_breakdown under DeepSpeed's pipeline engine (0.19): a stage starts its backward
+    timers in _exec_backward_pass, then the engine's output hook starts (and later stops) the
+    same timers again, which asserts. Make those timers' start/stop idempotent, so the breakdown
+    is measured (from the first start to the first stop) instead of crashing."""
+    t = engine.engine_timers
+    for name in {*t.backward_timers, *t.backward_inner_timers, *t.backward_reduce_timers}:
+        timer = engine.timers(name)
+        start, stop = timer.start, timer.stop
+
+        def tolerant_start(timer=timer, start=start):
+            if not timer.started_:
+                start()
+
+        def tolerant_stop(reset=False, record=False, timer=timer, stop=stop):
+            if timer.started_:
+                stop(reset=reset, record=record)
+
+        timer.start, timer.stop = tolerant_start, tolerant_stop
 
 
 class PipeBatches:
