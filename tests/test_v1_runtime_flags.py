@@ -333,7 +333,7 @@ DS_RECOMPUTE = ["--partition-activations", "--checkpoint-in-cpu", "--contigious-
 DS_RECOMPUTE += ["--synchronize-each-layer", "--profile-backward"]
 
 
-def _ds_worker(rank, world, argv):
+def _ds_worker(rank, world, argv, save_dir):
     import deepspeed
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
@@ -369,18 +369,33 @@ def _ds_worker(rank, world, argv):
         ds_ckpt.PROFILE_TIME,
         ds_ckpt.num_layers,
     ]
+    out["no_save_rng"] = _ds_no_save_rng(rank, world, argv + ["--deepspeed"], save_dir)
     return out
 
 
+def _ds_no_save_rng(rank, world, argv, save_dir) -> str:
+    """--no-save-rng through the engine: its client state has no RNG, a resume says so."""
+    from megatron.checkpoint.storage import CheckpointError
+
+    _run(rank, world, argv + ["--save", save_dir, "--no-save-rng"])
+    try:
+        _run(rank, world, argv + ["--load", save_dir])
+    except CheckpointError as e:
+        return str(e)
+    return "resumed without complaint"
+
+
 @pytest.mark.slow
-def test_deepspeed_v1_flags_reach_the_engine(data_prefix):  # noqa: F811
+def test_deepspeed_v1_flags_reach_the_engine(data_prefix, tmp_path):  # noqa: F811
     pytest.importorskip("deepspeed")
     argv = flags(data_prefix, "--adam-eps", "1e-4", iters=3)
     ((ref, _, _),) = run_distributed(_train, 1, argv)
-    for out in run_distributed(_ds_worker, 2, argv):
+    for out in run_distributed(_ds_worker, 2, argv, str(tmp_path / "ck")):
         assert out["mpu_calls"] == 0 and not out["configured_plain"], "v1.x: mpu checkpoint"
         assert out["ds_calls"] > 0, "--deepspeed-activation-checkpointing: DeepSpeed's checkpoint"
         for name in ("mpu", "ds", "full"):
             np.testing.assert_allclose(out[name], _losses(ref), rtol=2e-5, err_msg=name)
         assert out["engine"] == [1, 1000, 2000, True, True, "cpu", "AdamW"]
         assert out["checkpointing"] == [True, True, True, True, True, True, 2]
+        assert "no rng_state state (saved with --no-save-rng" in out["no_save_rng"]
+        assert "Fix: resume with --no-load-rng" in out["no_save_rng"]
