@@ -298,6 +298,7 @@ def test_megatron_aliases_inverted_booleans_and_shortcuts():
             "--no-persist-layer-norm",
             "--disable-bias-linear",
             "--no-overlap-grad-reduce",
+            "--deepspeed",  # the ZeRO flags are DeepSpeed's: without it they fail
             "--zero-reduce-scatter",
         ],
         world_size=1,

@@ -238,6 +238,13 @@ def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, dp4_spawn
     [
         (["--use-distributed-optimizer", "--deepspeed"], "--use-distributed-optimizer", "ZeRO"),
         (["--overlap-param-gather"], "--overlap-param-gather", "--use-distributed-optimizer"),
+        (["--use-distributed-optimizer", "--DDP-impl", "torch"], "--DDP-impl torch", "drop"),
+        (["--use-distributed-optimizer", "--cpu-optimizer"], "--cpu-optimizer", "drop"),
+        (
+            ["--use-distributed-optimizer", "--bf16", "--allreduce-dtype", "params"],
+            "--allreduce-dtype params",
+            "drop",
+        ),
     ],
 )
 def test_rules_name_the_flag_and_the_fix(extra, flag, says):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from megatron.config.declare import Tree
 from megatron.config.files import parse_overrides, read_config_file, to_yaml
+from megatron.config.legacy import add_refused_arguments, apply_v1_defaults, check_refused
 from megatron.config.rules import validate
 from megatron.config.schema import LAUNCHER_VARIABLES, MegatronConfig
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config as YAML (a valid -c file) and exit",
     )
     config_tree().add_arguments(parser, given_only=True)
+    add_refused_arguments(parser)
     return parser
 
 
@@ -78,6 +80,7 @@ def resolve(ns: argparse.Namespace, world_size: int) -> MegatronConfig:
         values.update(read_config_file(ns.run_config, tree))
     values.update(tree.given(ns))
     values.update(parse_overrides(ns.overrides, tree))
+    apply_v1_defaults(values)
     values["parallel.world_size"] = world_size
     return tree.build(values)
 
@@ -93,6 +96,7 @@ def parse_args(
     here, before any distributed or data work.
     """
     ns = build_parser().parse_args(argv)
+    check_refused(ns)
     cfg = resolve(ns, world_size if world_size is not None else world_size_from_env())
     validate(cfg)
     if ns.print_config:

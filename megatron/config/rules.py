@@ -6,6 +6,7 @@ Each broken rule raises `ConfigError` naming the flag and the fix (never an `ass
 
 from __future__ import annotations
 
+from megatron.config.legacy import validate_compat, validate_vocab
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
 from megatron.config.schema import (
     ConfigError,
@@ -200,6 +201,7 @@ def validate(cfg: MegatronConfig) -> None:
     _validate_batch(cfg.training, par.data_parallel_size)
     _validate_data(cfg.data)
     _validate_distributed_optimizer(cfg)
+    validate_compat(cfg)
 
 
 def _validate_distributed_optimizer(cfg: MegatronConfig) -> None:
@@ -212,6 +214,23 @@ def _validate_distributed_optimizer(cfg: MegatronConfig) -> None:
             "drop --use-distributed-optimizer and pass --zero-stage 1 (ZeRO-1 shards the "
             "optimizer states like it; 2 also shards gradients, 3 weights), or drop --deepspeed",
         )
+    if o.use_distributed_optimizer:
+        clash = (
+            ("--DDP-impl torch", cfg.distributed.ddp_impl == "torch", "torch DDP all-reduces"),
+            ("--cpu-optimizer", cfg.deepspeed.cpu_optimizer, "its shards stay on the device"),
+            (
+                "--allreduce-dtype params",
+                cfg.distributed.allreduce_dtype == "params",
+                "it reduce-scatters the fp32 buckets",
+            ),
+        )
+        for flag, given, why in clash:
+            if given:
+                _fail(
+                    "--use-distributed-optimizer",
+                    f"given with {flag}: {why}, our sharded buffers are needed",
+                    f"drop {flag} (or --use-distributed-optimizer)",
+                )
     if o.overlap_param_gather and not o.use_distributed_optimizer:
         _fail(
             "--overlap-param-gather",
@@ -429,6 +448,7 @@ def validate_training(cfg: MegatronConfig) -> None:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
+    validate_vocab(cfg)
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:

@@ -14,6 +14,11 @@ of all-reduced, so DP rank r ends with the averaged gradient of shard r of every
 parameters then live in one buffer of the same layout (each `.data` a view into it), so the
 shards each rank updates are all-gathered in place, bucket by bucket (`start_param_sync`;
 with `overlap_param_gather` the next forward waits per module for the buckets it uses).
+
+`--allreduce-dtype params` (fp16/bf16 weights) casts each bucket to the weights' dtype for the
+all-reduce only (half the traffic); accumulation stays fp32. `--DDP-impl torch` wraps the model
+chunk in torch.nn.parallel.DistributedDataParallel instead (TorchDistributedDataParallel), with
+the same interface, so the schedules and the optimizer do not know which one runs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.config.schema import DistributedConfig
 from megatron.mpu.utils import group_rank, group_size
 
 # Shard sizes are multiples of this (elements): aligned shard starts for the collectives.
@@ -42,6 +48,7 @@ class _Bucket:
     handle: object | None = None
     launched: bool = False
     gather: object | None = None  # the pending param all-gather (distributed optimizer)
+    reduced: torch.Tensor | None = None  # the low-precision copy being all-reduced
 
     def shard(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """[start, end) in the buffers of the shard DP rank `dp_rank` owns (padded buckets)."""
@@ -61,10 +68,12 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: bool = False,
         overlap_param_gather: bool = False,
         own_bucket: tuple[torch.Tensor, ...] = (),
+        reduce_dtype: torch.dtype | None = None,
     ):
         """`own_bucket`: parameters that get a bucket of their own (with the distributed
         optimizer: the tied embedding, so that the first and last stage shard it alike)."""
         super().__init__()
+        self.reduce_dtype = reduce_dtype or grad_dtype
         self.module = module
         self.dp_group, self.dp_size = dp_group, group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
@@ -145,6 +154,9 @@ class DistributedDataParallel(nn.Module):
             shard = self.grad_buffer[start:end]
             bucket.handle = _reduce_scatter(shard, view, group=self.dp_group, async_op=True)
         else:
+            if self.reduce_dtype != view.dtype:
+                bucket.reduced = view.to(self.reduce_dtype)  # copied back in finish_grad_sync
+                view = bucket.reduced
             bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=True)
         bucket.launched = True
 
@@ -164,6 +176,9 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
+            if bucket.reduced is not None:
+                self.grad_buffer[bucket.start : bucket.end].copy_(bucket.reduced)
+                bucket.reduced = None
 
     def start_param_sync(self, *, overlap: bool = False) -> None:
         """Distributed optimizer, after each rank updated its shards: all-gather every bucket
@@ -214,3 +229,75 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         self.finish_param_sync()  # no all-gather in flight may overwrite what is loaded
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+class TorchDistributedDataParallel(nn.Module):
+    """--DDP-impl torch: torch's DistributedDataParallel over the one model chunk (PP = 1).
+
+    torch DDP averages `.grad` over the DP group during the last micro batch's backward (its
+    `no_sync` holds the earlier ones back, accumulating locally); `finish_grad_sync` then
+    moves the averaged `.grad` into the same fp32 `main_grad` views the optimizer reads.
+    `module` stays our ModelChunks (state dict, names); the schedules run the forward through
+    `forward_chunk`, the torch DDP wrapper, which is what arms its all-reduce hooks.
+    """
+
+    def __init__(self, module: nn.Module, dp_group=None, *, bucket_size: int = 40_000_000):
+        super().__init__()
+        self.module = module
+        chunk = module[0] if hasattr(module, "chunks") else module
+        self.forward_chunk = torch.nn.parallel.DistributedDataParallel(
+            chunk,
+            process_group=dp_group,
+            bucket_cap_mb=bucket_size * 4 / 2**20,  # fp32 elements -> MiB
+            broadcast_buffers=False,  # no buffer changes during training
+        )
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.grad_buffer = torch.zeros(
+            sum(p.numel() for p in self.params), dtype=torch.float32, device=device
+        )
+        offset = 0
+        for p in self.params:
+            p.main_grad = self.grad_buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def forward(self, *args, **kwargs):
+        return self.forward_chunk(*args, **kwargs)
+
+    def no_sync(self):
+        return self.forward_chunk.no_sync()
+
+    def finish_grad_sync(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.main_grad.add_(p.grad)
+                p.grad = None
+
+    def zero_grad_buffer(self) -> None:
+        self.grad_buffer.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def wrap_data_parallel(
+    model: nn.Module, dp_group, cfg: DistributedConfig, params_dtype, **distributed_optimizer
+):
+    """The data-parallel wrapper the flags ask for (--DDP-impl, --allreduce-dtype);
+    `distributed_optimizer`: the arguments of our DistributedDataParallel for
+    --use-distributed-optimizer (the rules refuse it with --DDP-impl torch)."""
+    if cfg.ddp_impl == "torch":
+        return TorchDistributedDataParallel(model, dp_group, bucket_size=cfg.ddp_bucket_size)
+    return DistributedDataParallel(
+        model,
+        dp_group,
+        bucket_size=cfg.ddp_bucket_size,
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        reduce_dtype=params_dtype if cfg.allreduce_dtype == "params" else torch.float32,
+        **distributed_optimizer,
+    )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint.storage import write_text_atomic
 from megatron.config.files import RUN_CONFIG_NAME, to_yaml
+from megatron.config.legacy import check_tokenizer_files
 from megatron.config.rules import validate_model
 from megatron.config.schema import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
@@ -53,6 +54,7 @@ class TrainResult:
 def resolve_vocab(cfg: MegatronConfig):
     """Set the model's vocab from the tokenizer (when one is configured); returns (cfg, tok)."""
     tok_cfg = cfg.data.tokenizer
+    check_tokenizer_files(cfg)
     if tok_cfg.tokenizer_type is None:
         return cfg, None
     tokenizer = build_tokenizer(

@@ -101,15 +101,16 @@ def _gather(outcome):
 
 def checkpoint_entries(cfg: MegatronConfig, rt: Runtime, state: TrainState) -> dict:
     """The entries every checkpoint holds whatever the backend (what `resume` reads back)."""
-    rng = rng_state_dict(rt.device)
-    rng["tracker"] = rt.rng_tracker.get_states()
-    return {
+    entries = {
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "rng_state": rng,
         "args": checkpoint_args(cfg),
     }
+    if not cfg.checkpoint.no_save_rng:
+        entries["rng_state"] = rng_state_dict(rt.device)
+        entries["rng_state"]["tracker"] = rt.rng_tracker.get_states()
+    return entries
 
 
 def commit(cfg: MegatronConfig, rt: Runtime, iteration: int, **layout) -> None:
@@ -152,6 +153,7 @@ def resume(
         print(f" loaded checkpoint from {c.load} at iteration {iteration}", file=sys.stderr)
     if c.finetune:
         return TrainState()
+    _require(saved, c, iteration, keys=("rng_state",))  # the backend checked the rest
     if not c.no_load_rng:
         set_rng_state(saved["rng_state"], rt.device)
         rt.rng_tracker.set_states(saved["rng_state"]["tracker"])
@@ -172,12 +174,15 @@ def save_training_state(
         **checkpoint_entries(cfg, rt, state),
         "model": model.state_dict(),
         "partition": partition_record(model),  # how each tensor is split, for converters
-        "optimizer": optimizer.state_dict(),
-        "opt_param_scheduler": scheduler.state_dict(),
     }
+    if not cfg.checkpoint.no_save_optim:
+        shard["optimizer"] = optimizer.state_dict()
+        shard["opt_param_scheduler"] = scheduler.state_dict()
     where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
     root, it = cfg.checkpoint.save, state.iteration
     sharded = getattr(optimizer, "shard_state_dict", None)  # the distributed optimizer's
+    if cfg.checkpoint.no_save_optim:
+        sharded = None
     if st.dp_rank == 0:  # a re-save of this iteration at a smaller DP leaves no extra files
         remove_stale_optimizer_shards(root, it, keep=st.dp_size if sharded else 0, **where)
     save_shard(root, it, shard, write=st.dp_rank == 0, **where)
@@ -236,20 +241,25 @@ def load_training_state(
     return resume(cfg, rt, read, restore, agree=_gather)
 
 
-def _require(shard: dict, c, iteration: int) -> None:
-    """A converted or weights-only checkpoint resumes only with the flags that skip its gaps."""
+# checkpoint key -> (the flag that skips loading it, the flag that saved without it)
+_OPTIONAL = {
+    "optimizer": ("no_load_optim", "--no-load-optim", "--no-save-optim"),
+    "rng_state": ("no_load_rng", "--no-load-rng", "--no-save-rng"),
+}
+
+
+def _require(shard: dict, c, iteration: int, keys=tuple(_OPTIONAL)) -> None:
+    """A checkpoint saved without optimizer or RNG state (--no-save-optim/--no-save-rng, or
+    converted, or weights only) resumes only with the flags that skip its gaps."""
     if c.finetune:
         return
-    missing = [
-        key
-        for key, skip in (("optimizer", c.no_load_optim), ("rng_state", c.no_load_rng))
-        if not skip and key not in shard
-    ]
+    missing = [k for k in keys if not getattr(c, _OPTIONAL[k][0]) and k not in shard]
     if missing:
         raise CheckpointError(
-            f"--load {c.load}: iteration {iteration} has no {' / '.join(missing)} state (a "
-            "converted or weights-only checkpoint). Fix: resume with --no-load-optim "
-            "--no-load-rng, or start from its weights with --finetune"
+            f"--load {c.load}: iteration {iteration} has no {' / '.join(missing)} state (saved "
+            f"with {' / '.join(_OPTIONAL[k][2] for k in missing)}, or converted, or weights "
+            f"only). Fix: resume with {' '.join(_OPTIONAL[k][1] for k in missing)}, or start "
+            "from its weights with --finetune"
         )
 
 

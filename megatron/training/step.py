@@ -20,9 +20,10 @@ from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.stages import build_model
 from megatron.mpu import all_reduce_sequence_parallel_grads
+from megatron.mpu.random import distributed_checkpoint
 from megatron.training.backend import StepResult, TrainerBackend, average_loss
 from megatron.training.data import get_batch
-from megatron.training.ddp import DistributedDataParallel
+from megatron.training.ddp import wrap_data_parallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
@@ -58,24 +59,28 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
     ops = select_ops(cfg.kernels, rt.device)
     if rt.state.rank == 0:
         print(f" {ops.describe()}", file=sys.stderr, flush=True)
+    cpu_init = cfg.distributed.use_cpu_initialization
     model = build_model(
         cfg.model,
         rt.state,
         rng_tracker=rt.rng_tracker,
         seed=cfg.training.seed,
-        device=rt.device,
+        device=torch.device("cpu") if cpu_init else rt.device,
         dtype=dtype,
+        checkpoint_impl=recompute_impl(cfg, rt),
         ops=ops,
         recompute=cfg.recompute,
         torch_compile=cfg.kernels.torch_compile,
     )
+    if cpu_init:
+        model.to(rt.device)  # --use-cpu-initialization: built on the CPU, then moved
     distributed = cfg.optimizer.use_distributed_optimizer
     tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
-    ddp = DistributedDataParallel(
+    ddp = wrap_data_parallel(
         model,
         rt.state.dp_group,
-        bucket_size=cfg.distributed.ddp_bucket_size,
-        overlap_grad_reduce=cfg.distributed.overlap_grad_reduce,
+        cfg.distributed,
+        dtype,
         use_distributed_optimizer=distributed,
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
         # first and last stage must shard the tied embedding alike (see sync_embedding_grads)
@@ -87,8 +92,18 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
             ddp, cfg.optimizer, overlap_param_gather=cfg.optimizer.overlap_param_gather, **kw
         )
     else:
-        optimizer = MegatronOptimizer(model, cfg.optimizer, **kw)
+        optimizer = MegatronOptimizer(
+            model, cfg.optimizer, cpu_offload=cfg.deepspeed.cpu_optimizer, **kw
+        )
     return ddp, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
+
+
+def recompute_impl(cfg: MegatronConfig, rt: Runtime):
+    """--distribute-checkpointed-activations: the checkpoint that keeps 1/TP of each layer
+    input (None: the default checkpoint)."""
+    if not cfg.recompute.distribute_saved_activations:
+        return None
+    return functools.partial(distributed_checkpoint, group=rt.state.tp_group)
 
 
 def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
