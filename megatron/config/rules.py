@@ -17,6 +17,7 @@ from megatron.config.schema import (
     parse_blend,
     split_weights,
 )
+from megatron.config.rules_logging import validate_logging
 
 
 def _fail(flag: str, problem: str, fix: str) -> None:
@@ -316,6 +317,7 @@ def validate_training(cfg: MegatronConfig) -> None:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
+    validate_logging(cfg.logging, cfg.parallel.world_size)
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:
