@@ -108,8 +108,8 @@ def test_ranges_follow_the_timers_only_while_the_window_is_open():
     ],
 )  # fmt: skip
 def test_profiling_and_wandb_flags_fail_fast(extra, world, flag):
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--vocab-size", "128", "--train-iters", "5", "--lr", "1e-3"]  # fmt: skip
+    argv = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    argv = (argv + "--vocab-size 128 --train-iters 5 --lr 1e-3").split()
     cfg = parse_args(argv + extra, world_size=world)
     with pytest.raises(ConfigError, match=flag):
         validate_training(cfg)

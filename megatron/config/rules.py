@@ -7,6 +7,7 @@ Each broken rule raises `ConfigError` naming the flag and the fix (never an `ass
 from __future__ import annotations
 
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
+from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import (
     ConfigError,
     DataConfig,
@@ -17,7 +18,6 @@ from megatron.config.schema import (
     parse_blend,
     split_weights,
 )
-from megatron.config.rules_logging import validate_logging
 
 
 def _fail(flag: str, problem: str, fix: str) -> None:

@@ -146,7 +146,7 @@ class LoggingConfig:
     )
     wandb_project: str | None = setting(
         None,
-        "log the TensorBoard scalars and the resolved config to this W&B project (pip install wandb)",
+        "send the TensorBoard scalars and the resolved config to this W&B project (needs wandb)",
     )
     wandb_exp_name: str | None = setting(None, "W&B run name (default: W&B picks one)")
     wandb_save_dir: str | None = setting(
