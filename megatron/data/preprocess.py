@@ -38,6 +38,7 @@ from megatron.data.preprocess_inputs import (
     decode_record,
     expand_inputs,
     input_kind,
+    input_size,
     read_chunks,
     split_sentences,
 )
@@ -317,8 +318,8 @@ def run(args: argparse.Namespace) -> int:
     level = "sentence" if args.split_sentences else "document"
     outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl)
     progress, stats = ProgressFile(), Stats()
-    total = sum(os.path.getsize(p) for p in paths)
-    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs)
+    total = sum(input_size(p) for p in paths)
+    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs, keys)
     ok, next_log = False, args.log_interval
     results = _encode_in_order(chunks, args.workers, (tok.tokenizer_type, tok_kwargs, options))
     try:
@@ -380,14 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         help="files, globs or directories: .jsonl (one JSON object per line), .json "
-        "(lines, or one array of strings/objects), .txt (one document per line); "
-        "any of them .gz",
+        "(lines, or one array of strings/objects), .txt (one document per line), any of "
+        "them .gz; .parquet files and datasets.save_to_disk directories (needs pyarrow)",
     )
     g.add_argument(
         "--json-keys",
         nargs="+",
         default=["text"],
-        help="keys to extract; one output dataset per key (default: text)",
+        help="keys (table columns) to extract; one output dataset per key (default: text)",
     )
     g.add_argument(
         "--split-sentences",
