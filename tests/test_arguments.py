@@ -334,12 +334,13 @@ _MAY_IMPORT = {
     "config": set(),
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
-    "data": {"config.schema", "config.declare"},
+    "data": {"config.schema", "config.declare", "progress"},
     "heartbeat": set(),
+    "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
     "inference": {"checkpoint", "config.schema", "data", "fused_kernels", "initialize"}
-    | {"model", "mpu"},
+    | {"model", "mpu", "progress"},
 }
 
 

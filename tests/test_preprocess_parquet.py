@@ -1,6 +1,7 @@
 """tools/preprocess_data.py on Parquet files and datasets.save_to_disk directories: the same
 bytes as the JSON lines path, bounded batches, bad rows named by file and row."""
 
+import io
 import json
 import os
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron.data import preprocess_tables
+from megatron.progress import Progress
 from tests.test_preprocess import DOCS, _run
 
 pa = pytest.importorskip("pyarrow", reason="pip install pyarrow (the [data] extra)")
@@ -90,3 +92,28 @@ def test_tables_stream_in_bounded_batches(tmp_path, monkeypatch):
     assert sum(sizes) == len(TEXTS) and len(sizes) > 10
     assert max(sizes) <= 200  # 2000 bytes is under 100 rows; one batch more at most
     assert position.tell() > 0
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise():
+    pytest.importorskip("tqdm", reason="pip install tqdm (the [progress] extra)")
+    log = _Stream(tty=False)
+    p = Progress("preprocess", 4_000_000, unit="B", stream=log, every_s=3600)
+    p.update(1_000_000)  # too soon for another line
+    p.update(4_000_000, note="9 documents")  # the end always prints
+    p.close()
+    assert log.getvalue() == "preprocess: 4 of 4 MB (100%) | 9 documents\n"
+    tty = _Stream(tty=True)
+    p = Progress("evaluate", 10, stream=tty)
+    for i in range(1, 11):
+        p(i, 10)
+    p.close()
+    assert "\r" in tty.getvalue() and "10/10" in tty.getvalue()  # tqdm redraws one line

@@ -250,8 +250,9 @@ def _merge_stage(shards: list[dict], cfg: ModelConfig, where: str, full: dict) -
         full[name] = tensor
 
 
-def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckpoint:
-    """Read every shard of a checkpoint (any TP x PP) and merge it into one full state."""
+def load_checkpoint(load_dir: str, iteration: int | None = None, progress=None) -> LoadedCheckpoint:
+    """Read every shard of a checkpoint (any TP x PP) and merge it into one full state.
+    `progress(stages done, stages)` is called after each pipeline stage."""
     it = resolve_load_iteration(load_dir, iteration=iteration)
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint")
@@ -275,6 +276,8 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             cfg = model_config(args)
         _merge_stage(shards, cfg, f"{directory} PP stage {pp_rank}", full)
         del shards
+        if progress:
+            progress(pp_rank + 1, pp)
     check_full_state(full, cfg, directory)
     full = {n: full[n] for n in full_shapes(cfg)}  # model order, whatever the stage order
     return LoadedCheckpoint(full, args, it, meta, tp, pp)
@@ -308,6 +311,7 @@ def save_resharded(
     meta: dict | None = None,
     vp_layers: int | None = None,
     quiet: bool = False,
+    progress=None,
 ) -> None:
     """Write `full_state` as a complete TP x PP checkpoint at `iteration` of `save_dir`.
 
@@ -316,6 +320,7 @@ def save_resharded(
     own shards do. `meta` carries iteration-independent extras over (consumed samples, the LR
     schedule, which does not depend on the layout). `vp_layers` lays stages out for
     --num-layers-per-virtual-pipeline-stage. The optimizer and RNG state are not written.
+    `progress(shards written, shards)` is called after each shard.
     """
     cfg = model_config(args)
     validate_layout(cfg, tp, pp, vp_layers)
@@ -357,6 +362,8 @@ def save_resharded(
                 pp_size=pp,
                 write=True,
             )
+            if progress:
+                progress(pp_rank * tp + tp_rank + 1, tp * pp)
     finalize_checkpoint(
         save_dir, iteration, barrier=lambda: None, is_rank0=True, num_shards_expected=tp * pp
     )

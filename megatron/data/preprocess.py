@@ -44,6 +44,7 @@ from megatron.data.preprocess_inputs import (
 )
 from megatron.data.preprocess_outputs import DATASET_IMPLS, Outputs, token_dtype
 from megatron.data.tokenizers import build_tokenizer
+from megatron.progress import Progress, is_terminal
 
 _MAX_REPORTED = 20
 
@@ -321,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
     total = sum(input_size(p) for p in paths)
     chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs, keys)
     ok, next_log = False, args.log_interval
+    # a bar on a terminal; the log lines of --log-interval otherwise
+    bar = Progress("preprocess", total, unit="B") if is_terminal(sys.stderr) else None
     results = _encode_in_order(chunks, args.workers, (tok.tokenizer_type, tok_kwargs, options))
     try:
         for result in results:
@@ -329,7 +332,9 @@ def run(args: argparse.Namespace) -> int:
                 _report_bad(stats, failed=True)
                 return 1
             outputs.add(result)
-            if stats.documents >= next_log:
+            if bar is not None:
+                bar.update(progress.bytes_read, note=f"{stats.documents} documents")
+            elif stats.documents >= next_log:
                 print(
                     _progress_line(stats, progress.bytes_read, total), file=sys.stderr, flush=True
                 )
@@ -338,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
         ok = True
     finally:
         results.close()  # stops the worker pool at once on failure
+        if bar is not None:
+            bar.close()
         if not ok:
             outputs.discard()
     _summary(stats, progress.bytes_read, written, dtype)
