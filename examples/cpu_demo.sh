@@ -68,7 +68,7 @@ print(f"""
 {s['iterations']} iterations, whole demo {total_s} s
  checkpoint   {ckpt}
  TensorBoard  tensorboard --logdir {out}/tensorboard
- loss plot    {out}/loss.png
+ loss plot    {s["plot"] or "not drawn (pip install matplotlib)"}
  next:
    python tools/generate_text.py --load {ckpt} --prompt "import os" --top-p 0.9 --temperature 0.8
    python tools/evaluate.py --task loose-json --valid-data {out}/corpus.jsonl --load {ckpt}

@@ -2,7 +2,8 @@
 
     python tools/plot_losses.py --tensorboard-dir demo_out/tensorboard --output demo_out/loss.png
 Prints one summary line of JSON: first logged training loss, last validation loss, their ratio,
-the mean tokens per second. Needs matplotlib (pip install matplotlib, or the [demo] extra).
+the mean tokens per second, the picture's path (null without matplotlib: pip install
+matplotlib, or the [demo] extra).
 """
 
 import argparse
@@ -67,8 +68,14 @@ def main(argv=None) -> int:
     if not scalars.get("lm-loss"):
         print(f"error: no lm-loss scalars in {args.tensorboard_dir}", file=sys.stderr)
         return 1
-    plot(scalars, args.output, args.title)
-    print(json.dumps(summary(scalars)))
+    out = summary(scalars)
+    try:
+        plot(scalars, args.output, args.title)
+        out["plot"] = args.output
+    except ImportError:
+        print("no picture: pip install matplotlib (the demo extra)", file=sys.stderr)
+        out["plot"] = None
+    print(json.dumps(out))
     return 0
 
 
