@@ -52,6 +52,7 @@ $PY tools/generate_text.py --load "$OUT/checkpoints" --prompt "def __init__(self
     --max-new-tokens 48 --greedy
 
 echo "== 6/6 loss curves -> $OUT/loss.png"
+head -n 3 "$OUT/corpus.jsonl" > "$OUT/sample.jsonl"  # a few documents for `evaluate` below
 SUMMARY=$($PY tools/plot_losses.py --tensorboard-dir "$OUT/tensorboard" \
     --output "$OUT/loss.png" --title "4-layer GPT on Python sources, 2 CPU ranks")
 $PY - "$SUMMARY" "$OUT" "$TRAIN_SECONDS" "$((SECONDS - START))" <<'PYEOF'
@@ -71,7 +72,7 @@ print(f"""
  loss plot    {s["plot"] or "not drawn (pip install matplotlib)"}
  next:
    python tools/generate_text.py --load {ckpt} --prompt "import os" --top-p 0.9 --temperature 0.8
-   python tools/evaluate.py --task loose-json --valid-data {out}/corpus.jsonl --load {ckpt}
+   python tools/evaluate.py --task loose-json --valid-data {out}/sample.jsonl --load {ckpt}
    python tools/convert_checkpoint.py --load {ckpt} --to-hf {out}/hf \\
        --tokenizer-files {out}/tokenizer/vocab.json {out}/tokenizer/merges.txt
 ==============================================================================""")
