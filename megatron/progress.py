@@ -27,8 +27,8 @@ def _tqdm():
 class Progress:
     """`update(done, total)` with absolute counts; `close()` at the end.
 
-    `unit="B"` counts bytes (shown as kB/MB); plain lines come at most every `every_s` seconds
-    and once at the end.
+    `unit="B"` counts bytes (shown as MB); plain lines come every `every_s` seconds, so a job
+    shorter than that prints none.
     """
 
     def __init__(
@@ -61,9 +61,7 @@ class Progress:
             self.bar.update(done - self.done)
             if note:
                 self.bar.set_postfix_str(note, refresh=False)
-        elif time.monotonic() - self._last_line >= self.every_s or (
-            self.total and done >= self.total
-        ):
+        elif time.monotonic() - self._last_line >= self.every_s:
             self._line(done, note)
         self.done = done
 

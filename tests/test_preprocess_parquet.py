@@ -107,10 +107,16 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise():
     pytest.importorskip("tqdm", reason="pip install tqdm (the [progress] extra)")
     log = _Stream(tty=False)
     p = Progress("preprocess", 4_000_000, unit="B", stream=log, every_s=3600)
-    p.update(1_000_000)  # too soon for another line
-    p.update(4_000_000, note="9 documents")  # the end always prints
+    p.update(1_000_000)  # a quick job prints nothing
     p.close()
-    assert log.getvalue() == "preprocess: 4 of 4 MB (100%) | 9 documents\n"
+    assert log.getvalue() == ""
+    p = Progress("preprocess", 4_000_000, unit="B", stream=log, every_s=0)
+    p.update(1_000_000)
+    p.update(4_000_000, note="9 documents")
+    p.close()
+    assert log.getvalue() == (
+        "preprocess: 1 of 4 MB (25%)\npreprocess: 4 of 4 MB (100%) | 9 documents\n"
+    )
     tty = _Stream(tty=True)
     p = Progress("evaluate", 10, stream=tty)
     for i in range(1, 11):
