@@ -69,19 +69,24 @@ def _check_columns(path: str, names: list[str], columns: list[str]) -> None:
 
 
 def _parquet_batches(path: str, columns: list[str]):
+    """(record batch, bytes of the file read so far: its size x the fraction of rows read)."""
     pa = _pyarrow()
     table = pa.parquet.ParquetFile(path)
     _check_columns(path, table.schema_arrow.names, columns)
-    return table.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+    size, rows, done = os.path.getsize(path), max(table.metadata.num_rows, 1), 0
+    for batch in table.iter_batches(batch_size=_BATCH_ROWS, columns=columns):
+        done += batch.num_rows
+        yield batch, size * done // rows
 
 
 def _arrow_stream_batches(path: str, columns: list[str]):
     """One `datasets` arrow file: an Arrow IPC stream, memory-mapped, read batch by batch."""
     pa = _pyarrow()
-    reader = pa.ipc.open_stream(pa.memory_map(path, "r"))
+    source = pa.memory_map(path, "r")
+    reader = pa.ipc.open_stream(source)
     _check_columns(path, reader.schema.names, columns)
     for batch in reader:
-        yield batch.select(columns)
+        yield batch.select(columns), source.tell()
 
 
 class RowPosition:
@@ -103,13 +108,13 @@ def table_rows(
     else:
         sources = [(path, _parquet_batches(path, columns))]
     for name, batches in sources:
-        items, size, row = [], 0, 0
-        for batch in batches:
+        items, size, row, base = [], 0, 0, position.done
+        for batch, read in batches:
             for record in batch.to_pylist():
                 row += 1
                 items.append((row, record))
                 size += sum(len(v) for v in record.values() if isinstance(v, str))
-            position.done += batch.nbytes
+            position.done = base + read
             if size >= chunk_bytes:
                 yield name, items
                 items, size = [], 0

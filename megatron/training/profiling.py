@@ -66,10 +66,18 @@ class Profiler:
         self.path = os.path.join(
             default_profile_dir(lg), f"rank{rank}.{self.start + 1}.pt.trace.json"
         )
-        self._prof = None
+        self._prof, self._first = None, True
 
     def before_step(self, iteration: int) -> None:
         """`iteration`: the steps done so far; the window opens before step start + 1."""
+        if self.enabled and self._first and iteration > self.start:
+            print(
+                f" profiler: this run starts after iteration {iteration}, past the window "
+                f"(--profile-step-start {self.start}); nothing will be recorded",
+                file=self.out,
+                flush=True,
+            )
+        self._first = False
         if not self.enabled or self._prof is not None or iteration != self.start:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
