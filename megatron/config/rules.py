@@ -286,6 +286,7 @@ def validate_training(cfg: MegatronConfig) -> None:
     ):
         if value is not None and value < 1:
             _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
+    validate_logging(cfg.logging, cfg.parallel.world_size)
     if t.eval_iters < 0:
         _fail("--eval-iters", f"must be >= 0, got {t.eval_iters}", "pass 0 to skip validation")
     if t.num_workers < 0:
@@ -317,7 +318,6 @@ def validate_training(cfg: MegatronConfig) -> None:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
-    validate_logging(cfg.logging, cfg.parallel.world_size)
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:
