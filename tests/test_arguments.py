@@ -335,12 +335,13 @@ _MAY_IMPORT = {
     "config": set(),
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
-    "data": {"config.schema", "config.declare", "config.schema_corpora"},
+    "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
     "heartbeat": set(),
+    "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
     "inference": {"checkpoint", "config.declare", "config.schema", "data", "fused_kernels"}
-    | {"initialize"}
+    | {"initialize", "progress"}
     | {"model", "mpu"},
 }
 

@@ -25,6 +25,7 @@ from megatron.checkpoint.resharding import (  # noqa: E402
     validate_layout,
 )
 from megatron.checkpoint.storage import CheckpointError  # noqa: E402
+from megatron.progress import Progress  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +95,7 @@ def _copy_tokenizer(tok: dict, save_dir: str) -> dict:
 
 
 def _reshard(a) -> int:
-    loaded = load_checkpoint(a.load, a.iteration)
+    loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
     cfg = model_config(loaded.args)
     tp = a.target_tensor_model_parallel_size or loaded.tp
     pp = a.target_pipeline_model_parallel_size or loaded.pp
@@ -110,6 +111,7 @@ def _reshard(a) -> int:
         meta=loaded.meta,
         vp_layers=vp,
         optimizer=loaded.optimizer,
+        progress=Progress("writing shards", unit="shard"),
     )
     print(
         f"converted iteration {loaded.iteration} of {a.load} (TP={loaded.tp} x PP={loaded.pp}, "
@@ -124,7 +126,7 @@ def _export(a) -> int:
 
     if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
         raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
-    loaded = load_checkpoint(a.load, a.iteration)
+    loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
     arch = to_hf(loaded.state, loaded.args, a.to_hf, tokenizer_files=a.tokenizer_files)
     name = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
     print(f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as {name}")
@@ -141,7 +143,17 @@ def _import(a) -> int:
     vp = a.target_num_layers_per_virtual_pipeline_stage
     validate_layout(cfg, tp, pp, vp)
     args["tokenizer"] = _copy_tokenizer(args["tokenizer"], a.save)
-    save_resharded(state, args, a.save, tp, pp, a.iteration or 0, vp_layers=vp, quiet=True)
+    save_resharded(
+        state,
+        args,
+        a.save,
+        tp,
+        pp,
+        a.iteration or 0,
+        vp_layers=vp,
+        quiet=True,
+        progress=Progress("writing shards", unit="shard"),
+    )
     print(
         f"imported {a.from_hf} to {a.save} (TP={tp} x PP={pp}); train from it with --load "
         f"{a.save} --finetune (the model flags must match: see args in the checkpoint)"

@@ -261,8 +261,9 @@ def _merge_stage(shards: list[dict], cfg: ModelConfig, where: str, full: dict) -
         full[name] = tensor
 
 
-def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckpoint:
-    """Read every shard of a checkpoint (any TP x PP) and merge it into one full state."""
+def load_checkpoint(load_dir: str, iteration: int | None = None, progress=None) -> LoadedCheckpoint:
+    """Read every shard of a checkpoint (any TP x PP) and merge it into one full state.
+    `progress(stages done, stages)` is called after each pipeline stage."""
     it = resolve_load_iteration(load_dir, iteration=iteration)
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint")
@@ -289,6 +290,8 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             optimizer = optimizer or {"full": {}, "step": {}, "shared": shards[0]["optimizer"]}
             _merge_optimizer(load_dir, it, shards, cfg, pp_rank, pp, optimizer)
         del shards
+        if progress:
+            progress(pp_rank + 1, pp)
     check_full_state(full, cfg, directory)
     full = {n: full[n] for n in full_shapes(cfg)}  # model order, whatever the stage order
     if optimizer is not None:
@@ -341,6 +344,7 @@ def save_resharded(
     vp_layers: int | None = None,
     quiet: bool = False,
     optimizer: dict | None = None,
+    progress=None,
 ) -> None:
     """Write `full_state` as a complete TP x PP checkpoint at `iteration` of `save_dir`.
 
@@ -350,6 +354,7 @@ def save_resharded(
     schedule, which does not depend on the layout). `vp_layers` lays stages out for
     --num-layers-per-virtual-pipeline-stage. The RNG state is not written, nor the optimizer
     state unless `optimizer` (LoadedCheckpoint.optimizer) gives the distributed optimizer's.
+    `progress(shards written, shards)` is called after each shard.
     """
     cfg = model_config(args)
     validate_layout(cfg, tp, pp, vp_layers)
@@ -404,6 +409,8 @@ def save_resharded(
                 pp_size=pp,
                 write=True,
             )
+            if progress:
+                progress(pp_rank * tp + tp_rank + 1, tp * pp)
     files = tp * pp * (2 if optimizer is not None else 1)
     finalize_checkpoint(
         save_dir, iteration, barrier=lambda: None, is_rank0=True, num_shards_expected=files

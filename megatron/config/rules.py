@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megatron.config.legacy import validate_compat, validate_vocab
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
+from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import (
     ConfigError,
     DataConfig,
@@ -417,6 +418,7 @@ def validate_training(cfg: MegatronConfig) -> None:
     ):
         if value is not None and value < 1:
             _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
+    validate_logging(cfg.logging, cfg.parallel.world_size)
     if t.eval_iters < 0:
         _fail("--eval-iters", f"must be >= 0, got {t.eval_iters}", "pass 0 to skip validation")
     if t.num_workers < 0:

@@ -143,7 +143,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Log lines, timers and TensorBoard."""
+    """Log lines, timers, TensorBoard, Weights & Biases and the profiler."""
 
     log_interval: int = setting(100, "iterations between log lines")
     tensorboard_dir: str | None = setting(None, "write TensorBoard scalars here")
@@ -152,6 +152,34 @@ class LoggingConfig:
     )
     peak_tflops: float | None = setting(
         None, "peak TFLOP/s of one device, for MFU (default: known GPUs)"
+    )
+    profile: bool = setting(
+        False,
+        "trace iterations --profile-step-start+1 .. --profile-step-end with the torch profiler "
+        "(Chrome/TensorBoard trace per rank); on CUDA also NVTX ranges and "
+        "cudaProfilerStart/Stop around the window (nsys --capture-range=cudaProfilerApi)",
+    )
+    profile_step_start: int = setting(
+        10, "--profile: the window opens after this many iterations (Megatron-core's count)"
+    )
+    profile_step_end: int = setting(
+        12, "--profile: the window closes after this iteration (records end - start steps)"
+    )
+    profile_ranks: tuple[int, ...] = setting(
+        (0,), "--profile: global ranks that record a trace (space separated)"
+    )
+    profile_dir: str | None = setting(
+        None,
+        "--profile: where the traces go (default: --tensorboard-dir, so TensorBoard's profiler "
+        "plugin finds them, else ./profile)",
+    )
+    wandb_project: str | None = setting(
+        None,
+        "send the TensorBoard scalars and the resolved config to this W&B project (needs wandb)",
+    )
+    wandb_exp_name: str | None = setting(None, "W&B run name (default: W&B picks one)")
+    wandb_save_dir: str | None = setting(
+        None, "W&B's local files (default: SAVE/wandb with --save, else ./wandb)"
     )
 
 
