@@ -152,7 +152,11 @@ def apply_v1_defaults(values: dict[str, object]) -> None:
     """v1.x meanings, in place, on {path: value} as given (file, flags, -o)."""
     if values.get("parallel.pipeline_model_parallel_size") == 0:
         values["parallel.pipeline_model_parallel_size"] = 1  # v1.x: 0 = no pipeline
-    if values.get("data.tokenizer.vocab_file") and not values.get("data.tokenizer.tokenizer_type"):
+    if (
+        values.get("data.tokenizer.vocab_file")
+        and not values.get("data.tokenizer.tokenizer_type")
+        and not values.get("data.tokenizer.tokenizer_model_type")  # it names its own kind
+    ):
         values["data.tokenizer.tokenizer_type"] = "GPT2BPETokenizer"
     _fill_from_ds_json(values)
 

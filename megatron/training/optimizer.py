@@ -134,6 +134,10 @@ def _fp32_copy(p: torch.Tensor, device=None) -> torch.Tensor:
 class MegatronOptimizer:
     """step() -> (updated?, grad norm or None). Skips are global and counted by the caller."""
 
+    # Subclasses (the distributed optimizer) keep their masters on the device: no stand-ins.
+    offload = False
+    _holders: list[torch.Tensor] | None = None
+
     def __init__(
         self,
         model: nn.Module,

@@ -272,7 +272,7 @@ def _load_optimizer(optimizer, model, shard: dict) -> None:
     if saved.get("distributed") and distributed:
         optimizer.load_state_dict(saved, shard["distrib_optim"])
     elif saved.get("distributed"):
-        plain = distributed_to_plain(saved, shard["distrib_optim"], model.module, optimizer.half)
+        plain = distributed_to_plain(saved, shard["distrib_optim"], model.module, optimizer.masters)
         optimizer.load_state_dict(plain)
     else:
         optimizer.load_state_dict(saved)  # the distributed one converts a plain state itself
