@@ -21,7 +21,7 @@ from megatron.training.loop import TrainingError, pretrain
 
 def main(argv=None) -> int:
     try:
-        cfg = bert.with_bert_defaults(parse_args(argv))
+        cfg = bert.with_bert_defaults(parse_args(argv, default_tokenizer=bert.DEFAULT_TOKENIZER))
         validate_training(cfg)
         validate_bert(cfg)
         pretrain(

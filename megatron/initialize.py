@@ -144,6 +144,7 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
         cfg.parallel.pipeline_model_parallel_size,
         cfg.parallel.virtual_pipeline_size(cfg.model.num_layers),
         timeout=timeout,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
     heartbeat = Heartbeat.start_default(timeout.total_seconds())

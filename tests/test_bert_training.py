@@ -78,7 +78,9 @@ def _train(rank, world, argv):
     from megatron.training import bert
     from megatron.training.loop import pretrain
 
-    cfg = bert.with_bert_defaults(parse_args(argv, world_size=world))
+    cfg = bert.with_bert_defaults(
+        parse_args(argv, world_size=world, default_tokenizer=bert.DEFAULT_TOKENIZER)
+    )
     result = pretrain(
         cfg,
         forward_step_func=bert.make_forward_step(cfg),

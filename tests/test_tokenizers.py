@@ -89,7 +89,10 @@ def test_bert_wordpiece_case_and_chinese_characters(bert_vocab):
     assert cased.tokenize(text) == [v["Hello"], *tail]
     assert cased.tokenize("HELLO 分x") == [v["[UNK]"], v["分"], v["[UNK]"]]
     assert lower.tokenize_batch([text, "hello"]) == [lower.tokenize(text), [v["hello"]]]
-    assert lower.detokenize(lower.tokenize(text)) == "hello worlds, 分 布 式 训 练!"
+    # CJK decodes without inserted spaces (GPT2-Chinese's "分 布 式" complaint); the spaces
+    # between Latin words stay. A space next to a CJK character cannot be told apart: dropped.
+    assert lower.detokenize(lower.tokenize(text)) == "hello worlds,分布式训练!"
+    assert lower.detokenize(lower.tokenize("hello world 分布式")) == "hello world分布式"
 
 
 def test_null_tokenizer():

@@ -9,6 +9,12 @@
 `SentencePieceTokenizer`). The first `--special-tokens` entry is the end-of-document token: id 0
 in the BPE vocab, the eos piece of the SentencePiece model.
 
+`--type char` (GPT2-Chinese's make_vocab: every character seen at least `--min-frequency`
+times, plus the special tokens; `--vocab-size` optional, a cap) and `--type wordpiece` (BERT's
+WordPiece) write `vocab.txt` for `--tokenizer-type BertWordPieceCase` (or
+`BertWordPieceLowerCase` with `--lowercase`); their special tokens default to BERT's
+([PAD] [UNK] [CLS] [SEP] [MASK]; [SEP] ends a document).
+
 Inputs are `.jsonl` (one object a line, text under `--json-keys`), `.json` (an array of strings
 or objects) or plain text (any other name), each optionally `.gz`; they are read lazily, never
 all at once.
@@ -26,6 +32,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.data import vocab_builder  # noqa: E402
+
 CHUNK_CHARS = 1 << 20  # .json arrays are decoded from chunks of this many characters
 TXT_BLOCK_CHARS = 1 << 16  # .txt lines are grouped so BPE sees newlines with their context
 SPM_MAX_SENTENCES = 10_000_000  # SentencePiece holds its input in memory: sample this many lines
@@ -38,20 +48,40 @@ class InputError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--input", nargs="+", required=True, help=".jsonl/.json/.txt files, or .gz")
-    p.add_argument("--type", choices=("bpe", "sentencepiece"), required=True, help="model type")
-    p.add_argument("--vocab-size", type=int, required=True, help="ids in the trained vocab")
+    p.add_argument(
+        "--type",
+        choices=("bpe", "sentencepiece", "char", "wordpiece"),
+        required=True,
+        help="model type",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="ids in the trained vocab (required except for char, where it caps the size)",
+    )
+    p.add_argument(
+        "--lowercase",
+        action="store_true",
+        help="char/wordpiece: lowercase first (for BertWordPieceLowerCase)",
+    )
     p.add_argument("--output-dir", required=True, help="directory to write to (created)")
     p.add_argument(
         "--json-keys", nargs="+", default=["text"], help="keys holding text (default: text)"
     )
     p.add_argument(
-        "--min-frequency", type=int, default=2, help="bpe only: min pair count to merge (2)"
+        "--min-frequency",
+        type=int,
+        default=None,
+        help="bpe/wordpiece: min count to merge (2); char: min count of a character (1)",
     )
     p.add_argument(
         "--special-tokens",
         nargs="+",
-        default=["<|endoftext|>"],
-        help="special tokens, the first is end-of-document (default: <|endoftext|>)",
+        default=None,
+        help="special tokens; bpe/sentencepiece: the first is end-of-document (default "
+        "<|endoftext|>); char/wordpiece: default [PAD] [UNK] [CLS] [SEP] [MASK] ([UNK] and "
+        "[SEP] are always added)",
     )
     return p
 
@@ -204,11 +234,56 @@ def _check(args: argparse.Namespace) -> None:
     for path in args.input:
         if not os.path.isfile(path):
             raise InputError(f"--input {path}: no such file")
+    if args.min_frequency is None:
+        args.min_frequency = 1 if args.type == "char" else 2
+    if args.min_frequency < 1:
+        raise InputError("--min-frequency must be at least 1")
+    if args.type in ("char", "wordpiece"):
+        args.special_tokens = vocab_builder.special_tokens(args.special_tokens)
+        if args.type == "wordpiece" and args.vocab_size is None:
+            raise InputError("--vocab-size is required for --type wordpiece")
+        if args.vocab_size is not None and args.vocab_size <= len(args.special_tokens):
+            raise InputError(
+                f"--vocab-size {args.vocab_size} leaves no room after "
+                f"{len(args.special_tokens)} special tokens"
+            )
+        return
+    args.special_tokens = args.special_tokens or ["<|endoftext|>"]
+    if args.vocab_size is None:
+        raise InputError(f"--vocab-size is required for --type {args.type}")
     minimum = 256 + len(args.special_tokens)
     if args.vocab_size < minimum:
         raise InputError(f"--vocab-size must be at least {minimum} (256 bytes + special tokens)")
-    if args.min_frequency < 1:
-        raise InputError("--min-frequency must be at least 1")
+
+
+def train_char(docs: Iterator[str], args: argparse.Namespace, out: Path) -> list[Path]:
+    return vocab_builder.train_char(
+        docs,
+        out,
+        min_frequency=args.min_frequency,
+        specials=args.special_tokens,
+        lowercase=args.lowercase,
+        max_size=args.vocab_size,
+    )
+
+
+def train_wordpiece(docs: Iterator[str], args: argparse.Namespace, out: Path) -> list[Path]:
+    return vocab_builder.train_wordpiece(
+        docs,
+        out,
+        vocab_size=args.vocab_size,
+        min_frequency=args.min_frequency,
+        specials=args.special_tokens,
+        lowercase=args.lowercase,
+    )
+
+
+TRAINERS = {
+    "bpe": train_bpe,
+    "sentencepiece": train_sentencepiece,
+    "char": train_char,
+    "wordpiece": train_wordpiece,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         _check(args)
         out.mkdir(parents=True, exist_ok=True)
         docs = iter_documents(args.input, args.json_keys)
-        train = train_bpe if args.type == "bpe" else train_sentencepiece
-        written = train(docs, args, out)
+        written = TRAINERS[args.type](docs, args, out)
     except InputError as err:
         parser.error(str(err))
     for path in written:

@@ -6,7 +6,9 @@ Each broken rule raises `ConfigError` naming the flag and the fix (never an `ass
 
 from __future__ import annotations
 
+from megatron.config.legacy import validate_compat, validate_vocab
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
+from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import (
     ConfigError,
     DataConfig,
@@ -17,6 +19,7 @@ from megatron.config.schema import (
     parse_blend,
     split_weights,
 )
+from megatron.config.schema_corpora import parse_corpus_list
 
 
 def _fail(flag: str, problem: str, fix: str) -> None:
@@ -154,6 +157,7 @@ def validate(cfg: MegatronConfig) -> None:
             "launch a multiple of TP x PP processes or change the parallel sizes",
         )
     validate_model(m, tp)
+    _validate_sequence_parallel(cfg)
     if cfg.recompute.num_layers < 1:
         _fail(
             "--recompute-num-layers",
@@ -197,6 +201,43 @@ def validate(cfg: MegatronConfig) -> None:
         _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
     _validate_batch(cfg.training, par.data_parallel_size)
     _validate_data(cfg.data)
+    _validate_distributed_optimizer(cfg)
+    validate_compat(cfg)
+
+
+def _validate_distributed_optimizer(cfg: MegatronConfig) -> None:
+    o = cfg.optimizer
+    if o.use_distributed_optimizer and cfg.deepspeed.enabled:
+        _fail(
+            "--use-distributed-optimizer",
+            "our sharded optimizer cannot run inside --deepspeed, whose ZeRO shards the "
+            "optimizer itself",
+            "drop --use-distributed-optimizer and pass --zero-stage 1 (ZeRO-1 shards the "
+            "optimizer states like it; 2 also shards gradients, 3 weights), or drop --deepspeed",
+        )
+    if o.use_distributed_optimizer:
+        clash = (
+            ("--DDP-impl torch", cfg.distributed.ddp_impl == "torch", "torch DDP all-reduces"),
+            ("--cpu-optimizer", cfg.deepspeed.cpu_optimizer, "its shards stay on the device"),
+            (
+                "--allreduce-dtype params",
+                cfg.distributed.allreduce_dtype == "params",
+                "it reduce-scatters the fp32 buckets",
+            ),
+        )
+        for flag, given, why in clash:
+            if given:
+                _fail(
+                    "--use-distributed-optimizer",
+                    f"given with {flag}: {why}, our sharded buffers are needed",
+                    f"drop {flag} (or --use-distributed-optimizer)",
+                )
+    if o.overlap_param_gather and not o.use_distributed_optimizer:
+        _fail(
+            "--overlap-param-gather",
+            "overlaps the all-gather of the distributed optimizer's weights, which is off",
+            "add --use-distributed-optimizer or drop --overlap-param-gather",
+        )
 
 
 def _validate_v1_kernels(cfg: MegatronConfig) -> None:
@@ -224,10 +265,31 @@ def _validate_v1_kernels(cfg: MegatronConfig) -> None:
         )
 
 
+def _validate_sequence_parallel(cfg: MegatronConfig) -> None:
+    """--sequence-parallel splits the sequence over the TP group: TP > 1 ranks and s % TP = 0."""
+    if not cfg.parallel.sequence_parallel:
+        return
+    tp, s = cfg.parallel.tensor_model_parallel_size, cfg.model.seq_length
+    if tp == 1:
+        _fail(
+            "--sequence-parallel",
+            "needs --tensor-model-parallel-size > 1 (it splits the sequence over the TP ranks)",
+            "drop --sequence-parallel or raise --tensor-model-parallel-size",
+        )
+    if s % tp:
+        _fail(
+            "--sequence-parallel",
+            f"--seq-length {s} is not divisible by --tensor-model-parallel-size {tp}",
+            f"use a sequence length that is a multiple of {tp} (e.g. {s + tp - s % tp}), or drop "
+            "--sequence-parallel",
+        )
+
+
 def _validate_data(d: DataConfig) -> None:
     problem = d.tokenizer.pretrained_problem()
     if problem:
         _fail(*problem)
+    _validate_loose_json(d)
     separate = d.train_data_path or d.valid_data_path or d.test_data_path
     if d.data_path and separate:
         _fail(
@@ -263,6 +325,60 @@ def _validate_data(d: DataConfig) -> None:
             "pass the --tokenizer-type the data was preprocessed with (NullTokenizer for "
             "pre-tokenized ids: its end-of-document id is --vocab-size)",
         )
+
+
+def _validate_loose_json(d: DataConfig) -> None:
+    """--train-data & co. (loose JSON, cached in --cache-dir) replace the mmap data flags."""
+    lj = d.loose_json
+    loose = [
+        (f, v)
+        for f, v in (
+            ("--train-data", lj.train_data),
+            ("--valid-data", lj.valid_data),
+            ("--test-data", lj.test_data),
+        )
+        if v
+    ]
+    if not loose:
+        return
+    mmap = [
+        (f, v)
+        for f, v in (
+            ("--data-path", d.data_path),
+            ("--train-data-path", d.train_data_path),
+            ("--valid-data-path", d.valid_data_path),
+            ("--test-data-path", d.test_data_path),
+        )
+        if v
+    ]
+    if mmap:
+        _fail(
+            loose[0][0],
+            f"given together with {mmap[0][0]}: one names loose JSON corpora to tokenize, the "
+            "other preprocessed .bin/.idx prefixes",
+            f"use either {loose[0][0]} (loose JSON) or {mmap[0][0]} (prefixes), not both",
+        )
+    if not lj.train_data:
+        _fail(loose[0][0], "needs --train-data", "name the training corpus with --train-data")
+    for flag, values in loose:
+        try:
+            parse_corpus_list(values, flag)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if not d.tokenizer.cache_dir:
+        _fail(
+            loose[0][0],
+            "the corpora are tokenized once into --cache-dir, which is not set",
+            "pass --cache-dir DIR (a directory every node can read)",
+        )
+    if d.tokenizer.tokenizer_type is None:
+        _fail(
+            loose[0][0],
+            "loose JSON needs a tokenizer",
+            "pass --tokenizer-type (with its --vocab-file etc.) or --tokenizer-model-type",
+        )
+    if lj.cache_wait_minutes <= 0:
+        _fail("--cache-wait-minutes", f"must be > 0, got {lj.cache_wait_minutes}", "pass e.g. 120")
 
 
 def _validate_batch(t: TrainingConfig, dp: int) -> None:
@@ -302,6 +418,7 @@ def validate_training(cfg: MegatronConfig) -> None:
     ):
         if value is not None and value < 1:
             _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
+    validate_logging(cfg.logging, cfg.parallel.world_size)
     if t.eval_iters < 0:
         _fail("--eval-iters", f"must be >= 0, got {t.eval_iters}", "pass 0 to skip validation")
     if t.num_workers < 0:
@@ -333,6 +450,7 @@ def validate_training(cfg: MegatronConfig) -> None:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
+    validate_vocab(cfg)
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:
@@ -442,6 +560,18 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "--num-layers-per-virtual-pipeline-stage",
             "BERT runs one model chunk per pipeline stage",
             "drop the flag",
+        )
+    if cfg.parallel.sequence_parallel:
+        _fail(
+            "--sequence-parallel",
+            "the BERT model does not split its embeddings, pooler and heads along the sequence",
+            "drop it (BERT-large fits without it; TP alone splits the layers)",
+        )
+    if cfg.model.num_unique_layers is not None:
+        _fail(
+            "--num-unique-layers",
+            "layer sharing is built into the GPT's layer stack only",
+            "drop it, or pretrain a GPT with pretrain_gpt2.py",
         )
     if cfg.model.untie_embeddings_and_output_weights:
         _fail("--untie-embeddings-and-output-weights", "BERT ties its MLM output", "drop it")

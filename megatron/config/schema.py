@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from megatron.config.declare import ConfigError, setting
 from megatron.config.pretrained_vocab import PRETRAINED, find_files
 from megatron.config.pretrained_vocab import problem as pretrained_problem
+from megatron.config.schema_corpora import LooseJsonConfig
 from megatron.config.schema_run import (
     CheckpointConfig,
     DeepSpeedConfig,
@@ -285,6 +286,12 @@ class RecomputeConfig:
     num_layers: int = setting(
         1, "N for --recompute-method", "--checkpoint-num-layers", flag="--recompute-num-layers"
     )
+    distribute_saved_activations: bool = setting(
+        False,
+        "full recompute: keep only 1/TP of each checkpointed layer input on every TP rank and "
+        "all-gather it for the recompute (memory / TP)",
+        "--distribute-checkpointed-activations",
+    )
 
 
 # (rank, world size, local rank) variables of each launcher, in order of precedence.
@@ -304,9 +311,19 @@ class ParallelConfig:
     tensor_model_parallel_size: int = setting(
         1, "tensor-parallel ranks per layer", "--model-parallel-size"
     )
-    pipeline_model_parallel_size: int = setting(1, "pipeline stages")
+    pipeline_model_parallel_size: int = setting(
+        1,
+        "pipeline stages (v1.x --pipe-parallel-size 0, no pipeline, means 1)",
+        "--pipe-parallel-size",
+    )
     num_layers_per_virtual_pipeline_stage: int | None = setting(
         None, "layers per model chunk for the interleaved pipeline schedule"
+    )
+    sequence_parallel: bool = setting(
+        False,
+        "split the activations outside the tensor-parallel regions (norms, dropout, residuals) "
+        "along the sequence over the TP group, s / TP tokens per rank (needs TP > 1 and a "
+        "sequence length divisible by TP)",
     )
     world_size: int = setting(
         1, "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)", from_env=True
@@ -348,6 +365,23 @@ class DistributedConfig:
     overlap_grad_reduce: bool = setting(
         True, "all-reduce gradients after backward instead of during it"
     )
+    ddp_impl: str = setting(
+        "local",
+        "data parallelism: local = our fp32 gradient buckets; torch = "
+        "torch.nn.parallel.DistributedDataParallel (PP = 1, fp32 weights)",
+        "--DDP-impl",
+        choices=("local", "torch"),
+    )
+    allreduce_dtype: str = setting(
+        "fp32",
+        "dtype of the data-parallel gradient all-reduce: fp32, or params = the fp16/bf16 "
+        "weights' dtype (half the traffic; gradients still accumulate in fp32)",
+        choices=("fp32", "params"),
+        shortcuts={"--fp32-allreduce": ("fp32", "classic flag: --allreduce-dtype fp32")},
+    )
+    use_cpu_initialization: bool = setting(
+        False, "build the model on the CPU, then move it to the device (the same weights)"
+    )
 
 
 @dataclass(frozen=True)
@@ -374,7 +408,9 @@ class TokenizerConfig:
 
     tokenizer_type: str | None = setting(
         None,
-        "tokenizer kind (default: ids come pre-tokenized and --vocab-size sets the vocab)",
+        "tokenizer kind (pretrain_gpt2.py default, as Megatron v1.x: GPT2BPETokenizer when "
+        "--vocab-file is given; without --vocab-file the ids come pre-tokenized and "
+        "--vocab-size sets the vocab)",
         choices=TOKENIZER_TYPES,
     )
     vocab_file: str | None = setting(
@@ -393,7 +429,9 @@ class TokenizerConfig:
         choices=tuple(PRETRAINED),
     )
     cache_dir: str | None = setting(
-        None, "directory holding the --tokenizer-model-type vocab files (e.g. gpt2-vocab.json)"
+        None,
+        "directory holding the --tokenizer-model-type vocab files (e.g. gpt2-vocab.json); "
+        "--train-data/--valid-data/--test-data write their tokenized corpora under DIR/loose_json",
     )
 
     def __post_init__(self) -> None:
@@ -472,6 +510,7 @@ class DataConfig:
         return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
 
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    loose_json: LooseJsonConfig = field(default_factory=LooseJsonConfig)
 
 
 # Parsers of DataConfig values, shared by the rules (checked at start-up) and data/builder.py.

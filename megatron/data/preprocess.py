@@ -38,11 +38,13 @@ from megatron.data.preprocess_inputs import (
     decode_record,
     expand_inputs,
     input_kind,
+    input_size,
     read_chunks,
     split_sentences,
 )
 from megatron.data.preprocess_outputs import DATASET_IMPLS, Outputs, token_dtype
 from megatron.data.tokenizers import build_tokenizer
+from megatron.progress import Progress, is_terminal
 
 _MAX_REPORTED = 20
 
@@ -95,7 +97,10 @@ def _tokenize_docs(texts: list[str], dtype) -> KeyResult:
     append the end-of-document id after each document's last sequence."""
     tok = _TOKENIZER
     if _OPTIONS["split_sentences"]:
-        sentences = [split_sentences(t, _OPTIONS["keep_newlines"]) for t in texts]
+        if _OPTIONS.get("presplit_sentences"):  # the corpus has one sentence per line
+            sentences = [[s for s in t.split("\n") if s.strip()] for t in texts]
+        else:
+            sentences = [split_sentences(t, _OPTIONS["keep_newlines"]) for t in texts]
         per_doc = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
         flat, seq_len = tok.tokenize_batch_arrays(list(itertools.chain.from_iterable(sentences)))
     else:
@@ -311,15 +316,18 @@ def run(args: argparse.Namespace) -> int:
         "keys": keys,
         "dtype": dtype,
         "append_eod": args.append_eod,
-        "split_sentences": args.split_sentences,
+        "split_sentences": args.split_sentences or args.presplit_sentences,
+        "presplit_sentences": args.presplit_sentences,
         "keep_newlines": args.keep_newlines,
     }
-    level = "sentence" if args.split_sentences else "document"
+    level = "sentence" if options["split_sentences"] else "document"
     outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl)
     progress, stats = ProgressFile(), Stats()
-    total = sum(os.path.getsize(p) for p in paths)
-    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs)
+    total = sum(input_size(p) for p in paths)
+    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs, keys)
     ok, next_log = False, args.log_interval
+    # a bar on a terminal; the log lines of --log-interval otherwise
+    bar = Progress("preprocess", total, unit="B") if is_terminal(sys.stderr) else None
     results = _encode_in_order(chunks, args.workers, (tok.tokenizer_type, tok_kwargs, options))
     try:
         for result in results:
@@ -328,7 +336,9 @@ def run(args: argparse.Namespace) -> int:
                 _report_bad(stats, failed=True)
                 return 1
             outputs.add(result)
-            if stats.documents >= next_log:
+            if bar is not None:
+                bar.update(progress.bytes_read, note=f"{stats.documents} documents")
+            elif stats.documents >= next_log:
                 print(
                     _progress_line(stats, progress.bytes_read, total), file=sys.stderr, flush=True
                 )
@@ -337,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         ok = True
     finally:
         results.close()  # stops the worker pool at once on failure
+        if bar is not None:
+            bar.close()
         if not ok:
             outputs.discard()
     _summary(stats, progress.bytes_read, written, dtype)
@@ -380,19 +392,25 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         help="files, globs or directories: .jsonl (one JSON object per line), .json "
-        "(lines, or one array of strings/objects), .txt (one document per line); "
-        "any of them .gz",
+        "(lines, or one array of strings/objects), .txt (one document per line), any of "
+        "them .gz; .parquet files and datasets.save_to_disk directories (needs pyarrow)",
     )
     g.add_argument(
         "--json-keys",
         nargs="+",
         default=["text"],
-        help="keys to extract; one output dataset per key (default: text)",
+        help="keys (table columns) to extract; one output dataset per key (default: text)",
     )
     g.add_argument(
         "--split-sentences",
         action="store_true",
         help="one sequence per sentence (built-in rule-based splitter)",
+    )
+    g.add_argument(
+        "--presplit-sentences",
+        action="store_true",
+        help="one sequence per sentence, where each non-empty line of a document is a "
+        "sentence (the corpus is already split; Megatron-LM 2019's flag)",
     )
     g.add_argument(
         "--keep-newlines",

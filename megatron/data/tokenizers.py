@@ -197,6 +197,46 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         super().__init__(name, {"tokenizer_model": path}, tok, found[0])
 
 
+# Scripts written without spaces between words: BERT's CJK ideograph blocks (the characters its
+# normalizer isolates), kana, and CJK / full-width punctuation.
+_NO_SPACE_RANGES = (
+    (0x3000, 0x30FF),  # CJK symbols and punctuation, hiragana, katakana
+    (0x3400, 0x4DBF),
+    (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF),
+    (0xFF00, 0xFFEF),  # full-width forms (，！？ etc.)
+    (0x20000, 0x2FA1F),
+)
+_NO_SPACE_BEFORE = set(".,!?;:%)]}")
+_NO_SPACE_AFTER = set("([{")
+
+
+def is_cjk_char(c: str) -> bool:
+    """True for a character of a script written without spaces between words (CJK)."""
+    cp = ord(c)
+    return any(lo <= cp <= hi for lo, hi in _NO_SPACE_RANGES)
+
+
+def join_wordpieces(tokens: Iterable[str]) -> str:
+    """WordPiece tokens -> text: `##x` continues the word; no space is put next to a CJK
+    character (分布式训练, not 分 布 式 训 练) or before closing punctuation; Latin words keep
+    their spaces."""
+    out: list[str] = []
+    for tok in tokens:
+        if not tok:
+            continue
+        if tok.startswith("##") and len(tok) > 2 and out:
+            out.append(tok[2:])
+            continue
+        if out:
+            prev, nxt = out[-1][-1], tok[0]
+            joined = is_cjk_char(prev) or is_cjk_char(nxt)
+            if not (joined or nxt in _NO_SPACE_BEFORE or prev in _NO_SPACE_AFTER):
+                out.append(" ")
+        out.append(tok)
+    return "".join(out)
+
+
 class BertWordPieceTokenizer(_HFBackedTokenizer):
     """BERT's WordPiece from `vocab.txt`; CJK characters become one token each.
 
@@ -219,6 +259,10 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece()
         super().__init__(name, {"vocab_file": vocab_file}, tok, vocab["[SEP]"])
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        to_token = self._tok.id_to_token
+        return join_wordpieces(to_token(int(i)) or "[UNK]" for i in ids)
 
 
 class SentencePieceTokenizer(Tokenizer):

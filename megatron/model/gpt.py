@@ -20,7 +20,12 @@ from torch import nn
 from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.model.documents import document_attention_mask
-from megatron.model.transformer import NORM_TYPES, TransformerLayer, build_norm
+from megatron.model.transformer import (
+    NORM_TYPES,
+    TransformerLayer,
+    build_norm,
+    split_dropout_rng,
+)
 from megatron.mpu import (
     ColumnParallelLinear,
     ParallelState,
@@ -29,6 +34,9 @@ from megatron.mpu import (
     checkpoint,
     copy_full_into_param,
     copy_to_tensor_model_parallel_region,
+    gathered_linear,
+    mark_sequence_parallel,
+    sequence_slice,
 )
 
 # Output projections of residual branches get std / sqrt(2 x num_layers) (GPT-2's scaled init).
@@ -42,6 +50,8 @@ class Embedding(nn.Module):
 
     `word_only`: just the word-embedding table, the last pipeline stage's copy of a tied
     embedding (same name, same init; kept equal by all-reducing its gradient with stage 0's).
+    Sequence parallel: the word lookup is reduce-scattered along the sequence, the positions of
+    this TP rank's slice are added, and the output is (b, s/p, h).
     """
 
     def __init__(
@@ -51,9 +61,12 @@ class Embedding(nn.Module):
         device=None,
         dtype=None,
         word_only: bool = False,
+        rng_tracker: RNGStatesTracker | None = None,
     ):
         super().__init__()
         self.dropout = cfg.hidden_dropout
+        self.tp_group, self.sequence_parallel = state.tp_group, state.sequence_parallel
+        self.dropout_rng = split_dropout_rng(state, rng_tracker)
         self.word_embeddings = VocabParallelEmbedding(
             cfg.padded_vocab_size(state.tp_size),
             cfg.hidden_size,
@@ -69,12 +82,18 @@ class Embedding(nn.Module):
             )
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None):
-        x = self.word_embeddings(tokens)
+        x = self.word_embeddings(tokens, self.sequence_parallel)  # (b, s, h) or (b, s/p, h)
         if self.position_embeddings is not None:
             if position_ids is None:
                 position_ids = torch.arange(tokens.size(1), device=tokens.device)
+            if self.sequence_parallel:  # (s,) or (b, s) -> this rank's s / p positions
+                position_ids = sequence_slice(position_ids, self.tp_group, dim=-1)
             x = x + self.position_embeddings(position_ids)
-        return nn.functional.dropout(x, self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        with self.dropout_rng():
+            return nn.functional.dropout(x, p)
 
 
 class OutputHead(nn.Module):
@@ -86,7 +105,7 @@ class OutputHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, device=None, dtype=None):
         super().__init__()
-        self.tp_group = state.tp_group
+        self.tp_group, self.sequence_parallel = state.tp_group, state.sequence_parallel
         self.final_layernorm = build_norm(cfg, device, dtype)
         padded = cfg.padded_vocab_size(state.tp_size)
         local = padded // state.tp_size
@@ -99,6 +118,7 @@ class OutputHead(nn.Module):
                 group=state.tp_group,
                 bias=False,
                 init_method=None,
+                sequence_parallel=state.sequence_parallel,
                 device=device,
                 dtype=dtype,
             )
@@ -109,9 +129,12 @@ class OutputHead(nn.Module):
     def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
         """The projection after the final norm, with the padding masked: the only place that
         masks it (DeepSpeed's pipeline layers, whose final norm is a layer of its own, call
-        this too)."""
+        this too). Sequence parallel: x is (b, s/p, h) and is all-gathered here (backward:
+        reduce-scatter), so the logits and the vocab-parallel loss see the whole sequence."""
         if self.output_layer is not None:
             logits = self.output_layer(x)
+        elif self.sequence_parallel:  # (b, s/p, h) -> (b, s, V / p)
+            logits = gathered_linear(x, word_embeddings, None, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
             logits = nn.functional.linear(x, word_embeddings)
@@ -158,7 +181,9 @@ class GPTModel(nn.Module):
         layer_range = range(cfg.num_layers) if layer_range is None else layer_range
         self.embedding = None
         if pre_process or (post_process and self.tied):
-            self.embedding = Embedding(cfg, state, device, dtype, word_only=not pre_process)
+            self.embedding = Embedding(
+                cfg, state, device, dtype, word_only=not pre_process, rng_tracker=rng_tracker
+            )
             if not pre_process:
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
         self.layer_numbers = list(layer_range)  # the layers this chunk runs, in order
@@ -184,6 +209,7 @@ class GPTModel(nn.Module):
         self.head = OutputHead(cfg, state, device, dtype) if post_process else None
         self._input: torch.Tensor | None = None
         init_weights(self, cfg, state, seed)
+        mark_sequence_parallel_params(self, state)
         if torch_compile:  # compile the forward, not the module: parameter names stay
             for layer in self.layers.values():
                 layer.forward = torch.compile(layer.forward)
@@ -211,6 +237,8 @@ class GPTModel(nn.Module):
         `position_ids`, `document_ids` (b, s): positions, and the document of each token that
         attention stays within (--reset-position-ids / --reset-attention-mask); every pipeline
         stage gets them (RoPE and the mask act in each layer)."""
+        if kv_caches is not None and self.state.sequence_parallel:
+            raise ValueError("generation with a KV cache runs without --sequence-parallel")
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
         mask = None if document_ids is None else document_attention_mask(document_ids)
         if kv_caches is not None:
@@ -275,6 +303,20 @@ class _Sequential:
         for layer in self.layers:
             x = layer(x, *extra)
         return x
+
+
+def mark_sequence_parallel_params(model: nn.Module, state: ParallelState) -> None:
+    """With sequence parallelism, mark the replicated parameters that see only this TP rank's
+    s / p tokens (norm weights and biases, the position table; row-parallel biases mark
+    themselves), so their gradients are summed over TP before the optimizer."""
+    if not state.sequence_parallel:
+        return
+    for module in model.modules():
+        if isinstance(module, NORM_TYPES):
+            for param in module.parameters(recurse=False):
+                mark_sequence_parallel(param)
+        if isinstance(module, Embedding) and module.position_embeddings is not None:
+            mark_sequence_parallel(module.position_embeddings.weight)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

@@ -3,6 +3,9 @@
 Activations are batch-first, (b, s, h). Attention heads and the MLP's inner dimension are split
 over the TP group: query_key_value and dense_h_to_4h are column-parallel, dense and
 dense_4h_to_h row-parallel, so each layer does one all-reduce forward and one backward per block.
+With sequence parallelism (`state.sequence_parallel`) a layer's input and output are this TP
+rank's (b, s/p, h): the column-parallel layers all-gather the sequence, the row-parallel ones
+reduce-scatter it, and the norms, residuals and residual dropout run on the slice.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ class RMSNorm(nn.Module):
 
 
 NORM_TYPES = (nn.LayerNorm, RMSNorm)
+
+
+def split_dropout_rng(state: ParallelState, rng_tracker: RNGStatesTracker | None):
+    """The RNG context of dropout outside the TP regions: the default generator (the same on
+    every TP rank, whose tensors are equal), or with sequence parallelism the TP-rank stream, so
+    the s / p token slices of different ranks get independent masks."""
+    if state.sequence_parallel and rng_tracker is not None:
+        return rng_tracker.fork
+    return contextlib.nullcontext
 
 
 def build_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
@@ -137,6 +149,7 @@ class ParallelAttention(nn.Module):
             "group": state.tp_group,
             "bias": cfg.add_bias_linear,
             "init_method": None,
+            "sequence_parallel": state.sequence_parallel,
             "device": device,
             "dtype": dtype,
         }
@@ -157,8 +170,9 @@ class ParallelAttention(nn.Module):
         kv_cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x).view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
+        qkv = self.query_key_value(x)  # (b, s, ...): the full sequence, also when x is a slice
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # (b, s, g, d)
         if self.rotary is not None:
@@ -240,6 +254,7 @@ class ParallelMLP(nn.Module):
             "group": state.tp_group,
             "bias": cfg.add_bias_linear,
             "init_method": None,
+            "sequence_parallel": state.sequence_parallel,
             "device": device,
             "dtype": dtype,
         }
@@ -267,7 +282,8 @@ class ParallelMLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     """x + drop(attn(norm(x))), then + drop(mlp(norm(.))). Residual dropout uses the default
-    generator, identical on every TP rank, because these tensors are replicated over TP.
+    generator, identical on every TP rank, because these tensors are replicated over TP; with
+    sequence parallelism each TP rank holds other tokens, so it draws from the TP-rank stream.
 
     --apply-residual-connection-post-layernorm (v1.x, BERT's order): each residual starts from
     the normed input instead, n1 = norm(x); h = n1 + drop(attn(n1)); n2 = norm(h);
@@ -288,6 +304,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.hidden_dropout, self.ops = cfg.hidden_dropout, ops or TORCH_OPS
         self.post_ln_residual = cfg.apply_residual_connection_post_layernorm
+        self.residual_rng = split_dropout_rng(state, rng_tracker)
         self.input_layernorm = build_norm(cfg, device, dtype)
         self.self_attention = ParallelAttention(
             cfg, state, rng_tracker, device, dtype, ops, recompute, layer_number
@@ -302,17 +319,23 @@ class TransformerLayer(nn.Module):
         kv_cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        p = self.hidden_dropout if self.training else 0.0
         normed = self.input_layernorm(x)
         attn = self.self_attention(normed, position_ids, kv_cache, attention_mask)
         if self.post_ln_residual:
             x = normed
         if self.ops.add_norm == "triton":  # residual add + norm in one kernel
-            y, x = self._add_norm(F.dropout(attn, p), x)
-            return (y if self.post_ln_residual else x) + F.dropout(self.mlp(y), p)
-        x = x + F.dropout(attn, p)
+            y, x = self._add_norm(self._dropout(attn), x)
+            return (y if self.post_ln_residual else x) + self._dropout(self.mlp(y))
+        x = x + self._dropout(attn)
         y = self.post_attention_layernorm(x)
-        return (y if self.post_ln_residual else x) + F.dropout(self.mlp(y), p)
+        return (y if self.post_ln_residual else x) + self._dropout(self.mlp(y))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        with self.residual_rng():
+            return F.dropout(x, p)
 
     def _add_norm(self, x, residual):
         norm = self.post_attention_layernorm

@@ -4,6 +4,9 @@ A parameter split over TP contributes its shard on every TP rank; a replicated o
 row-parallel biases, position embeddings) is counted on TP rank 0 only, and a parameter marked
 `shared` (the last stage's copy of a tied embedding) is not counted at all, so every weight
 enters the norm exactly once. Partial sums are then all-reduced over the model-parallel group.
+
+With sequence parallelism, the gradients of the replicated parameters that saw only a slice of
+the tokens are summed over TP first (`all_reduce_sequence_parallel_grads`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megatron.mpu.layers import is_tensor_parallel
+from megatron.mpu.layers import is_sequence_parallel, is_tensor_parallel
 from megatron.mpu.utils import group_size
 
 
@@ -51,6 +54,46 @@ def grad_norm(
     if group_size(model_parallel_group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
     return total ** (1.0 / norm_type)
+
+
+def all_reduce_sequence_parallel_grads(
+    parameters: Iterable[torch.Tensor], group, attr: str = "main_grad"
+) -> int:
+    """Sum over TP the gradients of parameters marked `sequence_parallel` (replicated over TP
+    but applied to s / p tokens per rank: norm weights, row-parallel biases, the position table),
+    so each holds dL/dw over every token of the sequence. `attr`: where the gradient is
+    ("main_grad" for our DDP buffers, "grad" otherwise). One all-reduce of the flattened
+    gradients; returns how many parameters took part."""
+    grads = [getattr(p, attr) for p in parameters if is_sequence_parallel(p)]
+    grads = [g for g in grads if g is not None]
+    if not grads or group_size(group) == 1:
+        return len(grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return len(grads)
+
+
+def reduce_sequence_parallel_grads_in_backward(parameters: Iterable[torch.Tensor], group) -> int:
+    """The same sum, done by a hook on each marked parameter's fresh gradient before autograd
+    accumulates it: for a trainer (DeepSpeed's engine) that reduces and steps inside its own
+    backward()/step(), leaving no point to do it before the optimizer. One small all-reduce
+    per parameter per micro batch; returns how many parameters got a hook."""
+    marked = [p for p in parameters if is_sequence_parallel(p) and p.requires_grad]
+    if group_size(group) == 1:
+        return 0
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for p in marked:
+        p.register_hook(hook)
+    return len(marked)
 
 
 def clip_grad_norm(

@@ -3,6 +3,14 @@
 Weights are initialized on a full-size CPU "master" tensor and then sliced, so a seed gives the
 same model at every TP size. Every sharded parameter carries `tensor_model_parallel = True`,
 `partition_dim` and `partition_stride`, which grads/checkpoint code use to count or rebuild it.
+
+`sequence_parallel=True` (Megatron's sequence parallelism): outside the linear layers the
+activations hold s / p positions per TP rank. A column-parallel layer all-gathers its input
+along the sequence (backward: reduce-scatter), a row-parallel one reduce-scatters its output
+(backward: all-gather) instead of all-reducing it. A replicated parameter applied to those
+slices (row-parallel bias, norm weights) gets a gradient from s / p tokens only; it is marked
+`sequence_parallel = True`, and its gradient is summed over TP before the optimizer
+(megatron.mpu.grads.all_reduce_sequence_parallel_grads).
 """
 
 from __future__ import annotations
@@ -14,9 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.mpu.mappings import (
+    all_gather_sequence,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_sequence,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.mpu.utils import divide, group_rank, group_size, shard
@@ -44,6 +55,16 @@ def set_tensor_model_parallel_attributes(
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def mark_sequence_parallel(param: torch.Tensor) -> None:
+    """`param` is replicated over TP but sees only this rank's s / p tokens: its gradient must
+    be summed over the TP group before the optimizer uses it."""
+    param.sequence_parallel = True
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "sequence_parallel", False))
 
 
 def partition_of(param: torch.Tensor) -> tuple[int, int] | None:
@@ -79,11 +100,51 @@ def _init_param(param: nn.Parameter, full_shape, init_method: InitMethod | None,
     copy_full_into_param(param, master, group)
 
 
+class _GatheredLinear(torch.autograd.Function):
+    """Y = [X_1; ...; X_p] A_i + b_i: the sequence-parallel input all-gathered into a linear.
+
+    Keeps only this rank's slice X_r (b, s/p, h) for backward and all-gathers it again there,
+    so the full (b, s, h) input is never held between forward and backward (the point of
+    sequence parallelism's memory saving). Backward: dL/dX reduce-scattered along the sequence,
+    dL/dA_i = dL/dY^T X, dL/db_i = sum of dL/dY.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_sequence(x, group), weight, bias)  # (b, s, out / p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = reduce_scatter_sequence(grad.matmul(weight), ctx.group)  # (b, s/p, h)
+        if ctx.needs_input_grad[1]:
+            full = all_gather_sequence(x, ctx.group)  # (b, s, h), again
+            grad_w = grad.reshape(-1, grad.size(-1)).t().matmul(full.reshape(-1, full.size(-1)))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.size(-1)).sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias, group) -> torch.Tensor:
+    """Sequence-parallel X (b, s/p, h) all-gathered into X A^T + b, keeping only the slice for
+    backward (see _GatheredLinear); `weight` is this rank's (out / p, h) shard."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _GatheredLinear.apply(x, weight, bias, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A split along its output dimension: A = [A_1, ..., A_p], rank i holds A_i.
 
     Forward: copy_to (identity) -> Y_i = X A_i + b_i -> optional all-gather of [Y_1 .. Y_p].
     Backward: all-reduce of dL/dX over TP (from copy_to).
+    sequence_parallel: X arrives as this rank's (b, s/p, h); forward all-gathers it along the
+    sequence, backward reduce-scatters dL/dX (the all-reduce and the split in one) and gathers
+    X again for dL/dA, so only the slice is kept for backward.
     """
 
     def __init__(
@@ -96,11 +157,13 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         init_method: InitMethod | None = _DEFAULT_INIT,
         stride: int = 1,
+        sequence_parallel: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         local = divide(output_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
@@ -113,16 +176,20 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.sequence_parallel:  # x: (b, s/p, h)
+            return gathered_linear(x, self.weight, bias, self.group)
+        return F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)  # (..., output_size / p)
+        y = self._linear(x, self.bias)  # (..., output_size / p)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y
 
     def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
         """X A_i only, for a caller that fuses the bias into the next op (bias + GeLU)."""
-        return F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight)
+        return self._linear(x, None)
 
 
 class RowParallelLinear(nn.Module):
@@ -130,6 +197,8 @@ class RowParallelLinear(nn.Module):
 
     Forward: (scatter X unless input_is_parallel) -> X_i A_i -> all-reduce (sum) -> + b.
     Backward: identity through the reduce; all-gather of dL/dX if the input was scattered.
+    sequence_parallel: the sum is a reduce-scatter along the sequence, so Y leaves as this
+    rank's (b, s/p, h) (backward: all-gather of dL/dY); b is then added to s / p tokens only.
     """
 
     def __init__(
@@ -141,11 +210,15 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = False,
         init_method: InitMethod | None = _DEFAULT_INIT,
+        sequence_parallel: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("a sequence-parallel RowParallelLinear needs input_is_parallel=True")
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         local = divide(input_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
@@ -156,13 +229,19 @@ class RowParallelLinear(nn.Module):
             # The bias is added once, after the reduce, so every rank holds all of it.
             self.bias = nn.Parameter(torch.zeros(output_size, **kw))
             set_tensor_model_parallel_attributes(self.bias, False)
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)  # (b, s, h) partial sum of this rank's shard
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (b, s/p, h)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -171,6 +250,8 @@ class VocabParallelEmbedding(nn.Module):
 
     Forward: each rank looks up the ids it owns (zeros elsewhere) -> all-reduce (sum).
     Backward: identity; each rank's weight gradient lands only on its own rows.
+    forward(ids, sequence_parallel=True): the sum is a reduce-scatter along the sequence, and
+    the output is this rank's (b, s/p, h) (backward: all-gather of the gradient).
     """
 
     def __init__(
@@ -193,10 +274,12 @@ class VocabParallelEmbedding(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         _init_param(self.weight, (num_embeddings, embedding_dim), init_method, group)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if group_size(self.group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.group)
         return reduce_from_tensor_model_parallel_region(out, self.group)

@@ -1,8 +1,10 @@
-"""The four tensor-parallel region boundaries, as autograd functions.
+"""The tensor-parallel region boundaries, as autograd functions.
 
 All TP communication in a forward pass goes through these. Each names what happens going into
 (or out of) a region where tensors are split over the TP group; the backward is the dual
-collective. Tensors are batch-first, so "split" is along the last (hidden) dimension.
+collective. Tensors are batch-first (b, s, h): the four TP mappings split the last (hidden)
+dimension; the three sequence-parallel ones (--sequence-parallel) split the sequence, dim 1,
+between the TP regions (norms, dropout, residuals), so each TP rank holds s / p tokens there.
 """
 
 from __future__ import annotations
@@ -104,3 +106,100 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Ten
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherFromRegion.apply(x, group)
+
+
+# ---- sequence parallelism: activations split along dim 1 (the sequence) over TP ----
+
+SEQUENCE_DIM = 1  # activations are (b, s, h)
+
+
+def sequence_slice(x: torch.Tensor, group, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """This TP rank's contiguous s / p positions of `x` along `dim` (no autograd, no copy of
+    the rest): rank r holds positions [r s/p, (r + 1) s/p)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    local = divide(x.size(dim), size)
+    return x.narrow(dim, group_rank(group) * local, local)
+
+
+def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/p, h) on each rank -> (b, s, h), rank order (no autograd: for autograd functions
+    that do their own backward, such as the sequence-parallel column-parallel linear)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=SEQUENCE_DIM)  # (b, s, h) from p x (b, s/p, h)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s, h) on each rank -> this rank's s / p positions of the sum over ranks (no
+    autograd)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    divide(x.size(SEQUENCE_DIM), size)  # raises on a sequence the TP group cannot split
+    chunks = [c.contiguous() for c in torch.chunk(x, size, dim=SEQUENCE_DIM)]
+    out = torch.empty_like(chunks[0])  # (b, s/p, h)
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    """Forward: keep this rank's s / p positions. Backward: all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return sequence_slice(x, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """Forward: all-gather of the sequence over TP. Backward: reduce-scatter of the gradient
+    when the consumer is TP-split (each rank's gradient is a partial sum over its shard), else
+    this rank's slice of it (the consumer was replicated, the gradients already agree)."""
+
+    @staticmethod
+    def forward(ctx, x, group, grad_is_partial):
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return reduce_scatter_sequence(grad, ctx.group), None, None
+        return sequence_slice(grad, ctx.group).contiguous(), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Forward: sum over TP, each rank keeping its s / p positions. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group, grad_is_partial: bool = True
+) -> torch.Tensor:
+    return _GatherFromSequenceRegion.apply(x, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceScatterToSequenceRegion.apply(x, group)

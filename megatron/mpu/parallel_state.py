@@ -36,6 +36,8 @@ class ParallelState:
     mp_group: object | None = None  # TP x PP: every rank holding a piece of one model replica
     embedding_group: object | None = None  # first and last pipeline stage (tied embeddings)
     virtual_pp_size: int | None = None
+    # --sequence-parallel: between the TP regions activations hold s / tp positions per rank
+    sequence_parallel: bool = False
 
     @property
     def mp_size(self) -> int:
@@ -118,6 +120,7 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     timeout: timedelta | None = None,
+    sequence_parallel: bool = False,
 ) -> ParallelState:
     """Build every process group from the rank grid; all ranks must call this together.
 
@@ -125,10 +128,13 @@ def initialize_model_parallel(
     rank (a requirement of `new_group`), and this rank keeps the ones it belongs to. `timeout`
     (the `--distributed-timeout-minutes` value) is given to every group: `new_group` does not
     inherit the default group's timeout, so without it a collective on a stopped peer waits
-    torch's default 30 minutes.
+    torch's default 30 minutes. `sequence_parallel` is recorded for the model and the pipeline
+    (it needs TP > 1: one rank has nothing to split the sequence over).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed before building model-parallel groups")
+    if sequence_parallel and tensor_model_parallel_size == 1:
+        raise ValueError("sequence parallelism splits over the TP group: it needs TP > 1")
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size)
     mine: dict[str, tuple[tuple[int, ...], object]] = {}
@@ -165,6 +171,7 @@ def initialize_model_parallel(
         mp_group=mine["mp"][1],
         embedding_group=emb_group,
         virtual_pp_size=virtual_pipeline_model_parallel_size,
+        sequence_parallel=sequence_parallel,
     )
 
 

@@ -6,15 +6,19 @@ no broadcast is needed. Index files are built by global rank 0 while the others 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.config.schema import DataConfig, MegatronConfig
 from megatron.data.builder import build_train_valid_test_datasets
+from megatron.data.loose_json import CorpusError, prepare_loose_json
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime, barrier
 
@@ -113,6 +117,47 @@ def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=
     return iter(loader)
 
 
+def _share_from_rank0(wait_minutes: float):
+    """share(status) for prepare_loose_json: rank 0's status dict reaches every rank, over a
+    gloo group of its own whose timeout is --cache-wait-minutes (tokenizing a large corpus
+    may take longer than --distributed-timeout-minutes allows a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return lambda status: status
+
+    # Made by every rank now, before rank 0 starts tokenizing.
+    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=wait_minutes))
+
+    def share(status):
+        box = [status]
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except RuntimeError as e:
+            raise CorpusError(
+                f"rank {dist.get_rank()} waited {wait_minutes} min for rank 0 to tokenize the "
+                "--train-data/--valid-data/--test-data corpora into --cache-dir and gave up "
+                f"({e}). Fix: raise --cache-wait-minutes (rank 0's log says whether it is "
+                "still tokenizing)"
+            ) from None
+        finally:
+            dist.destroy_process_group(group)
+        return box[0]
+
+    return share
+
+
+def resolve_data_config(cfg: MegatronConfig, rank: int):
+    """cfg.data, with loose JSON corpora (--train-data & co.) replaced by their cached mmap
+    prefixes; rank 0 tokenizes them once while the other ranks wait."""
+    data = cfg.data
+    return prepare_loose_json(
+        data,
+        cfg.model.vocab_size,
+        is_builder=rank == 0,
+        share=_share_from_rank0(data.loose_json.cache_wait_minutes),
+        log=lambda msg: print(msg, flush=True) if rank == 0 else None,
+    )
+
+
 def build_data_iterators(
     cfg: MegatronConfig,
     rt: Runtime,
@@ -125,13 +170,18 @@ def build_data_iterators(
     `documents` (see document_fields); or of the datasets `datasets_provider(cfg, rt, counts)`
     builds (another model family's samples)."""
     counts = split_sample_counts(cfg, rt.state.dp_size)
+    if cfg.data.loose_json.given:
+        cfg = dataclasses.replace(cfg, data=resolve_data_config(cfg, rt.state.rank))
     if datasets_provider is not None:
         datasets = datasets_provider(cfg, rt, counts)
     else:
         datasets = _gpt_datasets(cfg, rt, counts)
     train, valid, test = datasets
     if train is None:
-        raise ValueError("no training data: pass --data-path (with --split) or --train-data-path")
+        raise ValueError(
+            "no training data: pass --data-path (with --split), --train-data-path, or "
+            "--train-data (loose JSON)"
+        )
     return (
         _loader(train, consumed_train, cfg, rt, documents),
         _loader(valid, consumed_valid, cfg, rt, documents),

@@ -54,6 +54,7 @@ def forward_backward_no_pipelining(
         no_sync = getattr(model, "no_sync", contextlib.nullcontext)
         chunk = getattr(model, "module", model)
         chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
+        chunk = getattr(model, "forward_chunk", chunk)  # --DDP-impl torch: through torch DDP
 
         def backward(loss):
             scale_loss(loss / num_micro_batches).backward()
@@ -81,9 +82,12 @@ def forward_backward_no_pipelining(
 def get_forward_backward_func(
     state, *, micro_batch_size: int, seq_length: int, hidden_size: int, dtype
 ) -> Callable:
-    """The schedule for this layout, with the pipeline's activation shape bound."""
+    """The schedule for this layout, with the pipeline's activation shape bound: (b, s, h), or
+    with sequence parallelism this TP rank's slice (b, s / tp, h), which is all a stage sends."""
     if state.pp_size == 1:
         return forward_backward_no_pipelining
+    if state.sequence_parallel:
+        seq_length //= state.tp_size  # the rules checked that TP divides it
     return functools.partial(
         forward_backward_pipelining,
         state=state,

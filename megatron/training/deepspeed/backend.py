@@ -19,7 +19,6 @@ import torch
 
 from megatron.checkpoint.storage import CheckpointError, checkpoint_dir, verify_checkpoint_files
 from megatron.config.schema import MegatronConfig
-from megatron.model.stages import build_model
 from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
 from megatron.training.state import TrainState, checkpoint_entries, commit, resume
@@ -58,7 +57,7 @@ class DeepSpeedBackend(TrainerBackend):
     """The model, our optimizer and LR schedule in a DeepSpeed engine (ZeRO; its pipeline
     engine for PP > 1)."""
 
-    def __init__(self, cfg: MegatronConfig, rt, forward_step_func, model_provider=build_model):
+    def __init__(self, cfg: MegatronConfig, rt, forward_step_func, model_provider=None):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.engine, self.scheduler, self.pipeline = setup_deepspeed(
             cfg, rt, functools.partial(make_scheduler, cfg, rt.state.dp_size), model_provider
