@@ -7,6 +7,10 @@ from setuptools import find_packages, setup
 README = Path(__file__).with_name("README.md")
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx", "openai>=1.0"]
 EVAL = ["lm-eval>=0.4.5", "accelerate"]
+WANDB = ["wandb"]
+DATA = ["pyarrow>=12", "datasets"]  # Parquet and datasets.save_to_disk inputs to preprocessing
+PROGRESS = ["tqdm"]  # progress bars when attached to a terminal (plain lines otherwise)
+DEMO = ["matplotlib"]  # the loss plot of `make demo` (tools/plot_losses.py)
 
 setup(
     name="megatron-3d",
@@ -37,11 +41,20 @@ setup(
             "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
             *SERVE,
             *EVAL,
+            *WANDB,
+            *DATA,
+            *PROGRESS,
+            *DEMO,
         ],
         # tools/run_text_generation_server.py (and its tests: httpx, openai)
         "serve": SERVE,
         # tools/lm_eval.py; accelerate for lm-eval's own hf model (the parity test)
         "eval": EVAL,
+        # --wandb-project (imported only when given)
+        "wandb": WANDB,
+        "data": DATA,
+        "progress": PROGRESS,
+        "demo": DEMO,
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

@@ -76,12 +76,15 @@ def _mean_loss(per_token):
     return loss, {"lm loss": loss.detach()}
 
 
-def build_ours(cfg: ModelConfig, device, dtype, ops=None, torch_compile: bool = False):
+def build_ours(
+    cfg: ModelConfig, device, dtype, ops=None, torch_compile: bool = False, builder=None, fwd=None
+):
+    """One train_step of our stack; `builder`/`fwd`: another family's (bench/bert_step.py)."""
     state = single_process_state()
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, 1)
     rt = Runtime(state=state, device=device, rng_tracker=tracker)
-    model = build_model(
+    model = (builder or build_model)(
         cfg,
         state,
         rng_tracker=tracker,
@@ -114,7 +117,7 @@ def build_ours(cfg: ModelConfig, device, dtype, ops=None, torch_compile: bool = 
         return model_(tokens, labels=labels), _mean_loss
 
     def step(batches):
-        train_step(forward_step, batches, ddp, opt, sched, 1, rt, timers)
+        train_step(fwd or forward_step, batches, ddp, opt, sched, 1, rt, timers)
 
     return step
 

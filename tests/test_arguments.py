@@ -298,6 +298,7 @@ def test_megatron_aliases_inverted_booleans_and_shortcuts():
             "--no-persist-layer-norm",
             "--disable-bias-linear",
             "--no-overlap-grad-reduce",
+            "--deepspeed",  # the ZeRO flags are DeepSpeed's: without it they fail
             "--zero-reduce-scatter",
         ],
         world_size=1,
@@ -334,13 +335,14 @@ _MAY_IMPORT = {
     "config": set(),
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
-    "data": {"config.schema", "config.declare", "config.schema_corpora"},
+    "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
     "heartbeat": set(),
     "planning": {"config.schema", "config.rules"},  # runs before any model or process group
+    "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
     "inference": {"checkpoint", "config.declare", "config.schema", "data", "fused_kernels"}
-    | {"initialize"}
+    | {"initialize", "progress"}
     | {"model", "mpu"},
 }
 

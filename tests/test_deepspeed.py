@@ -92,7 +92,8 @@ def _ds_cfg(tmp_path, json_body, *extra, world=2):
             ["--pipeline-model-parallel-size", "2"],
             "DeepSpeed's pipeline engine does not support ZeRO-2/3",
         ),
-        ('{"optimizer": {"type": "Adam"}}', [], "'optimizer' in the DeepSpeed JSON"),
+        ('{"optimizer": {"type": "Lamb"}}', [], "'optimizer' in the DeepSpeed JSON"),
+        ('{"optimizer": {"params": {"lr": 0.5}}}', [], "optimizer.params.lr=0.5 in the"),
         ('{"zero_optimization": {"stage": 0}}', ["--cpu-optimizer"], "needs ZeRO stage 1"),
         ('{"zero_optimization": {\n  "stage": 1,,\n}}', [], "ds.json:2: invalid JSON"),
         (

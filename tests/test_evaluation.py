@@ -164,4 +164,4 @@ def test_evaluate_cli_prints_a_final_json_line(checkpoint, tmp_path):  # noqa: F
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["task"] == "wikitext" and result["ppl"] > 1 and "adjusted_ppl" in result
-    assert "wikitext [" in out.stderr  # the progress bar
+    assert "\r" not in out.stderr  # not a terminal: no bar redrawn in place, plain lines only

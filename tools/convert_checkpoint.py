@@ -5,11 +5,14 @@
     python tools/convert_checkpoint.py --load ckpt --to-hf hf_model
     python tools/convert_checkpoint.py --from-hf hf_model --save ckpt \\
         --target-tensor-model-parallel-size 2
-One CPU process, no torch.distributed; the whole model is held in memory once. The optimizer
-and RNG states are not converted: resume with --no-load-optim --no-load-rng, or --finetune.
+One CPU process, no torch.distributed; the whole model is held in memory once. RNG states are
+not converted, nor the plain optimizer's: resume with --no-load-optim --no-load-rng, or
+--finetune. The state of --use-distributed-optimizer (saved per parameter) is converted with
+the weights: resume with --use-distributed-optimizer --no-load-rng, at any DP size.
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -23,6 +26,7 @@ from megatron.checkpoint.resharding import (  # noqa: E402
     validate_layout,
 )
 from megatron.checkpoint.storage import CheckpointError  # noqa: E402
+from megatron.progress import Progress  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,14 +96,23 @@ def _copy_tokenizer(tok: dict, save_dir: str) -> dict:
 
 
 def _reshard(a) -> int:
-    loaded = load_checkpoint(a.load, a.iteration)
+    loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
     cfg = model_config(loaded.args)
     tp = a.target_tensor_model_parallel_size or loaded.tp
     pp = a.target_pipeline_model_parallel_size or loaded.pp
     vp = a.target_num_layers_per_virtual_pipeline_stage
     validate_layout(cfg, tp, pp, vp)
     save_resharded(
-        loaded.state, loaded.args, a.save, tp, pp, loaded.iteration, meta=loaded.meta, vp_layers=vp
+        loaded.state,
+        loaded.args,
+        a.save,
+        tp,
+        pp,
+        loaded.iteration,
+        meta=loaded.meta,
+        vp_layers=vp,
+        optimizer=loaded.optimizer,
+        progress=Progress("writing shards", unit="shard"),
     )
     print(
         f"converted iteration {loaded.iteration} of {a.load} (TP={loaded.tp} x PP={loaded.pp}, "
@@ -114,7 +127,15 @@ def _export(a) -> int:
 
     if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
         raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
-    loaded = load_checkpoint(a.load, a.iteration)
+    loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
+    if loaded.args.get("model_family", "gpt").startswith("bert"):
+        from megatron.checkpoint.hf_bert import export_hf_bert
+
+        export_hf_bert(loaded.state, loaded.args, a.to_hf)
+        print(
+            f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as BertForPreTraining"
+        )
+        return 0
     arch = to_hf(loaded.state, loaded.args, a.to_hf, tokenizer_files=a.tokenizer_files)
     name = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
     print(f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as {name}")
@@ -124,19 +145,43 @@ def _export(a) -> int:
 def _import(a) -> int:
     from megatron.checkpoint.hf import from_hf
 
-    state, args = from_hf(a.from_hf)
+    hf_cfg = _hf_config_json(a.from_hf)
+    if hf_cfg.get("model_type") == "bert":
+        from megatron.checkpoint.hf_bert import import_hf_bert
+
+        state, args = import_hf_bert(a.from_hf, hf_cfg)
+    else:
+        state, args = from_hf(a.from_hf)
     cfg = model_config(args)
     tp = a.target_tensor_model_parallel_size or 1
     pp = a.target_pipeline_model_parallel_size or 1
     vp = a.target_num_layers_per_virtual_pipeline_stage
     validate_layout(cfg, tp, pp, vp)
     args["tokenizer"] = _copy_tokenizer(args["tokenizer"], a.save)
-    save_resharded(state, args, a.save, tp, pp, a.iteration or 0, vp_layers=vp, quiet=True)
+    save_resharded(
+        state,
+        args,
+        a.save,
+        tp,
+        pp,
+        a.iteration or 0,
+        vp_layers=vp,
+        quiet=True,
+        progress=Progress("writing shards", unit="shard"),
+    )
     print(
         f"imported {a.from_hf} to {a.save} (TP={tp} x PP={pp}); train from it with --load "
         f"{a.save} --finetune (the model flags must match: see args in the checkpoint)"
     )
     return 0
+
+
+def _hf_config_json(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return {}  # from_hf names the problem
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def main(argv=None) -> int:

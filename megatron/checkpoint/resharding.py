@@ -11,7 +11,9 @@ How a tensor is split is stated once, by the mpu layer that owns it (`partition_
 merges by that record. Shards without one (written before it existed, or a Hugging Face import)
 get the same information from the model code itself: the TP = 1 model of the checkpoint's
 arguments, built on the meta device (`model_layout`), which also gives the full shapes.
-Optimizer and RNG state depend on the layout and are not converted (see DROPPED_STATE_NOTE).
+RNG state and the plain optimizer's state depend on the layout and are not converted (see
+DROPPED_STATE_NOTE); the distributed optimizer's per-parameter state is merged and split like the
+weights (megatron.checkpoint.optimizer_state).
 Everything runs in one CPU process; nothing here touches torch.distributed.
 """
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.storage import (
     CheckpointError,
     checkpoint_dir,
@@ -37,18 +40,46 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved
+from megatron.model.bert import BertModel
 from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS, GPTModel
 from megatron.model.stages import stage_layer_range
 from megatron.mpu import partition_of, single_process_state
 from megatron.mpu.utils import shard, unshard
 
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
-VOCAB_WEIGHTS = (WORD_EMBEDDINGS, OUTPUT_WEIGHTS)
+VOCAB_WEIGHTS = (WORD_EMBEDDINGS, OUTPUT_WEIGHTS, "head.lm_bias")  # the last: BERT's MLM bias
+# Model families (args["model_family"]; absent = "gpt"). A BERT checkpoint is told by its
+# token-type embedding, and one without the NSP head by its missing pooler.
+FAMILIES = ("gpt", "bert", "bert-no-binary-head")
+
+
+def model_family(args: dict) -> str:
+    return args.get("model_family", "gpt")
+
+
+def family_of_names(names) -> str:
+    names = set(names)
+    if "embedding.tokentype_embeddings.weight" not in names:
+        return "gpt"
+    return "bert" if "head.pooler.weight" in names else "bert-no-binary-head"
+
+
+def _build_tp1(cfg: ModelConfig, family: str) -> nn.Module:
+    if family == "gpt":
+        return GPTModel(cfg, single_process_state())
+    return BertModel(cfg, single_process_state(), binary_head=family == "bert")
+
+
 DROPPED_STATE_NOTE = (
     "note: the optimizer state (Adam moments, fp32 master weights, loss scale) and the RNG "
     "states were dropped: they depend on the TP/PP layout. Resume with --no-load-optim "
     "--no-load-rng (keeps the iteration and consumed samples; the optimizer starts fresh from "
     "the converted weights) or with --finetune (starts again at iteration 0)."
+)
+KEPT_OPTIMIZER_NOTE = (
+    "note: the distributed optimizer's state (Adam moments, fp32 main weights, loss scale) was "
+    "converted with the weights; the RNG states were dropped (they depend on the layout). "
+    "Resume with --use-distributed-optimizer --no-load-rng (any DP size)."
 )
 # Shard entries that do not depend on the layout, carried over to the converted checkpoint.
 _CARRIED = (
@@ -75,14 +106,16 @@ def partition_record(model: nn.Module) -> dict[str, Rule]:
 
 
 @functools.lru_cache(maxsize=4)
-def model_layout(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, Rule]]:
+def model_layout(
+    cfg: ModelConfig, family: str = "gpt"
+) -> tuple[dict[str, tuple[int, ...]], dict[str, Rule]]:
     """(full shapes, split rules) of every tensor of the model `cfg` describes, in model order.
 
     Read off the TP = 1 model built on the meta device (no memory, no weights drawn): the model
     code is the one statement of which tensors exist, their shapes and how they split.
     """
     with torch.device("meta"):
-        model = GPTModel(cfg, single_process_state())
+        model = _build_tp1(cfg, family)
     shapes = {}
     for name, tensor in model.state_dict().items():
         rows = cfg.vocab_size if name in VOCAB_WEIGHTS else tensor.shape[0]
@@ -101,14 +134,16 @@ def model_config(args: dict) -> ModelConfig:
     return model_config_from_saved(args["model"])
 
 
-def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def full_shapes(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the full state (unpadded vocab), in model order."""
-    return dict(model_layout(cfg)[0])
+    return dict(model_layout(cfg, family)[0])
 
 
-def check_full_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> None:
+def check_full_state(
+    full_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str, family: str = "gpt"
+) -> None:
     """Raise CheckpointError unless `full_state` has exactly the model's names and shapes."""
-    expected = full_shapes(cfg)
+    expected = full_shapes(cfg, family)
     missing = [n for n in expected if n not in full_state]
     extra = [n for n in full_state if n not in expected]
     wrong = [
@@ -151,7 +186,9 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int, vp_layers: int | None = 
         )
 
 
-def stage_names(cfg: ModelConfig, pp: int, pp_rank: int, vp_layers: int | None = None) -> list[str]:
+def stage_names(
+    cfg: ModelConfig, pp: int, pp_rank: int, vp_layers: int | None = None, family: str = "gpt"
+) -> list[str]:
     """Names of the full state a pipeline rank holds (its model chunks' union), model order.
 
     The last stage of a PP > 1 model with tied embeddings also holds the word embedding (the
@@ -164,7 +201,7 @@ def stage_names(cfg: ModelConfig, pp: int, pp_rank: int, vp_layers: int | None =
     first, last = pp_rank == 0, pp_rank == pp - 1
     tied = not cfg.untie_embeddings_and_output_weights
     names = []
-    for name in full_shapes(cfg):
+    for name in full_shapes(cfg, family):
         if name.startswith("layers."):
             keep = int(name.split(".")[1]) in layers
         elif name == WORD_EMBEDDINGS:
@@ -188,6 +225,9 @@ class LoadedCheckpoint:
     meta: dict = field(default_factory=dict)  # the _CARRIED entries of the first shard
     tp: int = 1
     pp: int = 1
+    # The distributed optimizer's state: {"full": {key: full state like `state`}, "step":
+    # {name: scalar}, "shared": the model shard's optimizer entry}; None if not converted.
+    optimizer: dict | None = None
 
 
 def _find_layout(root: str, iteration: int) -> tuple[int, int]:
@@ -250,15 +290,16 @@ def _merge_stage(shards: list[dict], cfg: ModelConfig, where: str, full: dict) -
         full[name] = tensor
 
 
-def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckpoint:
-    """Read every shard of a checkpoint (any TP x PP) and merge it into one full state."""
+def load_checkpoint(load_dir: str, iteration: int | None = None, progress=None) -> LoadedCheckpoint:
+    """Read every shard of a checkpoint (any TP x PP) and merge it into one full state.
+    `progress(stages done, stages)` is called after each pipeline stage."""
     it = resolve_load_iteration(load_dir, iteration=iteration)
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint")
     tp, pp = _find_layout(load_dir, it)
     directory = checkpoint_dir(load_dir, it)
     full: dict[str, torch.Tensor] = {}
-    args = meta = None
+    args = meta = optimizer = None
     for pp_rank in range(pp):
         shards = [
             load_shard(load_dir, it, tp_rank=r, pp_rank=pp_rank, pp_size=pp) for r in range(tp)
@@ -274,10 +315,36 @@ def load_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
                 )
             cfg = model_config(args)
         _merge_stage(shards, cfg, f"{directory} PP stage {pp_rank}", full)
+        if optimizer is not None or (pp_rank == 0 and optimizer_state.is_distributed(shards[0])):
+            optimizer = optimizer or {"full": {}, "step": {}, "shared": shards[0]["optimizer"]}
+            _merge_optimizer(load_dir, it, shards, cfg, pp_rank, pp, optimizer)
         del shards
-    check_full_state(full, cfg, directory)
-    full = {n: full[n] for n in full_shapes(cfg)}  # model order, whatever the stage order
-    return LoadedCheckpoint(full, args, it, meta, tp, pp)
+        if progress:
+            progress(pp_rank + 1, pp)
+    family = family_of_names(full)
+    if family != "gpt":
+        args = {**args, "model_family": family}
+    check_full_state(full, cfg, directory, family)
+    full = {n: full[n] for n in full_shapes(cfg, family)}  # model order, whatever the stage order
+    if optimizer is not None:
+        optimizer["shared"] = optimizer_state.shared_entry(optimizer["shared"])
+    return LoadedCheckpoint(full, args, it, meta, tp, pp, optimizer)
+
+
+def _merge_optimizer(root, it, shards, cfg, pp_rank, pp, optimizer) -> None:
+    """Merge one stage's distributed optimizer state over TP into optimizer["full"]."""
+    per_tp = [
+        optimizer_state.read_rank_state(root, it, s, tp_rank=r, pp_rank=pp_rank, pp_size=pp)
+        for r, s in enumerate(shards)
+    ]
+    optimizer["step"].update(per_tp[0].pop("step", {}))
+    for key in per_tp[0]:
+        pieces = [
+            {"model": st[key], "partition": s.get("partition")}
+            for st, s in zip(per_tp, shards, strict=True)
+        ]
+        where = f"{checkpoint_dir(root, it)} PP stage {pp_rank} optimizer {key}"
+        _merge_stage(pieces, cfg, where, optimizer["full"].setdefault(key, {}))
 
 
 def load_full_state(load_dir: str, iteration: int | None = None) -> tuple[dict, dict]:
@@ -308,6 +375,8 @@ def save_resharded(
     meta: dict | None = None,
     vp_layers: int | None = None,
     quiet: bool = False,
+    optimizer: dict | None = None,
+    progress=None,
 ) -> None:
     """Write `full_state` as a complete TP x PP checkpoint at `iteration` of `save_dir`.
 
@@ -315,11 +384,13 @@ def save_resharded(
     straight into its parameters), and each shard records that partition, as the trainer's
     own shards do. `meta` carries iteration-independent extras over (consumed samples, the LR
     schedule, which does not depend on the layout). `vp_layers` lays stages out for
-    --num-layers-per-virtual-pipeline-stage. The optimizer and RNG state are not written.
+    --num-layers-per-virtual-pipeline-stage. The RNG state is not written, nor the optimizer
+    state unless `optimizer` (LoadedCheckpoint.optimizer) gives the distributed optimizer's.
+    `progress(shards written, shards)` is called after each shard.
     """
-    cfg = model_config(args)
+    cfg, family = model_config(args), model_family(args)
     validate_layout(cfg, tp, pp, vp_layers)
-    check_full_state(full_state, cfg, "the state to save")
+    check_full_state(full_state, cfg, "the state to save", family)
     target = checkpoint_dir(save_dir, iteration)
     if os.path.exists(target):
         raise ValueError(f"--save {save_dir}: {target} already exists; pick an empty directory")
@@ -329,9 +400,9 @@ def save_resharded(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=padded
     )
     meta = meta or {}
-    rules = model_layout(cfg)[1]
+    rules = model_layout(cfg, family)[1]
     for pp_rank in range(pp):
-        names = stage_names(cfg, pp, pp_rank, vp_layers)
+        names = stage_names(cfg, pp, pp_rank, vp_layers, family)
         partition = {n: rules[n] for n in names}
         for tp_rank in range(tp):
             model = {
@@ -348,6 +419,19 @@ def save_resharded(
             }
             if "opt_param_scheduler" in meta:
                 shard_state["opt_param_scheduler"] = meta["opt_param_scheduler"]
+            where = {"tp_rank": tp_rank, "pp_rank": pp_rank, "pp_size": pp}
+            if optimizer is not None:
+                local = {
+                    key: {
+                        n: _local_tensor(n, full[n], rules[n], tp, tp_rank, padded)
+                        for n in names
+                        if n in full
+                    }
+                    for key, full in optimizer["full"].items()
+                }
+                local["step"] = {n: t for n, t in optimizer["step"].items() if n in names}
+                optimizer_state.write_rank_state(save_dir, iteration, local, **where)
+                shard_state["optimizer"] = optimizer["shared"]
             save_shard(
                 save_dir,
                 iteration,
@@ -357,8 +441,11 @@ def save_resharded(
                 pp_size=pp,
                 write=True,
             )
+            if progress:
+                progress(pp_rank * tp + tp_rank + 1, tp * pp)
+    files = tp * pp * (2 if optimizer is not None else 1)
     finalize_checkpoint(
-        save_dir, iteration, barrier=lambda: None, is_rank0=True, num_shards_expected=tp * pp
+        save_dir, iteration, barrier=lambda: None, is_rank0=True, num_shards_expected=files
     )
     if not quiet:
-        print(DROPPED_STATE_NOTE, file=sys.stderr)
+        print(KEPT_OPTIMIZER_NOTE if optimizer else DROPPED_STATE_NOTE, file=sys.stderr)

@@ -4,6 +4,8 @@ Layout (Megatron's, so users' tooling carries over):
     SAVE/latest_checkpointed_iteration.txt             newest COMPLETE iteration (or `release`)
     SAVE/iter_0001000/mp_rank_00/model_optim_rng.pt    TP rank 00 (PP = 1)
     SAVE/iter_0001000/mp_rank_00_001/model_optim_rng.pt  TP rank 00, PP rank 001
+    SAVE/iter_0001000/mp_rank_00/distrib_optim_dp_002.pt  --use-distributed-optimizer: the
+                                                       optimizer shard of DP rank 2 (each DP rank)
     SAVE/iter_0001000/complete                         our marker: shard files, sizes, CRC-32s
 
 A save commits in three steps, each atomic (temp file, fsync, os.replace, fsync the directory):
@@ -46,6 +48,8 @@ import torch
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 SHARD_NAME = "model_optim_rng.pt"
+DISTRIB_OPTIM_NAME = "distrib_optim_dp_{dp_rank:03d}.pt"
+_DISTRIB_OPTIM = re.compile(r"distrib_optim_dp_[0-9]{3,}\.pt")
 MARKER_NAME = "complete"
 RELEASE = "release"
 _ITER_DIR = re.compile(r"iter_([0-9]{7,})")
@@ -73,9 +77,12 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, RELEASE if iteration == 0 else f"iter_{iteration:07d}")
 
 
-def shard_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+def shard_path(
+    root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int, name: str = SHARD_NAME
+) -> str:
+    """The file `name` (default the model/optimizer shard) of one TP x PP rank directory."""
     rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return os.path.join(checkpoint_dir(root, iteration), rank_dir, SHARD_NAME)
+    return os.path.join(checkpoint_dir(root, iteration), rank_dir, name)
 
 
 def tracker_path(root: str) -> str:
@@ -182,12 +189,20 @@ def write_text_atomic(path: str, text: str) -> None:
 
 
 def save_shard(
-    root: str, iteration: int, state: dict, *, tp_rank: int, pp_rank: int, pp_size: int, write: bool
+    root: str,
+    iteration: int,
+    state: dict,
+    *,
+    tp_rank: int,
+    pp_rank: int,
+    pp_size: int,
+    write: bool,
+    name: str = SHARD_NAME,
 ) -> None:
     """Write this rank's shard atomically; ranks with write=False (DP rank > 0) do nothing."""
     if not write:
         return
-    path = shard_path(root, iteration, tp_rank, pp_rank, pp_size)
+    path = shard_path(root, iteration, tp_rank, pp_rank, pp_size, name)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError as e:
@@ -199,6 +214,19 @@ def save_shard(
         _fsync_dir(checkpoint_dir(root, iteration))
     _remove_dead_temps(path)  # this rank is the only writer of `path`
     _atomic_write(path, lambda f: torch.save(state, f))
+
+
+def remove_stale_optimizer_shards(
+    root: str, iteration: int, *, tp_rank: int, pp_rank: int, pp_size: int, keep: int
+) -> None:
+    """Delete the distrib_optim_dp_K.pt files with K >= keep of one rank directory: left by an
+    earlier save of this iteration at a larger DP size, they would not belong to this one."""
+    directory = os.path.dirname(shard_path(root, iteration, tp_rank, pp_rank, pp_size))
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        if _DISTRIB_OPTIM.fullmatch(name) and int(name[len("distrib_optim_dp_") : -3]) >= keep:
+            os.remove(os.path.join(directory, name))
 
 
 def _all_files(directory: str) -> dict[str, int]:
@@ -226,7 +254,8 @@ def file_crc32(path: str, chunk_size: int = _CHUNK) -> int:
 
 
 def _shard_files(directory: str) -> dict[str, int]:
-    """{'mp_rank_../model_optim_rng.pt': size in bytes} for the shards present in `directory`."""
+    """{'mp_rank_../model_optim_rng.pt': size in bytes} for the shards present in `directory`
+    (and the distributed optimizer's `mp_rank_../distrib_optim_dp_*.pt` beside them)."""
     if not os.path.isdir(directory):
         return {}
     found = {}
@@ -234,6 +263,9 @@ def _shard_files(directory: str) -> dict[str, int]:
         path = os.path.join(directory, name, SHARD_NAME)
         if name.startswith("mp_rank_") and os.path.isfile(path):
             found[f"{name}/{SHARD_NAME}"] = os.path.getsize(path)
+            for extra in sorted(os.listdir(os.path.join(directory, name))):
+                if _DISTRIB_OPTIM.fullmatch(extra):
+                    found[f"{name}/{extra}"] = os.path.getsize(os.path.join(directory, name, extra))
     return found
 
 
@@ -533,10 +565,13 @@ def load_shard(
     pp_rank: int,
     pp_size: int,
     map_location: str | torch.device = "cpu",
+    name: str = SHARD_NAME,
+    mmap: bool = False,
 ) -> dict:
-    """This rank's shard, verified against its marker's checksum, then unpickled with
-    weights_only=True (tensors, containers, primitives)."""
-    path = shard_path(root, iteration, tp_rank, pp_rank, pp_size)
+    """This rank's shard (or its file `name`), verified against its marker's checksum, then
+    unpickled with weights_only=True (tensors, containers, primitives); `mmap`: tensors stay
+    in the page cache until read."""
+    path = shard_path(root, iteration, tp_rank, pp_rank, pp_size, name)
     if not os.path.isfile(path):
         directory = checkpoint_dir(root, iteration)
         present = sorted(_shard_files(directory))
@@ -547,7 +582,7 @@ def load_shard(
         )
     _verify_shard(root, iteration, path)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         detail = [line for line in str(e).splitlines() if "GLOBAL" in line]
         if not detail:  # a corrupt opcode, not a refused class: the bytes are damaged

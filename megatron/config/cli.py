@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from megatron.config.declare import Tree
 from megatron.config.files import parse_overrides, read_config_file, to_yaml
+from megatron.config.legacy import add_refused_arguments, apply_v1_defaults, check_refused
 from megatron.config.rules import validate
 from megatron.config.schema import LAUNCHER_VARIABLES, MegatronConfig
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config as YAML (a valid -c file) and exit",
     )
     config_tree().add_arguments(parser, given_only=True)
+    add_refused_arguments(parser)
     return parser
 
 
@@ -70,7 +72,9 @@ def world_size_from_env() -> int:
     return 1
 
 
-def resolve(ns: argparse.Namespace, world_size: int) -> MegatronConfig:
+def resolve(
+    ns: argparse.Namespace, world_size: int, default_tokenizer: str = "GPT2BPETokenizer"
+) -> MegatronConfig:
     """defaults < config file < flags on the command line < -o (not yet validated)."""
     tree = config_tree()
     values: dict[str, object] = {}
@@ -78,6 +82,7 @@ def resolve(ns: argparse.Namespace, world_size: int) -> MegatronConfig:
         values.update(read_config_file(ns.run_config, tree))
     values.update(tree.given(ns))
     values.update(parse_overrides(ns.overrides, tree))
+    apply_v1_defaults(values, default_tokenizer)
     values["parallel.world_size"] = world_size
     return tree.build(values)
 
@@ -86,6 +91,7 @@ def parse_args(
     argv: Sequence[str] | None = None,
     world_size: int | None = None,
     plan: Callable[[MegatronConfig], MegatronConfig] | None = None,
+    default_tokenizer: str = "GPT2BPETokenizer",
 ) -> MegatronConfig:
     """Parse argv (default sys.argv) into a validated, frozen config.
 
@@ -93,9 +99,13 @@ def parse_args(
     process group exists. With --print-config the config is printed and the process exits 0
     here, before any distributed or data work. `plan` (pretrain_gpt2.py's --auto-parallel)
     may replace the layout settings of the resolved config before it is validated.
+    `default_tokenizer` is the entry point's tokenizer for a --vocab-file without
+    --tokenizer-type (v1.x: pretrain_bert.py's is BertWordPieceLowerCase).
     """
     ns = build_parser().parse_args(argv)
-    cfg = resolve(ns, world_size if world_size is not None else world_size_from_env())
+    check_refused(ns)
+    world = world_size if world_size is not None else world_size_from_env()
+    cfg = resolve(ns, world, default_tokenizer)
     if plan is not None:
         cfg = plan(cfg)
     validate(cfg)

@@ -6,7 +6,9 @@ Each broken rule raises `ConfigError` naming the flag and the fix (never an `ass
 
 from __future__ import annotations
 
+from megatron.config.legacy import validate_compat, validate_vocab
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
+from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import (
     ConfigError,
     DataConfig,
@@ -200,6 +202,43 @@ def validate(cfg: MegatronConfig) -> None:
         _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
     _validate_batch(cfg.training, par.data_parallel_size)
     _validate_data(cfg.data)
+    _validate_distributed_optimizer(cfg)
+    validate_compat(cfg)
+
+
+def _validate_distributed_optimizer(cfg: MegatronConfig) -> None:
+    o = cfg.optimizer
+    if o.use_distributed_optimizer and cfg.deepspeed.enabled:
+        _fail(
+            "--use-distributed-optimizer",
+            "our sharded optimizer cannot run inside --deepspeed, whose ZeRO shards the "
+            "optimizer itself",
+            "drop --use-distributed-optimizer and pass --zero-stage 1 (ZeRO-1 shards the "
+            "optimizer states like it; 2 also shards gradients, 3 weights), or drop --deepspeed",
+        )
+    if o.use_distributed_optimizer:
+        clash = (
+            ("--DDP-impl torch", cfg.distributed.ddp_impl == "torch", "torch DDP all-reduces"),
+            ("--cpu-optimizer", cfg.deepspeed.cpu_optimizer, "its shards stay on the device"),
+            (
+                "--allreduce-dtype params",
+                cfg.distributed.allreduce_dtype == "params",
+                "it reduce-scatters the fp32 buckets",
+            ),
+        )
+        for flag, given, why in clash:
+            if given:
+                _fail(
+                    "--use-distributed-optimizer",
+                    f"given with {flag}: {why}, our sharded buffers are needed",
+                    f"drop {flag} (or --use-distributed-optimizer)",
+                )
+    if o.overlap_param_gather and not o.use_distributed_optimizer:
+        _fail(
+            "--overlap-param-gather",
+            "overlaps the all-gather of the distributed optimizer's weights, which is off",
+            "add --use-distributed-optimizer or drop --overlap-param-gather",
+        )
 
 
 def _validate_v1_kernels(cfg: MegatronConfig) -> None:
@@ -390,6 +429,7 @@ def validate_training(cfg: MegatronConfig) -> None:
     ):
         if value is not None and value < 1:
             _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
+    validate_logging(cfg.logging, cfg.parallel.world_size)
     if t.eval_iters < 0:
         _fail("--eval-iters", f"must be >= 0, got {t.eval_iters}", "pass 0 to skip validation")
     if t.num_workers < 0:
@@ -421,6 +461,7 @@ def validate_training(cfg: MegatronConfig) -> None:
         _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
+    validate_vocab(cfg)
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:
@@ -515,4 +556,49 @@ def _validate_lr_schedule(o: OptimizerConfig, t: TrainingConfig, dp: int) -> Non
             f"--lr-wsd-decay-{unit}",
             f"--lr-decay-style WSD needs it in (0, decay - warmup = {decay - warm}], got {wsd}",
             f"pass --lr-wsd-decay-{unit} within that range",
+        )
+
+
+def validate_bert(cfg: MegatronConfig) -> None:
+    """pretrain_bert.py's rules: its settings in range, and what its model cannot do."""
+    b = cfg.bert
+    if not 0.0 < b.mask_prob < 1.0:
+        _fail("--mask-prob", f"{b.mask_prob} is not in (0, 1)", "use e.g. 0.15")
+    if not 0.0 <= b.short_seq_prob <= 1.0:
+        _fail("--short-seq-prob", f"{b.short_seq_prob} is not in [0, 1]", "use e.g. 0.1")
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        _fail(
+            "--num-layers-per-virtual-pipeline-stage",
+            "BERT runs one model chunk per pipeline stage",
+            "drop the flag",
+        )
+    if cfg.parallel.sequence_parallel:
+        _fail(
+            "--sequence-parallel",
+            "the BERT model does not split its embeddings, pooler and heads along the sequence",
+            "drop it (BERT-large fits without it; TP alone splits the layers)",
+        )
+    if cfg.model.num_unique_layers is not None:
+        _fail(
+            "--num-unique-layers",
+            "layer sharing is built into the GPT's layer stack only",
+            "drop it, or pretrain a GPT with pretrain_gpt2.py",
+        )
+    if cfg.model.untie_embeddings_and_output_weights:
+        _fail("--untie-embeddings-and-output-weights", "BERT ties its MLM output", "drop it")
+    if cfg.data.uses_documents:
+        _fail(
+            "--reset-position-ids/--reset-attention-mask/--eod-mask-loss",
+            "GPT's packed-document options; BERT samples hold one document",
+            "drop them",
+        )
+
+
+def refuse_bert_settings(cfg: MegatronConfig) -> None:
+    """pretrain_gpt2.py: the BERT section's flags do nothing for a GPT, so they are refused."""
+    if cfg.bert.changed:
+        _fail(
+            cfg.bert.changed[0],
+            "a BERT pretraining setting; the GPT has no masked-LM or NSP objective",
+            "drop it, or run pretrain_bert.py",
         )

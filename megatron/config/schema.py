@@ -286,6 +286,12 @@ class RecomputeConfig:
     num_layers: int = setting(
         1, "N for --recompute-method", "--checkpoint-num-layers", flag="--recompute-num-layers"
     )
+    distribute_saved_activations: bool = setting(
+        False,
+        "full recompute: keep only 1/TP of each checkpointed layer input on every TP rank and "
+        "all-gather it for the recompute (memory / TP)",
+        "--distribute-checkpointed-activations",
+    )
 
 
 # (rank, world size, local rank) variables of each launcher, in order of precedence.
@@ -305,7 +311,11 @@ class ParallelConfig:
     tensor_model_parallel_size: int = setting(
         1, "tensor-parallel ranks per layer", "--model-parallel-size"
     )
-    pipeline_model_parallel_size: int = setting(1, "pipeline stages")
+    pipeline_model_parallel_size: int = setting(
+        1,
+        "pipeline stages (v1.x --pipe-parallel-size 0, no pipeline, means 1)",
+        "--pipe-parallel-size",
+    )
     num_layers_per_virtual_pipeline_stage: int | None = setting(
         None, "layers per model chunk for the interleaved pipeline schedule"
     )
@@ -371,6 +381,23 @@ class DistributedConfig:
     overlap_grad_reduce: bool = setting(
         True, "all-reduce gradients after backward instead of during it"
     )
+    ddp_impl: str = setting(
+        "local",
+        "data parallelism: local = our fp32 gradient buckets; torch = "
+        "torch.nn.parallel.DistributedDataParallel (PP = 1, fp32 weights)",
+        "--DDP-impl",
+        choices=("local", "torch"),
+    )
+    allreduce_dtype: str = setting(
+        "fp32",
+        "dtype of the data-parallel gradient all-reduce: fp32, or params = the fp16/bf16 "
+        "weights' dtype (half the traffic; gradients still accumulate in fp32)",
+        choices=("fp32", "params"),
+        shortcuts={"--fp32-allreduce": ("fp32", "classic flag: --allreduce-dtype fp32")},
+    )
+    use_cpu_initialization: bool = setting(
+        False, "build the model on the CPU, then move it to the device (the same weights)"
+    )
 
 
 @dataclass(frozen=True)
@@ -397,7 +424,9 @@ class TokenizerConfig:
 
     tokenizer_type: str | None = setting(
         None,
-        "tokenizer kind (default: ids come pre-tokenized and --vocab-size sets the vocab)",
+        "tokenizer kind (pretrain_gpt2.py default, as Megatron v1.x: GPT2BPETokenizer when "
+        "--vocab-file is given; without --vocab-file the ids come pre-tokenized and "
+        "--vocab-size sets the vocab)",
         choices=TOKENIZER_TYPES,
     )
     vocab_file: str | None = setting(
@@ -543,6 +572,32 @@ def split_weights(split: str) -> list[float]:
 
 
 @dataclass(frozen=True)
+class BertConfig:
+    """BERT pretraining (pretrain_bert.py); pretrain_gpt2.py refuses them when changed."""
+
+    mask_prob: float = setting(0.15, "fraction of each sample's tokens the MLM predicts")
+    short_seq_prob: float = setting(
+        0.1, "probability that a sample is cut to a random shorter length"
+    )
+    bert_no_binary_head: bool = setting(
+        False, "no pooler and next-sentence (NSP) head: MLM only, one segment per sample"
+    )
+    whole_word_masking: bool = setting(
+        False, "choose a word's '##' WordPiece pieces together for masking"
+    )
+
+    @property
+    def changed(self) -> list[str]:
+        """The flags set away from their defaults."""
+        default = BertConfig()
+        return [
+            "--" + f.name.replace("_", "-")
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+
+
+@dataclass(frozen=True)
 class MegatronConfig:
     """The whole run configuration; one field per section."""
 
@@ -558,6 +613,7 @@ class MegatronConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    bert: BertConfig = field(default_factory=BertConfig)
 
     def replace(self, **groups) -> MegatronConfig:
         """A copy with whole groups swapped, e.g. cfg.replace(model=new_model_cfg)."""

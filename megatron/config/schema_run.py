@@ -23,6 +23,12 @@ class TrainingConfig:
         "samples per optimizer step over all data-parallel ranks "
         "(default micro-batch-size x DP; the rest is gradient accumulation)",
     )
+    gradient_accumulation_steps: int | None = setting(
+        None,
+        "micro batches per step on each data-parallel rank (v1.x --gas): global batch = "
+        "micro-batch-size x DP x this; must agree with --global-batch-size if both are given",
+        "--gas",
+    )
     rampup_batch_size: tuple[int, int, int] | None = setting(
         None,
         "grow the global batch from START by INCREMENT over SAMPLES samples "
@@ -51,7 +57,9 @@ class TrainingConfig:
     num_workers: int = setting(2, "DataLoader worker processes per rank")
 
     def resolved_global_batch_size(self, data_parallel_size: int) -> int:
-        return self.global_batch_size or self.micro_batch_size * data_parallel_size
+        if self.global_batch_size:
+            return self.global_batch_size
+        return self.micro_batch_size * data_parallel_size * (self.gradient_accumulation_steps or 1)
 
 
 @dataclass(frozen=True)
@@ -94,9 +102,22 @@ class OptimizerConfig:
     use_checkpoint_lr_scheduler: bool = setting(False, "on resume, use the checkpoint's schedule")
     loss_scale: float | None = setting(None, "fp16: static loss scale (default: dynamic)")
     initial_loss_scale: float = setting(2.0**32, "fp16: first dynamic scale")
-    min_loss_scale: float = setting(1.0, "fp16: the dynamic scale never goes below this")
+    min_loss_scale: float = setting(
+        1.0, "fp16: the dynamic scale never goes below this", "--min-scale"
+    )
     loss_scale_window: int = setting(1000, "fp16: steps without overflow before the scale doubles")
     hysteresis: int = setting(2, "fp16: overflows tolerated before the scale is halved")
+    use_distributed_optimizer: bool = setting(
+        False,
+        "shard the fp32 main weights and optimizer moments over the data-parallel ranks "
+        "(ZeRO-1): gradients are reduce-scattered, each rank updates its shard, the weights "
+        "are all-gathered",
+    )
+    overlap_param_gather: bool = setting(
+        False,
+        "with --use-distributed-optimizer: all-gather the updated weights bucket by bucket "
+        "during the next forward instead of right after the step",
+    )
 
 
 @dataclass(frozen=True)
@@ -108,13 +129,21 @@ class CheckpointConfig:
     save_interval: int | None = setting(None, "iterations between saves")
     no_load_optim: bool = setting(False, "do not load optimizer state")
     no_load_rng: bool = setting(False, "do not load RNG states")
+    no_save_optim: bool = setting(
+        False,
+        "save weights without optimizer and LR-schedule state (resuming then needs "
+        "--no-load-optim or --finetune)",
+    )
+    no_save_rng: bool = setting(
+        False, "save without RNG states (resuming then needs --no-load-rng or --finetune)"
+    )
     finetune: bool = setting(False, "load weights only and start from iteration 0")
     save_retain_last: int | None = setting(None, "keep only the newest K complete checkpoints")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Log lines, timers and TensorBoard."""
+    """Log lines, timers, TensorBoard, Weights & Biases and the profiler."""
 
     log_interval: int = setting(100, "iterations between log lines")
     tensorboard_dir: str | None = setting(None, "write TensorBoard scalars here")
@@ -123,6 +152,34 @@ class LoggingConfig:
     )
     peak_tflops: float | None = setting(
         None, "peak TFLOP/s of one device, for MFU (default: known GPUs)"
+    )
+    profile: bool = setting(
+        False,
+        "trace iterations --profile-step-start+1 .. --profile-step-end with the torch profiler "
+        "(Chrome/TensorBoard trace per rank); on CUDA also NVTX ranges and "
+        "cudaProfilerStart/Stop around the window (nsys --capture-range=cudaProfilerApi)",
+    )
+    profile_step_start: int = setting(
+        10, "--profile: the window opens after this many iterations (Megatron-core's count)"
+    )
+    profile_step_end: int = setting(
+        12, "--profile: the window closes after this iteration (records end - start steps)"
+    )
+    profile_ranks: tuple[int, ...] = setting(
+        (0,), "--profile: global ranks that record a trace (space separated)"
+    )
+    profile_dir: str | None = setting(
+        None,
+        "--profile: where the traces go (default: --tensorboard-dir, so TensorBoard's profiler "
+        "plugin finds them, else ./profile)",
+    )
+    wandb_project: str | None = setting(
+        None,
+        "send the TensorBoard scalars and the resolved config to this W&B project (needs wandb)",
+    )
+    wandb_exp_name: str | None = setting(None, "W&B run name (default: W&B picks one)")
+    wandb_save_dir: str | None = setting(
+        None, "W&B's local files (default: SAVE/wandb with --save, else ./wandb)"
     )
 
 
@@ -159,7 +216,22 @@ class DeepSpeedConfig:
         None, "ZeRO: elements per all-gather bucket (overrides the JSON)"
     )
     cpu_optimizer: bool = setting(
-        False, "ZeRO: keep optimizer states on the CPU (offload_optimizer)"
+        False,
+        "keep the fp32 master weights and optimizer states on the CPU and step there "
+        "(with --deepspeed: ZeRO offload_optimizer with DeepSpeedCPUAdam)",
+    )
+    cpu_torch_adam: bool = setting(
+        False,
+        "with --cpu-optimizer: torch's AdamW on the CPU instead of DeepSpeed's CPU Adam kernel",
+        "--cpu-torch-adam",
+        flag="--cpu_torch_adam",
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        "recompute through deepspeed.checkpointing instead of our mpu checkpoint (implied by "
+        "--partition-activations/--checkpoint-in-cpu/--contigious-checkpointing/"
+        "--synchronize-each-layer/--profile-backward)",
+        flag="--deepspeed-activation-checkpointing",
     )
     partition_activations: bool = setting(
         False, "DeepSpeed recompute: split checkpointed activations over TP ranks"

@@ -38,11 +38,13 @@ from megatron.data.preprocess_inputs import (
     decode_record,
     expand_inputs,
     input_kind,
+    input_size,
     read_chunks,
     split_sentences,
 )
 from megatron.data.preprocess_outputs import DATASET_IMPLS, Outputs, token_dtype
 from megatron.data.tokenizers import build_tokenizer
+from megatron.progress import Progress, is_terminal
 
 _MAX_REPORTED = 20
 
@@ -321,9 +323,11 @@ def run(args: argparse.Namespace) -> int:
     level = "sentence" if options["split_sentences"] else "document"
     outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl)
     progress, stats = ProgressFile(), Stats()
-    total = sum(os.path.getsize(p) for p in paths)
-    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs)
+    total = sum(input_size(p) for p in paths)
+    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs, keys)
     ok, next_log = False, args.log_interval
+    # a bar on a terminal; the log lines of --log-interval otherwise
+    bar = Progress("preprocess", total, unit="B") if is_terminal(sys.stderr) else None
     results = _encode_in_order(chunks, args.workers, (tok.tokenizer_type, tok_kwargs, options))
     try:
         for result in results:
@@ -332,7 +336,9 @@ def run(args: argparse.Namespace) -> int:
                 _report_bad(stats, failed=True)
                 return 1
             outputs.add(result)
-            if stats.documents >= next_log:
+            if bar is not None:
+                bar.update(progress.bytes_read, note=f"{stats.documents} documents")
+            elif stats.documents >= next_log:
                 print(
                     _progress_line(stats, progress.bytes_read, total), file=sys.stderr, flush=True
                 )
@@ -341,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         ok = True
     finally:
         results.close()  # stops the worker pool at once on failure
+        if bar is not None:
+            bar.close()
         if not ok:
             outputs.discard()
     _summary(stats, progress.bytes_read, written, dtype)
@@ -384,14 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         help="files, globs or directories: .jsonl (one JSON object per line), .json "
-        "(lines, or one array of strings/objects), .txt (one document per line); "
-        "any of them .gz",
+        "(lines, or one array of strings/objects), .txt (one document per line), any of "
+        "them .gz; .parquet files and datasets.save_to_disk directories (needs pyarrow)",
     )
     g.add_argument(
         "--json-keys",
         nargs="+",
         default=["text"],
-        help="keys to extract; one output dataset per key (default: text)",
+        help="keys (table columns) to extract; one output dataset per key (default: text)",
     )
     g.add_argument(
         "--split-sentences",

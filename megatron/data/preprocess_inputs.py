@@ -1,4 +1,5 @@
-"""Reading corpora for preprocessing: loose JSON lines, JSON arrays, plain text, any of them .gz.
+"""Reading corpora for preprocessing: loose JSON lines, JSON arrays, plain text, any of them .gz;
+Parquet files and `datasets.save_to_disk` directories (megatron/data/preprocess_tables.py).
 
 Everything streams: the reader yields chunks of a few MB with the file and line number of each
 record, so memory stays flat whatever the corpus size, and every bad record can be reported as
@@ -15,7 +16,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-JSON_LINE, TEXT, VALUE = "json-line", "text", "value"
+from megatron.data.preprocess_tables import RowPosition, is_hf_dataset_dir, table_rows, table_size
+
+JSON_LINE, TEXT, VALUE, TABLE = "json-line", "text", "value", "table"
 _READ_SIZE = 1 << 20
 
 
@@ -32,16 +35,19 @@ class BadRecord:
 @dataclass
 class Chunk:
     path: str
-    kind: str  # JSON_LINE (raw bytes), TEXT (raw bytes), VALUE (parsed JSON value)
-    items: list  # [(line number, payload)]
+    kind: str  # JSON_LINE (raw bytes), TEXT (raw bytes), VALUE (parsed JSON value or table row)
+    items: list  # [(line or row number, payload)]
     bad: list  # BadRecords found while reading (e.g. a broken JSON array)
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
-    """Files, globs or directories -> sorted file list; a pattern matching nothing is an error."""
+    """Files, globs or directories -> sorted file list; a pattern matching nothing is an error.
+    A `datasets.save_to_disk` directory stays one input."""
     files: list[str] = []
     for pattern in patterns:
-        if os.path.isdir(pattern):
+        if is_hf_dataset_dir(pattern):
+            matches = [pattern]
+        elif os.path.isdir(pattern):
             matches = sorted(
                 os.path.join(pattern, f)
                 for f in os.listdir(pattern)
@@ -56,7 +62,10 @@ def expand_inputs(patterns: list[str]) -> list[str]:
 
 
 def input_kind(path: str) -> str:
-    """`.txt` is plain text; `.json` whose first non-space byte is '[' is an array; else lines."""
+    """`.txt` is plain text; `.json` whose first non-space byte is '[' is an array; `.parquet`
+    and saved datasets are tables; else lines."""
+    if path.endswith(".parquet") or os.path.isdir(path):
+        return TABLE
     name = path[:-3] if path.endswith(".gz") else path
     if name.endswith(".txt"):
         return TEXT
@@ -95,10 +104,32 @@ class ProgressFile:
         return self.done_bytes + current
 
 
+def input_size(path: str) -> int:
+    return table_size(path) if input_kind(path) == TABLE else os.path.getsize(path)
+
+
+def _table_chunks(path, columns, chunk_bytes, progress: ProgressFile) -> Iterator[Chunk]:
+    position = RowPosition()
+    progress.track(position)
+    try:
+        for name, items in table_rows(path, columns, chunk_bytes, position):
+            yield Chunk(name, VALUE, items, [])
+    finally:
+        progress.finish(table_size(path))
+
+
 def read_chunks(
-    paths: list[str], chunk_bytes: int, progress: ProgressFile, paragraphs: bool = False
+    paths: list[str],
+    chunk_bytes: int,
+    progress: ProgressFile,
+    paragraphs: bool = False,
+    columns: list[str] | None = None,
 ) -> Iterator[Chunk]:
+    """`columns`: the --json-keys, the only columns read from tables."""
     for path in paths:
+        if input_kind(path) == TABLE:
+            yield from _table_chunks(path, columns or ["text"], chunk_bytes, progress)
+            continue
         raw = open(path, "rb")  # noqa: SIM115
         progress.track(raw)
         try:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from collections.abc import Callable
 
 import torch
 
 from megatron.inference.engine import InferenceModel
+from megatron.progress import Progress
 
 _WIKITEXT_RULES = [  # the word-level WikiText files' tokenization, undone
     (" @-@ ", "-"),
@@ -187,19 +187,10 @@ def evaluate_lambada(
 
 
 def progress_bar(label: str, enabled: bool):
-    def show(done: int, total: int) -> None:
-        if not enabled:
-            return
-        filled = int(30 * done / max(total, 1))
-        end = "\n" if done >= total else ""
-        print(
-            f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
-            end=end,
-            file=sys.stderr,
-            flush=True,
-        )
-
-    return show
+    """`show(done, total)`: a tqdm bar on a terminal, plain lines in a log (megatron/progress)."""
+    if not enabled:
+        return lambda done, total: None
+    return Progress(label)
 
 
 def read_jsonl_texts(path: str, key: str = "text") -> list[str]:

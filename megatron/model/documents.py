@@ -20,3 +20,14 @@ def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()  # (s, s)
     same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (b, s, s)
     return (same & causal).unsqueeze(1)
+
+
+def padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+    """keep[b, 0, i, j] = padding_mask[b, j] != 0: bidirectional attention (BERT) to every real
+    key of the sample, whatever the query.
+
+    padding_mask: (b, s), 1 for real tokens, 0 for padding -> (b, 1, s, s) bool (an expanded
+    view, broadcast over heads). Giving ParallelAttention a mask tensor is what makes it
+    non-causal: None means causal."""
+    b, s = padding_mask.shape
+    return (padding_mask != 0).view(b, 1, 1, s).expand(b, 1, s, s)

@@ -12,7 +12,10 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
+
+from megatron.mpu.utils import group_rank, group_size
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -103,7 +106,75 @@ def checkpoint(function: Callable, tracker: RNGStatesTracker | None, *args, impl
             tracker.set_states(current)
 
     if impl is not None:
-        return impl(run, *args, **kwargs)
+        # Tensors only: DeepSpeed's checkpoint, partitioning activations, mishandles other
+        # arguments (a None position_ids); they are bound here instead.
+        where = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+
+        def tensors_only(*tensors):
+            full = list(args)
+            for i, t in zip(where, tensors, strict=True):
+                full[i] = t
+            return run(*full, **kwargs)
+
+        return impl(tensors_only, *(args[i] for i in where))
     return torch_checkpoint.checkpoint(
         run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
     )
+
+
+def _local_slice(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/size of x flattened (zero-padded to a multiple of the group size)."""
+    size, rank = group_size(group), group_rank(group)
+    flat = x.detach().reshape(-1)
+    per = -(-flat.numel() // size)
+    flat = torch.nn.functional.pad(flat, (0, per * size - flat.numel()))
+    return flat[rank * per : (rank + 1) * per].clone()  # clone: frees the full tensor
+
+
+def _gather_full(piece: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:
+    """Inverse of _local_slice over the group: all-gather the pieces, drop padding, reshape."""
+    if group_size(group) == 1:
+        return piece.reshape(shape)
+    pieces = [torch.empty_like(piece) for _ in range(group_size(group))]
+    dist.all_gather(pieces, piece, group=group)
+    return torch.cat(pieces)[: shape.numel()].reshape(shape)
+
+
+class _DistributedCheckpoint(torch.autograd.Function):
+    """Forward without keeping activations; keep 1/TP of the input x on each TP rank.
+
+    backward: all-gather x over the TP group, replay the forward with the saved
+    default-generator state (same dropout masks), backpropagate through it."""
+
+    @staticmethod
+    def forward(ctx, function, group, x, *rest):
+        ctx.function, ctx.group, ctx.rest = function, group, rest
+        ctx.shape, ctx.needs_x_grad = x.shape, x.requires_grad
+        ctx.generator = default_generator(x.device)
+        ctx.rng_state = ctx.generator.get_state()
+        with torch.no_grad():
+            out = function(x, *rest)
+        ctx.save_for_backward(_local_slice(x, group))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (piece,) = ctx.saved_tensors
+        x = _gather_full(piece, ctx.shape, ctx.group).detach().requires_grad_(ctx.needs_x_grad)
+        current = ctx.generator.get_state()
+        ctx.generator.set_state(ctx.rng_state)
+        try:
+            with torch.enable_grad():
+                out = ctx.function(x, *ctx.rest)
+        finally:
+            ctx.generator.set_state(current)
+        torch.autograd.backward(out, grad_out)
+        return (None, None, x.grad if ctx.needs_x_grad else None, *([None] * len(ctx.rest)))
+
+
+def distributed_checkpoint(function: Callable, x: torch.Tensor, *rest, group=None):
+    """A checkpoint `impl` (see `checkpoint`) for --distribute-checkpointed-activations: the
+    saved layer input takes x.numel() / TP elements per TP rank instead of x.numel(); the
+    recompute all-gathers it first (one all-gather per checkpointed layer in backward).
+    Gradients and dropout masks are those of the plain checkpoint."""
+    return _DistributedCheckpoint.apply(function, group, x, *rest)

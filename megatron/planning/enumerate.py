@@ -61,11 +61,7 @@ class PlanError(ValueError):
 def training_of(cfg: MegatronConfig) -> Training:
     """The memory model's view of the run settings."""
     o, ds = cfg.optimizer, cfg.deepspeed
-    # --use-distributed-optimizer is declared on another branch (optimizer or distributed).
-    distributed = any(
-        getattr(section, "use_distributed_optimizer", False) for section in (o, cfg.distributed)
-    )
-    sharding = "distributed" if distributed else "none"
+    sharding = "distributed" if o.use_distributed_optimizer else "none"
     if ds.enabled and ds.zero_stage:
         sharding = {1: "distributed", 2: "zero2", 3: "zero3"}[ds.zero_stage]
     return Training(

@@ -18,7 +18,7 @@ loss (`average_loss` below).
 from __future__ import annotations
 
 import abc
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ class StepResult(TypedDict):
     lm_loss: float  # the global batch's mean loss
     updated: bool  # False: the step was skipped (inf/NaN gradients, fp16 overflow)
     grad_norm: float | None  # None where the backend cannot tell
+    other_losses: NotRequired[dict[str, float]]  # e.g. BERT's {"nsp loss": ...}, logged too
 
 
 class TrainerBackend(abc.ABC):
@@ -91,3 +92,11 @@ def average_loss(losses: list[torch.Tensor], rt: Runtime) -> float:
     if st.pp_size > 1:
         dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
     return float(t.item())
+
+
+def other_losses(forward_step_func, stats: list[dict], rt: Runtime) -> dict[str, float]:
+    """The stats named by `forward_step_func.other_losses` (besides "lm loss"), each averaged
+    like the loss. The names come from the function, not from `stats`, because only the last
+    pipeline stage has stats and every rank must join the same collectives."""
+    names = getattr(forward_step_func, "other_losses", ())
+    return {name: average_loss([s[name] for s in stats], rt) for name in names}

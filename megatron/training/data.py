@@ -164,21 +164,18 @@ def build_data_iterators(
     consumed_train: int,
     consumed_valid: int,
     documents: DocumentMasking | None = None,
+    datasets_provider=None,
 ):
     """Train / valid / test iterators of batch dicts: "text" (b, s + 1), plus the fields of
-    `documents` (see document_fields)."""
+    `documents` (see document_fields); or of the datasets `datasets_provider(cfg, rt, counts)`
+    builds (another model family's samples)."""
     counts = split_sample_counts(cfg, rt.state.dp_size)
     if cfg.data.loose_json.given:
         cfg = dataclasses.replace(cfg, data=resolve_data_config(cfg, rt.state.rank))
-    datasets = build_train_valid_test_datasets(
-        cfg.data,
-        counts,
-        cfg.model.seq_length,
-        cfg.training.seed,
-        vocab_size=cfg.model.vocab_size,
-        is_builder=rt.state.rank == 0,
-        barrier=barrier,
-    )
+    if datasets_provider is not None:
+        datasets = datasets_provider(cfg, rt, counts)
+    else:
+        datasets = _gpt_datasets(cfg, rt, counts)
     train, valid, test = datasets
     if train is None:
         raise ValueError(
@@ -189,6 +186,18 @@ def build_data_iterators(
         _loader(train, consumed_train, cfg, rt, documents),
         _loader(valid, consumed_valid, cfg, rt, documents),
         _loader(test, 0, cfg, rt, documents),
+    )
+
+
+def _gpt_datasets(cfg: MegatronConfig, rt: Runtime, counts):
+    return build_train_valid_test_datasets(
+        cfg.data,
+        counts,
+        cfg.model.seq_length,
+        cfg.training.seed,
+        vocab_size=cfg.model.vocab_size,
+        is_builder=rt.state.rank == 0,
+        barrier=barrier,
     )
 
 

@@ -1,4 +1,5 @@
-"""Megatron-style log lines, model FLOPs for throughput/MFU, and TensorBoard scalars."""
+"""Megatron-style log lines, model FLOPs for throughput/MFU, and the metrics sinks (TensorBoard,
+Weights & Biases) that receive the same scalars."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import textwrap
 
 import torch
 
-from megatron.config.schema import ModelConfig
+from megatron.config.schema import LoggingConfig, ModelConfig
 
 # Dense bf16/fp16 tensor-core peak of one device, TFLOP/s (for MFU when --peak-tflops is unset).
 KNOWN_PEAK_TFLOPS = {
@@ -70,6 +71,7 @@ def iteration_line(
     tokens_per_s,
     tflops,
     mfu,
+    others=None,
 ) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
@@ -78,6 +80,7 @@ def iteration_line(
         f"learning rate: {lr:.3E}",
         f"global batch size: {global_batch:5d}",
         f"lm loss: {loss:.6E}",
+        *(f"{name}: {value:.6E}" for name, value in (others or {}).items()),
         f"loss scale: {loss_scale:.1f}",
         f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: -",
         f"number of skipped iterations: {skipped:3d}",
@@ -123,6 +126,39 @@ class TensorBoard:
             # TensorBoard renders markdown: indented by 4 spaces, the text is a code block.
             self.writer.add_text(name, textwrap.indent(text, "    "), 0)
 
+    def run_config(self, text: str) -> None:
+        self.text("run-config", text)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class MetricsSinks:
+    """Where the loop's scalars go: each sink has scalars(values, iteration, consumed samples),
+    run_config(yaml text) and close(); a sink that is off does nothing."""
+
+    def __init__(self, *sinks):
+        self.sinks = sinks
+
+    def scalars(self, values: dict[str, float], iteration: int, consumed: int) -> None:
+        for sink in self.sinks:
+            sink.scalars(values, iteration, consumed)
+
+    def run_config(self, text: str) -> None:
+        for sink in self.sinks:
+            sink.run_config(text)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_metrics_sinks(lg: LoggingConfig, save: str | None, enabled: bool) -> MetricsSinks:
+    """TensorBoard with --tensorboard-dir, W&B with --wandb-project (imported only then)."""
+    sinks = [TensorBoard(lg.tensorboard_dir, enabled)]
+    if lg.wandb_project:
+        from megatron.training.wandb_log import WandB
+
+        sinks.append(WandB(lg, save, enabled))
+    return MetricsSinks(*sinks)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint.storage import write_text_atomic
 from megatron.config.files import RUN_CONFIG_NAME, to_yaml
+from megatron.config.legacy import check_tokenizer_files
 from megatron.config.rules import validate_model
 from megatron.config.schema import MegatronConfig
 from megatron.data.tokenizers import build_tokenizer
@@ -24,7 +25,7 @@ from megatron.initialize import Runtime, initialize_megatron
 from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.data import DocumentMasking, build_data_iterators
 from megatron.training.log import (
-    TensorBoard,
+    build_metrics_sinks,
     iteration_line,
     memory_mib,
     model_flops_per_sample,
@@ -32,6 +33,7 @@ from megatron.training.log import (
     validation_line,
 )
 from megatron.training.microbatches import MicroBatchCalculator
+from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend, forward_step
 from megatron.training.timers import Timers
@@ -53,6 +55,7 @@ class TrainResult:
 def resolve_vocab(cfg: MegatronConfig):
     """Set the model's vocab from the tokenizer (when one is configured); returns (cfg, tok)."""
     tok_cfg = cfg.data.tokenizer
+    check_tokenizer_files(cfg)
     if tok_cfg.tokenizer_type is None:
         return cfg, None
     tokenizer = build_tokenizer(
@@ -66,12 +69,12 @@ def resolve_vocab(cfg: MegatronConfig):
 RUN_CONFIG_HEADER = "the resolved config of a training run; run it again with -c FILE"
 
 
-def _record_run_config(text: str, save: str | None, is_rank0: bool, tensorboard) -> None:
-    """The config beside the checkpoints (SAVE/run_config.yaml) and in TensorBoard, so every
-    run can be reproduced, and compared, from what it left behind."""
+def _record_run_config(text: str, save: str | None, is_rank0: bool, metrics) -> None:
+    """The config beside the checkpoints (SAVE/run_config.yaml) and in TensorBoard / W&B, so
+    every run can be reproduced, and compared, from what it left behind."""
     if save and is_rank0:
         write_text_atomic(os.path.join(save, RUN_CONFIG_NAME), text)
-    tensorboard.text("run-config", text)
+    metrics.run_config(text)
 
 
 class _ExitSignal:
@@ -99,22 +102,35 @@ def pretrain(
     forward_step_func=forward_step,
     runtime: Runtime | None = None,
     out=sys.stdout,
+    model_provider=None,
+    datasets_provider=None,
 ) -> TrainResult:
-    """Train as the config says; returns the per-iteration history (the last rank logs it)."""
+    """Train as the config says; returns the per-iteration history (the last rank logs it).
+
+    Another model family plugs in here: `model_provider` (model/stages.py build_model's
+    signature), `datasets_provider(cfg, rt, counts) -> [train, valid, test]` and its
+    `forward_step_func` (pretrain_bert.py)."""
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)
     rt = runtime or initialize_megatron(cfg)
-    backend = build_backend(cfg, rt, forward_step_func)
+    backend = build_backend(cfg, rt, forward_step_func, model_provider)
     loop = None
     try:
         state = backend.load() if cfg.checkpoint.load else TrainState()
         iters = build_data_iterators(
-            cfg, rt, state.consumed_train_samples, state.consumed_valid_samples, documents
+            cfg,
+            rt,
+            state.consumed_train_samples,
+            state.consumed_valid_samples,
+            documents,
+            datasets_provider,
         )
         loop = _TrainLoop(cfg, rt, backend, out)
-        _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.tensorboard)
+        _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.metrics)
         result = loop.run(state, *iters)
+        if hasattr(backend.model, "finish_param_sync"):  # an --overlap-param-gather in flight
+            backend.model.finish_param_sync()
         result.model = backend.model
         return result
     except TrainingError:
@@ -126,18 +142,22 @@ def pretrain(
         raise TrainingError(why) from e
     finally:
         if loop is not None:
-            loop.tensorboard.close()
+            loop.profiler.close()
+            loop.metrics.close()
         if runtime is None and rt.heartbeat is not None:
             rt.heartbeat.stop()  # ours to stop: each pretrain() call would start another
 
 
-def build_backend(cfg: MegatronConfig, rt: Runtime, forward_step_func) -> TrainerBackend:
+def build_backend(
+    cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider=None
+) -> TrainerBackend:
     """--deepspeed picks DeepSpeed's engine (imported only then), else our own backend."""
+    kw = {} if model_provider is None else {"model_provider": model_provider}
     if cfg.deepspeed.enabled:
         from megatron.training.deepspeed.backend import DeepSpeedBackend
 
-        return DeepSpeedBackend(cfg, rt, forward_step_func)
-    return NativeBackend(cfg, rt, forward_step_func)
+        return DeepSpeedBackend(cfg, rt, forward_step_func, **kw)
+    return NativeBackend(cfg, rt, forward_step_func, **kw)
 
 
 @dataclass
@@ -151,8 +171,11 @@ class _Window:
     loss_sum: float = 0.0
     counted: int = 0
     grad_norm: float | None = None
+    others: dict[str, float] = field(default_factory=dict)  # sums of other_losses
 
     def add(self, step: StepResult, seconds: float) -> None:
+        for name, value in step.get("other_losses", {}).items():
+            self.others[name] = self.others.get(name, 0.0) + value
         self.iters += 1
         self.seconds += seconds
         self.skipped += not step["updated"]
@@ -176,8 +199,9 @@ class _TrainLoop:
             t.rampup_batch_size,
         )
         self.is_logger = rt.state.rank == rt.state.world_size - 1
-        self.tensorboard = TensorBoard(cfg.logging.tensorboard_dir, self.is_logger)
+        self.metrics = build_metrics_sinks(cfg.logging, cfg.checkpoint.save, self.is_logger)
         self.timers = Timers(cfg.logging.timing_log_level, rt.device)
+        self.profiler = Profiler(cfg.logging, rt.state.rank, rt.device, self.timers, out)
         self.signal = _ExitSignal(t.exit_signal_handler)
         self.flops_per_sample = model_flops_per_sample(cfg.model, cfg.model.seq_length)
         self.peak = peak_tflops(rt.device, cfg.logging.peak_tflops)
@@ -229,12 +253,14 @@ class _TrainLoop:
     def _iteration(self, state: TrainState, train_iter, window: _Window, result) -> int:
         gbs = self.micro.global_batch_at(state.consumed_train_samples)
         tic = time.perf_counter()
+        self.profiler.before_step(state.iteration)
         self.timers("iteration").start()
         step = self.backend.train_step(
             train_iter, self.micro.num_micro_batches(state.consumed_train_samples), self.timers
         )
         self.timers("iteration").stop()
         state.iteration += 1
+        self.profiler.after_step(state.iteration)
         state.consumed_train_samples += gbs
         window.add(step, time.perf_counter() - tic)
         self.skipped_in_a_row = 0 if step["updated"] else self.skipped_in_a_row + 1
@@ -246,6 +272,7 @@ class _TrainLoop:
                 "updated": step["updated"],
                 "lr": self.backend.lr,
                 "loss_scale": self.backend.loss_scale,
+                **step.get("other_losses", {}),
             }
         )
         limit = self.cfg.training.max_skipped_in_a_row
@@ -293,7 +320,7 @@ class _TrainLoop:
         result.validation.append({"iteration": state.iteration, "split": split, "lm_loss": loss})
         bar = "-" * 100
         self._print(f"{bar}\n{validation_line(state.iteration, loss, split)}\n{bar}")
-        self.tensorboard.scalars(
+        self.metrics.scalars(
             {f"{split} lm-loss": loss}, state.iteration, state.consumed_train_samples
         )
 
@@ -322,11 +349,12 @@ class _TrainLoop:
                 tokens_per_s=tokens_per_s,
                 tflops=tflops,
                 mfu=mfu,
+                others={k: v / iters for k, v in w.others.items()},
             )
         )
         if self.cfg.logging.timing_log_level > 0:
             self._print(Timers.format(self.timers.pop_elapsed(), iters))
-        self.tensorboard.scalars(
+        self.metrics.scalars(
             {
                 "lm-loss": loss,
                 "learning-rate": lr,

@@ -7,6 +7,10 @@ all-reduce over all ranks decides whether any gradient is inf/NaN: if so every r
 update together (and fp16 lowers its loss scale). The same happens, in every precision, when the
 caller reports a non-finite loss or the gradient norm is not finite (finite gradients whose
 squares overflow): Adam would otherwise turn such a step into a full-size update of every weight.
+
+`cpu_offload` (--cpu-optimizer) keeps the fp32 masters and the optimizer states on the CPU for
+every precision: the inf/NaN check and clipping run on the gradients where they are, then the
+clipped gradients are copied to the CPU, the step runs there, and the weights are copied back.
 """
 
 from __future__ import annotations
@@ -81,6 +85,17 @@ class ConstantGradScaler:
         self.scale = float(sd["scale"])
 
 
+def make_grad_scaler(cfg: OptimizerConfig, params_dtype: torch.dtype):
+    """fp16: the static (--loss-scale) or dynamic loss scaler; other precisions: None."""
+    if params_dtype != torch.float16:
+        return None
+    if cfg.loss_scale:
+        return ConstantGradScaler(cfg.loss_scale)
+    return DynamicGradScaler(
+        cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis
+    )
+
+
 def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     for g in groups:
         g["weight_decay"] = cfg.weight_decay * g["wd_mult"]
@@ -103,17 +118,25 @@ def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
 _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
 
 
-def _fp32_copy(p: torch.Tensor) -> torch.Tensor:
-    """fp32 master of a half parameter, keeping the attributes grad-norm counting relies on."""
-    main = p.detach().clone().float()
+def _with_parallel_attrs(new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     for attr in _PARALLEL_ATTRS:
         if hasattr(p, attr):
-            setattr(main, attr, getattr(p, attr))
-    return main
+            setattr(new, attr, getattr(p, attr))
+    return new
+
+
+def _fp32_copy(p: torch.Tensor, device=None) -> torch.Tensor:
+    """fp32 master of a parameter (on `device`), keeping the attributes grad-norm counting
+    relies on."""
+    return _with_parallel_attrs(p.detach().clone().float().to(device or p.device), p)
 
 
 class MegatronOptimizer:
     """step() -> (updated?, grad norm or None). Skips are global and counted by the caller."""
+
+    # Subclasses (the distributed optimizer) keep their masters on the device: no stand-ins.
+    offload = False
+    _holders: list[torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -123,29 +146,24 @@ class MegatronOptimizer:
         params_dtype: torch.dtype,
         state: ParallelState,
         clip_grad: float,
+        cpu_offload: bool = False,
     ):
         self.state, self.clip_grad = state, clip_grad
         self.model_groups = param_groups(model)
-        self.half = params_dtype in (torch.float16, torch.bfloat16)
-        if self.half:
+        self.offload = cpu_offload
+        # Separate fp32 masters: for half weights, and for any weights when they live on the CPU.
+        self.masters = params_dtype in (torch.float16, torch.bfloat16) or cpu_offload
+        self._holders: list[torch.Tensor] | None = None
+        if self.masters:
+            where = "cpu" if cpu_offload else None
             main_groups = [
-                {**g, "params": [_fp32_copy(p) for p in g["params"]]} for g in self.model_groups
+                {**g, "params": [_fp32_copy(p, where) for p in g["params"]]}
+                for g in self.model_groups
             ]
         else:
             main_groups = [dict(g) for g in self.model_groups]
         self.optimizer = _torch_optimizer(main_groups, cfg)
-        self.scaler = None
-        if params_dtype == torch.float16:
-            self.scaler = (
-                ConstantGradScaler(cfg.loss_scale)
-                if cfg.loss_scale
-                else DynamicGradScaler(
-                    cfg.initial_loss_scale,
-                    cfg.min_loss_scale,
-                    cfg.loss_scale_window,
-                    cfg.hysteresis,
-                )
-            )
+        self.scaler = make_grad_scaler(cfg, params_dtype)
 
     @property
     def param_groups(self):
@@ -182,20 +200,34 @@ class MegatronOptimizer:
         finally:
             # Drop the aliases of main_grad: for fp32 models main params are the model's, and a
             # .grad left set would make autograd accumulate the next gradient into it directly.
-            for _, main_p in self._pairs():
-                main_p.grad = None
+            for carrier in [main_p for _, main_p in self._pairs()] + (self._holders or []):
+                carrier.grad = None
+
+    def _grad_carriers(self) -> list[torch.Tensor]:
+        """Tensors whose .grad is each fp32 main_grad, on the gradients' device, with the mpu
+        attributes: the main params themselves, or (offload: the masters are on the CPU)
+        stand-ins aliasing main_grad, so the norm and its all-reduce run where the grads are."""
+        if not self.offload:
+            carriers = [main_p for _, main_p in self._pairs()]
+        else:
+            if self._holders is None:
+                self._holders = [
+                    _with_parallel_attrs(model_p.main_grad.detach(), model_p)
+                    for model_p, _ in self._pairs()
+                ]
+            carriers = self._holders
+        for (model_p, _), carrier in zip(self._pairs(), carriers, strict=True):
+            carrier.grad = model_p.main_grad  # fp32 view of the DP-reduced gradient, no copy
+        return carriers
 
     def _step(self, nonfinite_loss: bool) -> tuple[bool, float | None]:
-        grads = []
-        for model_p, main_p in self._pairs():
-            main_p.grad = model_p.main_grad  # fp32 view of the DP-reduced gradient, no copy
-            grads.append(main_p.grad)
+        carriers = self._grad_carriers()
+        grads = [c.grad for c in carriers]
         found_inf = self._unscale_and_check(grads) or nonfinite_loss
         norm = None
         if not found_inf:
-            main_params = [p for g in self.optimizer.param_groups for p in g["params"]]
             norm = clip_grad_norm(
-                main_params,
+                carriers,
                 self.clip_grad,
                 tp_rank=self.state.tp_rank,
                 model_parallel_group=self.state.mp_group,
@@ -207,8 +239,11 @@ class MegatronOptimizer:
             self.scaler.update(found_inf)
         if found_inf:
             return False, None if norm is None else float(norm)
+        if self.offload:
+            for (_, main_p), carrier in zip(self._pairs(), carriers, strict=True):
+                main_p.grad = carrier.grad.to(main_p.device)  # the clipped gradient, on the CPU
         self.optimizer.step()
-        if self.half:
+        if self.masters:
             for model_p, main_p in self._pairs():
                 model_p.copy_(main_p)
         return True, float(norm)
@@ -216,7 +251,7 @@ class MegatronOptimizer:
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the fp32 masters from the model (after loading weights without optimizer)."""
-        if self.half:
+        if self.masters:
             for model_p, main_p in self._pairs():
                 main_p.copy_(model_p)
 
@@ -224,7 +259,7 @@ class MegatronOptimizer:
         sd = {"optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
             sd["grad_scaler"] = self.scaler.state_dict()
-        if self.half:
+        if self.masters:
             sd["fp32_from_fp16_params"] = [p for _, p in self._pairs()]
         return sd
 
@@ -233,6 +268,6 @@ class MegatronOptimizer:
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.scaler is not None and "grad_scaler" in sd:
             self.scaler.load_state_dict(sd["grad_scaler"])
-        if self.half and "fp32_from_fp16_params" in sd:
+        if self.masters and "fp32_from_fp16_params" in sd:
             for (_, main_p), saved in zip(self._pairs(), sd["fp32_from_fp16_params"], strict=True):
                 main_p.copy_(saved)

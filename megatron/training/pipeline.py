@@ -17,6 +17,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron.training.timers import NULL_TIMER
+
 FORWARD, BACKWARD = 0, 1
 
 
@@ -66,8 +68,13 @@ class _Comm:
         self.timers, self.pending = timers, []
 
     def send(self, tensor: torch.Tensor, dst_stage: int, tag: int) -> None:
+        timer = self.timers("pipeline-send", 2) if self.timers else None
+        if timer:
+            timer.start()
         tensor = tensor.detach().contiguous()
         self.pending.append((dist.isend(tensor, self.state.pp_ranks[dst_stage], tag=tag), tensor))
+        if timer:
+            timer.stop()
 
     def recv(self, src_stage: int, tag: int) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -152,6 +159,9 @@ class _Runner:
     def _virtual(self, c: int) -> int:
         return c * self.P + self.s
 
+    def _timer(self, name: str):
+        return self.comm.timers(name, 1) if self.comm.timers else NULL_TIMER
+
     def forward(self, c: int, mb: int) -> None:
         v, last = self._virtual(c), self.P * self.V - 1
         chunk = self.model[c]
@@ -160,12 +170,14 @@ class _Runner:
             x.requires_grad_(not self.forward_only)
             chunk.set_input_tensor(x)
             self.inputs[(c, mb)] = x
+        self._timer("forward-compute").start()
         output, loss_func = self.forward_step(self.iters[c], chunk)
         if v == last:
             loss, micro_stats = loss_func(output)
             self.stats.append(micro_stats)
             output = loss
-        else:
+        self._timer("forward-compute").stop()
+        if v != last:
             self.comm.send(output, (self.s + 1) % self.P, _tag(FORWARD, v + 1, mb))
         if not self.forward_only:
             self.outputs[(c, mb)] = output
@@ -173,10 +185,12 @@ class _Runner:
     def backward(self, c: int, mb: int) -> None:
         v, last = self._virtual(c), self.P * self.V - 1
         output, x = self.outputs.pop((c, mb)), self.inputs.pop((c, mb), None)
+        grad = None if v == last else self.comm.recv((self.s + 1) % self.P, _tag(BACKWARD, v, mb))
+        self._timer("backward-compute").start()
         if v == last:
             self.scale_loss(output / self.M).backward()
         else:
-            grad = self.comm.recv((self.s + 1) % self.P, _tag(BACKWARD, v, mb))
             torch.autograd.backward(output, grad)
+        self._timer("backward-compute").stop()
         if v > 0:
             self.comm.send(x.grad, (self.s - 1) % self.P, _tag(BACKWARD, v - 1, mb))

@@ -54,6 +54,7 @@ def forward_backward_no_pipelining(
         no_sync = getattr(model, "no_sync", contextlib.nullcontext)
         chunk = getattr(model, "module", model)
         chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
+        chunk = getattr(model, "forward_chunk", chunk)  # --DDP-impl torch: through torch DDP
 
         def backward(loss):
             scale_loss(loss / num_micro_batches).backward()

@@ -8,8 +8,10 @@ way back from them; `commit` makes a written checkpoint the one --load finds.
 The native backend's TP x PP shards (written by DP rank 0) add the model shard with its
 partition record (each tensor's TP split dimension and stride, or None: what
 megatron.checkpoint.resharding merges and splits by), optimizer (with fp32 masters and the
-loss scaler) and LR scheduler. Storage, atomic pointer and crash safety:
-megatron.checkpoint.storage.
+loss scaler) and LR scheduler. With --use-distributed-optimizer every DP rank also writes its
+optimizer shard (`distrib_optim_dp_XXX.pt` beside the model shard: per parameter, a flat range
+and its state), and a resume at any DP size reassembles its own ranges from them. Storage,
+atomic pointer and crash safety: megatron.checkpoint.storage.
 """
 
 from __future__ import annotations
@@ -25,16 +27,19 @@ import torch.distributed as dist
 
 from megatron.checkpoint.resharding import partition_record
 from megatron.checkpoint.storage import (
+    DISTRIB_OPTIM_NAME,
     CheckpointError,
     finalize_checkpoint,
     load_newest_intact,
     load_shard,
+    remove_stale_optimizer_shards,
     rng_state_dict,
     save_shard,
     set_rng_state,
 )
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
+from megatron.training.distrib_optimizer import distributed_to_plain
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
@@ -96,15 +101,16 @@ def _gather(outcome):
 
 def checkpoint_entries(cfg: MegatronConfig, rt: Runtime, state: TrainState) -> dict:
     """The entries every checkpoint holds whatever the backend (what `resume` reads back)."""
-    rng = rng_state_dict(rt.device)
-    rng["tracker"] = rt.rng_tracker.get_states()
-    return {
+    entries = {
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "rng_state": rng,
         "args": checkpoint_args(cfg),
     }
+    if not cfg.checkpoint.no_save_rng:
+        entries["rng_state"] = rng_state_dict(rt.device)
+        entries["rng_state"]["tracker"] = rt.rng_tracker.get_states()
+    return entries
 
 
 def commit(cfg: MegatronConfig, rt: Runtime, iteration: int, **layout) -> None:
@@ -147,6 +153,7 @@ def resume(
         print(f" loaded checkpoint from {c.load} at iteration {iteration}", file=sys.stderr)
     if c.finetune:
         return TrainState()
+    _require(saved, c, iteration, keys=("rng_state",))  # the backend checked the rest
     if not c.no_load_rng:
         set_rng_state(saved["rng_state"], rt.device)
         rt.rng_tracker.set_states(saved["rng_state"]["tracker"])
@@ -167,19 +174,23 @@ def save_training_state(
         **checkpoint_entries(cfg, rt, state),
         "model": model.state_dict(),
         "partition": partition_record(model),  # how each tensor is split, for converters
-        "optimizer": optimizer.state_dict(),
-        "opt_param_scheduler": scheduler.state_dict(),
     }
-    save_shard(
-        cfg.checkpoint.save,
-        state.iteration,
-        shard,
-        tp_rank=st.tp_rank,
-        pp_rank=st.pp_rank,
-        pp_size=st.pp_size,
-        write=st.dp_rank == 0,
-    )
-    commit(cfg, rt, state.iteration, num_shards_expected=st.tp_size * st.pp_size)
+    if not cfg.checkpoint.no_save_optim:
+        shard["optimizer"] = optimizer.state_dict()
+        shard["opt_param_scheduler"] = scheduler.state_dict()
+    where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
+    root, it = cfg.checkpoint.save, state.iteration
+    sharded = getattr(optimizer, "shard_state_dict", None)  # the distributed optimizer's
+    if cfg.checkpoint.no_save_optim:
+        sharded = None
+    if st.dp_rank == 0:  # a re-save of this iteration at a smaller DP leaves no extra files
+        remove_stale_optimizer_shards(root, it, keep=st.dp_size if sharded else 0, **where)
+    save_shard(root, it, shard, write=st.dp_rank == 0, **where)
+    if sharded is not None:
+        name = DISTRIB_OPTIM_NAME.format(dp_rank=st.dp_rank)
+        save_shard(root, it, sharded(), write=True, name=name, **where)
+    files_per_rank = 1 + (st.dp_size if sharded is not None else 0)
+    commit(cfg, rt, it, num_shards_expected=st.tp_size * st.pp_size * files_per_rank)
 
 
 def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
@@ -200,15 +211,21 @@ def load_training_state(
     checksums on every rank) into model, optimizer and scheduler."""
     c, st = cfg.checkpoint, rt.state
 
+    where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
+
     def read(iteration: int) -> dict:
-        return load_shard(
-            c.load,
-            iteration,
-            tp_rank=st.tp_rank,
-            pp_rank=st.pp_rank,
-            pp_size=st.pp_size,
-            map_location=rt.device,
-        )
+        shard = load_shard(c.load, iteration, map_location=rt.device, **where)
+        saved = shard.get("optimizer") or {}
+        if saved.get("distributed") and not (c.finetune or c.no_load_optim):
+            # Every saved DP rank's ranges of this TP x PP position (memory-mapped: only the
+            # ranges this rank owns now are read), whatever DP size wrote them.
+            shard["distrib_optim"] = [
+                load_shard(
+                    c.load, iteration, name=DISTRIB_OPTIM_NAME.format(dp_rank=k), mmap=True, **where
+                )
+                for k in range(saved["dp_size"])
+            ]
+        return shard
 
     def restore(iteration: int, shard: dict) -> dict:
         _check_shapes(shard, cfg, c.load)
@@ -217,25 +234,45 @@ def load_training_state(
             optimizer.reload_model_params()
         _require(shard, c, iteration)
         if not (c.finetune or c.no_load_optim):
-            optimizer.load_state_dict(shard["optimizer"])
+            _load_optimizer(optimizer, model, shard)
             scheduler.load_state_dict(shard["opt_param_scheduler"])
         return shard
 
     return resume(cfg, rt, read, restore, agree=_gather)
 
 
-def _require(shard: dict, c, iteration: int) -> None:
-    """A converted or weights-only checkpoint resumes only with the flags that skip its gaps."""
+# checkpoint key -> (the flag that skips loading it, the flag that saved without it)
+_OPTIONAL = {
+    "optimizer": ("no_load_optim", "--no-load-optim", "--no-save-optim"),
+    "rng_state": ("no_load_rng", "--no-load-rng", "--no-save-rng"),
+}
+
+
+def _require(shard: dict, c, iteration: int, keys=tuple(_OPTIONAL)) -> None:
+    """A checkpoint saved without optimizer or RNG state (--no-save-optim/--no-save-rng, or
+    converted, or weights only) resumes only with the flags that skip its gaps."""
     if c.finetune:
         return
-    missing = [
-        key
-        for key, skip in (("optimizer", c.no_load_optim), ("rng_state", c.no_load_rng))
-        if not skip and key not in shard
-    ]
+    missing = [k for k in keys if not getattr(c, _OPTIONAL[k][0]) and k not in shard]
     if missing:
         raise CheckpointError(
-            f"--load {c.load}: iteration {iteration} has no {' / '.join(missing)} state (a "
-            "converted or weights-only checkpoint). Fix: resume with --no-load-optim "
-            "--no-load-rng, or start from its weights with --finetune"
+            f"--load {c.load}: iteration {iteration} has no {' / '.join(missing)} state (saved "
+            f"with {' / '.join(_OPTIONAL[k][2] for k in missing)}, or converted, or weights "
+            f"only). Fix: resume with {' '.join(_OPTIONAL[k][1] for k in missing)}, or start "
+            "from its weights with --finetune"
         )
+
+
+def _load_optimizer(optimizer, model, shard: dict) -> None:
+    """Either optimizer from either kind of checkpoint: the distributed one's state (shared
+    part + every saved DP rank's ranges) reassembles per parameter for any DP size, or for the
+    plain optimizer; the plain one's (keyed by position) is cut into ranges."""
+    saved = shard["optimizer"]
+    distributed = hasattr(optimizer, "shard_state_dict")
+    if saved.get("distributed") and distributed:
+        optimizer.load_state_dict(saved, shard["distrib_optim"])
+    elif saved.get("distributed"):
+        plain = distributed_to_plain(saved, shard["distrib_optim"], model.module, optimizer.masters)
+        optimizer.load_state_dict(plain)
+    else:
+        optimizer.load_state_dict(saved)  # the distributed one converts a plain state itself

@@ -20,9 +20,11 @@ from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.stages import build_model
 from megatron.mpu import all_reduce_sequence_parallel_grads
-from megatron.training.backend import StepResult, TrainerBackend, average_loss
+from megatron.mpu.random import distributed_checkpoint
+from megatron.training.backend import StepResult, TrainerBackend, average_loss, other_losses
 from megatron.training.data import get_batch
-from megatron.training.ddp import DistributedDataParallel
+from megatron.training.ddp import wrap_data_parallel
+from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
@@ -52,32 +54,58 @@ def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime):
+def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider=None):
+    """`model_provider`: build_model's signature, another family's (BERT); None: the GPT's."""
+    model_provider = model_provider or build_model
     dtype = cfg.precision.params_dtype
     ops = select_ops(cfg.kernels, rt.device)
     if rt.state.rank == 0:
         print(f" {ops.describe()}", file=sys.stderr, flush=True)
-    model = build_model(
+    cpu_init = cfg.distributed.use_cpu_initialization
+    model = model_provider(
         cfg.model,
         rt.state,
         rng_tracker=rt.rng_tracker,
         seed=cfg.training.seed,
-        device=rt.device,
+        device=torch.device("cpu") if cpu_init else rt.device,
         dtype=dtype,
+        checkpoint_impl=recompute_impl(cfg, rt),
         ops=ops,
         recompute=cfg.recompute,
         torch_compile=cfg.kernels.torch_compile,
     )
-    ddp = DistributedDataParallel(
+    if cpu_init:
+        model.to(rt.device)  # --use-cpu-initialization: built on the CPU, then moved
+    distributed = cfg.optimizer.use_distributed_optimizer
+    tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
+    ddp = wrap_data_parallel(
         model,
         rt.state.dp_group,
-        bucket_size=cfg.distributed.ddp_bucket_size,
-        overlap_grad_reduce=cfg.distributed.overlap_grad_reduce,
+        cfg.distributed,
+        dtype,
+        use_distributed_optimizer=distributed,
+        overlap_param_gather=cfg.optimizer.overlap_param_gather,
+        # first and last stage must shard the tied embedding alike (see sync_embedding_grads)
+        own_bucket=(tied,) if tied is not None else (),
     )
-    optimizer = MegatronOptimizer(
-        model, cfg.optimizer, params_dtype=dtype, state=rt.state, clip_grad=cfg.training.clip_grad
-    )
+    kw = {"params_dtype": dtype, "state": rt.state, "clip_grad": cfg.training.clip_grad}
+    if distributed:
+        optimizer = DistributedOptimizer(
+            ddp, cfg.optimizer, overlap_param_gather=cfg.optimizer.overlap_param_gather, **kw
+        )
+    else:
+        optimizer = MegatronOptimizer(
+            model, cfg.optimizer, cpu_offload=cfg.deepspeed.cpu_optimizer, **kw
+        )
     return ddp, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
+
+
+def recompute_impl(cfg: MegatronConfig, rt: Runtime):
+    """--distribute-checkpointed-activations: the checkpoint that keeps 1/TP of each layer
+    input (None: the default checkpoint)."""
+    if not cfg.recompute.distribute_saved_activations:
+        return None
+    return functools.partial(distributed_checkpoint, group=rt.state.tp_group)
 
 
 def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
@@ -102,7 +130,9 @@ def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
 
 def sync_embedding_grads(model, state) -> None:
     """Tied embeddings on the first and last stage: sum their gradients so both copies take
-    the same step and stay equal."""
+    the same step and stay equal. With the distributed optimizer the DP reduce-scatter came
+    first: only this rank's shard of main_grad is reduced, which is all it reads, and the
+    embedding has a bucket of its own on both stages, so both shard it alike."""
     if state.pp_size == 1 or state.embedding_group is None:
         return
     weight = model.module.word_embeddings_weight()
@@ -153,6 +183,9 @@ def train_step(
     timers("grads-all-reduce", 2).start()
     model.finish_grad_sync()
     sync_embedding_grads(model, rt.state)
+    # After the DP reduction, before optimizer.step() (inf/NaN check, norm, clipping). With
+    # --use-distributed-optimizer only this rank's shards are DP-reduced here; TP peers share
+    # the buffer layout, hence own the same ranges, so the TP sum is right where it is read.
     sync_sequence_parallel_grads(model, rt.state)
     timers("grads-all-reduce", 2).stop()
     loss = average_loss(
@@ -163,7 +196,9 @@ def train_step(
     timers("optimizer", 1).stop()
     if updated:
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch
-    return {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
+    result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
+    others = other_losses(forward_step_func, stats, rt)
+    return {**result, "other_losses": others} if others else result
 
 
 @torch.no_grad()
@@ -184,9 +219,11 @@ def evaluate(
 class NativeBackend(TrainerBackend):
     """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
 
-    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func):
+    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider=None):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
-        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(cfg, rt)
+        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(
+            cfg, rt, model_provider
+        )
         self.schedule = _schedule(cfg, rt)
 
     @property

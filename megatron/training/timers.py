@@ -2,7 +2,8 @@
 
 Level 0 timers are always on (the iteration); level 1 adds forward/backward/optimizer; level 2
 everything else (e.g. data loading, gradient all-reduce). CUDA work is synchronized before a
-timer reads the clock, so times mean the device's time, not the launch time.
+timer reads the clock, so times mean the device's time, not the launch time. While --profile's
+window is open every timer, of any level, is also a named range (training/profiling.py).
 """
 
 from __future__ import annotations
@@ -40,16 +41,38 @@ class _NullTimer:
         pass
 
 
+NULL_TIMER = _NullTimer()
+
+
+class _RangedTimer:
+    """A timer that is also a named profiler range (while --profile's window is open)."""
+
+    def __init__(self, timer, name: str, ranges):
+        self.timer, self.name, self.ranges = timer, name, ranges
+
+    def start(self) -> None:
+        self.timer.start()
+        self.ranges.push(self.name)
+
+    def stop(self) -> None:
+        self.ranges.pop(self.name)
+        self.timer.stop()
+
+
 class Timers:
     def __init__(self, log_level: int = 0, device: torch.device | str = "cpu"):
         self.log_level, self.device = log_level, torch.device(device)
         self._timers: dict[str, _Timer] = {}
         self._null = _NullTimer()
+        self.ranges = None  # training/profiling.Ranges while a profiling window is open
 
     def __call__(self, name: str, level: int = 0):
-        if level > self.log_level:
-            return self._null
-        return self._timers.setdefault(name, _Timer(self.device))
+        timer = (
+            self._null
+            if level > self.log_level
+            else self._timers.setdefault(name, _Timer(self.device))
+        )
+        return timer if self.ranges is None else _RangedTimer(timer, name, self.ranges)
 
     def pop_elapsed(self) -> dict[str, float]:
         """Seconds accumulated per timer since the last call; resets them."""

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 
+from megatron.config.legacy import json_optimizer_values, uses_deepspeed_checkpointing
 from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.training.microbatches import MicroBatchCalculator
 
@@ -76,6 +77,8 @@ def _zero(ds: dict, cfg: MegatronConfig) -> None:
     zero.setdefault("stage", 0)
     if d.cpu_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", **zero.get("offload_optimizer", {})}
+        if d.cpu_torch_adam:  # torch's AdamW steps the offloaded states, not DeepSpeedCPUAdam
+            ds["zero_force_ds_cpu_optimizer"] = False
     if zero["stage"] not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage={zero['stage']}: use 0, 1, 2 or 3")
     if zero.get("offload_optimizer") and zero["stage"] == 0:
@@ -92,8 +95,8 @@ def _zero(ds: dict, cfg: MegatronConfig) -> None:
 
 def _activation_checkpointing(ds: dict, cfg: MegatronConfig) -> None:
     d = cfg.deepspeed
-    if cfg.recompute.granularity != "full":
-        return
+    if cfg.recompute.granularity != "full" or not uses_deepspeed_checkpointing(cfg):
+        return  # our mpu checkpoint recomputes
     ac = ds.setdefault("activation_checkpointing", {})
     for key, value in (
         ("partition_activations", d.partition_activations),
@@ -103,7 +106,30 @@ def _activation_checkpointing(ds: dict, cfg: MegatronConfig) -> None:
         ("profile", d.profile_backward),
     ):
         ac[key] = value or ac.get(key, False)
-    ac["number_checkpoints"] = cfg.model.num_layers
+    ac["number_checkpoints"] = -(-cfg.model.num_layers // cfg.recompute.num_layers)
+
+
+def _json_optimizer(ds: dict, cfg: MegatronConfig) -> None:
+    """A JSON "optimizer" section (v1.x's ds_zero_stage_2_config.json has one) must agree with
+    the flags (the command line parser filled the flags it did not give from it); our optimizer,
+    built from the flags, then runs, so the section is removed."""
+    if "optimizer" not in ds:
+        return
+    values = {
+        "optimizer.optimizer": cfg.optimizer.optimizer,
+        "optimizer.lr": cfg.optimizer.lr,
+        "optimizer.adam_beta1": cfg.optimizer.adam_beta1,
+        "optimizer.adam_beta2": cfg.optimizer.adam_beta2,
+        "optimizer.adam_eps": cfg.optimizer.adam_eps,
+        "optimizer.weight_decay": cfg.optimizer.weight_decay,
+        "training.clip_grad": cfg.training.clip_grad,
+    }
+    for path, (value, key, flag) in json_optimizer_values(ds.pop("optimizer"), "").items():
+        if values[path] != value:
+            raise ConfigError(
+                f"{key}={value!r} in the DeepSpeed JSON contradicts {flag} ({values[path]!r}). "
+                f"Fix: make them equal, or drop {key} from the JSON"
+            )
 
 
 def _sequence_parallel(ds: dict, cfg: MegatronConfig) -> None:
@@ -139,10 +165,8 @@ def _sequence_parallel(ds: dict, cfg: MegatronConfig) -> None:
 def build_ds_config(cfg: MegatronConfig) -> dict:
     """The JSON of --deepspeed_config, completed and checked against the command line."""
     ds = copy.deepcopy(_load(cfg.deepspeed.config))
-    for section, flags in (
-        ("optimizer", "--optimizer/--lr/--weight-decay/--adam-*"),
-        ("scheduler", "--lr-decay-style/--lr-warmup-*/--min-lr"),
-    ):
+    _json_optimizer(ds, cfg)
+    for section, flags in (("scheduler", "--lr-decay-style/--lr-warmup-*/--min-lr"),):
         if section in ds:
             raise ConfigError(
                 f"'{section}' in the DeepSpeed JSON: the optimizer and the LR schedule come from "
@@ -172,14 +196,16 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", "")
     # The same split into micro batches as the loop's (the ramp is refused above).
     micro_batches = MicroBatchCalculator(gbs, t.micro_batch_size, dp).num_micro_batches(0)
+    gas = t.gradient_accumulation_steps is not None and t.global_batch_size is None
     _agree(
         ds,
         "gradient_accumulation_steps",
         micro_batches,
-        "--global-batch-size / (--micro-batch-size x DP)",
+        "--gas" if gas else "--global-batch-size / (--micro-batch-size x DP)",
         "",
     )
-    _agree(ds, "train_batch_size", gbs, "--global-batch-size", "")
+    batch_flag = "--gas x --micro-batch-size x DP" if gas else "--global-batch-size"
+    _agree(ds, "train_batch_size", gbs, batch_flag, "")
     _agree(ds, "gradient_clipping", t.clip_grad, "--clip-grad", "")
     _precision(ds, cfg)
     _zero(ds, cfg)

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config.schema import MegatronConfig, ModelConfig
+from megatron.config.legacy import uses_deepspeed_checkpointing
+from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.documents import document_attention_mask
 from megatron.model.gpt import Embedding, OutputHead, init_weights, mark_sequence_parallel_params
@@ -35,7 +36,7 @@ from megatron.mpu import (
     reduce_sequence_parallel_grads_in_backward,
     vocab_parallel_cross_entropy,
 )
-from megatron.training.backend import average_loss
+from megatron.training.backend import average_loss, other_losses
 from megatron.training.data import get_batch
 from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.optimizer import _torch_optimizer, param_groups
@@ -265,19 +266,30 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
 
 
 def _checkpoint_fn(cfg: MegatronConfig, rt):
-    """DeepSpeed's checkpoint with our TP dropout stream replayed, configured from the flags."""
-    deepspeed = import_deepspeed()
-    d = cfg.deepspeed
-    deepspeed.checkpointing.configure(
-        MpuAdapter(rt.state),
-        partition_activations=d.partition_activations,
-        contiguous_checkpointing=d.contigious_checkpointing,
-        num_checkpoints=cfg.model.num_layers,
-        checkpoint_in_cpu=d.checkpoint_in_cpu,
-        synchronize=d.synchronize_each_layer,
-        profile=d.profile_backward,
-    )
-    impl = deepspeed.checkpointing.checkpoint
+    """(impl, tracked): the checkpoint implementation for recompute and that checkpoint with our
+    TP dropout stream replayed. DeepSpeed's (deepspeed.checkpointing, configured from the
+    flags) with --deepspeed-activation-checkpointing or one of its options, as v1.x did;
+    otherwise our mpu checkpoint (impl None)."""
+    impl = None
+    if uses_deepspeed_checkpointing(cfg):
+        deepspeed = import_deepspeed()
+        d = cfg.deepspeed
+        if d.checkpoint_in_cpu and not d.partition_activations and rt.device.type == "cpu":
+            raise ConfigError(
+                "--checkpoint-in-cpu: the activations already live on the CPU here, and "
+                "DeepSpeed's CPU checkpointing without partitioning loses the saved layer input "
+                "when the device is the CPU. Fix: drop it, or add --partition-activations"
+            )
+        deepspeed.checkpointing.configure(
+            MpuAdapter(rt.state),
+            partition_activations=d.partition_activations,
+            contiguous_checkpointing=d.contigious_checkpointing,
+            num_checkpoints=-(-cfg.model.num_layers // cfg.recompute.num_layers),
+            checkpoint_in_cpu=d.checkpoint_in_cpu,
+            synchronize=d.synchronize_each_layer,
+            profile=d.profile_backward,
+        )
+        impl = deepspeed.checkpointing.checkpoint
 
     def tracked(function, *args):
         return checkpoint(function, rt.rng_tracker, *args, impl=impl)
@@ -285,8 +297,24 @@ def _checkpoint_fn(cfg: MegatronConfig, rt):
     return impl, tracked
 
 
-def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
-    """(engine, scheduler, is_pipeline): the model, our optimizer and LR schedule in DeepSpeed."""
+def _client_optimizer(groups: list[dict], cfg: MegatronConfig):
+    """Our AdamW/SGD, or with --cpu-optimizer (ZeRO offload) DeepSpeed's CPU Adam kernel in
+    AdamW mode (--cpu_torch_adam: torch's AdamW, which DeepSpeed is told to accept)."""
+    d, o = cfg.deepspeed, cfg.optimizer
+    if not d.cpu_optimizer or d.cpu_torch_adam or o.optimizer != "adam":
+        return _torch_optimizer(groups, o)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    for g in groups:
+        g["weight_decay"] = o.weight_decay * g["wd_mult"]
+    return DeepSpeedCPUAdam(
+        groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, adamw_mode=True
+    )
+
+
+def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler, model_provider=None):
+    """(engine, scheduler, is_pipeline): the model, our optimizer and LR schedule in DeepSpeed.
+    `model_provider`: None (the GPT) or another family's; PP > 1 is the GPT's only."""
     deepspeed = import_deepspeed()
     # Our process group already exists; DeepSpeed's comm layer adopts it. DeepSpeed also insists
     # on LOCAL_RANK, which a launcher other than torchrun/deepspeed may not set.
@@ -295,10 +323,16 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
     ds_config = build_ds_config(cfg)
     impl, tracked = _checkpoint_fn(cfg, rt)
     pipeline = rt.state.pp_size > 1
+    if pipeline and model_provider not in (None, build_model):
+        raise ValueError(
+            "--deepspeed with --pipeline-model-parallel-size > 1 builds the GPT's "
+            "PipelineModule only. Fix: drop --deepspeed (our pipeline runs this model) or "
+            "use --pipeline-model-parallel-size 1"
+        )
     if pipeline:
         model = build_pipeline_module(cfg, rt, tracked)
     else:
-        model = build_model(
+        model = (model_provider or build_model)(
             cfg.model,
             rt.state,
             rng_tracker=rt.rng_tracker,
@@ -317,7 +351,7 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
             )
     if rt.state.sequence_parallel:
         reduce_sequence_parallel_grads_in_backward(model.parameters(), rt.state.tp_group)
-    optimizer = _torch_optimizer(param_groups(model), cfg.optimizer)
+    optimizer = _client_optimizer(param_groups(model), cfg)
     scheduler = make_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -327,7 +361,30 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler):
         mpu=None if pipeline else MpuAdapter(rt.state),
         dist_init_required=False,
     )
+    if pipeline and ds_config.get("wall_clock_breakdown"):
+        _tolerate_restarted_backward_timers(engine)
     return engine, scheduler, pipeline
+
+
+def _tolerate_restarted_backward_timers(engine) -> None:
+    """wall_clock_breakdown under DeepSpeed's pipeline engine (0.19): a stage starts its backward
+    timers in _exec_backward_pass, then the engine's output hook starts (and later stops) the
+    same timers again, which asserts. Make those timers' start/stop idempotent, so the breakdown
+    is measured (from the first start to the first stop) instead of crashing."""
+    t = engine.engine_timers
+    for name in {*t.backward_timers, *t.backward_inner_timers, *t.backward_reduce_timers}:
+        timer = engine.timers(name)
+        start, stop = timer.start, timer.stop
+
+        def tolerant_start(timer=timer, start=start):
+            if not timer.started_:
+                start()
+
+        def tolerant_stop(reset=False, record=False, timer=timer, stop=stop):
+            if timer.started_:
+                stop(reset=reset, record=record)
+
+        timer.start, timer.stop = tolerant_start, tolerant_stop
 
 
 class PipeBatches:
@@ -367,6 +424,7 @@ def ds_train_step(
     PP > 1: the pipeline engine's train_batch, whose loss DeepSpeed already averages over DP
     and sends to every stage. PP = 1: our micro-batch loop driving the engine, and the loss
     averaged as the native backend does."""
+    others = {}
     if pipeline:
         value = float(engine.train_batch(PipeBatches(data_iterator, rt.device)).item())
     else:
@@ -374,12 +432,14 @@ def ds_train_step(
             forward_step_func, data_iterator, engine, num_micro_batches, timers=timers, engine=True
         )
         value = average_loss([s["lm loss"] for s in stats], rt)
+        others = other_losses(forward_step_func, stats, rt)
     norm = engine.get_global_grad_norm()
-    return {
+    result = {
         "lm_loss": value,
         "updated": bool(engine.was_step_applied()),
         "grad_norm": None if norm is None else float(norm),
     }
+    return {**result, "other_losses": others} if others else result
 
 
 @torch.no_grad()

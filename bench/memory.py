@@ -1,0 +1,253 @@
+"""Per-rank memory of model states and activations, measured, next to the published formulas.
+
+    .venv/bin/python bench/memory.py [--seq 512 --batch 1]
+
+1. Model states: bytes per rank of parameters, gradients and optimizer state, summed over the
+   tensors our trainer allocates (GPTModel + DistributedDataParallel + MegatronOptimizer or
+   DistributedOptimizer, after one optimizer step so Adam's moments exist), built on the meta
+   device: every shape and dtype as on a real run, no memory. TP ranks are real (gloo); the DP
+   size is given to DDP as a stand-in group (the shards are laid out, no collective runs).
+   Formula per parameter of the rank (ZeRO paper, Megatron's distributed optimizer):
+       bf16 params, fp32 grads:  18 plain  vs  6 + 12 / DP distributed
+       fp32:                     16 plain  vs  8 +  8 / DP distributed
+2. Activations: bytes kept for backward by one transformer layer during a bf16 forward of one
+   micro batch (autograd saved-tensor hooks; unique storages, parameters left out), per layer,
+   against Korthikanti et al. 2022 with the s^2 term gone (SDPA/flash keeps no attention
+   matrix; attention dropout 0): sbh (10 + 24 / t) without sequence parallelism, 34 sbh / t
+   with it. The whole micro batch: L layers plus the embedding and the head/loss (measured on
+   a one-layer GPT).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import megatron.training.ddp as ddp_module  # noqa: E402
+from megatron import mpu  # noqa: E402
+from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron.model import GPTModel  # noqa: E402
+from megatron.model.transformer import TransformerLayer  # noqa: E402
+from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron.training.ddp import DistributedDataParallel  # noqa: E402
+from megatron.training.distrib_optimizer import DistributedOptimizer  # noqa: E402
+from megatron.training.optimizer import MegatronOptimizer  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+MODELS = {
+    "GPT L24 h1024 (345M)": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
+    "GPT L24 h2048 (1.3B)": dict(num_layers=24, hidden_size=2048, num_attention_heads=16),
+}
+VOCAB = 50257
+# Sequence parallelism is measured only once the model has the switch (a ModelConfig field).
+SP_SUPPORTED = any(f.name == "sequence_parallel" for f in dataclasses.fields(ModelConfig))
+
+
+class _StandInDP:
+    """A data-parallel 'group' of `size` ranks seen from rank 0, for laying out shards only."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+@contextlib.contextmanager
+def _stand_in_dp():
+    real_size, real_rank = ddp_module.group_size, ddp_module.group_rank
+    ddp_module.group_size = lambda g: g.size if isinstance(g, _StandInDP) else real_size(g)
+    ddp_module.group_rank = lambda g: 0 if isinstance(g, _StandInDP) else real_rank(g)
+    try:
+        yield
+    finally:
+        ddp_module.group_size, ddp_module.group_rank = real_size, real_rank
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(cfg: ModelConfig, state, dp: int, distributed: bool, dtype) -> dict:
+    """{'params', 'grads', 'optimizer', 'n'}: bytes this rank allocates, and its parameters."""
+    with torch.device("meta"):
+        model = GPTModel(cfg, state, dtype=dtype)
+    n = sum(p.numel() for p in model.parameters())
+    with _stand_in_dp():
+        ddp = DistributedDataParallel(
+            model, _StandInDP(dp) if dp > 1 else None, use_distributed_optimizer=distributed
+        )
+    kw = {"params_dtype": dtype, "state": state, "clip_grad": 1.0}
+    ocfg = OptimizerConfig(lr=1e-4)
+    opt = (
+        DistributedOptimizer(ddp, ocfg, **kw)
+        if distributed
+        else MegatronOptimizer(model, ocfg, **kw)
+    )
+    mains = [m for _, m in opt._pairs()]
+    for main, grad in zip(mains, _grads(opt, ddp), strict=True):
+        main.grad = grad
+    for group in opt.optimizer.param_groups:  # torch's fused kernel does not run on meta
+        group.update(fused=False, foreach=True)
+    opt.optimizer.step()  # Adam allocates its moments at the first step
+    params = {id(p) for p in model.parameters()}
+    own_mains = [m for m in mains if id(m) not in params and m._base is None]  # fp32 copies
+    moments = [t for s in opt.optimizer.state.values() for t in s.values() if t.ndim > 0]
+    param_bytes = (
+        _nbytes(ddp.param_buffer) if distributed else sum(map(_nbytes, model.parameters()))
+    )
+    return {
+        "params": param_bytes,
+        "grads": _nbytes(ddp.grad_buffer),
+        "optimizer": sum(map(_nbytes, own_mains)) + sum(map(_nbytes, moments)),
+        "n": n,
+    }
+
+
+def _grads(opt, ddp):
+    if isinstance(opt, DistributedOptimizer):
+        return opt._grads()
+    return [p.main_grad.detach() for p, _ in opt._pairs()]
+
+
+def _saved_bytes(fn, weights: set[int], dropout: float) -> tuple[int, int]:
+    """(bytes, bytes as on CUDA) of the unique storages autograd keeps for backward while
+    `fn()` runs, weights left out. A dropout mask is recognised by its values (0 and 1/(1-p)
+    only): torch's CPU dropout keeps it in the activation dtype, its CUDA kernel as 1-byte
+    bools, which is what the formula counts."""
+    seen: dict[int, tuple[int, int]] = {}
+    keep = torch.tensor(1 / (1 - dropout)) if dropout else None
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in weights and ptr not in seen:
+            mask = keep is not None and t.is_floating_point() and t.numel() > 1
+            kept = t == keep.to(t.dtype)
+            mask = mask and bool(kept.any()) and bool((kept | (t == 0)).all())
+            seen[ptr] = (storage.nbytes(), t.numel() if mask else storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(b for b, _ in seen.values()), sum(c for _, c in seen.values())
+
+
+def _layer_input(cfg: ModelConfig, seq: int, batch: int, tp: int, sp: bool) -> torch.Tensor:
+    rows = seq // tp if sp else seq  # sequence parallel: each TP rank holds s / t positions
+    return torch.randn(batch, rows, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+
+
+def activation_bytes(cfg: ModelConfig, state, seq: int, batch: int, sp: bool = False) -> tuple:
+    """((bytes, as on CUDA) one layer keeps, (bytes, as on CUDA) the embedding + head + loss
+    keep) for one micro batch."""
+    tracker = mpu.RNGStatesTracker("cpu")
+    tracker.add(mpu.MODEL_PARALLEL_RNG, 1)
+    if sp:
+        cfg = dataclasses.replace(cfg, sequence_parallel=True)
+    layer = TransformerLayer(cfg, state, tracker, dtype=torch.bfloat16)
+    with torch.no_grad():  # real values, so that only dropout masks look like masks
+        for p in layer.parameters():
+            p.normal_(1.0 if p.ndim == 1 else 0.0, 0.02)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    x = _layer_input(cfg, seq, batch, state.tp_size, sp)
+    per_layer = _saved_bytes(lambda: layer(x), weights, cfg.hidden_dropout)
+    if sp:
+        return per_layer, (0, 0)
+    one = GPTModel(
+        dataclasses.replace(cfg, num_layers=1), state, rng_tracker=tracker, dtype=torch.bfloat16
+    )
+    weights = {p.untyped_storage().data_ptr() for p in one.parameters()}
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+    whole = _saved_bytes(lambda: one(tokens, labels=tokens), weights, cfg.hidden_dropout)
+    return per_layer, (whole[0] - per_layer[0], whole[1] - per_layer[1])
+
+
+def _worker(rank, world, seq, batch):
+    torch.manual_seed(0)
+    state = initialize_model_parallel(world)
+    rows = {"states": [], "acts": []}
+    for name, shape in MODELS.items():
+        cfg = ModelConfig(
+            **shape, seq_length=seq, vocab_size=VOCAB, hidden_dropout=0.1, attention_dropout=0.0
+        )
+        for dtype in (torch.bfloat16, torch.float32):
+            for dp in (1, 2, 4):
+                for distributed in (False, True):
+                    got = model_state_bytes(cfg, state, dp, distributed, dtype)
+                    rows["states"].append((name, world, dp, distributed, str(dtype)[6:], got))
+        if seq:
+            acts = activation_bytes(cfg, state, seq, batch)
+            sp = activation_bytes(cfg, state, seq, batch, sp=True) if SP_SUPPORTED else None
+            rows["acts"].append((name, world, cfg, acts, sp))
+    return rows if rank == 0 else None
+
+
+def _state_formula(dtype: str, dp: int, distributed: bool) -> float:
+    if dtype == "bfloat16":
+        return 6 + 12 / dp if distributed else 18
+    return 8 + 8 / dp if distributed else 16
+
+
+def print_states(rows) -> None:
+    print(
+        f"| model | TP | DP | dtype | optimizer | params/rank | param GiB | grad GiB | "
+        f"optim GiB | bytes/param | formula | diff |\n|{'---|' * 12}"
+    )
+    for name, tp, dp, distributed, dtype, got in rows:
+        total = got["params"] + got["grads"] + got["optimizer"]
+        per, formula = total / got["n"], _state_formula(dtype, dp, distributed)
+        print(
+            f"| {name} | {tp} | {dp} | {dtype} | {'distributed' if distributed else 'plain'} | "
+            f"{got['n'] / 1e6:.1f} M | {got['params'] / 2**30:.3f} | {got['grads'] / 2**30:.3f} | "
+            f"{got['optimizer'] / 2**30:.3f} | {per:.3f} | {formula:.3f} | "
+            f"{100 * (per / formula - 1):+.2f}% |"
+        )
+
+
+def print_activations(rows, seq: int, batch: int) -> None:
+    note = (
+        ""
+        if SP_SUPPORTED
+        else ("; SP measured: n/a, this model has no sequence_parallel switch yet (formula only)")
+    )
+    print(
+        f"\nActivations kept for backward, one micro batch, bf16, s={seq} b={batch} (/sbh: "
+        f"bytes / (s b h); 'as on CUDA': dropout masks as 1-byte bools{note})\n"
+        "| model | TP | layer MiB | /sbh CPU | /sbh as on CUDA | sbh(10+24/t) | diff | "
+        "SP /sbh as on CUDA | 34/t | diff | micro batch MiB, as on CUDA (L layers + rest) |\n"
+        f"|{'---|' * 11}"
+    )
+    for name, tp, cfg, ((layer, layer_cuda), (_, rest_cuda)), sp in rows:
+        sbh = seq * batch * cfg.hidden_size
+        per, formula = layer_cuda / sbh, 10 + 24 / tp
+        sp_cells = "n/a | " + f"{34 / tp:.2f} | n/a"
+        if sp is not None:
+            sp_per = sp[0][1] / sbh
+            sp_cells = f"{sp_per:.2f} | {34 / tp:.2f} | {100 * (sp_per * tp / 34 - 1):+.2f}%"
+        total = (cfg.num_layers * layer_cuda + rest_cuda) / 2**20
+        print(
+            f"| {name} | {tp} | {layer / 2**20:.1f} | {layer / sbh:.2f} | {per:.2f} | "
+            f"{formula:.2f} | {100 * (per / formula - 1):+.2f}% | {sp_cells} | {total:.0f} |"
+        )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=512, help="sequence length (0: skip activations)")
+    p.add_argument("--batch", type=int, default=1, help="micro batch size")
+    args = p.parse_args()
+    states, acts = [], []
+    for tp in (1, 2, 4):
+        rows = run_distributed(_worker, tp, args.seq, args.batch, timeout=600)[0]
+        states += rows["states"]
+        acts += rows["acts"]
+    states.sort(key=lambda r: (r[0], r[4], r[1], r[2], r[3]))
+    print_states(states)
+    print_activations(acts, args.seq, args.batch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""--use-distributed-optimizer: fp32 main weights and optimizer moments sharded over DP.
+
+With the plain optimizer every DP rank holds, per parameter, the fp32 main weight (4 bytes,
+half models only) and Adam's two moments (8 bytes): 16 bytes/param for fp32 models (param 4 +
+grad 4 + moments 8), 18 for bf16/fp16 (param 2 + grad 4 + main 4 + moments 8). Here each DP
+rank keeps them only for its shard of every gradient bucket (megatron.training.ddp: a bucket
+padded to a multiple of DP and cut into DP contiguous shards), so per parameter it holds
+4 + 4 + 8 / DP (fp32) or 2 + 4 + 12 / DP (half) bytes.
+
+One step, on every DP rank r:
+    grad   buckets reduce-scattered during backward (DDP): shard r holds the DP-averaged grad
+    check  inf/NaN over shard r, MAX-all-reduced over all ranks (every rank skips together)
+    norm   ||g||^2 = sum over ranks of the shard sums (TP-replicated params on TP rank 0 only,
+           the tied embedding's last-stage copy never), summed over DP, then over TP x PP
+    update AdamW/SGD on shard r's fp32 mains; copied into the param buffer (half models)
+    gather param buckets all-gathered in place (--overlap-param-gather: the next forward waits
+           per module, so the all-gather overlaps with the forward)
+
+Checkpoints (megatron.training.state): the shard of each DP rank is saved by that rank as
+{parameter name: (flat start, end) in the parameter, and the state tensors of that range}, so a
+run at another DP size (or another bucket size) reassembles each of its ranges from whichever
+saved ranges overlap it (`load_shards`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.config.schema import OptimizerConfig
+from megatron.mpu import ParallelState
+from megatron.mpu.grads import counts_once
+from megatron.mpu.utils import group_size
+from megatron.training.ddp import DistributedDataParallel
+from megatron.training.optimizer import (
+    MegatronOptimizer,
+    _torch_optimizer,
+    make_grad_scaler,
+    param_groups,
+)
+
+# Param-group entries that say how this run's torch optimizer computes, not what it computes:
+# kept as built here, so a checkpoint of a CUDA (fused) run loads into a CPU run and back.
+_IMPLEMENTATION_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")
+
+
+@dataclass
+class _Piece:
+    """The part [lo, hi) of a flattened parameter that lies in this rank's shard; the same
+    elements sit at [buf_lo, buf_hi) of the DDP grad and param buffers."""
+
+    name: str
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    buf_lo: int
+    buf_hi: int
+
+
+def parameter_names(module) -> dict[int, str]:
+    """id(param) -> its layout-independent name (the chunk's state-dict name)."""
+    names = {}
+    for chunk in getattr(module, "chunks", [module]):
+        for name, p in chunk.named_parameters():
+            names[id(p)] = name
+    return names
+
+
+def shard_pieces(ddp: DistributedDataParallel) -> list[_Piece]:
+    """The pieces of parameters in this DP rank's shard of every bucket, in buffer order."""
+    names = parameter_names(ddp.module)
+    bucket_shards = [b.shard(ddp.dp_rank, ddp.dp_size) for b in ddp.buckets]
+    pieces = []
+    for p, start, end in ddp.param_ranges:
+        for s_lo, s_hi in bucket_shards:
+            lo, hi = max(start, s_lo), min(end, s_hi)
+            if lo < hi:
+                pieces.append(_Piece(names[id(p)], p, lo - start, hi - start, lo, hi))
+    return pieces
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """step() -> (updated?, grad norm or None), as MegatronOptimizer, on this DP rank's shard."""
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        cfg: OptimizerConfig,
+        *,
+        params_dtype: torch.dtype,
+        state: ParallelState,
+        clip_grad: float,
+        overlap_param_gather: bool = False,
+    ):
+        if not getattr(model, "distributed", False):
+            raise ValueError(
+                "DistributedOptimizer needs DistributedDataParallel built with "
+                "use_distributed_optimizer=True (sharded, padded buckets)"
+            )
+        self.state, self.clip_grad, self.ddp = state, clip_grad, model
+        self.overlap_param_gather = overlap_param_gather
+        self.half = params_dtype in (torch.float16, torch.bfloat16)
+        self.pieces = shard_pieces(model)
+        wd_mult = {id(p): g["wd_mult"] for g in param_groups(model.module) for p in g["params"]}
+        self.mains = [self._main(piece) for piece in self.pieces]
+        groups = []
+        for mult in (1.0, 0.0):  # both groups always, so every rank's state has the same shape
+            pairs = zip(self.mains, self.pieces, strict=True)
+            mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
+            groups.append({"params": mine, "wd_mult": mult})
+        self.optimizer = _torch_optimizer(groups, cfg)
+        self.scaler = make_grad_scaler(cfg, params_dtype)
+
+    def _main(self, piece: _Piece) -> torch.Tensor:
+        """fp32 models: a view of the param buffer (updated in place); half: an fp32 copy."""
+        view = self.ddp.param_buffer[piece.buf_lo : piece.buf_hi]
+        return view.detach().clone().float() if self.half else view
+
+    def _pairs(self):
+        yield from zip(self.pieces, self.mains, strict=True)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [self.ddp.grad_buffer[pc.buf_lo : pc.buf_hi] for pc in self.pieces]
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of the whole model's gradient: every element counted once over all ranks."""
+        tp_rank = self.state.tp_rank
+        squares = [
+            torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+            for g, pc in zip(grads, self.pieces, strict=True)
+            if counts_once(pc.param, tp_rank)
+        ]
+        total = torch.stack(squares).sum() if squares else torch.zeros(())
+        total = total.to(self.ddp.grad_buffer.device)
+        for group in (self.ddp.dp_group, self.state.mp_group):
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return total.sqrt()
+
+    def _step(self, nonfinite_loss: bool) -> tuple[bool, float | None]:
+        grads = self._grads()
+        for main, grad in zip(self.mains, grads, strict=True):
+            main.grad = grad  # the DP-averaged shard of the gradient, no copy
+        found_inf = self._unscale_and_check(grads) or nonfinite_loss
+        norm = None
+        if not found_inf:
+            norm = float(self._grad_norm(grads))  # equal on every rank: agreed skip
+            found_inf = not math.isfinite(norm)
+            if not found_inf and self.clip_grad > 0:
+                coef = self.clip_grad / (norm + 1e-6)
+                if coef < 1.0 and grads:
+                    torch._foreach_mul_(grads, coef)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            return False, norm
+        self.optimizer.step()
+        if self.half:
+            for pc, main in self._pairs():
+                self.ddp.param_buffer[pc.buf_lo : pc.buf_hi].copy_(main)
+        self.ddp.start_param_sync(overlap=self.overlap_param_gather)
+        return True, norm
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 mains from the (loaded) weights in the param buffer."""
+        self.ddp.finish_param_sync()
+        if self.half:
+            for pc, main in self._pairs():
+                main.copy_(self.ddp.param_buffer[pc.buf_lo : pc.buf_hi])
+
+    def state_dict(self) -> dict:
+        """What every DP rank shares (DP rank 0 writes it in the model shard); the sharded
+        part is `shard_state_dict`."""
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
+        sd = {"distributed": True, "dp_size": self.ddp.dp_size, "param_groups": groups}
+        if self.scaler is not None:
+            sd["grad_scaler"] = self.scaler.state_dict()
+        return sd
+
+    def shard_state_dict(self) -> dict:
+        """This DP rank's ranges: name -> {"range": (lo, hi), state name -> tensor}; "main" is
+        the fp32 main weight of half models (fp32 models keep theirs in the model shard)."""
+        pieces = {}
+        for pc, main in self._pairs():
+            entry = {"range": (pc.lo, pc.hi), **self.optimizer.state.get(main, {})}
+            if self.half:
+                entry["main"] = main.detach()
+            pieces[pc.name] = entry
+        return {"dp_rank": self.ddp.dp_rank, "dp_size": self.ddp.dp_size, "pieces": pieces}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict, shards: list[dict] | None = None) -> None:
+        """Restore from the shared part `sd` and the saved DP ranks' `shards` (any DP size)."""
+        if not sd.get("distributed"):  # the plain optimizer's: every parameter whole
+            sd, shards = plain_to_distributed(sd, self.ddp.module)
+        saved_groups = {g.get("wd_mult"): g for g in sd["param_groups"]}
+        for group in self.optimizer.param_groups:
+            saved = saved_groups.get(group["wd_mult"], {})
+            group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS})
+        if self.scaler is not None and "grad_scaler" in sd:
+            self.scaler.load_state_dict(sd["grad_scaler"])
+        saved_ranges = _index_ranges(shards)
+        for pc, main in self._pairs():
+            restored = _assemble(pc, saved_ranges.get(pc.name, []))
+            if "main" in restored:
+                main.copy_(restored.pop("main"))
+            elif self.half:  # saved before this param had a main: take the weights
+                main.copy_(self.ddp.param_buffer[pc.buf_lo : pc.buf_hi])
+            if restored:
+                device = main.device
+                self.optimizer.state[main] = {k: v.to(device) for k, v in restored.items()}
+
+
+def _index_ranges(shards: list[dict]) -> dict[str, list[dict]]:
+    """name -> the saved entries of that parameter, from every saved DP rank."""
+    index: dict[str, list[dict]] = {}
+    for shard in shards:
+        for name, entry in shard["pieces"].items():
+            index.setdefault(name, []).append(entry)
+    return index
+
+
+def _assemble(pc: _Piece, entries: list[dict]) -> dict[str, torch.Tensor]:
+    """The state of elements [pc.lo, pc.hi) of one parameter, cut from the saved ranges.
+
+    Per-element tensors (moments, main) are copied range by range; scalars (Adam's step) are
+    taken from any overlapping range. A gap (the saved ranges do not cover ours) is an error.
+    """
+    out: dict[str, torch.Tensor] = {}
+    covered = 0
+    for entry in entries:
+        s_lo, s_hi = entry["range"]
+        lo, hi = max(pc.lo, s_lo), min(pc.hi, s_hi)
+        if lo >= hi:
+            continue
+        covered += hi - lo
+        for key, value in entry.items():
+            if key == "range":
+                continue
+            if value.ndim == 0:
+                out.setdefault(key, value.clone())
+                continue
+            if key not in out:
+                out[key] = torch.empty(pc.hi - pc.lo, dtype=value.dtype)
+            out[key][lo - pc.lo : hi - pc.lo] = value[lo - s_lo : hi - s_lo]
+    if entries and covered != pc.hi - pc.lo:
+        raise ValueError(
+            f"the saved distributed optimizer state covers {covered} of the {pc.hi - pc.lo} "
+            f"elements [{pc.lo}, {pc.hi}) of {pc.name}; the checkpoint is incomplete"
+        )
+    return out
+
+
+def _plain_order(module) -> list:
+    """The parameters in MegatronOptimizer's order (its torch state is keyed by position)."""
+    return [p for g in param_groups(module) for p in g["params"]]
+
+
+def plain_to_distributed(saved: dict, module) -> tuple[dict, list[dict]]:
+    """A plain MegatronOptimizer state dict as (shared part, [one shard]) of this optimizer:
+    each parameter's state as one range covering it whole."""
+    names, torch_sd = parameter_names(module), saved["optimizer"]
+    mains = saved.get("fp32_from_fp16_params")
+    pieces = {}
+    for i, p in enumerate(_plain_order(module)):
+        entry = {"range": (0, p.numel())}
+        for key, value in torch_sd["state"].get(i, {}).items():
+            entry[key] = value.reshape(-1) if value.ndim else value
+        if mains is not None:
+            entry["main"] = mains[i].reshape(-1)
+        pieces[names[id(p)]] = entry
+    shared = {"distributed": True, "dp_size": 1, "param_groups": torch_sd["param_groups"]}
+    if "grad_scaler" in saved:
+        shared["grad_scaler"] = saved["grad_scaler"]
+    return shared, [{"pieces": pieces}]
+
+
+def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool) -> dict:
+    """The distributed optimizer's checkpoint (any DP size) as a MegatronOptimizer state dict
+    for `module`: each parameter's ranges reassembled, keyed by position as torch keys it."""
+    names, index = parameter_names(module), _index_ranges(shards)
+    saved_groups = {g.get("wd_mult"): g for g in sd["param_groups"]}
+    state, mains, groups, i = {}, [], [], 0
+    for group in param_groups(module):
+        hyper = {k: v for k, v in saved_groups.get(group["wd_mult"], {}).items()}
+        groups.append({**hyper, "wd_mult": group["wd_mult"], "params": []})
+        for p in group["params"]:
+            piece = _Piece(names[id(p)], p, 0, p.numel(), 0, 0)
+            restored = _assemble(piece, index.get(piece.name, []))
+            main = restored.pop("main", None)
+            if half:
+                mains.append(p.detach().float().clone() if main is None else main.view(p.shape))
+            if restored:
+                state[i] = {k: v.view(p.shape) if v.ndim else v for k, v in restored.items()}
+            groups[-1]["params"].append(i)
+            i += 1
+    out = {"optimizer": {"state": state, "param_groups": groups}}
+    if "grad_scaler" in sd:
+        out["grad_scaler"] = sd["grad_scaler"]
+    if half:
+        out["fp32_from_fp16_params"] = mains
+    return out

@@ -1,0 +1,43 @@
+"""Pretrain BERT (masked LM + next-sentence prediction) with tensor x pipeline x data
+parallelism, on the GPT's trainer (Megatron-LM v1.1.5's flags; see examples/pretrain_bert.sh).
+
+    python tools/preprocess_data.py --input corpus.json --output-prefix my-bert \
+        --vocab-file bert-vocab.txt --tokenizer-type BertWordPieceLowerCase --split-sentences
+    python pretrain_bert.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \
+        --batch-size 4 --seq-length 512 --max-position-embeddings 512 --train-iters 2000000 \
+        --data-path my-bert_text_sentence --vocab-file bert-vocab.txt --split 949,50,1 \
+        --lr 0.0001 --lr-decay-style linear --warmup .01 --fp16
+"""
+
+import sys
+
+from megatron.checkpoint.storage import CheckpointError
+from megatron.config.cli import parse_args
+from megatron.config.rules import validate_bert, validate_training
+from megatron.initialize import shutdown_distributed
+from megatron.training import bert
+from megatron.training.loop import TrainingError, pretrain
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = bert.with_bert_defaults(parse_args(argv, default_tokenizer=bert.DEFAULT_TOKENIZER))
+        validate_training(cfg)
+        validate_bert(cfg)
+        pretrain(
+            cfg,
+            forward_step_func=bert.make_forward_step(cfg),
+            model_provider=bert.model_provider(cfg),
+            datasets_provider=bert.datasets_provider,
+        )
+    except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as e:
+        # ConfigError and DataError are ValueErrors: bad flags, data or checkpoints, named.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
