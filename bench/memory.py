@@ -44,8 +44,6 @@ MODELS = {
     "GPT L24 h2048 (1.3B)": dict(num_layers=24, hidden_size=2048, num_attention_heads=16),
 }
 VOCAB = 50257
-# Sequence parallelism is measured only once the model has the switch (a ModelConfig field).
-SP_SUPPORTED = any(f.name == "sequence_parallel" for f in dataclasses.fields(ModelConfig))
 
 
 class _StandInDP:
@@ -145,8 +143,8 @@ def activation_bytes(cfg: ModelConfig, state, seq: int, batch: int, sp: bool = F
     keep) for one micro batch."""
     tracker = mpu.RNGStatesTracker("cpu")
     tracker.add(mpu.MODEL_PARALLEL_RNG, 1)
-    if sp:
-        cfg = dataclasses.replace(cfg, sequence_parallel=True)
+    if sp:  # the layer reads --sequence-parallel from the parallel state, as in training
+        state = dataclasses.replace(state, sequence_parallel=True)
     layer = TransformerLayer(cfg, state, tracker, dtype=torch.bfloat16)
     with torch.no_grad():  # real values, so that only dropout masks look like masks
         for p in layer.parameters():
@@ -180,7 +178,7 @@ def _worker(rank, world, seq, batch):
                     rows["states"].append((name, world, dp, distributed, str(dtype)[6:], got))
         if seq:
             acts = activation_bytes(cfg, state, seq, batch)
-            sp = activation_bytes(cfg, state, seq, batch, sp=True) if SP_SUPPORTED else None
+            sp = activation_bytes(cfg, state, seq, batch, sp=True) if world > 1 else None
             rows["acts"].append((name, world, cfg, acts, sp))
     return rows if rank == 0 else None
 
@@ -208,11 +206,7 @@ def print_states(rows) -> None:
 
 
 def print_activations(rows, seq: int, batch: int) -> None:
-    note = (
-        ""
-        if SP_SUPPORTED
-        else ("; SP measured: n/a, this model has no sequence_parallel switch yet (formula only)")
-    )
+    note = "; SP needs TP > 1"
     print(
         f"\nActivations kept for backward, one micro batch, bf16, s={seq} b={batch} (/sbh: "
         f"bytes / (s b h); 'as on CUDA': dropout masks as 1-byte bools{note})\n"

@@ -32,11 +32,13 @@ from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
 DISTRIB = ["--use-distributed-optimizer"]
 # Tolerances (loss rtol, weight rtol/atol, grad rtol/atol). fp32: reduction order only (the
 # reduce-scatter sums in another order than the all-reduce). Half weights: ~1 ulp apart after
-# a few steps (bf16: 2^-8 relative), so the gradients they give differ by about as much.
+# a few steps (bf16: 2^-8 relative), so the gradients they give differ by about as much; a bias
+# gradient sums many tokens' terms that cancel, so its small elements can move by more than their
+# own ulp (CI saw 3.9e-5 on a 2.1e-3 fp16 element): the half atol is 1e-4.
 TOL = {
     "fp32": (2e-5, 1e-4, 1e-6, 1e-4, 1e-7),
-    "bf16": (2e-3, 2e-2, 1e-2, 5e-2, 5e-5),
-    "fp16": (5e-4, 2e-3, 1e-3, 1e-2, 1e-5),
+    "bf16": (2e-3, 2e-2, 1e-2, 5e-2, 1e-4),
+    "fp16": (5e-4, 2e-3, 1e-3, 1e-2, 1e-4),
 }
 
 
