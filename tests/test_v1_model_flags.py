@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate, validate_training
-from megatron.config.schema import ConfigError, ModelConfig
+from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS
 from megatron.model import GPTModel
 from megatron.model.transformer import KVCache, ParallelAttention, TransformerLayer
@@ -39,6 +39,7 @@ V1 = dict(
     num_unique_layers=2,
 )
 ST = mpu.single_process_state()
+FUSED_BDA = dataclasses.replace(TORCH_OPS, bias_dropout_add="compile")  # --bias-dropout-fusion
 
 
 def _tokens(cfg, batch=2, seed=1):
@@ -174,6 +175,63 @@ def test_post_layernorm_residual_follows_v1x():
     assert not torch.allclose(pre(x), layer(x))
 
 
+@pytest.mark.slow  # torch.compile: about 10 s on 2 cores
+def test_bias_dropout_fusion_compiles_the_residual_add_and_replays_its_masks():
+    """--bias-dropout-fusion: the blocks return their output without the bias, and one
+    torch.compile'd residual + dropout(out + bias) adds it: the values of the separate ops
+    (pre- and post-LN), masks that a reseeded call replays (what recompute relies on), and a
+    GPT whose full recompute gives the loss and gradients of the run that keeps activations."""
+    from megatron.fused_kernels import select_ops
+    from megatron.model import transformer
+
+    for flag, impl in (("--bias-dropout-fusion", "compile"), ("--no-bias-dropout-fusion", "torch")):
+        kernels = parse_args([*ARGV, flag], world_size=1).kernels
+        assert select_ops(kernels, "cpu").bias_dropout_add == impl, flag
+    for post_ln in (False, True):
+        cfg = dataclasses.replace(
+            ModelConfig(**BASE), apply_residual_connection_post_layernorm=post_ln
+        )
+        plain = _layer(cfg)
+        fused = TransformerLayer(cfg, ST, None, ops=FUSED_BDA)
+        fused.load_state_dict(plain.state_dict())
+        x = torch.randn(2, 8, 32, generator=_gen(5), requires_grad=True)
+        assert fused.self_attention.defer_bias and fused.mlp.defer_bias
+        assert not torch.allclose(fused.mlp(x), plain.mlp(x)), "the MLP leaves its bias out"
+        y0, y1 = plain(x), fused(x)
+        torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+        g0 = torch.autograd.grad(y0.square().sum(), [x, *plain.parameters()])
+        g1 = torch.autograd.grad(y1.square().sum(), [x, *fused.parameters()])
+        for a, b in zip(g1, g0, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert "fn" in transformer._FUSED, "the layer went through the compiled function"
+
+    cfg = dataclasses.replace(ModelConfig(**BASE), hidden_dropout=0.1)
+    tokens, labels = _tokens(cfg), _tokens(cfg, seed=2)
+    runs = []
+    for recompute in (None, RecomputeConfig(granularity="full", method="uniform", num_layers=1)):
+        model = GPTModel(cfg, ST, seed=3, ops=FUSED_BDA, recompute=recompute)
+        torch.manual_seed(11)
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = runs
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    for name, grad in g0.items():
+        torch.testing.assert_close(g1[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    # The masks themselves (shapes and p of the GPT above, so nothing recompiles).
+    fn = transformer.fused_bias_dropout_add()
+    x, b, r = (torch.randn(2, 8, 32, requires_grad=True) for _ in range(3))
+    b = b[0, 0]
+    with torch.no_grad():
+        torch.manual_seed(7)
+        y = fn(x, b, r, 0.1)
+        kept = (y - r) != 0
+        torch.testing.assert_close((y - r)[kept], ((x + b) / 0.9)[kept])
+        assert 0.8 < kept.float().mean() < 0.97, "a tenth of the elements dropped"
+        torch.manual_seed(7)
+        assert torch.equal(fn(x, b, r, 0.1), y), "the same generator state, the same mask"
+
+
 def test_fp16_lm_cross_entropy_keeps_the_logits_dtype():
     logits = (torch.randn(4, 8, 64, generator=_gen(6)) * 3).half().requires_grad_()
     target = torch.randint(0, 64, (4, 8), generator=_gen(7))
@@ -275,7 +333,6 @@ def test_v1x_flags_parse_into_the_config():
 @pytest.mark.parametrize(
     "extra,world,flag",
     [
-        (["--bias-dropout-fusion"], 1, "--bias-dropout-fusion"),
         (["--fp16-lm-cross-entropy"], 1, "--fp16-lm-cross-entropy"),
         (["--num-unique-layers", "3"], 1, "--num-unique-layers"),
         (["--openai-gelu", "--swiglu"], 1, "--openai-gelu"),

@@ -256,14 +256,6 @@ def _validate_v1_kernels(cfg: MegatronConfig) -> None:
             "(and accumulates in fp32)",
             "choose one of them",
         )
-    if k.bias_dropout_fusion:
-        _fail(
-            "--bias-dropout-fusion",
-            "there is no bias-dropout-add kernel here: the bias add, dropout and residual add "
-            "run as torch ops (a Triton dropout would draw other masks than the RNG tracker "
-            "replays)",
-            "drop the flag (same results), or pass --torch-compile to fuse them",
-        )
 
 
 def _validate_sequence_parallel(cfg: MegatronConfig) -> None:

@@ -234,8 +234,14 @@ class KernelConfig:
     )
     bias_dropout_fusion: bool = setting(
         False,
-        "v1.x flag: bias + dropout + residual add as one op. Refused: they run as separate "
-        "torch ops here (fused only by --torch-compile)",
+        "each block's output bias + dropout + residual add as one torch.compile'd function "
+        "(Megatron's fused bias_dropout_add; needs a C++ compiler on CPU, Triton on CUDA)",
+        shortcuts={
+            "--no-bias-dropout-fusion": (
+                False,
+                "Megatron-LM 2.x+ spelling of the default here: separate torch ops",
+            )
+        },
     )
     bias_swiglu_fusion: bool = setting(True, "torch SwiGLU")
     cross_entropy_loss_fusion: bool = setting(

@@ -41,6 +41,9 @@ class FusedOps:
     bias_gelu: str = "torch"
     swiglu: str = "torch"
     cross_entropy: str = "torch"
+    # --bias-dropout-fusion: "compile" (each block's bias + dropout + residual add as one
+    # torch.compile'd function, see megatron.model.transformer) or "torch" (separate ops).
+    bias_dropout_add: str = "torch"
     # Precision modes (KernelConfig), not implementations: --attention-softmax-in-fp32 and
     # --fp16-lm-cross-entropy (loss in the logits' dtype instead of fp32).
     softmax_in_fp32: bool = False
@@ -55,7 +58,7 @@ class FusedOps:
         return (
             f"fused kernels: attention = {attn}; add+norm = {self.add_norm}; "
             f"bias+gelu = {self.bias_gelu}; swiglu = {self.swiglu}; "
-            f"cross-entropy = {self.cross_entropy}"
+            f"cross-entropy = {self.cross_entropy}; bias+dropout+add = {self.bias_dropout_add}"
         )
 
     # --- the ops themselves ---
@@ -149,6 +152,7 @@ def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
         attention_backend=cfg.attention_backend,
         softmax_in_fp32=cfg.attention_softmax_in_fp32,
         fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
+        bias_dropout_add="compile" if cfg.bias_dropout_fusion else "torch",
         **chosen,
     )
 

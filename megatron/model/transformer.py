@@ -55,6 +55,28 @@ def split_dropout_rng(state: ParallelState, rng_tracker: RNGStatesTracker | None
     return contextlib.nullcontext
 
 
+def _bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float
+) -> torch.Tensor:
+    """residual + dropout(x + bias): the ops --bias-dropout-fusion hands to torch.compile."""
+    if bias is not None:
+        x = x + bias
+    return residual + (F.dropout(x, p) if p > 0.0 else x)
+
+
+_FUSED = {}
+
+
+def fused_bias_dropout_add():
+    """_bias_dropout_add compiled once per process (on first use), as Megatron's jit_fuser
+    (torch.jit.script in v1.x, torch.compile since torch 2.2) fuses it into one kernel.
+    Inductor draws its dropout seed from the current generator, so the RNG tracker's forks and
+    activation recompute replay the same masks."""
+    if "fn" not in _FUSED:
+        _FUSED["fn"] = torch.compile(_bias_dropout_add)
+    return _FUSED["fn"]
+
+
 def build_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
     if cfg.normalization == "RMSNorm":
         return RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, dtype=dtype)
@@ -157,6 +179,7 @@ class ParallelAttention(nn.Module):
         self.dense = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, input_is_parallel=True, **kw
         )
+        self.defer_bias = self.ops.bias_dropout_add == "compile" and cfg.add_bias_linear
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(
@@ -196,6 +219,8 @@ class ParallelAttention(nn.Module):
         else:
             ctx = self._core_attention(q, k, v, mask)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        if self.defer_bias:  # --bias-dropout-fusion: the layer adds dense.bias in its fused op
+            return self.dense.forward_without_bias(ctx)
         return self.dense(ctx)
 
     def _core_attention(self, q, k, v, mask=None):
@@ -268,6 +293,7 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(
             cfg.ffn_size, cfg.hidden_size, input_is_parallel=True, **kw
         )
+        self.defer_bias = self.ops.bias_dropout_add == "compile" and cfg.add_bias_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1 = self.dense_h_to_4h
@@ -277,6 +303,8 @@ class ParallelMLP(nn.Module):
             y = self.ops.gelu_with_bias(fc1.forward_without_bias(x), fc1.bias, self.gelu_approx)
         else:
             y = F.gelu(fc1(x), approximate=self.gelu_approx)
+        if self.defer_bias:  # --bias-dropout-fusion: the layer adds the bias in its fused op
+            return self.dense_4h_to_h.forward_without_bias(y)
         return self.dense_4h_to_h(y)
 
 
@@ -288,6 +316,10 @@ class TransformerLayer(nn.Module):
     --apply-residual-connection-post-layernorm (v1.x, BERT's order): each residual starts from
     the normed input instead, n1 = norm(x); h = n1 + drop(attn(n1)); n2 = norm(h);
     out = n2 + drop(mlp(n2)).
+
+    --bias-dropout-fusion: each block's output bias, dropout and residual add run as one
+    torch.compile'd function (residual + dropout(out + bias)), as Megatron's fused
+    bias_dropout_add; same values, other kernels (and on CUDA other dropout masks).
     """
 
     def __init__(
@@ -304,6 +336,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.hidden_dropout, self.ops = cfg.hidden_dropout, ops or TORCH_OPS
         self.post_ln_residual = cfg.apply_residual_connection_post_layernorm
+        self.bias_dropout_fusion = self.ops.bias_dropout_add == "compile"
         self.residual_rng = split_dropout_rng(state, rng_tracker)
         self.input_layernorm = build_norm(cfg, device, dtype)
         self.self_attention = ParallelAttention(
@@ -323,12 +356,28 @@ class TransformerLayer(nn.Module):
         attn = self.self_attention(normed, position_ids, kv_cache, attention_mask)
         if self.post_ln_residual:
             x = normed
+        if self.bias_dropout_fusion:
+            attn_bias = self.self_attention.dense.bias
+            if self.ops.add_norm == "triton":  # the residual add goes into the norm's kernel
+                zero = torch.zeros((), dtype=attn.dtype, device=attn.device)
+                y, x = self._add_norm(self._fused(attn, attn_bias, zero), x)
+            else:
+                x = self._fused(attn, attn_bias, x)
+                y = self.post_attention_layernorm(x)
+            out = self.mlp(y)
+            return self._fused(out, self.mlp.dense_4h_to_h.bias, y if self.post_ln_residual else x)
         if self.ops.add_norm == "triton":  # residual add + norm in one kernel
             y, x = self._add_norm(self._dropout(attn), x)
             return (y if self.post_ln_residual else x) + self._dropout(self.mlp(y))
         x = x + self._dropout(attn)
         y = self.post_attention_layernorm(x)
         return (y if self.post_ln_residual else x) + self._dropout(self.mlp(y))
+
+    def _fused(self, out, bias, residual):
+        """residual + dropout(out + bias), one compiled function (--bias-dropout-fusion)."""
+        p = self.hidden_dropout if self.training else 0.0
+        with self.residual_rng() if p > 0.0 else contextlib.nullcontext():
+            return fused_bias_dropout_add()(out, bias, residual, p)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0

@@ -235,14 +235,17 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_without_bias(x)
+        return y if self.bias is None else y + self.bias
+
+    def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """The reduced X A only, for a caller that adds b itself (--bias-dropout-fusion)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
         y = F.linear(x, self.weight)  # (b, s, h) partial sum of this rank's shard
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (b, s/p, h)
-        else:
-            y = reduce_from_tensor_model_parallel_region(y, self.group)
-        return y if self.bias is None else y + self.bias
+            return reduce_scatter_to_sequence_parallel_region(y, self.group)  # (b, s/p, h)
+        return reduce_from_tensor_model_parallel_region(y, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
