@@ -11,7 +11,15 @@ from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError
 from megatron.training.deepspeed.config import build_ds_config
 from tests.distributed import run_distributed
-from tests.test_training import _losses, _train, data_prefix, flags  # noqa: F401
+from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
+    _CALLS,
+    _LAST_MODEL,
+    _losses,
+    _poison_third_micro_batch_on_rank1,
+    _train,
+    data_prefix,
+    flags,
+)
 
 deepspeed = pytest.importorskip(
     "deepspeed",
@@ -156,6 +164,13 @@ def _ds_worker(rank, world, argv, save_dir):
         world,
         argv + ["--deepspeed", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
     )[0]
+    # Promise 5 in every precision: rank 1's 3rd micro batch (iteration 2) has a NaN loss.
+    for name, extra in (("nan fp32 zero0", []), ("nan bf16 zero1", ["--bf16"])):
+        _CALLS["n"] = 0
+        stage = "0" if "zero0" in name else "1"
+        ds = [*argv, "--deepspeed", "--zero-stage", stage, *extra]
+        runs[name] = _train(rank, world, ds, _poison_third_micro_batch_on_rank1)[0]
+        runs[name + " finite"] = all(p.isfinite().all() for p in _LAST_MODEL["model"].parameters())
     return runs
 
 
@@ -169,6 +184,11 @@ def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, t
                 _losses(runs[name]), _losses(ref), rtol=2e-5, err_msg=f"{name} rank {rank}"
             )
         assert _losses(runs["resumed"]) == _losses(runs["zero1"])[3:], "engine resume is exact"
+        for name in ("nan fp32 zero0", "nan bf16 zero1"):
+            history = runs[name]
+            assert [h["updated"] for h in history] == [True, False, True, True, True, True], name
+            assert history[1]["grad_norm"] is None and runs[name + " finite"], name
+            assert all(np.isfinite(_losses(history)[2:])), name
     marker = tmp_path / "ck" / "iter_0000003" / "complete"
     assert marker.exists() and (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
 

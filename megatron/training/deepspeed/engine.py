@@ -361,9 +361,35 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler, model_provider=None
         mpu=None if pipeline else MpuAdapter(rt.state),
         dist_init_required=False,
     )
+    if engine.optimizer is optimizer:  # fp32 without ZeRO: DeepSpeed steps ours unwrapped
+        _skip_non_finite_steps(optimizer)
     if pipeline and ds_config.get("wall_clock_breakdown"):
         _tolerate_restarted_backward_timers(engine)
     return engine, scheduler, pipeline
+
+
+def _skip_non_finite_steps(optimizer) -> None:
+    """Promise 5 where DeepSpeed has no check of its own: its fp16/bf16 and ZeRO optimizers skip a
+    step whose gradients hold inf/NaN, but in fp32 without ZeRO the engine calls our optimizer's
+    step() directly. Before each step one scalar all-reduce (MAX over every rank: the DP replicas
+    agree already, the TP/PP shards differ) asks whether any gradient is non-finite; if so no
+    rank steps, and `overflow` (what the engine reads after step()) tells it to count the skip
+    (`was_step_applied()` False) and leave the LR schedule where it is."""
+    step = optimizer.step
+    optimizer.overflow = False
+
+    def guarded_step(closure=None):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:  # one flag per tensor, one device sync in all
+            bad = torch.stack([g.isfinite().all().logical_not() for g in grads]).any()
+            bad = bad.float().reshape(1)
+        else:
+            bad = torch.zeros(1)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        optimizer.overflow = bool(bad.item())
+        return None if optimizer.overflow else step(closure)
+
+    optimizer.step = guarded_step
 
 
 def _tolerate_restarted_backward_timers(engine) -> None:
@@ -433,11 +459,11 @@ def ds_train_step(
         )
         value = average_loss([s["lm loss"] for s in stats], rt)
         others = other_losses(forward_step_func, stats, rt)
-    norm = engine.get_global_grad_norm()
+    norm, updated = engine.get_global_grad_norm(), bool(engine.was_step_applied())
     result = {
         "lm_loss": value,
-        "updated": bool(engine.was_step_applied()),
-        "grad_norm": None if norm is None else float(norm),
+        "updated": updated,
+        "grad_norm": None if norm is None or not updated else float(norm),
     }
     return {**result, "other_losses": others} if others else result
 
