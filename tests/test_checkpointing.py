@@ -44,6 +44,7 @@ from megatron.checkpoint.storage import (
     tracker_path,
 )
 from tests.distributed import run_distributed
+from tests.test_training import data_prefix, flags  # noqa: F401 - data_prefix is a fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -664,10 +665,48 @@ def _two_rank_commit(rank: int, world_size: int, root: str):
     return len(pointer_writes), seen
 
 
+def _full_disk_on_rank1(rank: int, world_size: int, root: str, argv: list[str]):
+    """A TP=2 run saving at iterations 2 and 4, whose rank 1 finds the disk full at 4: what
+    each rank raised, and how long after the failed write."""
+    from tests.test_training import _train
+
+    real_open = open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        name = os.path.basename(file)
+        if rank == 1 and "iter_0000004" in os.fspath(file) and name.startswith(f".{SHARD_NAME}."):
+            return _FullDisk(f)
+        return f
+
+    storage.open = full_open  # what the module's writer opens files with (shadows the builtin)
+    try:
+        _train(rank, world_size, [*argv, "--save", root, "--save-interval", "2"])
+    except CheckpointError as e:
+        return str(e), time.monotonic()
+    finally:
+        del storage.open
+    return None, time.monotonic()
+
+
 @pytest.mark.slow
-def test_two_ranks_commit_once(tmp_path):
+def test_two_ranks_commit_once_and_agree_on_a_failed_write(tmp_path, data_prefix):  # noqa: F811
     results = run_distributed(_two_rank_commit, 2, str(tmp_path))
     assert results == [(1, 7), (0, 7)]
     for tp in range(2):
         assert load_shard(tmp_path, 7, tp_rank=tp, pp_rank=0, pp_size=1)["rank"] == tp
     assert resolve_load_iteration(tmp_path) == 7
+
+    # One rank's write fails: every rank stops at once with the error naming it (before, rank 0
+    # waited in the commit barrier until the collective timeout), and 4 is never marked.
+    root = str(tmp_path / "full")
+    argv = flags(data_prefix, "--tensor-model-parallel-size", "2", iters=4)
+    (msg0, t0), (msg1, t1) = run_distributed(_full_disk_on_rank1, 2, root, argv)
+    lost = shard_path(root, 4, 1, 0, 1)
+    assert msg1.startswith(f"cannot write checkpoint file {lost}: [Errno {errno.ENOSPC}]"), msg1
+    assert msg0.startswith(f"iteration 4 was not saved: rank 1 failed (cannot write checkpoint "
+                           f"file {lost}: [Errno {errno.ENOSPC}]"), msg0  # fmt: skip
+    assert "previous checkpoint" in msg0 and "\n" not in msg0 + msg1
+    assert abs(t0 - t1) < 10, "both ranks stop together"
+    assert read_tracker(root) == 2 and resolve_load_iteration(root) == 2
+    assert not os.path.exists(os.path.join(checkpoint_dir(root, 4), MARKER_NAME))

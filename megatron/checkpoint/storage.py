@@ -278,38 +278,72 @@ def finalize_checkpoint(
     num_shards_expected: int | None = None,
     retain_last: int | None = None,
     layout: str = "megatron",
+    agree: Callable[[str | None], Sequence[str | None]] | None = None,
+    error: BaseException | None = None,
 ) -> None:
     """Commit `iteration` on every rank: barrier, marker, pointer, keep-last-K, barrier.
 
-    If rank 0 raises (missing shards), the other ranks wait in the second barrier until the
-    collective timeout; the pointer still names the previous checkpoint.
+    `agree(message or None)` gathers every rank's outcome (an all-gather, so also a barrier):
+    with it, both barriers become agreements. A rank whose own write failed (`error`, e.g. a
+    full disk) or a rank 0 that cannot write the marker or the pointer stops every rank at
+    once with the same CheckpointError naming that rank and its file, and nothing marks the
+    iteration complete: the pointer still names the previous checkpoint. Without `agree`
+    (one process), the error is raised here and the others would wait in the barrier.
     """
     if retain_last is not None and retain_last < 1:
         raise ValueError(f"retain_last must be >= 1 (keeps the newest), got {retain_last}")
-    barrier()  # every writing rank has replaced its shard file
-    if is_rank0:
-        directory = checkpoint_dir(root, iteration)
-        # megatron: mp_rank_*/model_optim_rng.pt shards; deepspeed: every file the engine wrote.
-        shards = _shard_files(directory) if layout == "megatron" else _all_files(directory)
-        if layout != "megatron":
-            num_shards_expected = None
-        if not shards or (num_shards_expected is not None and len(shards) != num_shards_expected):
+
+    def settle(err: BaseException | None) -> None:
+        if agree is None:
+            if err is not None:
+                raise err
+            barrier()
+            return
+        failed = [(r, m) for r, m in enumerate(agree(None if err is None else str(err))) if m]
+        if err is not None:
+            raise err
+        if failed:
+            rank, message = failed[0]
             raise CheckpointError(
-                f"{directory}: expected {num_shards_expected or 'some'} shard files, found "
-                f"{len(shards)} {sorted(shards)}; not marking iteration {iteration} complete"
+                f"iteration {iteration} was not saved: rank {rank} failed ({message}); the "
+                f"previous checkpoint in {root} stays the newest"
             )
-        # Checksums of what is on disk now, after every rank's fsync: later damage shows up.
-        crcs = {rel: file_crc32(os.path.join(directory, rel)) for rel in shards}
-        marker = json.dumps({"iteration": iteration, "shards": shards, "crc32": crcs}, indent=1)
-        # Rank 0 alone writes the marker and the pointer: dead saves' temps of them can go.
-        _remove_dead_temps(_marker_path(root, iteration))
-        _atomic_write(_marker_path(root, iteration), lambda f: f.write(marker.encode()))
-        pointer = RELEASE if iteration == 0 else str(iteration)
-        _remove_dead_temps(tracker_path(root))
-        _atomic_write(tracker_path(root), lambda f: f.write(f"{pointer}\n".encode()))
-        if retain_last is not None:
-            _apply_retention(root, iteration, retain_last)
-    barrier()  # no rank moves on (or loads) before the pointer has moved
+
+    settle(error)  # every writing rank has replaced its shard file (or said why it could not)
+    err = None
+    try:
+        if is_rank0:
+            _mark_complete(root, iteration, num_shards_expected, retain_last, layout)
+    except (CheckpointError, OSError) as e:
+        err = e
+    settle(err)  # no rank moves on (or loads) before the pointer has moved
+
+
+def _mark_complete(
+    root: str, iteration: int, num_shards_expected: int | None, retain_last: int | None, layout
+) -> None:
+    """Rank 0's part of finalize_checkpoint: check the shards, write the marker and pointer."""
+    directory = checkpoint_dir(root, iteration)
+    # megatron: mp_rank_*/model_optim_rng.pt shards; deepspeed: every file the engine wrote.
+    shards = _shard_files(directory) if layout == "megatron" else _all_files(directory)
+    if layout != "megatron":
+        num_shards_expected = None
+    if not shards or (num_shards_expected is not None and len(shards) != num_shards_expected):
+        raise CheckpointError(
+            f"{directory}: expected {num_shards_expected or 'some'} shard files, found "
+            f"{len(shards)} {sorted(shards)}; not marking iteration {iteration} complete"
+        )
+    # Checksums of what is on disk now, after every rank's fsync: later damage shows up.
+    crcs = {rel: file_crc32(os.path.join(directory, rel)) for rel in shards}
+    marker = json.dumps({"iteration": iteration, "shards": shards, "crc32": crcs}, indent=1)
+    # Rank 0 alone writes the marker and the pointer: dead saves' temps of them can go.
+    _remove_dead_temps(_marker_path(root, iteration))
+    _atomic_write(_marker_path(root, iteration), lambda f: f.write(marker.encode()))
+    pointer = RELEASE if iteration == 0 else str(iteration)
+    _remove_dead_temps(tracker_path(root))
+    _atomic_write(tracker_path(root), lambda f: f.write(f"{pointer}\n".encode()))
+    if retain_last is not None:
+        _apply_retention(root, iteration, retain_last)
 
 
 def _iteration_dirs(root: str) -> dict[int, str]:

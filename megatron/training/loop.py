@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint.storage import write_text_atomic
+from megatron.checkpoint.storage import CheckpointError, write_text_atomic
 from megatron.config.files import RUN_CONFIG_NAME, to_yaml
 from megatron.config.legacy import check_tokenizer_files
 from megatron.config.rules import validate_model
@@ -133,7 +133,7 @@ def pretrain(
             backend.model.finish_param_sync()
         result.model = backend.model
         return result
-    except TrainingError:
+    except (TrainingError, CheckpointError):  # our own errors already say what happened
         raise
     except RuntimeError as e:  # a collective failed (timed out, or a peer closed the connection)
         why = explain_collective_failure(rt.heartbeat, e, cfg.distributed.timeout_minutes)

@@ -113,14 +113,20 @@ def checkpoint_entries(cfg: MegatronConfig, rt: Runtime, state: TrainState) -> d
     return entries
 
 
-def commit(cfg: MegatronConfig, rt: Runtime, iteration: int, **layout) -> None:
-    """After every rank wrote its files: mark the checkpoint complete and move the pointer."""
+def commit(
+    cfg: MegatronConfig, rt: Runtime, iteration: int, error: BaseException | None = None, **layout
+) -> None:
+    """After every rank wrote its files (or failed to: `error`): if all did, mark the checkpoint
+    complete and move the pointer; if any did not, every rank raises the same CheckpointError
+    naming it, at once (not one rank failing while the others wait in a barrier)."""
     finalize_checkpoint(
         cfg.checkpoint.save,
         iteration,
         barrier=barrier,
         is_rank0=rt.state.rank == 0,
         retain_last=cfg.checkpoint.save_retain_last,
+        agree=_gather,
+        error=error,
         **layout,
     )
 
@@ -183,14 +189,19 @@ def save_training_state(
     sharded = getattr(optimizer, "shard_state_dict", None)  # the distributed optimizer's
     if cfg.checkpoint.no_save_optim:
         sharded = None
-    if st.dp_rank == 0:  # a re-save of this iteration at a smaller DP leaves no extra files
-        remove_stale_optimizer_shards(root, it, keep=st.dp_size if sharded else 0, **where)
-    save_shard(root, it, shard, write=st.dp_rank == 0, **where)
-    if sharded is not None:
-        name = DISTRIB_OPTIM_NAME.format(dp_rank=st.dp_rank)
-        save_shard(root, it, sharded(), write=True, name=name, **where)
+    optim_shard = sharded() if sharded is not None else None
+    error = None
+    try:
+        if st.dp_rank == 0:  # a re-save of this iteration at a smaller DP leaves no extra files
+            remove_stale_optimizer_shards(root, it, keep=st.dp_size if sharded else 0, **where)
+        save_shard(root, it, shard, write=st.dp_rank == 0, **where)
+        if optim_shard is not None:
+            name = DISTRIB_OPTIM_NAME.format(dp_rank=st.dp_rank)
+            save_shard(root, it, optim_shard, write=True, name=name, **where)
+    except (CheckpointError, OSError) as e:  # every rank hears of it in commit
+        error = e
     files_per_rank = 1 + (st.dp_size if sharded is not None else 0)
-    commit(cfg, rt, it, num_shards_expected=st.tp_size * st.pp_size * files_per_rank)
+    commit(cfg, rt, it, error, num_shards_expected=st.tp_size * st.pp_size * files_per_rank)
 
 
 def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:

@@ -95,10 +95,14 @@ class DeepSpeedBackend(TrainerBackend):
     def save(self, state: TrainState) -> None:
         client = checkpoint_entries(self.cfg, self.rt, state)
         tag = os.path.basename(checkpoint_dir(self.cfg.checkpoint.save, state.iteration))
-        self.engine.save_checkpoint(
-            self.cfg.checkpoint.save, tag=tag, client_state=client, save_latest=False
-        )
-        commit(self.cfg, self.rt, state.iteration, layout="deepspeed")
+        error = None
+        try:  # a failed write is agreed on in commit (DeepSpeed's own barriers permitting)
+            self.engine.save_checkpoint(
+                self.cfg.checkpoint.save, tag=tag, client_state=client, save_latest=False
+            )
+        except OSError as e:
+            error = e
+        commit(self.cfg, self.rt, state.iteration, error, layout="deepspeed")
 
     def load(self) -> TrainState:
         return resume(self.cfg, self.rt, self._verify, self._load_engine)
