@@ -256,3 +256,26 @@ def test_training_on_tntidx_and_with_workers_gives_the_same_losses(tmp_path):
         assert _losses(out[impl]) == ref[:3], impl
     assert _losses(out["first"]) == ref[:3], "--num-workers 2 must read the same samples"
     assert _losses(out["resumed"]) == ref[3:], "a resume with workers must continue exactly"
+
+
+def test_merge_datasets_takes_tntidx_inputs_beside_mmap_ones(tmp_path, capsys):
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+    from megatron.data.merge_datasets import main as merge_main
+
+    write_tntidx(tmp_path / "old", DOCS)  # int32 (code 4)
+    b = MMapIndexedDatasetBuilder(f"{tmp_path / 'new'}.bin", np.int32)
+    b.add_document([[20, 21], [22]])
+    b.finalize(f"{tmp_path / 'new'}.idx")
+    out = tmp_path / "both"
+    argv = ["--input", str(tmp_path / "old"), str(tmp_path / "new"), "--output-prefix", str(out)]
+    assert merge_main(argv) == 0
+    ds = MMapIndexedDataset(out)
+    assert [ds[i].tolist() for i in range(len(ds))] == [s for d in DOCS for s in d] + [
+        [20, 21],
+        [22],
+    ]
+    assert ds.doc_idx.tolist() == [0, 2, 3, 6, 8], "each input's document boundaries kept"
+    write_tntidx(tmp_path / "u16", DOCS, code=8, dtype="<u2")  # another tokenizer's width
+    bad = ["--input", str(tmp_path / "u16"), str(tmp_path / "new"), "--output-prefix", str(out)]
+    assert merge_main(bad) == 1
+    assert "new.idx: dtype int32 differs from uint16" in capsys.readouterr().err

@@ -5,6 +5,7 @@
     python tools/convert_checkpoint.py --load ckpt --to-hf hf_model
     python tools/convert_checkpoint.py --from-hf hf_model --save ckpt \\
         --target-tensor-model-parallel-size 2
+    python tools/convert_checkpoint.py --from-megatron-v1 v1_ckpt --save ckpt --vocab-size 50257
 One CPU process, no torch.distributed; the whole model is held in memory once. RNG states are
 not converted, nor the plain optimizer's: resume with --no-load-optim --no-load-rng, or
 --finetune. The state of --use-distributed-optimizer (saved per parameter) is converted with
@@ -35,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--load", metavar="DIR", help="our checkpoint directory to read (any TP x PP)")
     src.add_argument(
         "--from-hf", metavar="DIR", help="Hugging Face GPT-2 or Llama directory to import"
+    )
+    src.add_argument(
+        "--from-megatron-v1",
+        metavar="DIR",
+        help="a GPT checkpoint directory of Megatron-LM v1.x (v1.1.5, DeepSpeedExamples; its "
+        "own layout or its --deepspeed engine's, any TP, PP = 1) to import",
     )
     dst = p.add_mutually_exclusive_group(required=True)
     dst.add_argument(
@@ -69,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --load: the iteration to read (default: the latest complete one); "
         "with --from-hf: the iteration to write (default 0, Megatron's `release`)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --from-megatron-v1: the tokenizer's vocabulary size (v1.x saved the "
+        "embedding padded; the rows after N are dropped). Default: read from the tokenizer "
+        "files the checkpoint names, if they exist here",
     )
     p.add_argument(
         "--tokenizer-files",
@@ -176,6 +192,35 @@ def _import(a) -> int:
     return 0
 
 
+def _import_v1(a) -> int:
+    from megatron.checkpoint.megatron_v1 import import_megatron_v1
+
+    state, args, iteration = import_megatron_v1(a.from_megatron_v1, a.vocab_size, a.iteration)
+    cfg = model_config(args)
+    tp = a.target_tensor_model_parallel_size or 1
+    pp = a.target_pipeline_model_parallel_size or 1
+    vp = a.target_num_layers_per_virtual_pipeline_stage
+    validate_layout(cfg, tp, pp, vp)
+    save_resharded(
+        state,
+        args,
+        a.save,
+        tp,
+        pp,
+        iteration,
+        vp_layers=vp,
+        quiet=True,
+        progress=Progress("writing shards", unit="shard"),
+    )
+    print(
+        f"imported iteration {iteration} of Megatron-LM v1.x checkpoint {a.from_megatron_v1} "
+        f"to {a.save} (TP={tp} x PP={pp}, vocab {cfg.vocab_size}); its weights only: continue "
+        f"with --load {a.save} --no-load-optim --no-load-rng (from iteration {iteration}; "
+        "Adam starts afresh) or --finetune, and the model flags of the v1.x run"
+    )
+    return 0
+
+
 def _hf_config_json(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
@@ -189,12 +234,20 @@ def main(argv=None) -> int:
     if a.from_hf and a.to_hf:
         print("error: --from-hf needs --save (our checkpoint format)", file=sys.stderr)
         return 1
+    if a.vocab_size is not None and not a.from_megatron_v1:
+        print("error: --vocab-size is only used with --from-megatron-v1", file=sys.stderr)
+        return 1
     if a.tokenizer_files and not a.to_hf:
         print("error: --tokenizer-files is only used with --to-hf", file=sys.stderr)
         return 1
     try:
         if a.from_hf:
             return _import(a)
+        if a.from_megatron_v1:
+            if not a.save:
+                print("error: --from-megatron-v1 needs --save", file=sys.stderr)
+                return 1
+            return _import_v1(a)
         return _reshard(a) if a.save else _export(a)
     except (ValueError, CheckpointError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,18 +1,24 @@
-"""tools/merge_datasets.py: concatenate several mmap datasets (PREFIX.bin/.idx) into one.
+"""tools/merge_datasets.py: concatenate several datasets (PREFIX.bin/.idx) into one mmap dataset.
 
     python tools/merge_datasets.py --input data/a_text_document data/b_text_document \
         --output-prefix data/ab_text_document
 An --input may also be a directory: every PREFIX.idx/.bin pair in it is merged, in name order.
+Inputs may be mmap files or v1.x's older TNTIDX (lazy/cached) ones, mixed; the output is mmap.
 """
 
 import argparse
 import os
 import sys
 
+import numpy as np
+
+from megatron.data.dataset_impl import infer_dataset_impl, make_indexed_dataset
 from megatron.data.indexed_dataset import (
+    IndexedDatasetError,
     MMapIndexedDataset,
     MMapIndexedDatasetBuilder,
     dataset_exists,
+    index_file_path,
 )
 
 
@@ -35,6 +41,20 @@ def _prefixes(inputs):
     return out
 
 
+def _merge_legacy(builder: MMapIndexedDatasetBuilder, prefix: str) -> None:
+    """Append a TNTIDX dataset's documents (its sequences and document boundaries as they are)."""
+    ds = make_indexed_dataset(prefix, "lazy")
+    if ds.dtype != builder.dtype:
+        raise IndexedDatasetError(
+            f"{index_file_path(prefix)}: dtype {ds.dtype} differs from {builder.dtype}; "
+            "merge only datasets made with the same tokenizer"
+        )
+    ends = np.asarray(ds.doc_idx, dtype=np.int64)
+    if len(ends) == 0 or ends[-1] != len(ds):  # sequences after the last closed document
+        ends = np.append(ends if len(ends) else np.zeros(1, np.int64), len(ds))
+    builder.add_batch(ds.read_range(0, len(ds)), ds.sizes, np.diff(ends))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
@@ -42,12 +62,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         prefixes = _prefixes(args.input)
-        first = MMapIndexedDataset(prefixes[0])
+        first = make_indexed_dataset(prefixes[0])
         tmp = f".tmp-{os.getpid()}"
         builder = MMapIndexedDatasetBuilder(f"{args.output_prefix}.bin{tmp}", first.dtype)
         try:
             for prefix in prefixes:
-                builder.merge_file_(prefix)
+                if infer_dataset_impl(prefix) == "mmap":
+                    builder.merge_file_(prefix)
+                else:
+                    _merge_legacy(builder, prefix)
             builder.finalize(f"{args.output_prefix}.idx{tmp}")
         except BaseException:
             builder.abort()
