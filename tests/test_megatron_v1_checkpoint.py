@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -174,6 +177,18 @@ def test_bad_input_is_named_and_nothing_foreign_is_unpickled(tmp_path, capsys):
     with pytest.raises(CheckpointError, match="posix.system|os.system"):
         import_megatron_v1(root, vocab_size=128)
     assert "pwned" not in capsys.readouterr().out
+    # v1's fp16 optimizer state holds objects of its own classes: inert stand-ins here.
+    fake = types.ModuleType("megatron.fp16.loss_scaler")
+    fake.DynamicLossScaler = type("DynamicLossScaler", (), {"__module__": fake.__name__})
+    scaler = fake.DynamicLossScaler()
+    scaler.cur_scale = 4096.0
+    with mock.patch.dict(sys.modules, {fake.__name__: fake}):
+        root = _rewrite(
+            1, tmp_path / "fp16", lambda shard: {**shard, "optimizer": {"loss_scaler": scaler}}
+        )
+    want, _, _ = import_megatron_v1(_fixture(1), vocab_size=128)
+    got, _, _ = import_megatron_v1(root, vocab_size=128)
+    assert all(torch.equal(got[n], t) for n, t in want.items())
     # Not a checkpoint at all.
     assert main(["--from-megatron-v1", str(tmp_path), "--save", str(tmp_path / "c")]) == 1
     assert "is it a v1.x checkpoint?" in capsys.readouterr().err

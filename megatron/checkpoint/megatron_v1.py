@@ -19,20 +19,18 @@ What differs from our layout and is converted:
   and the rows after it are dropped. With vocab_size = padded_vocab_size nothing is dropped and
   the losses are v1's exactly (tested against v1.1.5's own model code).
 
-The pickles are read by a restricted unpickler: tensors, containers, argparse.Namespace, numpy
-arrays and torch dtypes; objects of v1's own classes (its fp16 loss scaler, in the optimizer
-state) become inert placeholders, since only the weights are imported; anything else is
-refused, naming the file and the class.
+The pickles are read with torch.load(weights_only=True), allowing beyond tensors, containers and
+torch dtypes only argparse.Namespace and numpy arrays; objects of v1's own classes (its fp16 loss
+scaler, in the optimizer state) become inert placeholders, since only the weights are imported;
+any other class is refused before loading, naming the file and the class.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import os
-import pickle
 import re
 
 import torch
@@ -44,82 +42,51 @@ from megatron.config.schema import ModelConfig
 NATIVE_TRACKER = "latest_checkpointed_iteration.txt"
 DEEPSPEED_TRACKER = "latest"
 _V1_PACKAGES = ("megatron", "apex", "deepspeed", "fp16")  # their objects become placeholders
-_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex}
 
 
 class _Placeholder:
     """Stands in for an object of a class this project does not have (v1's loss scaler)."""
 
-    def __init__(self, *args, **kwargs):
-        pass
 
-    def __setstate__(self, state):
-        self.state = state
+# The globals (beyond tensors, containers and torch dtypes) a v1.x checkpoint may name.
+_NUMPY = {"_reconstruct", "scalar", "ndarray", "dtype"}
 
 
-def _allowed(module: str, name: str):
-    import numpy as np
+def _allowed(qualified: str):
+    """What torch.load(weights_only=True) may resolve `qualified` to, or None (refused)."""
+    import importlib
 
-    if module == "collections" and name == "OrderedDict":
-        return collections.OrderedDict
-    if module == "argparse" and name == "Namespace":
+    module, _, name = qualified.rpartition(".")
+    if qualified == "argparse.Namespace":
         return argparse.Namespace
-    if module == "torch._utils" and name.startswith("_rebuild_"):
-        return getattr(torch._utils, name)
-    if module == "torch" and (
-        name.endswith("Storage") or isinstance(getattr(torch, name, None), torch.dtype)
-    ):
-        return getattr(torch, name)
-    if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name in (
-        "_reconstruct",
-        "scalar",
-    ):
-        import importlib
-
-        return getattr(importlib.import_module(module), name)
-    if module == "numpy" and name in ("ndarray", "dtype"):
-        return getattr(np, name)
-    if module.startswith("numpy") and name.endswith("DType"):  # numpy >= 1.25 dtype classes
-        import importlib
-
-        return getattr(importlib.import_module(module), name)
-    if module == "_codecs" and name == "encode":  # how protocol 2 pickles bytes (numpy's)
-        import codecs
-
-        return codecs.encode
-    if module == "builtins" and name in _BUILTINS:
-        return _BUILTINS[name]
-    if module.split(".")[0] in _V1_PACKAGES:
-        return _Placeholder
+    if module.split(".")[0] == "numpy" and (name in _NUMPY or name.endswith("DType")):
+        return (getattr(importlib.import_module(module), name), qualified)
+    if module.split(".")[0] in _V1_PACKAGES:  # only weights are imported: an inert stand-in
+        return (type(name, (_Placeholder,), {}), qualified)
     return None
 
 
-def _unpickler_module(path: str):
-    """A pickle_module for torch.load whose Unpickler resolves only `_allowed` classes."""
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            found = _allowed(module, name)
+def _load(path: str) -> dict:
+    """torch.load(weights_only=True) of a v1.x file, allowing only the globals it needs."""
+    try:
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed = []
+        for qualified in needed:
+            found = _allowed(qualified)
             if found is None:
                 raise CheckpointError(
-                    f"{path}: holds an object of {module}.{name}, which a Megatron-LM v1.x "
-                    "checkpoint does not; refusing to unpickle it (only tensors, containers, "
+                    f"{path}: holds an object of {qualified}, which a Megatron-LM v1.x checkpoint "
+                    "does not; refusing to unpickle it (only tensors, containers, "
                     "argparse.Namespace and numpy arrays are read)"
                 )
-            return found
+            allowed.append(found)
+            if qualified == "numpy.dtype":  # a dtype is built as its class (numpy.dtypes.*DType)
+                import numpy as np
 
-    module = type(pickle)("_v1_pickle")
-    module.Unpickler = Unpickler
-    module.load = lambda f, **kw: Unpickler(f, **kw).load()
-    module.__name__ = "_v1_pickle"
-    return module
-
-
-def _load(path: str) -> dict:
-    try:
-        return torch.load(
-            path, map_location="cpu", weights_only=False, pickle_module=_unpickler_module(path)
-        )
+                dtypes = vars(getattr(np, "dtypes", np))  # numpy < 1.25 has no such classes
+                allowed += [c for n, c in dtypes.items() if n.endswith("DType")]
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
     except Exception as e:  # a truncated or foreign file
