@@ -1,4 +1,7 @@
+import inspect
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
 import torch
@@ -29,4 +32,83 @@ def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     elif "TRITON_INTERPRET" in os.environ:
         monkeypatch.delenv("TRITON_INTERPRET")
+    yield
+
+
+# --- `slow`, applied automatically -------------------------------------------------------------
+# A test is slow when it (or a fixture it uses) can reach code that starts another process: the
+# gloo rank spawner, subprocess, multiprocessing. Found by walking the names each test function
+# refers to, through the helpers defined in tests/, so nobody has to remember the marker; the
+# guard below fails a test the walk missed, so `make test-fast` stays free of process starts.
+
+_SPAWN_MODULES = {"subprocess", "multiprocessing", "torch.multiprocessing"}
+_SPAWN_NAMES = {"Popen", "check_output", "check_call", "run_distributed", "start_processes"}
+
+
+def _reaches_a_spawn(obj, seen: set[int]) -> bool:
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if inspect.ismodule(obj):
+        return obj.__name__ in _SPAWN_MODULES
+    if inspect.isclass(obj):
+        if not obj.__module__.startswith("tests"):
+            return False
+        return any(_reaches_a_spawn(v, seen) for v in vars(obj).values() if callable(v))
+    func = inspect.unwrap(getattr(obj, "__func__", obj))
+    if getattr(func, "__module__", None) in _SPAWN_MODULES:
+        return True
+    code = getattr(func, "__code__", None)
+    if code is None or not func.__module__.startswith("tests"):
+        return False
+    codes, names = [code], set()
+    while codes:
+        c = codes.pop()
+        names |= set(c.co_names) | set(c.co_freevars)
+        codes += [k for k in c.co_consts if inspect.iscode(k)]
+    if names & _SPAWN_NAMES:
+        return True
+    scope = {**func.__globals__, **_closure_vars(func)}
+    return any(_reaches_a_spawn(scope[n], seen) for n in names if n in scope)
+
+
+def _closure_vars(func) -> dict:
+    cells = func.__closure__ or ()
+    out = {}
+    for name, cell in zip(func.__code__.co_freevars, cells, strict=False):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            continue
+        funcs = [getattr(item, "function", None)]
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in info.name2fixturedefs.values() if info else ():
+            funcs += [d.func for d in defs if d.argname != "_fast_tests_start_no_process"]
+        seen: set[int] = set()
+        if any(f is not None and _reaches_a_spawn(f, seen) for f in funcs):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(request, monkeypatch):
+    """A test not marked slow that starts a process fails, naming what to mark."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process but is not marked slow (the automatic "
+            "marking in tests/conftest.py did not see it): add @pytest.mark.slow"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     yield

@@ -337,7 +337,9 @@ _MAY_IMPORT = {
     "model": {"config.schema", "fused_kernels", "mpu"},
     "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
     "heartbeat": set(),
-    "planning": {"config.schema", "config.rules"},  # runs before any model or process group
+    "pipeline_order": set(),
+    # planning runs before any model or process group exists
+    "planning": {"config.schema", "config.rules", "pipeline_order"},
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},

@@ -50,6 +50,7 @@ def _hf_model(model):
     return hf
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_tp1_bert_equals_transformers_bert_for_pretraining():
     model = BertModel(CFG, mpu.single_process_state(), seed=3, dtype=DT).eval()
     tokens, types, pad, _ = _batch()
@@ -87,6 +88,7 @@ def test_padding_changes_nothing_for_the_real_tokens_and_no_binary_head():
     assert not any("pooler" in k or "binary" in k for k in headless.state_dict())
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_unfused_masked_softmax_path_equals_sdpa_with_padding():
     from megatron.fused_kernels import FusedOps
 

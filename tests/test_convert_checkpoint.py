@@ -207,6 +207,7 @@ def test_split_rules_match_the_model_and_mpu_shard(variant):
         assert set(stage_names(cfg, 2, pp_rank, vp_layers=1)) == set(chunks.state_dict())
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tp2_pp2_to_tp1_pp1_gives_the_same_logits(tmp_path, variant, capsys):
     cfg = VARIANTS[variant]
@@ -351,6 +352,7 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
     pytest.importorskip("safetensors", reason="HF files are safetensors")

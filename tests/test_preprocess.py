@@ -60,7 +60,7 @@ def _expected(tok, texts):
     return [tok.tokenize(t) + [tok.eod] for t in texts]
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_fixture_corpus_is_byte_identical_to_megatron(tmp_path, workers):
     # A small --chunk-bytes makes the 2-worker run span many chunks; order must be kept.
     assert (

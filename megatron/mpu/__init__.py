@@ -1,7 +1,6 @@
 """Model-parallel utilities. Imports nothing from the rest of `megatron`."""
 
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
-from megatron.mpu.data import broadcast_data
 from megatron.mpu.grads import (
     all_reduce_sequence_parallel_grads,
     clip_grad_norm,
@@ -55,7 +54,6 @@ __all__ = [
     "RNGStatesTracker",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "broadcast_data",
     "checkpoint",
     "clip_grad_norm",
     "copy_full_into_param",

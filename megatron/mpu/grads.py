@@ -107,13 +107,15 @@ def clip_grad_norm(
     """Scale every gradient by min(1, max_norm / norm); returns the norm before clipping.
 
     A non-finite norm is returned untouched and nothing is scaled: the caller skips the step.
+    The coefficient stays on the device (computed in float64, as a Python float would be), so
+    clipping never makes the host wait for the gradients.
     """
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(
         params, tp_rank=tp_rank, model_parallel_group=model_parallel_group, norm_type=norm_type
     )
-    if max_norm > 0 and torch.isfinite(total):
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_([p.grad for p in params], coef)
+    if max_norm > 0 and params:
+        coef = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+        torch._foreach_mul_([p.grad for p in params], coef)
     return total

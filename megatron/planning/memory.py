@@ -31,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
+from megatron.pipeline_order import pipeline_actions
 
 GiB = 1024**3
 
@@ -222,23 +223,6 @@ def chunk_activation_bytes(
 # ---- the pipeline schedule ----
 
 
-def schedule_actions(P: int, s: int, M: int, V: int = 1) -> list[tuple[str, int, int]]:
-    """Stage s's ('F'|'B', chunk, micro batch) order: the training schedule's rule
-    (megatron.training.pipeline.pipeline_actions; a test holds the two equal)."""
-
-    def order(k: int) -> tuple[int, int]:
-        return (k // P) % V, (k // (P * V)) * P + k % P
-
-    total = M * V
-    fwd = [("F", *order(k)) for k in range(total)]
-    bwd = [("B", V - 1 - c, mb) for c, mb in (order(k) for k in range(total))]
-    warmup = min(P - s - 1, M) if V == 1 else min((P - s - 1) * 2 + (V - 1) * P, total)
-    actions = fwd[:warmup]
-    for i in range(total - warmup):
-        actions += [fwd[warmup + i], bwd[i]]
-    return actions + bwd[total - warmup :]
-
-
 def stage_activation_peak(
     m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
 ) -> dict[str, int]:
@@ -256,7 +240,7 @@ def stage_activation_peak(
     out_bytes = layer_input_bytes(m, lay, t)
     # After the warm-up the live set repeats every P micro batches: 4P of them show the peak.
     M = min(lay.num_micro_batches, 4 * P)
-    for kind, c, _ in schedule_actions(P, stage, M, V):
+    for kind, c, _ in pipeline_actions(P, stage, M, V):
         kept, working = sizes[c]
         last = c * P + stage == P * V - 1
         if kind == "F":

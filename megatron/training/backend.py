@@ -33,10 +33,11 @@ from megatron.training.timers import Timers
 class StepResult(TypedDict):
     """One optimizer step as the loop logs it (the same values on every rank)."""
 
-    lm_loss: float  # the global batch's mean loss
+    lm_loss: torch.Tensor | float  # the global batch's mean loss; a device scalar the loop
+    # reads on the host only when it logs (so steps that do not log never wait for the device)
     updated: bool  # False: the step was skipped (inf/NaN gradients, fp16 overflow)
     grad_norm: float | None  # None where the backend cannot tell
-    other_losses: NotRequired[dict[str, float]]  # e.g. BERT's {"nsp loss": ...}, logged too
+    other_losses: NotRequired[dict[str, torch.Tensor | float]]  # e.g. BERT's {"nsp loss": ...}
 
 
 class TrainerBackend(abc.ABC):
@@ -74,13 +75,14 @@ class TrainerBackend(abc.ABC):
         """Restore from --load (megatron.training.state.resume); a fresh start without one."""
 
 
-def average_loss(losses: list[torch.Tensor], rt: Runtime) -> float:
-    """The global batch's mean loss, the same number on every rank.
+def global_loss(losses: list[torch.Tensor], rt: Runtime) -> torch.Tensor:
+    """The global batch's mean loss as a 0-d tensor on the device, the same on every rank.
 
     The mean of this rank's micro-batch losses (they exist on the last pipeline stage only),
     averaged over data parallelism, then broadcast from the last stage to every stage, so all
     ranks log, and decide on skips and divergence with, one value. The micro batches all have
-    the same size, so the mean of means is the mean over the global batch.
+    the same size, so the mean of means is the mean over the global batch. Nothing here waits
+    for the device: the host reads the value when it logs (`average_loss` reads it at once).
     """
     st = rt.state
     t = torch.zeros(1, device=rt.device)
@@ -91,12 +93,17 @@ def average_loss(losses: list[torch.Tensor], rt: Runtime) -> float:
             t /= st.dp_size
     if st.pp_size > 1:
         dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
-    return float(t.item())
+    return t.reshape(())
 
 
-def other_losses(forward_step_func, stats: list[dict], rt: Runtime) -> dict[str, float]:
+def average_loss(losses: list[torch.Tensor], rt: Runtime) -> float:
+    """`global_loss` read on the host (evaluation, which prints it at once)."""
+    return float(global_loss(losses, rt).item())
+
+
+def other_losses(forward_step_func, stats: list[dict], rt: Runtime) -> dict[str, torch.Tensor]:
     """The stats named by `forward_step_func.other_losses` (besides "lm loss"), each averaged
     like the loss. The names come from the function, not from `stats`, because only the last
     pipeline stage has stats and every rank must join the same collectives."""
     names = getattr(forward_step_func, "other_losses", ())
-    return {name: average_loss([s[name] for s in stats], rt) for name in names}
+    return {name: global_loss([s[name] for s in stats], rt) for name in names}

@@ -24,7 +24,6 @@ saved ranges overlap it (`load_shards`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,7 @@ from megatron.training.optimizer import (
     _torch_optimizer,
     make_grad_scaler,
     param_groups,
+    read_skip_and_norm,
 )
 
 # Param-group entries that say how this run's torch optimizer computes, not what it computes:
@@ -140,19 +140,16 @@ class DistributedOptimizer(MegatronOptimizer):
                 dist.all_reduce(total, group=group)
         return total.sqrt()
 
-    def _step(self, nonfinite_loss: bool) -> tuple[bool, float | None]:
+    def _step(self, loss: torch.Tensor | None) -> tuple[bool, float | None]:
         grads = self._grads()
         for main, grad in zip(self.mains, grads, strict=True):
             main.grad = grad  # the DP-averaged shard of the gradient, no copy
-        found_inf = self._unscale_and_check(grads) or nonfinite_loss
-        norm = None
-        if not found_inf:
-            norm = float(self._grad_norm(grads))  # equal on every rank: agreed skip
-            found_inf = not math.isfinite(norm)
-            if not found_inf and self.clip_grad > 0:
-                coef = self.clip_grad / (norm + 1e-6)
-                if coef < 1.0 and grads:
-                    torch._foreach_mul_(grads, coef)
+        flag = self._unscale_and_check(grads, loss)
+        norm = self._grad_norm(grads)  # equal on every rank: the skip is agreed
+        if self.clip_grad > 0 and grads:  # on the device; a skipped step's grads are dropped
+            coef = (self.clip_grad / (norm.double() + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, torch.where(torch.isfinite(norm), coef, 1.0))
+        found_inf, norm = read_skip_and_norm(flag, norm)  # the step's one host read
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:

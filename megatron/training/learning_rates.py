@@ -1,4 +1,4 @@
-"""Learning-rate (and weight-decay) schedule, following Megatron's OptimizerParamScheduler.
+"""Learning-rate schedule, following Megatron's OptimizerParamScheduler.
 
 With n = steps done, W = warmup_steps, D = decay_steps:
 
@@ -42,8 +42,7 @@ _ANNEAL = {
 
 # Fields that define the schedule; saved by state_dict() and compared on load.
 _SCHEDULE_FIELDS = tuple(
-    "max_lr min_lr warmup_steps decay_steps decay_style wsd_decay_steps wsd_decay_style"
-    " start_wd end_wd wd_incr_steps wd_incr_style".split()
+    "max_lr min_lr warmup_steps decay_steps decay_style wsd_decay_steps wsd_decay_style".split()
 )
 # Key names of classic (2020) and of current Megatron checkpoints.
 _LEGACY_KEYS = {
@@ -64,13 +63,12 @@ def _check(ok: bool, message: str) -> None:
 
 
 class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
-    """Warmup then decay of lr (and optional ramp of weight decay), set on every param group.
+    """Warmup then decay of lr, set on every param group.
 
     Step convention: `num_steps` (== torch's `last_epoch`) counts the steps already done. A fresh
     scheduler has num_steps = 0 and the groups hold get_lr(0); call step() after each optimizer
     step, so the k-th optimizer step (0-based) runs with get_lr(k * increment). Each group gets
-    lr * group.get('lr_mult', 1) and, when start_wd/end_wd are given,
-    wd * group.get('wd_mult', 1) (give no-decay groups wd_mult=0).
+    lr * group.get('lr_mult', 1); weight decay stays what the optimizer was built with.
     """
 
     def __init__(
@@ -84,10 +82,6 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
         decay_style: str = "linear",
         wsd_decay_steps: int | None = None,
         wsd_decay_style: str = "exponential",
-        start_wd: float | None = None,
-        end_wd: float | None = None,
-        wd_incr_steps: int | None = None,
-        wd_incr_style: str = "constant",
         override_lr_scheduler: bool = False,
         use_checkpoint_lr_scheduler: bool = False,
     ) -> None:
@@ -99,12 +93,6 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
         self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
         self.decay_style = decay_style
         self.wsd_decay_steps, self.wsd_decay_style = wsd_decay_steps, wsd_decay_style
-        if start_wd is not None or end_wd is not None:  # one given: the ramp is flat
-            start_wd = end_wd if start_wd is None else start_wd
-            end_wd = start_wd if end_wd is None else end_wd
-            wd_incr_steps = decay_steps if wd_incr_steps is None else wd_incr_steps
-        self.start_wd, self.end_wd = start_wd, end_wd
-        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
         self.override_lr_scheduler = override_lr_scheduler
         self.use_checkpoint_lr_scheduler = use_checkpoint_lr_scheduler
         self._validate()
@@ -132,16 +120,6 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
             _check(
                 self.wsd_decay_style in LR_WSD_DECAY_STYLES,
                 f"wsd_decay_style not in {LR_WSD_DECAY_STYLES}",
-            )
-        if self.start_wd is not None:
-            start, end, style = self.start_wd, self.end_wd, self.wd_incr_style
-            _check(
-                0.0 <= start <= end and self.wd_incr_steps > 0,
-                f"need 0 <= start_wd {start} <= end_wd {end} and wd_incr_steps > 0",
-            )
-            _check(
-                style in ("linear", "cosine") or (style == "constant" and start == end),
-                f"wd_incr_style {style!r}: linear or cosine, or constant with start_wd == end_wd",
             )
 
     def get_lr(self, num_steps: int | None = None) -> float:  # type: ignore[override]
@@ -171,22 +149,12 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
             coeff = _ANNEAL[self.wsd_decay_style]((n - d + s) / s)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
-    def get_wd(self, num_steps: int | None = None) -> float | None:
-        """Weight decay: start_wd -> end_wd over wd_incr_steps (None if not scheduled)."""
-        if self.start_wd is None:
-            return None
-        n = self.num_steps if num_steps is None else num_steps
-        if self.wd_incr_style == "constant" or n > self.wd_incr_steps:
-            return self.end_wd
-        coeff = 1.0 - _ANNEAL[self.wd_incr_style](n / self.wd_incr_steps)  # rises 0 -> 1
-        return self.start_wd + coeff * (self.end_wd - self.start_wd)
-
     # What a bare step() counts: 1 per iteration, or the global batch when steps are samples
     # (set by the trainer; DeepSpeed's pipeline engine calls step() without arguments).
     default_increment: int = 1
 
     def step(self, increment: int | None = None) -> None:  # type: ignore[override]
-        """Record `increment` more steps done and set lr (and wd) on every param group."""
+        """Record `increment` more steps done and set lr on every param group."""
         increment = self.default_increment if increment is None else increment
         _check(increment >= 0, f"step increment must be >= 0, got {increment}")
         if self.last_epoch >= 0:  # torch's __init__ call (last_epoch -1) only installs step 0
@@ -195,11 +163,9 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
 
     def _apply(self) -> None:
         self.last_epoch = self.num_steps
-        lr, wd = self.get_lr(), self.get_wd()
+        lr = self.get_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
-            if wd is not None:
-                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:

@@ -162,30 +162,47 @@ def build_backend(
 
 @dataclass
 class _Window:
-    """What happened since the last log line."""
+    """What happened since the last log line. The losses stay on the device until `read`, so a
+    step that does not log never waits for the device on their account."""
 
     iters: int = 0
     seconds: float = 0.0
     skipped: int = 0
-    nan: int = 0
-    loss_sum: float = 0.0
-    counted: int = 0
     grad_norm: float | None = None
-    others: dict[str, float] = field(default_factory=dict)  # sums of other_losses
+    steps: list[tuple[dict, StepResult]] = field(default_factory=list)  # (history row, result)
 
-    def add(self, step: StepResult, seconds: float) -> None:
-        for name, value in step.get("other_losses", {}).items():
-            self.others[name] = self.others.get(name, 0.0) + value
+    def add(self, step: StepResult, seconds: float, row: dict) -> None:
         self.iters += 1
         self.seconds += seconds
         self.skipped += not step["updated"]
-        if math.isfinite(step["lm_loss"]):
-            self.loss_sum += step["lm_loss"]
-            self.counted += 1
-        else:
-            self.nan += 1
         if step["grad_norm"] is not None:
             self.grad_norm = step["grad_norm"]
+        self.steps.append((row, step))
+
+    def read(self) -> dict:
+        """One host read for the whole window: fills the history rows with floats and returns
+        the mean finite loss, the count of non-finite ones and the other losses' means."""
+        names = sorted({n for _, st in self.steps for n in st.get("other_losses", {})})
+        flat = [st["lm_loss"] for _, st in self.steps]
+        flat += [
+            st.get("other_losses", {}).get(n, float("nan")) for n in names for _, st in self.steps
+        ]
+        device = next((v.device for v in flat if isinstance(v, torch.Tensor)), "cpu")
+        as_one = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in flat]
+        values = torch.stack(as_one).tolist() if flat else []  # the one device-to-host copy
+        losses, n = values[: len(self.steps)], len(self.steps)
+        others = {}
+        for i, name in enumerate(names):
+            col = values[n * (i + 1) : n * (i + 2)]
+            others[name] = sum(col) / max(self.iters, 1)
+            for (row, _), v in zip(self.steps, col, strict=True):
+                row[name] = v
+        for (row, _), v in zip(self.steps, losses, strict=True):
+            row["lm_loss"] = v
+        finite = [v for v in losses if math.isfinite(v)]
+        loss = sum(finite) / len(finite) if finite else float("nan")
+        self.steps = []
+        return {"loss": loss, "nan": len(losses) - len(finite), "others": others}
 
 
 class _TrainLoop:
@@ -242,6 +259,7 @@ class _TrainLoop:
             if reason:
                 result.exit_reason = reason
                 break
+        window.read()  # the steps after the last log line: their history rows get floats
         if result.exit_reason == "finished" and t.eval_iters:
             if valid_iter is not None and state.iteration % t.eval_interval:
                 self._validate(state, valid_iter, result, "validation")  # not just done
@@ -262,19 +280,17 @@ class _TrainLoop:
         state.iteration += 1
         self.profiler.after_step(state.iteration)
         state.consumed_train_samples += gbs
-        window.add(step, time.perf_counter() - tic)
+        row = {
+            "iteration": state.iteration,
+            "lm_loss": None,  # filled in when the window is read (at the next log line)
+            "grad_norm": step["grad_norm"],
+            "updated": step["updated"],
+            "lr": self.backend.lr,
+            "loss_scale": self.backend.loss_scale,
+        }
+        result.history.append(row)
+        window.add(step, time.perf_counter() - tic, row)
         self.skipped_in_a_row = 0 if step["updated"] else self.skipped_in_a_row + 1
-        result.history.append(
-            {
-                "iteration": state.iteration,
-                "lm_loss": step["lm_loss"],
-                "grad_norm": step["grad_norm"],
-                "updated": step["updated"],
-                "lr": self.backend.lr,
-                "loss_scale": self.backend.loss_scale,
-                **step.get("other_losses", {}),
-            }
-        )
         limit = self.cfg.training.max_skipped_in_a_row
         if self.skipped_in_a_row >= limit:
             raise TrainingError(
@@ -327,7 +343,8 @@ class _TrainLoop:
     def _log(self, state: TrainState, gbs: int, w: _Window) -> None:
         iters = max(w.iters, 1)
         sec = w.seconds / iters
-        loss = w.loss_sum / w.counted if w.counted else float("nan")
+        read = w.read()
+        loss = read["loss"]
         tokens_per_s = gbs * self.cfg.model.seq_length / max(sec, 1e-9)
         tflops = gbs * self.flops_per_sample / max(sec, 1e-9) / self.rt.state.world_size / 1e12
         mfu = 100.0 * tflops / self.peak if self.peak else None
@@ -345,11 +362,11 @@ class _TrainLoop:
                 loss_scale=self.backend.loss_scale,
                 grad_norm=grad_norm,
                 skipped=w.skipped,
-                nan=w.nan,
+                nan=read["nan"],
                 tokens_per_s=tokens_per_s,
                 tflops=tflops,
                 mfu=mfu,
-                others={k: v / iters for k, v in w.others.items()},
+                others=read["others"],
             )
         )
         if self.cfg.logging.timing_log_level > 0:

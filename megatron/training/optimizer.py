@@ -180,23 +180,26 @@ class MegatronOptimizer:
         for model_g, main_g in zip(self.model_groups, self.optimizer.param_groups, strict=True):
             yield from zip(model_g["params"], main_g["params"], strict=True)
 
-    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Divide by the loss scale and test for inf/NaN in one pass; agreed by all ranks."""
+    def _unscale_and_check(self, grads: list[torch.Tensor], loss=None) -> torch.Tensor:
+        """Divide by the loss scale and test for inf/NaN in one pass (and the loss, if given);
+        a device flag, > 0 on every rank if any rank found one. No host read here."""
         device = grads[0].device if grads else torch.device("cpu")
         flag = torch.zeros(1, device=device)
         inv_scale = torch.full((1,), 1.0 / self.loss_scale, device=device)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale)
+        if loss is not None:  # equal on every rank already; folded in before the reduction
+            flag = torch.maximum(flag, (~torch.isfinite(loss.detach())).float().reshape(1))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank skips together
-        return bool(flag.item())
+        return flag
 
     @torch.no_grad()
-    def step(self, *, nonfinite_loss: bool = False) -> tuple[bool, float | None]:
-        """Update unless a gradient, the gradient norm or (`nonfinite_loss`, which the caller
-        must pass equal on every rank) the loss is inf/NaN; skipping is global."""
+    def step(self, *, loss: torch.Tensor | None = None) -> tuple[bool, float | None]:
+        """Update unless a gradient, the gradient norm or the loss (a device scalar, equal on
+        every rank) is inf/NaN; skipping is global. The host waits for the device once."""
         try:
-            return self._step(nonfinite_loss)
+            return self._step(loss)
         finally:
             # Drop the aliases of main_grad: for fp32 models main params are the model's, and a
             # .grad left set would make autograd accumulate the next gradient into it directly.
@@ -220,25 +223,24 @@ class MegatronOptimizer:
             carrier.grad = model_p.main_grad  # fp32 view of the DP-reduced gradient, no copy
         return carriers
 
-    def _step(self, nonfinite_loss: bool) -> tuple[bool, float | None]:
+    def _step(self, loss: torch.Tensor | None) -> tuple[bool, float | None]:
         carriers = self._grad_carriers()
         grads = [c.grad for c in carriers]
-        found_inf = self._unscale_and_check(grads) or nonfinite_loss
-        norm = None
-        if not found_inf:
-            norm = clip_grad_norm(
-                carriers,
-                self.clip_grad,
-                tp_rank=self.state.tp_rank,
-                model_parallel_group=self.state.mp_group,
-            )
-            # Same value on every rank (all-reduced over TP x PP; DP ranks hold equal reduced
-            # gradients), so skipping on it is agreed without another collective.
-            found_inf = not math.isfinite(float(norm))
+        flag = self._unscale_and_check(grads, loss)
+        # The norm (all-reduced over TP x PP; DP ranks hold equal reduced gradients, so it is
+        # the same on every rank) and the clipping run on the device whatever the flag says;
+        # a step with inf/NaN is dropped below, so its scaled gradients are never used.
+        norm = clip_grad_norm(
+            carriers,
+            self.clip_grad,
+            tp_rank=self.state.tp_rank,
+            model_parallel_group=self.state.mp_group,
+        )
+        found_inf, norm = read_skip_and_norm(flag, norm)  # the step's one host read
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
-            return False, None if norm is None else float(norm)
+            return False, norm
         if self.offload:
             for (_, main_p), carrier in zip(self._pairs(), carriers, strict=True):
                 main_p.grad = carrier.grad.to(main_p.device)  # the clipped gradient, on the CPU
@@ -246,7 +248,7 @@ class MegatronOptimizer:
         if self.masters:
             for model_p, main_p in self._pairs():
                 model_p.copy_(main_p)
-        return True, float(norm)
+        return True, norm
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -271,3 +273,13 @@ class MegatronOptimizer:
         if self.masters and "fp32_from_fp16_params" in sd:
             for (_, main_p), saved in zip(self._pairs(), sd["fp32_from_fp16_params"], strict=True):
                 main_p.copy_(saved)
+
+
+def read_skip_and_norm(flag: torch.Tensor, norm: torch.Tensor) -> tuple[bool, float | None]:
+    """One device-to-host copy for the skip decision: (skip?, the norm to log). The norm is
+    None when the gradients or the loss were inf/NaN (it was not a real norm), and kept when
+    only the norm itself is non-finite (it overflowed while summing)."""
+    flag_value, norm_value = torch.stack([flag.reshape(()).double(), norm.double()]).tolist()
+    if flag_value > 0:
+        return True, None
+    return not math.isfinite(norm_value), norm_value

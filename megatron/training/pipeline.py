@@ -1,13 +1,13 @@
 """Pipeline-parallel schedules: 1F1B and interleaved 1F1B, as static per-stage action lists.
 
 With P stages, V model chunks per stage and M micro batches, stage s runs a list of actions
-('F' or 'B', chunk, micro batch) fixed ahead of time (`pipeline_actions`): some warm-up
+('F' or 'B', chunk, micro batch) fixed ahead of time (`megatron.pipeline_order`): some warm-up
 forwards, then one-forward-one-backward, then the remaining backwards. Activations go to the
 next virtual stage and gradients to the previous one with asynchronous sends; a stage blocks
 only when it receives, and the time spent waiting there is the pipeline bubble it sees
 (timer 'pipeline-wait'). Messages carry a tag naming (direction, receiving virtual stage,
 micro batch); every pair of ranks also sends and receives them in the same order
-(`check_message_order`), which is what NCCL, which ignores tags, needs.
+(`megatron.pipeline_order.check_message_order`), which is what NCCL, which ignores tags, needs.
 """
 
 from __future__ import annotations
@@ -17,45 +17,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron.pipeline_order import pipeline_actions
 from megatron.training.timers import NULL_TIMER
 
 FORWARD, BACKWARD = 0, 1
-
-
-def _forward_order(k: int, P: int, V: int) -> tuple[int, int]:
-    """The k-th forward of a stage: (chunk, micro batch). Groups of P micro batches per chunk."""
-    return (k // P) % V, (k // (P * V)) * P + k % P
-
-
-def pipeline_actions(P: int, s: int, M: int, V: int = 1, forward_only: bool = False):
-    total = M * V
-    forwards = [("F", *_forward_order(k, P, V)) for k in range(total)]
-    if forward_only:
-        return forwards
-    backwards = [("B", V - 1 - c, mb) for c, mb in (_forward_order(k, P, V) for k in range(total))]
-    warmup = min(P - s - 1, M) if V == 1 else min((P - s - 1) * 2 + (V - 1) * P, total)
-    actions = forwards[:warmup]
-    for i in range(total - warmup):  # steady state: one forward, one backward
-        actions += [forwards[warmup + i], backwards[i]]
-    return actions + backwards[total - warmup :]
-
-
-def check_message_order(P: int, M: int, V: int = 1) -> None:
-    """Raise if some rank pair would send and receive messages in different orders."""
-    sent, received = {}, {}
-    for s in range(P):
-        for kind, c, mb in pipeline_actions(P, s, M, V):
-            v = c * P + s
-            if kind == "F" and v < P * V - 1:
-                sent.setdefault((s, (s + 1) % P), []).append(("F", v + 1, mb))
-            if kind == "F" and v > 0:
-                received.setdefault(((s - 1) % P, s), []).append(("F", v, mb))
-            if kind == "B" and v > 0:
-                sent.setdefault((s, (s - 1) % P), []).append(("B", v - 1, mb))
-            if kind == "B" and v < P * V - 1:
-                received.setdefault(((s + 1) % P, s), []).append(("B", v, mb))
-    if sent != received:
-        raise RuntimeError(f"pipeline schedule P={P} V={V} M={M}: send/receive orders differ")
 
 
 def _tag(kind: int, virtual_stage: int, mb: int) -> int:

@@ -8,7 +8,6 @@ embedding's over the first and last stage), and steps the optimizer and the LR s
 from __future__ import annotations
 
 import functools
-import math
 import sys
 
 import torch
@@ -21,7 +20,13 @@ from megatron.initialize import Runtime
 from megatron.model.stages import build_model
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
-from megatron.training.backend import StepResult, TrainerBackend, average_loss, other_losses
+from megatron.training.backend import (
+    StepResult,
+    TrainerBackend,
+    average_loss,
+    global_loss,
+    other_losses,
+)
 from megatron.training.data import get_batch
 from megatron.training.ddp import wrap_data_parallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
@@ -188,11 +193,11 @@ def train_step(
     # the buffer layout, hence own the same ranges, so the TP sum is right where it is read.
     sync_sequence_parallel_grads(model, rt.state)
     timers("grads-all-reduce", 2).stop()
-    loss = average_loss(
-        [s["lm loss"] for s in stats], rt
-    )  # equal on every rank: a non-finite one skips the step
+    # Equal on every rank and still on the device: a non-finite one skips the step, decided
+    # together with the gradients' inf/NaN check in the optimizer's one host read.
+    loss = global_loss([s["lm loss"] for s in stats], rt)
     timers("optimizer", 1).start()
-    updated, grad_norm = optimizer.step(nonfinite_loss=not math.isfinite(loss))
+    updated, grad_norm = optimizer.step(loss=loss)
     timers("optimizer", 1).stop()
     if updated:
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch

@@ -36,7 +36,7 @@ from megatron.mpu import (
     reduce_sequence_parallel_grads_in_backward,
     vocab_parallel_cross_entropy,
 )
-from megatron.training.backend import average_loss, other_losses
+from megatron.training.backend import global_loss, other_losses
 from megatron.training.data import get_batch
 from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.optimizer import _torch_optimizer, param_groups
@@ -452,12 +452,12 @@ def ds_train_step(
     averaged as the native backend does."""
     others = {}
     if pipeline:
-        value = float(engine.train_batch(PipeBatches(data_iterator, rt.device)).item())
+        value = engine.train_batch(PipeBatches(data_iterator, rt.device)).detach().reshape(())
     else:
         stats = forward_backward_no_pipelining(
             forward_step_func, data_iterator, engine, num_micro_batches, timers=timers, engine=True
         )
-        value = average_loss([s["lm loss"] for s in stats], rt)
+        value = global_loss([s["lm loss"] for s in stats], rt)
         others = other_losses(forward_step_func, stats, rt)
     norm, updated = engine.get_global_grad_norm(), bool(engine.was_step_applied())
     result = {
