@@ -30,6 +30,7 @@ from megatron.mpu.context_parallel import (
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.training.step import lm_loss
 from tests.distributed import run_distributed
+from tests.test_training import _losses, data_prefix, flags  # noqa: F401
 
 # ---- the rules ----
 
@@ -309,3 +310,78 @@ def test_context_parallel_model_matches_one_process():
     SP vs one process: losses, first-step gradients, weights after 3 AdamW steps (learned and
     RoPE positions, GQA, full and selective recompute); dropout under recompute at CP 2."""
     assert run_distributed(_model_worker, 4) == [True] * 4
+
+
+# ---- the trainer: CP 2 x PP 2 x DP 2 vs one process; a CP 2 checkpoint resumed at CP 1, 4 ----
+
+
+def _ref_worker(rank, world, argv):
+    from tests.test_training import _LAST_MODEL, _train
+
+    history, _, _ = _train(rank, world, argv)
+    return history, {k: v.numpy().copy() for k, v in _LAST_MODEL["model"].state_dict().items()}
+
+
+def _layout(cp: int, pp: int = 2) -> list[str]:
+    return ["--context-parallel-size", str(cp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def _iters(argv: list[str], n: int) -> list[str]:
+    out = list(argv)
+    out[out.index("--train-iters") + 1] = str(n)
+    return out
+
+
+def _cp_worker(rank, world, argv, ref_weights, save_dir):
+    """CP 2 x PP 2 x DP 2 (distributed optimizer): 6 iterations straight, its weights against
+    one process'; 3 iterations saved, resumed at CP 1 (DP 4) and at CP 4 (DP 1) to 6."""
+    from tests.test_training import _LAST_MODEL, _train
+
+    straight, _, _ = _train(rank, world, argv + _layout(2))
+    model = _LAST_MODEL["model"].module
+    assert model.chunks[0].state.cp_size == 2
+    for chunk in model.chunks:
+        for name, p in chunk.named_parameters():
+            expected = torch.from_numpy(ref_weights[name])
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-4, atol=1e-5, msg=name)
+    _train(rank, world, _iters(argv, 3) + _layout(2) + ["--save", save_dir])
+    resumed = {
+        cp: _train(rank, world, argv + _layout(cp) + ["--load", save_dir])[0] for cp in (1, 4)
+    }
+    return straight, resumed
+
+
+_TRAIN_FLAGS = (
+    "--num-layers",
+    "4",
+    "--adam-eps",
+    "1e-4",
+    "--position-embedding-type",
+    "rope",
+    "--num-query-groups",
+    "2",
+    "--use-distributed-optimizer",
+)
+
+
+@pytest.mark.slow
+def test_context_parallel_training_matches_one_process_and_resumes_at_other_cp(
+    data_prefix,  # noqa: F811
+    tmp_path,
+):
+    """pretrain() at CP 2 x PP 2 x DP 2 with RoPE, GQA and the distributed optimizer (sharded
+    over DP x CP): losses, grad norms and final weights of one process; its checkpoint resumes
+    at CP 1 and CP 4 to the uninterrupted losses."""
+    argv = flags(data_prefix, *_TRAIN_FLAGS)
+    ((ref, ref_weights),) = run_distributed(_ref_worker, 1, argv)
+    results = run_distributed(_cp_worker, 8, argv, ref_weights, str(tmp_path / "ck"))
+    for rank, (straight, resumed) in enumerate(results):
+        np.testing.assert_allclose(_losses(straight), _losses(ref), rtol=2e-5, err_msg=f"{rank}")
+        np.testing.assert_allclose(
+            [h["grad_norm"] for h in straight], [h["grad_norm"] for h in ref], rtol=1e-4
+        )
+        for cp, history in resumed.items():
+            assert len(history) == 3, cp
+            np.testing.assert_allclose(
+                _losses(history), _losses(ref)[3:], rtol=2e-5, err_msg=f"resumed at CP {cp}"
+            )
