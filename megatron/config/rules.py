@@ -337,12 +337,6 @@ def _validate_context_parallel(cfg: MegatronConfig) -> None:
             "per-block softmaxes by log-sum-exp in its own fp32 math",
             "pass --attention-backend sdpa (or unfused)",
         ),
-        (
-            "--auto-parallel",
-            par.auto_parallel,
-            "the planner chooses CP itself",
-            f"drop {flag} (the planner enumerates it) or drop --auto-parallel",
-        ),
     )
     for other, given, why, fix in refused:
         if given:

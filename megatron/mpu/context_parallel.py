@@ -183,11 +183,11 @@ class _RingAttention(torch.autograd.Function):
         ctx.rng_state = generator.get_state() if p > 0.0 else None
         qf = q.float().chunk(2, dim=2)  # the two query chunks, (b, h, c, d) each
         out, lse = [None, None], [None, None]
-        kv = torch.stack([k, v]).float()  # (2, b, g, 2c, d): one message per step
+        kv = torch.stack([k, v])  # (2, b, g, 2c, d) in the model dtype: one message per step
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, requests = ring.exchange(kv, _KV_TAG)  # overlaps this step's math
-            ks, vs = (_expand(t, qpg).chunk(2, dim=2) for t in kv)
+            ks, vs = (_expand(t.float(), qpg).chunk(2, dim=2) for t in kv)
             for qi, kj, causal in ring.pairs(step):
                 o, s = _block_forward(qf[qi], ks[kj], vs[kj], scale, causal, p, generator)
                 out[qi], lse[qi] = (o, s) if out[qi] is None else _merge(out[qi], lse[qi], o, s)
@@ -213,12 +213,12 @@ class _RingAttention(torch.autograd.Function):
         qf, dos = q.float().chunk(2, dim=2), dout.chunk(2, dim=2)
         lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
         dq = [torch.zeros_like(t) for t in qf]
-        kv = torch.stack([k, v]).float()
-        dkv_in = dkv_requests = None
+        kv = torch.stack([k, v])
+        dkv_in = dkv_requests = None  # dK/dV travel in fp32: they are sums over the ring
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, kv_requests = ring.exchange(kv, _KV_TAG)
-            ks, vs = (_expand(t, qpg).chunk(2, dim=2) for t in kv)
+            ks, vs = (_expand(t.float(), qpg).chunk(2, dim=2) for t in kv)
             dks = [torch.zeros_like(t) for t in ks]
             dvs = [torch.zeros_like(t) for t in vs]
             for qi, kj, causal in ring.pairs(step):
