@@ -20,9 +20,9 @@ tokens, u = s b h elements (Korthikanti et al. 2022, Megatron's 34 s b h + 5 a s
 
 Context parallelism (CP ranks per sequence) gives each rank s / CP tokens: every activation
 term above is taken at s / CP, and the attention core is the ring's (mpu/context_parallel.py):
-its fp32 output and log-sum-exp and the query copy, 4 a s b d / t + 4 a s b / t + D a s b d / t
-at s / CP, never a score matrix. Parameters are replicated over CP: the distributed optimizer
-shards over DP x CP.
+the query copy and the log-sum-exp, D a s b d / t + 4 a s b / t at s / CP (in half precision
+also its fp32 output, 4 a s b d / t), never a score matrix. Parameters are replicated over CP:
+the distributed optimizer shards over DP x CP.
 
 Selective recompute drops the attention core; full recompute keeps each group's input (D u,
 / t with SP) and rebuilds one group of layers at a time in backward (the recompute working set).
@@ -157,8 +157,10 @@ def model_state_bytes(params: int, dp: int, t: Training) -> dict[str, int]:
 def _attention_core_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device) -> int:
     """What the attention kernel keeps (a s^2 b score matrices, or a s b log-sum-exps)."""
     a, s, b, D = m.num_attention_heads // lay.tp, m.seq_length, lay.micro_batch, t.dtype_bytes
-    if lay.cp > 1:  # ring attention (m is this rank's s / CP tokens): no score matrix
-        return (4 + D) * a * s * b * m.head_dim + 4 * a * s * b
+    if lay.cp > 1:  # ring attention (m is this rank's s / CP tokens): no score matrix; the
+        # query copy, the log-sum-exp, and in half precision the fp32 output besides the ctx
+        out = 4 if D < 4 else 0  # fp32: the output it keeps is the tensor it returns
+        return (D + out) * a * s * b * m.head_dim + 4 * a * s * b
     scores = t.attention_backend != "sdpa" or not dev.flash_attention
     if not scores:
         return 4 * a * s * b
