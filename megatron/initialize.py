@@ -119,12 +119,14 @@ def init_distributed(cfg: MegatronConfig, env: LaunchEnv, device: torch.device) 
 
 
 def set_random_seeds(seed: int, state: ParallelState, device: torch.device) -> RNGStatesTracker:
-    """Seed python/numpy/torch with seed + 100 x PP rank; add the per-TP-rank dropout stream.
+    """Seed python/numpy/torch with seed + 100 x PP rank + 10000 x CP rank; add the per-TP-rank
+    dropout stream.
 
     TP peers share the default seed (their replicated activations must see the same dropout);
-    the tracker's stream differs per TP rank for dropout on split tensors.
+    the tracker's stream differs per TP rank for dropout on split tensors. CP ranks hold other
+    tokens of the sequence, so both streams differ between them (CP 1 keeps the old seeds).
     """
-    base = seed + 100 * state.pp_rank
+    base = seed + 100 * state.pp_rank + 10_000 * state.cp_rank
     random.seed(base)
     np.random.seed(base)
     torch.manual_seed(base)
@@ -145,6 +147,7 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
         cfg.parallel.virtual_pipeline_size(cfg.model.num_layers),
         timeout=timeout,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        context_parallel_size=cfg.parallel.context_parallel_size,
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
     heartbeat = Heartbeat.start_default(timeout.total_seconds())

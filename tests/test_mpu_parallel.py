@@ -196,23 +196,34 @@ def _check_rng(state):
 
 
 def _check_groups(rank, world):
-    for tp, pp in ((2, 2), (1, 2), (4, 1)):
-        state = initialize_model_parallel(tp, pp)
-        grid = mpu.parallel_state.rank_grid(world, tp, pp)
-        if state.tp_ranks != tuple(grid[state.pp_rank, state.dp_rank, :].tolist()):
-            raise AssertionError(f"tp={tp} pp={pp}: wrong TP group {state.tp_ranks}")
-        if state.pp_ranks != tuple(grid[:, state.dp_rank, state.tp_rank].tolist()):
-            raise AssertionError(f"tp={tp} pp={pp}: wrong PP group {state.pp_ranks}")
+    for tp, pp, cp in ((2, 2, 1), (1, 2, 1), (4, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)):
+        state = initialize_model_parallel(tp, pp, context_parallel_size=cp)
+        grid = mpu.parallel_state.rank_grid(world, tp, pp, cp)  # [PP, DP, CP, TP]
+        p, d, c, t = state.pp_rank, state.dp_rank, state.cp_rank, state.tp_rank
+        where = f"tp={tp} pp={pp} cp={cp}"
+        if grid[p, d, c, t] != rank:
+            raise AssertionError(f"{where}: rank {rank} is not at its grid position")
+        for name, ranks, expected in (
+            ("TP", state.tp_ranks, grid[p, d, c, :]),
+            ("PP", state.pp_ranks, grid[:, d, c, t]),
+            ("CP", state.cp_ranks, grid[p, d, :, t]),
+        ):
+            if ranks != tuple(expected.tolist()):
+                raise AssertionError(f"{where}: wrong {name} group {ranks}")
         # A sum over each group equals the sum of its ranks: the groups really connect them.
         for name, group, ranks in (
             ("tp", state.tp_group, state.tp_ranks),
             ("dp", state.dp_group, state.dp_ranks),
             ("pp", state.pp_group, state.pp_ranks),
+            ("cp", state.cp_group, state.cp_ranks),
+            ("dp x cp", state.dp_cp_group, tuple(grid[p, :, :, t].flatten().tolist())),
         ):
-            t = torch.tensor([float(rank)])
-            dist.all_reduce(t, group=group)
-            if t.item() != sum(ranks):
-                raise AssertionError(f"{name} group of rank {rank} sums to {t.item()}")
+            x = torch.tensor([float(rank)])
+            dist.all_reduce(x, group=group)
+            if x.item() != sum(ranks):
+                raise AssertionError(f"{name} group of rank {rank} sums to {x.item()}")
+        if state.dp_cp_size != state.dp_size * cp or state.dp_cp_rank != d * cp + c:
+            raise AssertionError(f"{where}: DP x CP index {state.dp_cp_rank}")
         if state.in_embedding_group != (state.is_first_stage or state.is_last_stage):
             raise AssertionError("embedding group must hold the first and last stage")
         destroy_model_parallel(state)

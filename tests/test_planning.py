@@ -47,7 +47,8 @@ def _cfg(model=GPT_1_3B, gbs=512, **precision) -> MegatronConfig:
 
 def test_enumeration_keeps_exactly_the_layouts_the_rules_accept():
     cfg = _cfg(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100))
-    found, refused = layouts(cfg, Search(8, 80, micro_batches=(1,), recompute=(None,)))
+    search = Search(8, 80, micro_batches=(1,), recompute=(None,), context_parallel=(1,))
+    found, refused = layouts(cfg, search)
     got = {(x.tp, x.pp, x.vp, x.sequence_parallel) for x in found}
     # TP 8 cannot split 4 heads; V = 2 needs 2 layers per stage (PP <= 2); SP only with TP > 1
     assert (8, 1, None, False) not in got and refused["--num-attention-heads"] > 0
@@ -115,6 +116,29 @@ def test_memory_model_against_hand_computed_values():
     assert first == 4 * one
 
 
+def test_context_parallelism_in_the_planner():
+    """CP is enumerated; it divides the activations by CP (the ring keeping no score matrix),
+    shards the distributed optimizer over DP x CP, and rings K/V behind the attention."""
+    cfg = _cfg(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100))
+    found, _ = layouts(cfg, Search(8, 80, micro_batches=(1,), recompute=(None,)))
+    assert {x.cp for x in found} == {1, 2, 4, 8}
+    assert all(x.tp * x.cp * x.pp * x.dp == 8 for x in found)
+    long = dataclasses.replace(GPT_1_3B, seq_length=16384)
+    t, flash = Training(), Device(flash_attention=True)
+    one = stage_activation_peak(long, Layout(1, 1, 1, 1, 1), t, flash, 0)["activations"]
+    four = estimate_memory(long, Layout(1, 1, 1, 1, 1, cp=4), t, flash)
+    # s / 4 tokens each; the ring's fp32 output and query copy (4 + D) a s d per layer on top
+    # of flash SDPA's log-sum-exp
+    ring = 24 * (4 + 2) * 16 * 4096 * 128
+    assert four.terms["activations"] == pytest.approx(one / 4 + ring, rel=0.01)
+    sharded = estimate_memory(long, Layout(1, 1, 2, 1, 1, cp=4), Training(sharding="distributed"))
+    assert sharded.terms["optimizer"] == stage_params(long, 1, 1, 0) * 12 // 8
+    terms = step_time(long, Layout(1, 1, 1, 1, 1, cp=4), t, Hardware())
+    assert 0 <= terms["cp_comm"] and "CP4" in Layout(1, 1, 1, 1, 1, cp=4).describe()
+    slow_net = step_time(long, Layout(1, 1, 1, 1, 1, cp=4), t, Hardware(intra_node_gbps=0.01))
+    assert slow_net["cp_comm"] > terms["cp_comm"]
+
+
 def test_a_layout_that_does_not_fit_is_rejected_and_timing_terms_are_printed():
     cfg = _cfg(bf16=True)
     fits = Search(8, 32, Hardware(peak_tflops=125))
@@ -124,6 +148,7 @@ def test_a_layout_that_does_not_fit_is_rejected_and_timing_terms_are_printed():
         for p in ranked
         if p.layout.tp == 1
         and p.layout.pp == 1
+        and p.layout.cp == 1
         and p.layout.micro_batch == 16
         and p.layout.recompute is None
     )

@@ -7,12 +7,14 @@
 
 Takes every training flag (or a run config) for the model, batch and precision; every layout
 the training rules accept is listed (megatron/planning), those that fit first, fastest first.
-Exit 1 with the smallest fix when no layout is valid or none fits.
+Context parallelism is enumerated too (--context-parallel-size N fixes it). Exit 1 with the
+smallest fix when no layout is valid or none fits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -71,7 +73,11 @@ def main(argv=None) -> int:
             gpus_per_node=ns.gpus_per_node,
         )
         device = Device(overhead_bytes=int(ns.framework_overhead * GiB))
-        best, ranked = best_plan(cfg, Search(ns.world_size, ns.gpu_memory, hw, device))
+        cp = cfg.parallel.context_parallel_size  # given: fixed; else CP is enumerated
+        search = Search(ns.world_size, ns.gpu_memory, hw, device)
+        if cp > 1:
+            search = dataclasses.replace(search, context_parallel=(cp,))
+        best, ranked = best_plan(cfg, search)
     except ValueError as e:  # ConfigError and PlanError
         print(f"error: {e}", file=sys.stderr)
         return 1

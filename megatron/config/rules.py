@@ -157,6 +157,7 @@ def validate(cfg: MegatronConfig) -> None:
             "launch a multiple of TP x PP processes or change the parallel sizes",
         )
     validate_model(m, tp)
+    _validate_context_parallel(cfg)
     _validate_sequence_parallel(cfg)
     _validate_auto_parallel(cfg)
     if cfg.recompute.num_layers < 1:
@@ -276,6 +277,70 @@ def _validate_sequence_parallel(cfg: MegatronConfig) -> None:
             f"use a sequence length that is a multiple of {tp} (e.g. {s + tp - s % tp}), or drop "
             "--sequence-parallel",
         )
+
+
+def _validate_context_parallel(cfg: MegatronConfig) -> None:
+    """--context-parallel-size: the world splits into it, the sequence into 2 x CP chunks, and
+    the features that need the whole sequence on one rank are refused."""
+    par, s = cfg.parallel, cfg.model.seq_length
+    cp, tp, pp = (
+        par.context_parallel_size,
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+    )
+    flag = "--context-parallel-size"
+    if cp < 1:
+        _fail(flag, f"must be >= 1, got {cp}", f"pass {flag} 1 or more")
+    if cp == 1:
+        return
+    if par.world_size % (tp * cp * pp):
+        _fail(
+            flag,
+            f"world size {par.world_size} is not divisible by TP x CP x PP = {tp} x {cp} x {pp}",
+            f"launch a multiple of {tp * cp * pp} processes or change the parallel sizes",
+        )
+    if s % (2 * cp):
+        _fail(
+            flag,
+            f"--seq-length {s} is not divisible by 2 x CP = {2 * cp} (each sequence is cut into "
+            "2 x CP equal chunks, two per rank, so every rank has the same causal work)",
+            f"use a sequence length that is a multiple of {2 * cp} (e.g. "
+            f"{s + 2 * cp - s % (2 * cp)}) or a smaller {flag}",
+        )
+    if par.sequence_parallel and (s // cp) % tp:
+        _fail(
+            "--sequence-parallel",
+            f"the {s // cp} tokens each context-parallel rank holds (--seq-length {s} / CP {cp}) "
+            f"are not divisible by --tensor-model-parallel-size {tp}",
+            f"use a sequence length that is a multiple of {2 * cp * tp}",
+        )
+    refused = (
+        (
+            "--deepspeed",
+            cfg.deepspeed.enabled,
+            "DeepSpeed's engines know no context-parallel group (their ZeRO would reduce "
+            "gradients over DP only)",
+            "drop --deepspeed (the native backend's --use-distributed-optimizer shards the "
+            "optimizer over DP x CP)",
+        ),
+        (
+            "--reset-attention-mask",
+            cfg.data.reset_attention_mask,
+            "ring attention masks by chunk position only; document masks would need every "
+            "rank's document ids in each block",
+            "drop --reset-attention-mask (--reset-position-ids and --eod-mask-loss work with CP)",
+        ),
+        (
+            "--attention-backend fused",
+            cfg.kernels.attention_backend == "fused",
+            "the Triton causal softmax needs the whole score row; ring attention merges "
+            "per-block softmaxes by log-sum-exp in its own fp32 math",
+            "pass --attention-backend sdpa (or unfused)",
+        ),
+    )
+    for other, given, why, fix in refused:
+        if given:
+            _fail(flag, f"{cp} given with {other}: {why}", fix)
 
 
 def _validate_auto_parallel(cfg: MegatronConfig) -> None:
@@ -563,6 +628,12 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "--num-layers-per-virtual-pipeline-stage",
             "BERT runs one model chunk per pipeline stage",
             "drop the flag",
+        )
+    if cfg.parallel.context_parallel_size > 1:
+        _fail(
+            "--context-parallel-size",
+            "ring attention is causal (the GPT's); BERT attends both ways over its padded samples",
+            "drop it (BERT's 512-token samples fit on one rank)",
         )
     if cfg.parallel.sequence_parallel:
         _fail(

@@ -312,7 +312,7 @@ LAUNCHER_VARIABLES = (
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the ranks are split: TP fastest, then DP, then PP."""
+    """How the ranks are split: TP fastest, then CP, then DP, then PP."""
 
     tensor_model_parallel_size: int = setting(
         1, "tensor-parallel ranks per layer", "--model-parallel-size"
@@ -321,6 +321,12 @@ class ParallelConfig:
         1,
         "pipeline stages (v1.x --pipe-parallel-size 0, no pipeline, means 1)",
         "--pipe-parallel-size",
+    )
+    context_parallel_size: int = setting(
+        1,
+        "context-parallel ranks per sequence (CP): each sample's sequence is cut into 2 x CP "
+        "chunks, CP rank r holding chunks r and 2 CP - 1 - r, and attention passes keys and "
+        "values round the CP group (ring attention); needs --seq-length divisible by 2 x CP",
     )
     num_layers_per_virtual_pipeline_stage: int | None = setting(
         None, "layers per model chunk for the interleaved pipeline schedule"
@@ -354,7 +360,9 @@ class ParallelConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
         )
 
     def virtual_pipeline_size(self, num_layers: int) -> int | None:

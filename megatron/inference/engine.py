@@ -19,6 +19,12 @@ from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 
 class InferenceModel:
     def __init__(self, chunks, state: ParallelState, vocab_size: int, hidden_size: int):
+        if state.cp_size != 1:
+            raise ValueError(
+                f"inference runs on the whole sequence (CP = 1): drop --context-parallel-size "
+                f"{state.cp_size} (checkpoints do not depend on it) and launch TP x PP = "
+                f"{state.tp_size * state.pp_size} processes"
+            )
         if state.dp_size != 1:
             raise ValueError(
                 f"inference runs one model replica (DP = 1); launch TP x PP = "

@@ -38,6 +38,7 @@ from megatron.mpu import (
     mark_sequence_parallel,
     sequence_slice,
 )
+from megatron.mpu.context_parallel import context_parallel_positions
 
 # Output projections of residual branches get std / sqrt(2 x num_layers) (GPT-2's scaled init).
 _SCALED_INIT_SUFFIXES = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
@@ -239,6 +240,12 @@ class GPTModel(nn.Module):
         stage gets them (RoPE and the mask act in each layer)."""
         if kv_caches is not None and self.state.sequence_parallel:
             raise ValueError("generation with a KV cache runs without --sequence-parallel")
+        cp = self.state.cp_size
+        if position_ids is None and cp > 1 and tokens is not None:  # context parallel: tokens
+            b, local = tokens.shape  # are chunks r and 2 CP - 1 - r of each sample
+            position_ids = context_parallel_positions(
+                b, local * cp, self.state.cp_rank, cp, tokens.device
+            )
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
         mask = None if document_ids is None else document_attention_mask(document_ids)
         if kv_caches is not None:

@@ -26,6 +26,7 @@ from megatron.mpu import (
     RowParallelLinear,
     checkpoint,
 )
+from megatron.mpu.context_parallel import RingAttention
 from megatron.mpu.utils import divide
 
 
@@ -180,6 +181,9 @@ class ParallelAttention(nn.Module):
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, input_is_parallel=True, **kw
         )
         self.defer_bias = self.ops.bias_dropout_add == "compile" and cfg.add_bias_linear
+        # --context-parallel-size > 1: this rank's queries attend over keys/values ringed round
+        # the CP group (mpu/context_parallel.py); the K/V go round as `groups` heads (GQA)
+        self.ring = RingAttention(state) if state.cp_size > 1 else None
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(
@@ -211,7 +215,7 @@ class ParallelAttention(nn.Module):
             if past and s == 1:
                 mask = False  # one new position sees everything before it
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
-        if self.q_per_group > 1:
+        if self.q_per_group > 1 and self.ring is None:
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
         if self.recompute_core and self.training:  # --recompute-granularity selective
@@ -230,6 +234,8 @@ class ParallelAttention(nn.Module):
         # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with rng:
+            if self.ring is not None:  # context parallel (training: no cache, no documents)
+                return self.ring(q, k, v, dropout_p=p)
             if self.ops.attention_backend != "sdpa" or self._fp32_softmax(q.dtype):
                 scores, scale = self._scores(q, k)  # (b, heads, s_q, s_k)
                 if isinstance(mask, torch.Tensor):  # documents (or a KV-cache prefix)

@@ -1,8 +1,10 @@
 """The rank grid and its process groups, built once and handed out as a value.
 
-Ranks are laid out as `arange(world).reshape(PP, DP, TP)`: TP is the fastest axis (TP peers
-share a node and its fast links), then DP, then PP, as in Megatron-LM. `None` as a group means
-"no group": a single process needs no torch.distributed at all.
+Ranks are laid out as `arange(world).reshape(PP, DP, CP, TP)`: TP is the fastest axis (TP peers
+share a node and its fast links), then context parallelism (CP: each rank holds 2 of 2 x CP
+chunks of every sequence), then DP, then PP, as in Megatron-core. Parameters are replicated over
+DP and CP, so their gradients are reduced over the combined DP x CP group. `None` as a group
+means "no group": a single process needs no torch.distributed at all.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the TP x DP x PP grid and the groups it belongs to."""
+    """This rank's place in the TP x CP x DP x PP grid and the groups it belongs to."""
 
     rank: int
     world_size: int
@@ -38,6 +40,22 @@ class ParallelState:
     virtual_pp_size: int | None = None
     # --sequence-parallel: between the TP regions activations hold s / tp positions per rank
     sequence_parallel: bool = False
+    # --context-parallel-size: this rank holds chunks cp_rank and 2 cp - 1 - cp_rank of each
+    # sequence; attention passes keys and values round cp_group (megatron/mpu/context_parallel.py)
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_ranks: tuple[int, ...] = (0,)
+    cp_group: object | None = None
+    dp_cp_group: object | None = None  # DP x CP: every rank holding a replica of these weights
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in dp_cp_group (its ranks in grid order: DP outer, CP inner)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
     def mp_size(self) -> int:
@@ -87,28 +105,32 @@ def single_process_state() -> ParallelState:
     )
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> np.ndarray:
-    """Global ranks as a [PP, DP, TP] array; raises ValueError when the sizes do not divide."""
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> np.ndarray:
+    """Global ranks as a [PP, DP, CP, TP] array; raises ValueError when the sizes do not
+    divide the world."""
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * cp * pp):
         raise ValueError(
             f"world size {world_size} is not divisible by tensor-parallel {tp} x "
-            f"pipeline-parallel {pp}; launch a multiple of {tp * pp} processes"
+            f"context-parallel {cp} x pipeline-parallel {pp}; launch a multiple of "
+            f"{tp * cp * pp} processes"
         )
-    return np.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
+    return np.arange(world_size).reshape(pp, world_size // (tp * cp * pp), cp, tp)
+
+
+# The grid dimensions each kind of group spans (the others are fixed within one group).
+_AXES = {"pp": (0,), "dp": (1,), "cp": (2,), "tp": (3,), "dp_cp": (1, 2), "mp": (0, 3)}
 
 
 def _groups_along(grid: np.ndarray, axis: str) -> list[tuple[int, ...]]:
-    """Every group of ranks that differ only along `axis` of the [PP, DP, TP] grid."""
-    pp, dp, tp = grid.shape
-    if axis == "tp":
-        return [tuple(int(r) for r in grid[p, d, :]) for p in range(pp) for d in range(dp)]
-    if axis == "dp":
-        return [tuple(int(r) for r in grid[p, :, t]) for p in range(pp) for t in range(tp)]
-    if axis == "pp":
-        return [tuple(int(r) for r in grid[:, d, t]) for d in range(dp) for t in range(tp)]
-    if axis == "mp":  # TP x PP of one data-parallel replica
-        return [tuple(int(r) for r in grid[:, d, :].flatten()) for d in range(dp)]
-    raise ValueError(f"unknown axis {axis!r}")
+    """Every group of ranks that differ only along the dimensions `axis` names of the
+    [PP, DP, CP, TP] grid ("mp": TP x PP of one (DP, CP) replica; "dp_cp": DP x CP)."""
+    if axis not in _AXES:
+        raise ValueError(f"unknown axis {axis!r}")
+    spanned = _AXES[axis]
+    fixed = [d for d in range(grid.ndim) if d not in spanned]
+    moved = np.moveaxis(grid, fixed + list(spanned), range(grid.ndim))  # fixed dims first
+    per_group = int(np.prod([grid.shape[d] for d in spanned]))
+    return [tuple(int(r) for r in g) for g in moved.reshape(-1, per_group)]
 
 
 def _embedding_ranks(pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
@@ -121,6 +143,7 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     timeout: timedelta | None = None,
     sequence_parallel: bool = False,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
     """Build every process group from the rank grid; all ranks must call this together.
 
@@ -136,9 +159,10 @@ def initialize_model_parallel(
     if sequence_parallel and tensor_model_parallel_size == 1:
         raise ValueError("sequence parallelism splits over the TP group: it needs TP > 1")
     world, rank = dist.get_world_size(), dist.get_rank()
-    grid = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+    cp = context_parallel_size
+    grid = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size, cp)
     mine: dict[str, tuple[tuple[int, ...], object]] = {}
-    for axis in ("tp", "dp", "pp", "mp"):
+    for axis in ("tp", "dp", "pp", "mp", "cp", "dp_cp"):
         for ranks in _groups_along(grid, axis):
             group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
@@ -151,7 +175,7 @@ def initialize_model_parallel(
         if rank in ranks:
             emb_ranks = e
             emb_group = group if rank in e else None
-    pp_idx, dp_idx, tp_idx = (int(i[0]) for i in np.nonzero(grid == rank))
+    pp_idx, dp_idx, cp_idx, tp_idx = (int(i[0]) for i in np.nonzero(grid == rank))
     return ParallelState(
         rank=rank,
         world_size=world,
@@ -172,6 +196,11 @@ def initialize_model_parallel(
         embedding_group=emb_group,
         virtual_pp_size=virtual_pipeline_model_parallel_size,
         sequence_parallel=sequence_parallel,
+        cp_size=cp,
+        cp_rank=cp_idx,
+        cp_ranks=mine["cp"][0],
+        cp_group=mine["cp"][1],
+        dp_cp_group=mine["dp_cp"][1],
     )
 
 
@@ -184,6 +213,8 @@ def destroy_model_parallel(state: ParallelState) -> None:
         state.dp_group,
         state.mp_group,
         state.embedding_group,
+        state.cp_group,
+        state.dp_cp_group,
     ):
         if group is not None and id(group) not in seen:
             seen.add(id(group))

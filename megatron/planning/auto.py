@@ -1,8 +1,9 @@
 """--auto-parallel: replace the layout settings by the planner's top plan for the world size.
 
-The settings the planner chooses are TP, PP, virtual stages, --sequence-parallel, the micro
-batch and recompute. Those given away from their defaults (TP or PP > 1, a micro batch other
-than 1, a recompute granularity, --sequence-parallel) are kept as constraints of the search.
+The settings the planner chooses are TP, CP, PP, virtual stages, --sequence-parallel, the
+micro batch and recompute. Those given away from their defaults (TP, CP or PP > 1, a micro
+batch other than 1, a recompute granularity, --sequence-parallel) are kept as constraints of
+the search.
 The returned config has auto_parallel off, so the run config it writes reruns the same layout.
 """
 
@@ -53,6 +54,7 @@ def search_for(cfg: MegatronConfig) -> Search:
         pipeline_parallel=(par.pipeline_model_parallel_size,)
         if par.pipeline_model_parallel_size > 1
         else None,
+        context_parallel=(par.context_parallel_size,) if par.context_parallel_size > 1 else None,
     )
 
 

@@ -1,8 +1,8 @@
 """Every layout the configuration rules accept for a world size, with its predicted memory and
 step time; the ranked list and the --auto-parallel choice.
 
-A candidate is the user's config with TP, PP, virtual stages, sequence parallelism, micro batch
-and recompute replaced; it is kept only if megatron.config.rules (`validate`, and the
+A candidate is the user's config with TP, CP, PP, virtual stages, sequence parallelism, micro
+batch and recompute replaced; it is kept only if megatron.config.rules (`validate`, and the
 layout rules of `validate_training`) accept it, so the planner never proposes a layout that
 training would refuse. The global batch is the user's: it fixes M = batch / (micro batch x DP).
 """
@@ -34,6 +34,7 @@ class Search:
     interleave: bool = True
     tensor_parallel: tuple[int, ...] | None = None  # default: every divisor of the world size
     pipeline_parallel: tuple[int, ...] | None = None
+    context_parallel: tuple[int, ...] | None = None  # default: every divisor of world / (TP PP)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def candidate(cfg: MegatronConfig, world: int, lay: Layout) -> MegatronConfig:
         pipeline_model_parallel_size=lay.pp,
         num_layers_per_virtual_pipeline_stage=vlayers,
         sequence_parallel=lay.sequence_parallel,
+        context_parallel_size=lay.cp,
         world_size=world,
     )
     return cfg.replace(
@@ -118,15 +120,22 @@ def _candidates(cfg: MegatronConfig, s: Search):
                 s.pipeline_parallel and pp not in s.pipeline_parallel
             ):
                 continue
-            dp = s.world_size // (tp * pp)
-            vps = [None]
-            if s.interleave and pp > 1 and m.num_layers % pp == 0:
-                vps += [v for v in _divisors(m.num_layers // pp) if v > 1]
-            per_rank = gbs // dp if gbs % dp == 0 else 0
-            mbs = s.micro_batches or [b for b in _divisors(per_rank) if b <= 16] or [1]
-            for vp, b, rc, sp in itertools.product(vps, mbs, s.recompute, s.sequence_parallel):
-                if not (sp and tp == 1):
-                    yield Layout(tp, pp, dp, b, max(1, gbs // (b * dp)), vp, rc, sp)
+            for cp in _divisors(s.world_size // (tp * pp)):
+                if not s.context_parallel or cp in s.context_parallel:
+                    yield from _layouts_of(m, s, gbs, tp, pp, cp)
+
+
+def _layouts_of(m, s: Search, gbs: int, tp: int, pp: int, cp: int):
+    """The candidates of one TP x PP x CP split: virtual stages, micro batch, recompute, SP."""
+    dp = s.world_size // (tp * pp * cp)
+    vps = [None]
+    if s.interleave and pp > 1 and m.num_layers % pp == 0:
+        vps += [v for v in _divisors(m.num_layers // pp) if v > 1]
+    per_rank = gbs // dp if gbs % dp == 0 else 0
+    mbs = s.micro_batches or [b for b in _divisors(per_rank) if b <= 16] or [1]
+    for vp, b, rc, sp in itertools.product(vps, mbs, s.recompute, s.sequence_parallel):
+        if not (sp and tp == 1):
+            yield Layout(tp, pp, dp, b, max(1, gbs // (b * dp)), vp, rc, sp, cp)
 
 
 def layouts(cfg: MegatronConfig, s: Search) -> tuple[list[Layout], Counter]:

@@ -18,6 +18,12 @@ tokens, u = s b h elements (Korthikanti et al. 2022, Megatron's 34 s b h + 5 a s
                             attention dropout); 4 a s b / t (the log-sum-exp) for flash SDPA
     norm statistics         2 norms x 2 x 4 s b bytes; / t with SP
 
+Context parallelism (CP ranks per sequence) gives each rank s / CP tokens: every activation
+term above is taken at s / CP, and the attention core is the ring's (mpu/context_parallel.py):
+the query copy and the log-sum-exp, D a s b d / t + 4 a s b / t at s / CP (in half precision
+also its fp32 output, 4 a s b d / t), never a score matrix. Parameters are replicated over CP:
+the distributed optimizer shards over DP x CP.
+
 Selective recompute drops the attention core; full recompute keeps each group's input (D u,
 / t with SP) and rebuilds one group of layers at a time in backward (the recompute working set).
 The first virtual stage adds the token and position ids and the embedding's dropout mask, the
@@ -38,8 +44,8 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run: TP x PP x DP ranks, V model chunks per stage (None: not interleaved),
-    M micro batches of b samples per step, recompute and sequence parallelism."""
+    """One way to run: TP x CP x PP x DP ranks, V model chunks per stage (None: not
+    interleaved), M micro batches of b samples per step, recompute and sequence parallelism."""
 
     tp: int
     pp: int
@@ -49,12 +55,14 @@ class Layout:
     vp: int | None = None
     recompute: str | None = None  # None, "selective", "full"
     sequence_parallel: bool = False
+    cp: int = 1  # context-parallel ranks per sequence
 
     def describe(self) -> str:
         v = f" V{self.vp}" if self.vp else ""
         sp = " SP" if self.sequence_parallel else ""
         rc = f" rc={self.recompute}" if self.recompute else ""
-        return f"TP{self.tp} PP{self.pp}{v} DP{self.dp} mb{self.micro_batch}{sp}{rc}"
+        cp = f" CP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{cp} PP{self.pp}{v} DP{self.dp} mb{self.micro_batch}{sp}{rc}"
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,10 @@ def model_state_bytes(params: int, dp: int, t: Training) -> dict[str, int]:
 def _attention_core_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device) -> int:
     """What the attention kernel keeps (a s^2 b score matrices, or a s b log-sum-exps)."""
     a, s, b, D = m.num_attention_heads // lay.tp, m.seq_length, lay.micro_batch, t.dtype_bytes
+    if lay.cp > 1:  # ring attention (m is this rank's s / CP tokens): no score matrix; the
+        # query copy, the log-sum-exp, and in half precision the fp32 output besides the ctx
+        out = 4 if D < 4 else 0  # fp32: the output it keeps is the tensor it returns
+        return (D + out) * a * s * b * m.head_dim + 4 * a * s * b
     scores = t.attention_backend != "sdpa" or not dev.flash_attention
     if not scores:
         return 4 * a * s * b
@@ -259,10 +271,17 @@ def stage_memory(
     m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
 ) -> dict[str, int]:
     """Every term of one pipeline stage's rank, in bytes."""
-    terms = model_state_bytes(stage_params(m, lay.tp, lay.pp, stage), lay.dp, t)
-    terms.update(stage_activation_peak(m, lay, t, dev, stage))
+    terms = model_state_bytes(stage_params(m, lay.tp, lay.pp, stage), lay.dp * lay.cp, t)
+    terms.update(stage_activation_peak(per_rank_sequence(m, lay), lay, t, dev, stage))
     terms["overhead"] = dev.overhead_bytes
     return terms
+
+
+def per_rank_sequence(m: ModelConfig, lay: Layout) -> ModelConfig:
+    """The model as one rank's activations see it: s / CP tokens of each sequence."""
+    if lay.cp == 1:
+        return m
+    return dataclasses.replace(m, seq_length=m.seq_length // lay.cp)
 
 
 def estimate_memory(

@@ -11,9 +11,17 @@
     pp_p2p      2 V M messages of b s h x D bytes (s / t with SP) between neighbouring stages
     dp_comm     the fp32 gradient all-reduce 2 (d-1)/d x 4 N bytes over DP, minus the part
                 hidden behind the last micro batch's backward (buckets launch during it)
+    cp_comm     context parallelism: per layer and micro batch the ring sends CP - 1 K/V
+                blocks forward, CP - 1 K/V and CP fp32 dK/dV blocks backward (b s / CP x
+                2 g d / t each); each step's message is hidden behind the attention of the
+                block in hand, only the excess counts (cp_ring_seconds has the whole volume)
     launch      M x layers x a fixed cost per layer forward + backward (kernel launches,
                 framework overhead): what makes tiny micro batches slow
     optimizer   reading and writing weights, gradients and Adam state (memory-bound)
+
+With CP every rank computes 1 / CP of each layer (s / CP tokens; a causal-balanced 1 / CP of
+the attention core), its TP and pipeline messages are 1 / CP as large, and the gradient
+all-reduce runs over DP x CP.
 
 MFU = model FLOPs (3 x forward, no recompute) / (step time x world x peak).
 """
@@ -66,29 +74,49 @@ def _ring(bytes_: float, n: int, gbps: float, latency: float) -> float:
     return 0.0 if n == 1 else 2 * (n - 1) / n * bytes_ / (gbps * 1e9) + latency
 
 
+def cp_ring_seconds(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[str, float]:
+    """The ring of one layer and micro batch: "messages" (its whole send time, forward and
+    backward) and "exposed" (what the block computations do not hide)."""
+    cp, tp = lay.cp, lay.tp
+    if cp == 1:
+        return {"messages": 0.0, "exposed": 0.0}
+    gbps = hw.intra_node_gbps if tp * cp <= hw.gpus_per_node else hw.inter_node_gbps
+    block = lay.micro_batch * m.seq_length // cp * 2 * m.query_groups * m.head_dim // tp
+    kv = t.dtype_bytes * block / (gbps * 1e9) + hw.latency_s
+    dkv = 4 * block / (gbps * 1e9) + hw.latency_s
+    step_fwd = layer_forward_flops(m, lay.micro_batch)[1] / (tp * cp * cp) / hw.flops_per_s
+    whole = (cp - 1) * 2 * kv + cp * dkv
+    exposed = (cp - 1) * (max(0.0, kv - step_fwd) + max(0.0, kv - 2 * step_fwd))
+    return {"messages": whole, "exposed": exposed + cp * max(0.0, dkv - 2 * step_fwd)}
+
+
 def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[str, float]:
     """Every term of one step, in seconds (see the module docstring)."""
-    P, V, M, tp = lay.pp, lay.vp or 1, lay.num_micro_batches, lay.tp
+    P, V, M, tp, cp = lay.pp, lay.vp or 1, lay.num_micro_batches, lay.tp, lay.cp
     layers = m.num_layers // P
     mat, core = layer_forward_flops(m, lay.micro_batch)
     head = 2.0 * lay.micro_batch * m.seq_length * m.hidden_size * m.padded_vocab_size(1)
-    fwd = (layers * (mat + core) + head) / tp  # the last stage: the slowest one
+    fwd = (layers * (mat + core) + head) / (tp * cp)  # the last stage: the slowest one
     compute = M * 3 * fwd / hw.flops_per_s
     extra = {"full": layers * (mat + core), "selective": layers * core}.get(lay.recompute, 0.0)
-    recompute = M * extra / tp / hw.flops_per_s
+    recompute = M * extra / (tp * cp) / hw.flops_per_s
     intra = tp <= hw.gpus_per_node
     bw = hw.intra_node_gbps if intra else hw.inter_node_gbps
-    act = t.dtype_bytes * lay.micro_batch * m.seq_length * m.hidden_size
+    act = t.dtype_bytes * lay.micro_batch * m.seq_length * m.hidden_size / cp
     calls = 6 if lay.recompute == "full" else 4
     launch = M * layers * hw.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
     tp_comm = M * layers * calls * _ring(act, tp, bw, hw.latency_s)
-    bubble = (compute + recompute + launch + tp_comm) * (P - 1) / (V * M)
-    p2p_gbps = hw.intra_node_gbps if tp * lay.dp * P <= hw.gpus_per_node else hw.inter_node_gbps
+    cp_comm = M * layers * cp_ring_seconds(m, lay, t, hw)["exposed"]
+    if lay.recompute == "full":  # the recomputed forward rings K/V once more
+        cp_comm *= 4 / 3
+    bubble = (compute + recompute + launch + tp_comm + cp_comm) * (P - 1) / (V * M)
+    ranks = tp * cp * lay.dp * P
+    p2p_gbps = hw.intra_node_gbps if ranks <= hw.gpus_per_node else hw.inter_node_gbps
     sp = tp if lay.sequence_parallel else 1
     pp_p2p = 0.0 if P == 1 else 2 * V * M * (act / sp / (p2p_gbps * 1e9) + hw.latency_s)
     params = max(stage_params(m, tp, P, s) for s in {0, P - 1})
-    dp_gbps = hw.intra_node_gbps if tp * lay.dp <= hw.gpus_per_node else hw.inter_node_gbps
-    dp_full = _ring(4.0 * params, lay.dp, dp_gbps, hw.latency_s)
+    dp_gbps = hw.intra_node_gbps if tp * cp * lay.dp <= hw.gpus_per_node else hw.inter_node_gbps
+    dp_full = _ring(4.0 * params, lay.dp * cp, dp_gbps, hw.latency_s)
     hidden = (compute + recompute) / M * 2 / 3  # the last micro batch's backward
     optimizer = params * (t.dtype_bytes + 4 + 24) / (hw.memory_gbps * 1e9)
     return {
@@ -96,6 +124,7 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
         "recompute": recompute,
         "launch": launch,
         "tp_comm": tp_comm,
+        "cp_comm": cp_comm,
         "bubble": bubble,
         "pp_p2p": pp_p2p,
         "dp_comm": max(0.0, dp_full - hidden),

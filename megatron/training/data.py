@@ -21,6 +21,8 @@ from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.loose_json import CorpusError, prepare_loose_json
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime, barrier
+from megatron.mpu import ParallelState
+from megatron.mpu.context_parallel import context_parallel_slice
 
 
 def split_sample_counts(cfg: MegatronConfig, dp_size: int) -> tuple[int, int, int]:
@@ -213,9 +215,11 @@ class Batch(NamedTuple):
     document_ids: torch.Tensor | None = None
 
 
-def get_batch(data_iterator, device: torch.device) -> Batch:
+def get_batch(data_iterator, device: torch.device, state: ParallelState | None = None) -> Batch:
     """The next micro batch: text[:, :-1] predicts text[:, 1:], with the loss mask and the
-    document fields the loader added (see collate).
+    document fields the loader added (see collate). With context parallelism (`state.cp_size`
+    > 1) every field is this CP rank's load-balanced chunks (b, s / CP), position ids included
+    (the chunks' places in the whole sequence).
 
     The one batch fetch of both backends: the GPT's forward_step (training/step.py) and the
     DeepSpeed pipeline engine's PipeBatches (training/deepspeed/engine.py)."""
@@ -228,4 +232,22 @@ def get_batch(data_iterator, device: torch.device) -> Batch:
     )
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.float32)
-    return Batch(tokens, labels, loss_mask, position_ids, document_ids)
+    batch = Batch(tokens, labels, loss_mask, position_ids, document_ids)
+    if state is not None and state.cp_size > 1:
+        return _context_parallel_batch(batch, state)
+    return batch
+
+
+def _context_parallel_batch(batch: Batch, state: ParallelState) -> Batch:
+    """This CP rank's chunks r and 2 CP - 1 - r of every field (mpu/context_parallel.py)."""
+    if batch.document_ids is not None:
+        raise ValueError(
+            "--reset-attention-mask cannot run with --context-parallel-size > 1 (ring attention "
+            "has no document masks); drop one of them"
+        )
+    b, s = batch.tokens.shape
+    positions = batch.position_ids
+    if positions is None:  # the global positions of this rank's chunks, not 0..s/CP-1
+        positions = torch.arange(s, device=batch.tokens.device).expand(b, s)
+    cut = functools.partial(context_parallel_slice, cp_rank=state.cp_rank, cp_size=state.cp_size)
+    return Batch(cut(batch.tokens), cut(batch.labels), cut(batch.loss_mask), cut(positions), None)

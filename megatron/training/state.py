@@ -110,7 +110,21 @@ def checkpoint_entries(cfg: MegatronConfig, rt: Runtime, state: TrainState) -> d
     if not cfg.checkpoint.no_save_rng:
         entries["rng_state"] = rng_state_dict(rt.device)
         entries["rng_state"]["tracker"] = rt.rng_tracker.get_states()
+        st = rt.state
+        if st.cp_size > 1:  # CP ranks draw other dropout masks: keep every CP rank's streams
+            states = [None] * st.cp_size
+            dist.all_gather_object(states, dict(entries["rng_state"]), group=st.cp_group)
+            entries["rng_state"]["context_parallel"] = states
     return entries
+
+
+def _own_rng_state(saved: dict, rt: Runtime) -> dict:
+    """The RNG streams this rank saved: its CP rank's when saved at this CP size (else CP rank
+    0's: resuming at another CP size cuts the sequence differently, so dropout cannot match)."""
+    per_cp = saved.get("context_parallel")
+    if per_cp is not None and len(per_cp) == rt.state.cp_size:
+        return per_cp[rt.state.cp_rank]
+    return saved
 
 
 def commit(
@@ -161,8 +175,9 @@ def resume(
         return TrainState()
     _require(saved, c, iteration, keys=("rng_state",))  # the backend checked the rest
     if not c.no_load_rng:
-        set_rng_state(saved["rng_state"], rt.device)
-        rt.rng_tracker.set_states(saved["rng_state"]["tracker"])
+        rng = _own_rng_state(saved["rng_state"], rt)
+        set_rng_state(rng, rt.device)
+        rt.rng_tracker.set_states(rng["tracker"])
     return TrainState(
         iteration=saved["iteration"],
         consumed_train_samples=saved["consumed_train_samples"],
@@ -192,15 +207,17 @@ def save_training_state(
     optim_shard = sharded() if sharded is not None else None
     error = None
     try:
-        if st.dp_rank == 0:  # a re-save of this iteration at a smaller DP leaves no extra files
-            remove_stale_optimizer_shards(root, it, keep=st.dp_size if sharded else 0, **where)
-        save_shard(root, it, shard, write=st.dp_rank == 0, **where)
+        # Weights are replicated over DP x CP (CP splits the sequence, not the weights), so
+        # the shard is the same at every CP size; the distributed optimizer's are per DP x CP.
+        if st.dp_cp_rank == 0:  # a re-save of this iteration at a smaller DP leaves no extras
+            remove_stale_optimizer_shards(root, it, keep=st.dp_cp_size if sharded else 0, **where)
+        save_shard(root, it, shard, write=st.dp_cp_rank == 0, **where)
         if optim_shard is not None:
-            name = DISTRIB_OPTIM_NAME.format(dp_rank=st.dp_rank)
+            name = DISTRIB_OPTIM_NAME.format(dp_rank=st.dp_cp_rank)
             save_shard(root, it, optim_shard, write=True, name=name, **where)
     except (CheckpointError, OSError) as e:  # every rank hears of it in commit
         error = e
-    files_per_rank = 1 + (st.dp_size if sharded is not None else 0)
+    files_per_rank = 1 + (st.dp_cp_size if sharded is not None else 0)
     commit(cfg, rt, it, error, num_shards_expected=st.tp_size * st.pp_size * files_per_rank)
 
 

@@ -39,20 +39,38 @@ from megatron.training.timers import Timers
 
 def forward_step(data_iterator, model):
     """One GPT micro batch: the chunk's output and the loss function for the last stage."""
-    batch = get_batch(data_iterator, _device_of(model))
+    state = _state_of(model)  # with context parallelism: this CP rank's chunks
+    batch = get_batch(data_iterator, _device_of(model), state)
     output = model(  # per-token loss (b, s) on the last stage
         batch.tokens,
         position_ids=batch.position_ids,
         labels=batch.labels,
         document_ids=batch.document_ids,
     )
-    return output, functools.partial(lm_loss, batch.loss_mask)
+    cp = state if state is not None and state.cp_size > 1 else None
+    return output, functools.partial(lm_loss, batch.loss_mask, context_parallel=cp)
 
 
-def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor):
-    """Mean language-model loss over the unmasked tokens of a micro batch."""
-    loss = (per_token * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach()}
+def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor, context_parallel=None):
+    """Mean language-model loss over the unmasked tokens of a micro batch.
+
+    `context_parallel` (a ParallelState with CP > 1): this rank holds 2 of the 2 x CP chunks
+    of each sample; the mean is over all the tokens of the samples (sums and counts
+    all-reduced over CP). The loss to backpropagate is this rank's share of it times CP, as
+    the gradients are averaged over DP x CP: the CP shares then add up to the whole mean's."""
+    local, count = (per_token * loss_mask).sum(), loss_mask.sum()
+    if context_parallel is None:
+        loss = local / count
+        return loss, {"lm loss": loss.detach()}
+    totals = torch.stack([local.detach().float(), count.float()])
+    dist.all_reduce(totals, group=context_parallel.cp_group)
+    loss = local * context_parallel.cp_size / totals[1]
+    return loss, {"lm loss": totals[0] / totals[1]}
+
+
+def _state_of(model):
+    """The chunk's ParallelState (through torch DDP's wrapper with --DDP-impl torch)."""
+    return getattr(model, "state", None) or getattr(getattr(model, "module", None), "state", None)
 
 
 def _device_of(model) -> torch.device:
@@ -85,7 +103,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider=N
     tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
     ddp = wrap_data_parallel(
         model,
-        rt.state.dp_group,
+        rt.state.dp_cp_group,  # weights are replicated over DP and CP: average over both
         cfg.distributed,
         dtype,
         use_distributed_optimizer=distributed,
@@ -157,7 +175,7 @@ def _schedule(cfg: MegatronConfig, rt: Runtime):
     return get_forward_backward_func(
         rt.state,
         micro_batch_size=cfg.training.micro_batch_size,
-        seq_length=cfg.model.seq_length,
+        seq_length=cfg.model.seq_length // rt.state.cp_size,  # this CP rank's chunks
         hidden_size=cfg.model.hidden_size,
         dtype=cfg.precision.params_dtype,
     )

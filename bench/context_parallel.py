@@ -1,0 +1,188 @@
+"""Context parallelism on gloo (CPU): activation memory per rank and step time against the
+planner, and how much of the ring's communication the attention hides.
+
+    .venv/bin/python bench/context_parallel.py [--seq-lengths 2048 4096 8192 16384] [--cp 1 2 4]
+
+A small GPT (learned positions: the planner does not count RoPE's copies; fp32, no dropout)
+runs forward + backward of one micro batch per sequence length at CP 1, 2 and 4 (CP gloo
+ranks, one spawn per CP size). Per rank:
+
+- activations: the bytes autograd keeps for backward (megatron.model.memory.SavedActivations),
+  next to the planner's activation term (megatron.planning.memory, the CPU device of
+  bench/plan_validation.py) and their difference;
+- step: wall time of forward + backward (the median of --repeats), next to the planner's
+  compute + cp_comm terms with the device's matmul rate calibrated on the CP 1 run of the
+  shortest sequence;
+- ring: the time the ring waited for its messages inside attention ("exposed"), and the time
+  the same messages take alone (same sizes and count, nothing to compute): hidden share
+  = 1 - exposed / alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.model import GPTModel  # noqa: E402
+from megatron.model.memory import SavedActivations  # noqa: E402
+from megatron.mpu import context_parallel as cpm  # noqa: E402
+from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
+from megatron.planning.memory import (  # noqa: E402
+    Device,
+    Layout,
+    Training,
+    per_rank_sequence,
+    stage_activation_peak,
+)
+from megatron.planning.timing import Hardware, cp_ring_seconds, layer_forward_flops  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=512,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+CPU = Device(mask_bytes=4, flash_attention=True)  # CPU SDPA without dropout keeps no scores
+FP32 = Training(dtype_bytes=4)
+
+
+class _RingClock:
+    """Wraps the ring's wait so the time spent blocked on messages is summed."""
+
+    def __init__(self):
+        self.waited = 0.0
+        self.messages = 0
+        self._wait = cpm._wait
+
+    def __enter__(self):
+        def timed(requests):
+            start = time.perf_counter()
+            self._wait(requests)
+            self.waited += time.perf_counter() - start
+            self.messages += 1
+
+        cpm._wait = timed
+        return self
+
+    def __exit__(self, *exc):
+        cpm._wait = self._wait
+
+
+def _alone(state, cfg: ModelConfig, messages: int) -> float:
+    """Seconds the ring's messages take with nothing to compute: K/V blocks (2, b, g, c, d)."""
+    if state.cp_size == 1:
+        return 0.0
+    ring = cpm.RingAttention(state).ring
+    block = torch.zeros(2, 1, cfg.query_groups, cfg.seq_length // state.cp_size, cfg.head_dim)
+    torch.distributed.barrier(group=state.cp_group)
+    start = time.perf_counter()
+    for _ in range(messages):
+        _, requests = ring.exchange(block, 0)
+        for r in requests:
+            r.wait()
+    return time.perf_counter() - start
+
+
+def _one(state, seq: int, repeats: int) -> dict:
+    cfg = dataclasses.replace(MODEL, seq_length=seq)
+    model = GPTModel(cfg, state, seed=1)
+    g = torch.Generator().manual_seed(seq)
+    text = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
+    tokens, labels = (
+        cpm.context_parallel_slice(t, state.cp_rank, state.cp_size)
+        for t in (text[:, :-1], text[:, 1:])
+    )
+    with SavedActivations(exclude=model.parameters()) as saved:
+        loss = model(tokens, labels=labels).mean()
+    loss.backward()
+    times, clock = [], _RingClock()
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        with clock:
+            model(tokens, labels=labels).mean().backward()
+        times.append(time.perf_counter() - start)
+    per_step = clock.messages // repeats
+    alone = _alone(state, cfg, per_step * repeats) / repeats
+    return {
+        "activations": saved.bytes,
+        "step_s": statistics.median(times),
+        "exposed_s": clock.waited / repeats,
+        "alone_s": alone,
+    }
+
+
+def _worker(rank, world, seqs, repeats):
+    torch.manual_seed(0)
+    state = initialize_model_parallel(1, context_parallel_size=world)
+    out = {seq: _one(state, seq, repeats) for seq in seqs}
+    destroy_model_parallel(state)
+    return out
+
+
+def predicted_activations(seq: int, cp: int) -> int:
+    m = dataclasses.replace(MODEL, seq_length=seq)
+    lay = Layout(1, 1, 1, 1, 1, cp=cp)
+    return stage_activation_peak(per_rank_sequence(m, lay), lay, FP32, CPU, 0)["activations"]
+
+
+def predicted_step(seq: int, cp: int, hw: Hardware) -> float:
+    m = dataclasses.replace(MODEL, seq_length=seq)
+    mat, core = layer_forward_flops(m, 1)
+    head = 2.0 * seq * m.hidden_size * m.padded_vocab_size(1)
+    compute = 3 * (m.num_layers * (mat + core) + head) / cp / hw.flops_per_s
+    ring = cp_ring_seconds(m, Layout(1, 1, 1, 1, 1, cp=cp), FP32, hw)["exposed"]
+    return compute + m.num_layers * ring
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per point (median)")
+    args = p.parse_args(argv)
+    runs = {
+        cp: run_distributed(_worker, cp, args.seq_lengths, args.repeats, timeout=3600)
+        for cp in args.cp
+    }
+    # calibrate the matmul rate on CP 1 (or the smallest CP) of the shortest sequence
+    cp0, s0 = min(args.cp), min(args.seq_lengths)
+    hw = Hardware(peak_tflops=1.0, matmul_efficiency=1.0, latency_s=0.0)
+    scale = predicted_step(s0, cp0, hw) / runs[cp0][0][s0]["step_s"]
+    hw = dataclasses.replace(hw, peak_tflops=scale)
+    head = (
+        f"{'seq':>6} {'CP':>3} {'act MiB/rank':>12} {'planner':>8} {'diff':>7} "
+        f"{'step s':>8} {'planner':>8} {'ring alone s':>12} {'exposed s':>10} {'hidden':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for seq in args.seq_lengths:
+        for cp in args.cp:
+            r = max(runs[cp], key=lambda x: x[seq]["activations"])[seq]  # the fullest rank
+            pred = predicted_activations(seq, cp)
+            diff = (r["activations"] - pred) / pred * 100
+            hidden = 1 - r["exposed_s"] / r["alone_s"] if r["alone_s"] else float("nan")
+            print(
+                f"{seq:>6} {cp:>3} {r['activations'] / 2**20:>12.2f} {pred / 2**20:>8.2f} "
+                f"{diff:>6.2f}% {r['step_s']:>8.3f} {predicted_step(seq, cp, hw):>8.3f} "
+                f"{r['alone_s']:>12.4f} {r['exposed_s']:>10.4f} {hidden * 100:>6.1f}%"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

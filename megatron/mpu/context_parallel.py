@@ -1,0 +1,275 @@
+"""Context parallelism: each sequence split over the CP group, attention as a ring.
+
+The load-balanced split: a sequence of s tokens is cut into 2 x CP chunks of c = s / (2 CP);
+CP rank r holds chunks r and 2 CP - 1 - r, side by side, (b, 2c, ...). Under a causal mask a
+query in chunk i attends to chunks <= i, so every rank gets one "early" and one "late" chunk
+and the same amount of attention work.
+
+Ring attention, over the CP group: forward: each rank starts with its own K/V, then CP - 1
+times sends the K/V block in hand to the next rank while it attends to it (async
+batch_isend_irecv overlapped with the block's math); the per-block results are merged exactly
+by their log-sum-exp. backward: the K/V blocks go round again, and with each one the gradient
+of its K/V accumulated by the ranks it visited, so after CP steps every rank holds the full
+dK/dV of its own block.
+
+Within a step the two query chunks meet the two key chunks: chunk ids qi > kj attend fully,
+qi == kj causally (the diagonal), qi < kj not at all (skipped).
+
+The block math here is explicit fp32 matmul + softmax with its log-sum-exp, run on any device;
+`_block_forward` / `_block_backward` are the seam where a flash kernel that returns the LSE
+(and recomputes the probabilities from it in backward) would go on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.mpu.parallel_state import ParallelState
+from megatron.mpu.random import default_generator
+from megatron.mpu.utils import divide
+
+# ---- the load-balanced split ----
+
+
+def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two of 2 x CP sequence chunks CP rank `cp_rank` holds, in the order it holds them."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def context_parallel_slice(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1):
+    """This CP rank's chunks r and 2 CP - 1 - r of `x` along `dim` (s -> 2 s / (2 CP)).
+    Raises ValueError when 2 x CP does not divide the sequence."""
+    if cp_size == 1:
+        return x
+    chunk = divide(x.size(dim), 2 * cp_size)
+    first, second = chunk_ids(cp_rank, cp_size)
+    return torch.cat(
+        [x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim
+    )
+
+
+def context_parallel_unslice(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of context_parallel_slice: every CP rank's slice, in rank order -> the sequence."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = chunk_ids(rank, cp)
+        chunks[first], chunks[second] = part.chunk(2, dim)
+    return torch.cat(chunks, dim)
+
+
+def context_parallel_positions(batch: int, seq_length: int, cp_rank: int, cp_size: int, device):
+    """(b, 2 s / (2 CP)) global positions of this rank's tokens (for position embeddings, RoPE)."""
+    positions = torch.arange(seq_length, device=device).expand(batch, seq_length)
+    return context_parallel_slice(positions, cp_rank, cp_size)
+
+
+# ---- one block: explicit fp32 attention with its log-sum-exp ----
+
+
+def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk)
+    if causal:  # the diagonal block: query i sees keys <= i
+        above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(above, float("-inf"))
+    return s
+
+
+def _keep(shape, p: float, generator, device) -> torch.Tensor:
+    """Dropout's keep mask scaled by 1 / (1 - p), drawn from `generator` (replayed in backward)."""
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    return (u >= p).to(torch.float32) / (1.0 - p)
+
+
+def _block_forward(q, k, v, scale, causal, p, generator):
+    """out = dropout(softmax(q k^T scale)) v of one block, and the rows' log-sum-exp."""
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)  # (b, h, sq)
+    probs = torch.exp(s - lse.unsqueeze(-1))
+    if p > 0.0:
+        probs = probs * _keep(probs.shape, p, generator, q.device)
+    return torch.matmul(probs, v), lse
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale, causal, p, generator):
+    """Gradients of one block given the *final* log-sum-exp of the rows (so the probabilities
+    are those of the whole softmax) and delta = rowsum(dout * out) (flash attention's D)."""
+    probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (b, h, sq, sk)
+    dp = torch.matmul(dout, v.transpose(-1, -2))
+    if p > 0.0:
+        keep = _keep(probs.shape, p, generator, q.device)
+        dv = torch.matmul((probs * keep).transpose(-1, -2), dout)
+        dp = dp * keep
+    else:
+        dv = torch.matmul(probs.transpose(-1, -2), dout)
+    ds = probs * (dp - delta.unsqueeze(-1)) * scale
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial softmax-attentions of the same queries over disjoint keys -> their union."""
+    new = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(
+        block_lse - new
+    ).unsqueeze(-1)
+    return out, new
+
+
+# ---- the ring ----
+
+
+@dataclass(frozen=True)
+class _Ring:
+    group: object
+    rank: int  # in the CP group
+    size: int
+    next: int  # global ranks of the neighbours
+    prev: int
+
+    def exchange(self, send: torch.Tensor, tag: int):
+        """Start sending `send` to the next rank and receiving its like from the previous one;
+        returns (the receive buffer, the requests to wait for)."""
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return recv, dist.batch_isend_irecv(ops)
+
+    def pairs(self, step: int):
+        """(query half, key half, causal) to compute at `step`, with K/V from rank - step."""
+        src = (self.rank - step) % self.size
+        q_ids, k_ids = chunk_ids(self.rank, self.size), chunk_ids(src, self.size)
+        for qi, q_chunk in enumerate(q_ids):
+            for kj, k_chunk in enumerate(k_ids):
+                if q_chunk >= k_chunk:  # q_chunk < k_chunk: every key is in the future
+                    yield qi, kj, q_chunk == k_chunk
+
+
+_KV_TAG, _DKV_TAG = 271, 272
+
+
+def _wait(requests) -> None:
+    for r in requests:
+        r.wait()
+
+
+def _expand(kv: torch.Tensor, q_per_group: int) -> torch.Tensor:
+    """(b, g, s, d) key/value heads -> (b, g q_per_group, s, d), each serving its queries."""
+    return kv.repeat_interleave(q_per_group, dim=1) if q_per_group > 1 else kv
+
+
+def _fold(dkv: torch.Tensor, q_per_group: int) -> torch.Tensor:
+    """Inverse of _expand for gradients: sum over the queries of each group."""
+    if q_per_group == 1:
+        return dkv
+    b, h, s, d = dkv.shape
+    return dkv.view(b, h // q_per_group, q_per_group, s, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: causal softmax(q k^T / sqrt(d)) v of this rank's queries over the whole
+    sequence, K/V passed round the CP ring. Backward: dQ here, dK/dV ringed back home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, p: float):
+        # q: (b, h, 2c, d); k, v: (b, g, 2c, d), this rank's chunks; fp32 math inside
+        scale, qpg = 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1)
+        generator = default_generator(q.device)
+        ctx.rng_state = generator.get_state() if p > 0.0 else None
+        qf = q.float().chunk(2, dim=2)  # the two query chunks, (b, h, c, d) each
+        out, lse = [None, None], [None, None]
+        kv = torch.stack([k, v])  # (2, b, g, 2c, d) in the model dtype: one message per step
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                kv_next, requests = ring.exchange(kv, _KV_TAG)  # overlaps this step's math
+            ks, vs = (_expand(t.float(), qpg).chunk(2, dim=2) for t in kv)
+            for qi, kj, causal in ring.pairs(step):
+                o, s = _block_forward(qf[qi], ks[kj], vs[kj], scale, causal, p, generator)
+                out[qi], lse[qi] = (o, s) if out[qi] is None else _merge(out[qi], lse[qi], o, s)
+            if step < ring.size - 1:
+                _wait(requests)
+                kv = kv_next
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)  # (b, h, 2c, d), (b, h, 2c)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.p = ring, p
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, p = ctx.ring, ctx.p
+        scale, qpg = 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1)
+        generator = default_generator(q.device)
+        if p > 0.0:  # replay the forward's dropout masks in the forward's order
+            current = generator.get_state()
+            generator.set_state(ctx.rng_state)
+        dout = dout.float()
+        delta = (dout * out).sum(-1)  # (b, h, 2c)
+        qf, dos = q.float().chunk(2, dim=2), dout.chunk(2, dim=2)
+        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        dq = [torch.zeros_like(t) for t in qf]
+        kv = torch.stack([k, v])
+        dkv_in = dkv_requests = None  # dK/dV travel in fp32: they are sums over the ring
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                kv_next, kv_requests = ring.exchange(kv, _KV_TAG)
+            ks, vs = (_expand(t.float(), qpg).chunk(2, dim=2) for t in kv)
+            dks = [torch.zeros_like(t) for t in ks]
+            dvs = [torch.zeros_like(t) for t in vs]
+            for qi, kj, causal in ring.pairs(step):
+                dq_b, dk_b, dv_b = _block_backward(
+                    qf[qi],
+                    ks[kj],
+                    vs[kj],
+                    dos[qi],
+                    lses[qi],
+                    deltas[qi],
+                    scale,
+                    causal,
+                    p,
+                    generator,
+                )
+                dq[qi] += dq_b
+                dks[kj] += dk_b
+                dvs[kj] += dv_b
+            # this step's dK/dV of the block in hand, plus what the ranks before added to it
+            dkv = torch.stack([_fold(torch.cat(dks, 2), qpg), _fold(torch.cat(dvs, 2), qpg)])
+            if dkv_requests is not None:
+                _wait(dkv_requests)
+                dkv += dkv_in
+            dkv_in, dkv_requests = ring.exchange(dkv, _DKV_TAG)  # on to the next rank
+            if step < ring.size - 1:
+                _wait(kv_requests)
+                kv = kv_next
+        _wait(dkv_requests)  # after CP steps the block's gradient is back home
+        if p > 0.0:
+            generator.set_state(current)
+        dk, dv = dkv_in.to(k.dtype).unbind(0)
+        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None
+
+
+class RingAttention:
+    """Causal attention over the sequence split across `state`'s CP group (see the module
+    docstring). q: (b, heads, 2c, d); k, v: (b, groups, 2c, d), this rank's load-balanced chunks;
+    heads / groups queries share each key/value head (GQA). Returns (b, heads, 2c, d).
+
+    Dropout (`dropout_p`) draws its masks from the current default generator, as F.dropout
+    would (callers fork the RNG tracker around it), and backward replays them."""
+
+    def __init__(self, state: ParallelState):
+        if state.cp_size < 2:
+            raise ValueError("ring attention needs a context-parallel group of 2 or more ranks")
+        ranks, r = state.cp_ranks, state.cp_rank
+        self.ring = _Ring(
+            state.cp_group, r, state.cp_size, ranks[(r + 1) % len(ranks)], ranks[r - 1]
+        )
+
+    def __call__(self, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
+        divide(q.size(2), 2)  # two chunks per rank
+        divide(q.size(1), k.size(1))
+        return _RingAttention.apply(q, k, v, self.ring, float(dropout_p))
