@@ -341,7 +341,7 @@ _MAY_IMPORT = {
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
-    "inference": {"checkpoint", "config.declare", "config.schema", "data", "fused_kernels"}
+    "inference": {"checkpoint", "config.inference", "config.schema", "data", "fused_kernels"}
     | {"initialize", "progress"}
     | {"model", "mpu"},
 }

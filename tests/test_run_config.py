@@ -223,7 +223,7 @@ def test_every_shipped_example_resolves(path):
         }[path.name]
     )
     if cfg.deepspeed.enabled:
-        from megatron.training.deepspeed.config import build_ds_config
+        from megatron.config.deepspeed_json import build_ds_config
 
         ds = build_ds_config(cfg)  # the JSON it names exists and agrees with the file
         assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 128

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
-from megatron.config.legacy import REFUSED
+from megatron.config.compat_v1 import REFUSED
+from megatron.config.deepspeed_json import build_ds_config
 from megatron.config.rules import validate_training
 from megatron.config.schema import ConfigError
-from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.loop import pretrain, resolve_vocab
 from tests.distributed import run_distributed
 from tests.test_training import _losses, _train, data_prefix, flags  # noqa: F401

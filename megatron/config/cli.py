@@ -16,9 +16,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from megatron.config.compat_v1 import add_refused_arguments, apply_v1_defaults, check_refused
 from megatron.config.declare import Tree
 from megatron.config.files import parse_overrides, read_config_file, to_yaml
-from megatron.config.legacy import add_refused_arguments, apply_v1_defaults, check_refused
 from megatron.config.rules import validate
 from megatron.config.schema import LAUNCHER_VARIABLES, MegatronConfig
 

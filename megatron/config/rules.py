@@ -6,7 +6,7 @@ Each broken rule raises `ConfigError` naming the flag and the fix (never an `ass
 
 from __future__ import annotations
 
-from megatron.config.legacy import validate_compat, validate_vocab
+from megatron.config.compat_v1 import validate_compat
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
 from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import (
@@ -20,6 +20,7 @@ from megatron.config.schema import (
     split_weights,
 )
 from megatron.config.schema_corpora import parse_corpus_list
+from megatron.config.tokenizer_files import validate_vocab
 
 
 def _fail(flag: str, problem: str, fix: str) -> None:

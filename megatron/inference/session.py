@@ -12,14 +12,14 @@ import sys
 from collections.abc import Callable, Iterator
 
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import DistributedConfig, MegatronConfig, ParallelConfig
-from megatron.inference.engine import load_inference_model
-from megatron.inference.flags import (
+from megatron.config.inference import (
     check_against_checkpoint,
     layout,
     precision_dtype,
     tokenizer_overrides,
 )
+from megatron.config.schema import DistributedConfig, MegatronConfig, ParallelConfig
+from megatron.inference.engine import load_inference_model
 from megatron.inference.generation import SamplingParams, generate
 from megatron.initialize import initialize_megatron, read_launch_env, shutdown_distributed
 
@@ -37,7 +37,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def setup(load: str, pp: int = 1, given: dict | None = None):
     """(runtime, engine, tokenizer, iteration). `given`: the training flags of the command line
-    (megatron.inference.flags): layout, backend, precision and tokenizer are used, shapes must
+    (megatron.config.inference): layout, backend, precision and tokenizer are used, shapes must
     match the checkpoint."""
     given = given or {}
     env = read_launch_env()

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megatron.checkpoint.storage import CheckpointError, write_text_atomic
 from megatron.config.files import RUN_CONFIG_NAME, to_yaml
-from megatron.config.legacy import check_tokenizer_files
 from megatron.config.rules import validate_model
 from megatron.config.schema import MegatronConfig
+from megatron.config.tokenizer_files import check_tokenizer_files
 from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
