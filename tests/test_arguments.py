@@ -1,5 +1,7 @@
 """Flags parse into the config tree; every validation rule fails fast naming its flag."""
 
+import re
+
 import pytest
 import torch
 
@@ -409,3 +411,39 @@ def test_checkpoints_record_the_architecture_and_old_ones_still_load():
     defaults = dataclasses.asdict(type(rebuilt)())
     want = {k: legacy.get(k, defaults[k]) for k in dataclasses.asdict(rebuilt)}
     assert dataclasses.asdict(rebuilt) == want
+
+
+def test_a_declared_limit_is_enforced_from_flags_files_and_code(tmp_path):
+    """One declaration (`setting(..., min=, below=)`), one message, whatever built the config."""
+    from megatron.config.schema import ParallelConfig, TrainingConfig
+
+    want = "--hidden-dropout: must be in [0, 1), got 1.5. Fix: pass --hidden-dropout in [0, 1)"
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        parse_args([*BASE, "--hidden-dropout", "1.5"], world_size=1)
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {hidden_dropout: 1.5}\n")
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        parse_args([*BASE, "-c", str(run)], world_size=1)
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        ModelConfig(hidden_dropout=1.5)
+    with pytest.raises(ConfigError, match=re.escape("--num-workers: must be >= 0, got -1")):
+        TrainingConfig(num_workers=-1)
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size: must be >= 1, got 0"):
+        ParallelConfig(tensor_model_parallel_size=0)
+    with pytest.raises(ConfigError, match="--normalization: 'BatchNorm' is not a valid choice"):
+        ModelConfig(normalization="BatchNorm")
+    assert ModelConfig(hidden_dropout=0.0, vocab_size=None).hidden_dropout == 0.0  # limits hold
+
+
+def test_the_limits_are_in_the_help(capsys):
+    from megatron.config.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "(in [0, 1))" in " ".join(text.split()) and "(>= 1)" in text
+
+
+def test_a_setting_takes_one_lower_and_one_upper_limit():
+    from megatron.config.declare import setting
+
+    with pytest.raises(TypeError):
+        setting(0.0, "x", min=0, above=0)

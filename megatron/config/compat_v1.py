@@ -113,8 +113,6 @@ def _validate_gas(cfg: MegatronConfig) -> None:
     gas = t.gradient_accumulation_steps
     if gas is None:
         return
-    if gas < 1:
-        _fail("--gas", f"must be >= 1, got {gas}", "pass 1 or more")
     implied = t.micro_batch_size * dp * gas
     if t.global_batch_size is not None and t.global_batch_size != implied:
         _fail(
