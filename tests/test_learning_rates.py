@@ -11,7 +11,7 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.lr_schedule import scheduler_steps
-from megatron.config.rules import validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
 from megatron.training.learning_rates import AnnealingLR
 
@@ -244,7 +244,7 @@ def test_classic_and_current_megatron_keys_load():
     ],
 )
 def test_invariants_name_the_argument(kwargs, argument):
-    """The scheduler guards its own arguments; the flags' rules are validate_training's."""
+    """The scheduler guards its own arguments; the flags' rules are validate(cfg, "train-gpt")'s."""
     with pytest.raises(ValueError, match=argument):
         make_scheduler(**kwargs)
 
@@ -336,7 +336,7 @@ SCHEDULE_RULES = [
 )
 def test_schedule_rules_name_the_flag(extra, flag):
     with pytest.raises(ConfigError) as err:
-        validate_training(parse_args([*MODEL, *extra], world_size=1))
+        validate(parse_args([*MODEL, *extra], world_size=1), "train-gpt")
     assert flag in str(err.value) and "Fix:" in str(err.value)
 
 
@@ -364,7 +364,7 @@ def test_valid_schedules_pass_and_give_the_scheduler_valid_arguments():
         [*ITERS, "--lr-decay-style", "constant", "--lr-warmup-iters", "200"],
     ):
         cfg = parse_args([*MODEL, *extra], world_size=1)
-        validate_training(cfg)
+        validate(cfg, "train-gpt")
         scheduler = scheduler_of(cfg, 1, make_optimizer())  # its own checks pass too
         assert (scheduler.max_lr, scheduler.decay_style) == (1e-3, cfg.optimizer.lr_decay_style)
 

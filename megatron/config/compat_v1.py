@@ -84,8 +84,13 @@ def check_refused(ns: argparse.Namespace) -> None:
 # ---- resolving: v1.x defaults ----
 
 
+# v1.x's tokenizer for a --vocab-file without --tokenizer-type, by entry point (pretrain_gpt2.py,
+# pretrain_bert.py); the BERT tools use it without --vocab-file too (megatron.config.rules).
+V1_DEFAULT_TOKENIZER = {"gpt": "GPT2BPETokenizer", "bert": "BertWordPieceLowerCase"}
+
+
 def apply_v1_defaults(
-    values: dict[str, object], default_tokenizer: str = "GPT2BPETokenizer"
+    values: dict[str, object], default_tokenizer: str = V1_DEFAULT_TOKENIZER["gpt"]
 ) -> None:
     """v1.x meanings, in place, on {path: value} as given (file, flags, -o). A --vocab-file
     without --tokenizer-type means the entry point's v1.x default: GPT-2 BPE for

@@ -40,6 +40,7 @@ def setting(
     metavar: str | tuple[str, ...] | None = None,
     shortcuts: dict[str, tuple[object, str]] | None = None,
     from_env: bool = False,
+    resolved: bool = False,
 ):
     """A config field with everything the command line and config files need to know.
 
@@ -48,6 +49,8 @@ def setting(
     `shortcuts`: {flag: (value, help)}, a flag without argument that sets this field to value
     (`--checkpoint-activations` = recompute granularity full); it wins over the main flag.
     `from_env`: set by the launcher's environment, neither a flag nor a config-file key.
+    `resolved`: read by the resolution step (megatron.config.rules.validate) from a file another
+    setting names; neither a flag nor a config-file key, and not part of the hash.
     `choices`: the accepted values. `min`/`max`: inclusive limits, `above`/`below`: exclusive
     ones (a probability in [0, 1) is min=0, below=1); None (an unset optional) is never checked.
     The help says what the value means; the builder appends the limits and the default.
@@ -62,9 +65,10 @@ def setting(
         "bounds": Bounds(min, max, above, below),
         "metavar": metavar,
         "shortcuts": dict(shortcuts or {}),
-        "from_env": from_env,
+        "from_env": from_env or resolved,
+        "resolved": resolved,
     }
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta, hash=False if resolved else None)
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ class Setting:
     bounds: Bounds
     metavar: object
     shortcuts: dict
-    from_env: bool
+    from_env: bool  # not a flag or a file key (the launcher or the resolution step sets it)
+    resolved: bool
 
     @property
     def flag(self) -> str:
@@ -162,6 +167,7 @@ def _make_setting(f: dataclasses.Field, hint, path: str) -> Setting:
         metavar=meta["metavar"],
         shortcuts=meta["shortcuts"],
         from_env=meta["from_env"],
+        resolved=meta["resolved"],
     )
 
 
@@ -266,9 +272,10 @@ class Tree:
         if path in self.sections:
             raise ConfigError(f"{where}: {path!r} is a section, not a key. Fix: set its keys")
         if path in self.settings:
+            who = "the run reads it" if self.settings[path].resolved else "the launcher sets it"
             raise ConfigError(
                 f"{where}: {path} is not a config key ({self.settings[path].help}). "
-                "Fix: drop it; the launcher sets it"
+                f"Fix: drop it; {who}"
             )
         section, _, key = path.rpartition(".")
         if section not in self.sections or as_section:

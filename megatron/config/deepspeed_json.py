@@ -12,6 +12,7 @@ flags the command line did not give, and contradicts the ones it gave.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -58,14 +59,19 @@ def json_optimizer_values(section: object, where: str) -> dict[str, tuple[object
 
 
 def fill_from_ds_json(values: dict[str, object]) -> None:
+    """Read the --deepspeed_config file once (its content travels in deepspeed.config_json) and
+    fill the optimizer flags not given from its "optimizer" section; a value there that
+    contradicts a flag given is a ConfigError. An unreadable file is left for the training
+    rules to report (validate(cfg, "train-gpt") names it); parsing alone does not need it."""
     path = values.get("deepspeed.config")
     if not values.get("deepspeed.enabled") or not path:
         return
     try:
-        with open(str(path)) as f:
-            section = json.load(f).get("optimizer")
-    except (OSError, ValueError, AttributeError):
-        return  # build_ds_config reports an unreadable JSON, naming the file
+        data = read_ds_json(str(path))
+    except ConfigError:
+        return
+    values["deepspeed.config_json"] = data
+    section = data.get("optimizer")
     if section is None:
         return
     for key, (value, json_key, flag) in json_optimizer_values(section, "").items():
@@ -75,6 +81,31 @@ def fill_from_ds_json(values: dict[str, object]) -> None:
                 f"({values[key]!r}). Fix: make them equal, or drop one of them"
             )
         values[key] = value
+
+
+def read_ds_json(path: str) -> dict:
+    """The DeepSpeed JSON at `path`, or a ConfigError naming the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed_config {path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object")
+    return data
+
+
+def with_ds_json(cfg: MegatronConfig) -> MegatronConfig:
+    """`cfg` with the --deepspeed_config content in deepspeed.config_json (read here only when
+    parsing did not: a config built in code, or a file missing then)."""
+    d = cfg.deepspeed
+    if not d.enabled or not d.config or d.config_json is not None:
+        return cfg
+    return cfg.replace(deepspeed=dataclasses.replace(d, config_json=read_ds_json(d.config)))
 
 
 def _fail(flag: str, problem: str, fix: str) -> None:
@@ -124,21 +155,6 @@ def validate_deepspeed_flags(cfg: MegatronConfig) -> None:
         )
     if d.cpu_torch_adam and not d.cpu_optimizer:
         _fail("--cpu_torch_adam", "chooses the CPU optimizer's kernel", "add --cpu-optimizer")
-
-
-def _load(path: str | None) -> dict:
-    if path is None:
-        return {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--deepspeed_config {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed_config {path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object")
-    return data
 
 
 def _agree(section: dict, key: str, value, flag: str, where: str) -> None:
@@ -273,7 +289,7 @@ def _sequence_parallel(ds: dict, cfg: MegatronConfig) -> None:
 
 def build_ds_config(cfg: MegatronConfig) -> dict:
     """The JSON of --deepspeed_config, completed and checked against the command line."""
-    ds = copy.deepcopy(_load(cfg.deepspeed.config))
+    ds = copy.deepcopy(with_ds_json(cfg).deepspeed.config_json or {})
     _json_optimizer(ds, cfg)
     for section, flags in (("scheduler", "--lr-decay-style/--lr-warmup-*/--min-lr"),):
         if section in ds:

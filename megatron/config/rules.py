@@ -1,12 +1,25 @@
-"""Every rule of the configuration, checked once before any work.
+"""Every rule between settings, checked once before any work, through one entry point:
 
-Each broken rule raises `ConfigError` naming the flag and the fix (never an `assert`, which
-`python -O` would remove).
+    cfg = validate(cfg, purpose)
+
+`purpose` says what the run will do: "config" (the settings alone: what parse_args checks for
+every tool), "train-gpt" (pretrain_gpt2.py, pretrain(cfg)), "train-bert" (pretrain_bert.py),
+"eval-bert" (tools/evaluate_bert.py) or "inference" (the generation and evaluation tools, whose
+model comes from the checkpoint). The result is the resolved config: --tokenizer-model-type's
+files found in --cache-dir, the --deepspeed_config JSON read (once; build_ds_config then checks
+it against the flags before start-up). Validating a validated config changes nothing.
+
+A setting's own limits and choices are declared with it (megatron.config.schema) and checked
+whenever a section is built. Each broken rule raises `ConfigError` naming the flag and the fix
+(never an `assert`, which `python -O` would remove).
 """
 
 from __future__ import annotations
 
-from megatron.config.compat_v1 import validate_compat
+import dataclasses
+
+from megatron.config.compat_v1 import V1_DEFAULT_TOKENIZER, validate_compat
+from megatron.config.deepspeed_json import build_ds_config, with_ds_json
 from megatron.config.lr_schedule import schedule_steps
 from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import (
@@ -109,7 +122,63 @@ def layer_sharing_problem(m: ModelConfig, pp: int, vp_layers: int | None = None)
     return None
 
 
-def validate(cfg: MegatronConfig) -> None:
+PURPOSES = ("config", "train-gpt", "train-bert", "eval-bert", "inference")
+_TRAINING = ("train-gpt", "train-bert")
+_BERT = ("train-bert", "eval-bert")
+
+
+def validate(cfg: MegatronConfig, purpose: str = "config") -> MegatronConfig:
+    """The resolved config for `purpose` (one of PURPOSES), or a ConfigError naming the first
+    broken rule's flag and fix."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"validate: unknown purpose {purpose!r}; use one of {PURPOSES}")
+    cfg = _with_tokenizer_files(cfg, purpose)
+    if purpose == "inference":
+        _validate_one_replica(cfg)
+        return cfg
+    _validate_settings(cfg)
+    if purpose in _TRAINING:
+        _validate_training(cfg)
+    if purpose == "train-gpt":
+        _refuse_bert_settings(cfg)
+    if purpose in _BERT:
+        _validate_bert(cfg)
+    if purpose in _TRAINING and cfg.deepspeed.enabled:
+        cfg = with_ds_json(cfg)
+        build_ds_config(cfg)  # its rules, before any process group exists
+    return cfg
+
+
+def _with_tokenizer_files(cfg: MegatronConfig, purpose: str) -> MegatronConfig:
+    """--tokenizer-model-type's files; the BERT tools' tokenizer when none is named (v1.1.5)."""
+    tok = cfg.data.tokenizer.with_pretrained_files()
+    if purpose in _BERT and tok.tokenizer_type is None:
+        tok = dataclasses.replace(tok, tokenizer_type=V1_DEFAULT_TOKENIZER["bert"])
+    if tok == cfg.data.tokenizer:
+        return cfg
+    return cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=tok))
+
+
+def _validate_one_replica(cfg: MegatronConfig) -> None:
+    """Inference runs one model replica: TP x PP = the process count."""
+    par = cfg.parallel
+    tp, pp, world = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.world_size
+    if world % pp:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} does not divide the {world} processes. "
+            "Fix: launch a multiple of the checkpoint's pipeline stages"
+        )
+    if tp * pp != world:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
+            f"{tp * pp}, but {world} processes were launched; inference runs one model "
+            f"replica. Fix: launch {tp * pp} processes (e.g. torchrun --nproc_per_node {tp * pp})"
+        )
+    if cfg.precision.fp16 and cfg.precision.bf16:
+        _fail("--fp16/--bf16", "both are set", "choose one")
+
+
+def _validate_settings(cfg: MegatronConfig) -> None:
     """Every cross-group rule; raises ConfigError on the first broken one."""
     par, m = cfg.parallel, cfg.model
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -335,7 +404,7 @@ def _validate_batch(t: TrainingConfig, dp: int) -> None:
         )
 
 
-def validate_training(cfg: MegatronConfig) -> None:
+def _validate_training(cfg: MegatronConfig) -> None:
     """The rules that only a training run needs (pretrain_gpt2.py checks them at start-up)."""
     t, o, c = cfg.training, cfg.optimizer, cfg.checkpoint
     if (t.train_iters is None) == (t.train_samples is None):
@@ -449,7 +518,7 @@ def _validate_lr_schedule(o: OptimizerConfig, t: TrainingConfig, dp: int) -> Non
         )
 
 
-def validate_bert(cfg: MegatronConfig) -> None:
+def _validate_bert(cfg: MegatronConfig) -> None:
     """pretrain_bert.py's rules: what its model cannot do."""
     if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         _fail(
@@ -479,7 +548,7 @@ def validate_bert(cfg: MegatronConfig) -> None:
         )
 
 
-def refuse_bert_settings(cfg: MegatronConfig) -> None:
+def _refuse_bert_settings(cfg: MegatronConfig) -> None:
     """pretrain_gpt2.py: the BERT section's flags do nothing for a GPT, so they are refused."""
     if cfg.bert.changed:
         _fail(

@@ -474,18 +474,20 @@ class TokenizerConfig(Section):
         "--train-data/--valid-data/--test-data write their tokenized corpora under DIR/loose_json",
     )
 
-    def __post_init__(self) -> None:
-        """--tokenizer-model-type fills the tokenizer type and the files not given (the rules
-        check what is still missing or conflicting)."""
-        super().__post_init__()
+    def with_pretrained_files(self) -> TokenizerConfig:
+        """The resolution step of --tokenizer-model-type (called by megatron.config.rules.validate
+        and by the tools that build a tokenizer): it fills the tokenizer type and the files not
+        given from --cache-dir. This searches the disk, so building the section never does; the
+        rules check what is still missing or conflicting."""
         name = self.tokenizer_model_type
         if name not in PRETRAINED:
-            return
-        if self.tokenizer_type is None:
-            object.__setattr__(self, "tokenizer_type", PRETRAINED[name][0])
-        for kwarg, path in find_files(name, self.cache_dir).items():
-            if getattr(self, kwarg) is None and path is not None:
-                object.__setattr__(self, kwarg, path)
+            return self
+        fill = {} if self.tokenizer_type is not None else {"tokenizer_type": PRETRAINED[name][0]}
+        if any(getattr(self, kwarg) is None for kwarg in PRETRAINED[name][1]):
+            for kwarg, path in find_files(name, self.cache_dir).items():
+                if getattr(self, kwarg) is None and path is not None:
+                    fill[kwarg] = path
+        return dataclasses.replace(self, **fill) if fill else self
 
     def pretrained_problem(self) -> tuple[str, str, str] | None:
         """(flag, problem, fix) when --tokenizer-model-type cannot be honoured (the rules and

@@ -214,6 +214,9 @@ class DeepSpeedConfig(Section):
         "--deepspeed-config",
         flag="--deepspeed_config",
     )
+    config_json: dict | None = setting(
+        None, "the --deepspeed_config file's content, read once before start-up", resolved=True
+    )
     zero_stage: int | None = setting(None, "ZeRO stage (overrides the JSON)", choices=(0, 1, 2, 3))
     zero_reduce_scatter: bool | None = setting(
         None, "ZeRO: reduce-scatter gradients (overrides the JSON)"

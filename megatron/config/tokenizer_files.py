@@ -1,4 +1,6 @@
-"""The tokenizer's files: a training run needs a vocab, and GPT-2 BPE files that exist."""
+"""The tokenizer's files: a training run needs a vocab, and GPT-2 BPE files that exist (checked
+by megatron.config.rules.validate for training and evaluation; the search of
+--tokenizer-model-type's files is TokenizerConfig.with_pretrained_files)."""
 
 from __future__ import annotations
 
