@@ -13,7 +13,6 @@ import sys
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
-from megatron.config.rules import validate_bert, validate_training
 from megatron.initialize import shutdown_distributed
 from megatron.training import bert
 from megatron.training.loop import TrainingError, pretrain
@@ -21,14 +20,13 @@ from megatron.training.loop import TrainingError, pretrain
 
 def main(argv=None) -> int:
     try:
-        cfg = bert.with_bert_defaults(parse_args(argv, default_tokenizer=bert.DEFAULT_TOKENIZER))
-        validate_training(cfg)
-        validate_bert(cfg)
+        cfg = parse_args(argv, purpose="train-bert")
         pretrain(
             cfg,
             forward_step_func=bert.make_forward_step(cfg),
             model_provider=bert.model_provider(cfg),
             datasets_provider=bert.datasets_provider,
+            purpose="train-bert",
         )
     except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as e:
         # ConfigError and DataError are ValueErrors: bad flags, data or checkpoints, named.

@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron.config.cli import parse_args  # noqa: E402
-from megatron.config.rules import validate_training  # noqa: E402
+from megatron.config.rules import validate  # noqa: E402
 from megatron.initialize import shutdown_distributed  # noqa: E402
 from megatron.training.loop import pretrain  # noqa: E402
 from megatron.training.step import forward_step  # noqa: E402
@@ -21,7 +21,7 @@ from megatron.training.step import forward_step  # noqa: E402
 def main() -> None:
     kill_at, argv = int(sys.argv[1]), sys.argv[2:]
     cfg = parse_args(argv)
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     dp = cfg.parallel.data_parallel_size
     per_step = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
     doomed = os.environ.get("RANK") == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"

@@ -1,5 +1,7 @@
 """Flags parse into the config tree; every validation rule fails fast naming its flag."""
 
+import re
+
 import pytest
 import torch
 
@@ -216,10 +218,10 @@ TRAINING_RULES = [
     ids=[f"{r[3]}{i}" for i, r in enumerate(TRAINING_RULES)],
 )
 def test_each_training_rule_fails_fast_naming_the_flag(argv, extra, world, flag):
-    from megatron.config.rules import validate_training
+    from megatron.config.rules import validate
 
     with pytest.raises(ConfigError) as err:
-        validate_training(parse_args([*argv, *extra], world_size=world))
+        validate(parse_args([*argv, *extra], world_size=world), "train-gpt")
     assert flag in str(err.value) and "Fix:" in str(err.value)
 
 
@@ -242,13 +244,14 @@ def test_data_and_recompute_rules_fail_fast(extra, flag):
 
 
 def test_a_valid_training_config_passes():
-    from megatron.config.rules import validate_training
+    from megatron.config.rules import validate
 
-    validate_training(
+    validate(
         parse_args(
             [*TRAIN, "--lr-warmup-fraction", "0.01", "--save", "ck", "--save-interval", "5"],
             world_size=1,
-        )
+        ),
+        "train-gpt",
     )
     cfg = parse_args(
         BASE
@@ -266,7 +269,7 @@ def test_a_valid_training_config_passes():
         ],
         world_size=1,
     )
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     assert cfg.training.rampup_batch_size == (2, 2, 100)
 
 
@@ -343,7 +346,8 @@ _MAY_IMPORT = {
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     "checkpoint": {"config.schema", "model", "mpu"},
-    "inference": {"checkpoint", "config.declare", "config.schema", "data", "fused_kernels"}
+    "inference": {"checkpoint", "config.inference", "config.rules", "config.schema", "data"}
+    | {"fused_kernels"}
     | {"initialize", "progress"}
     | {"model", "mpu"},
 }
@@ -411,3 +415,109 @@ def test_checkpoints_record_the_architecture_and_old_ones_still_load():
     defaults = dataclasses.asdict(type(rebuilt)())
     want = {k: legacy.get(k, defaults[k]) for k in dataclasses.asdict(rebuilt)}
     assert dataclasses.asdict(rebuilt) == want
+
+
+def test_a_declared_limit_is_enforced_from_flags_files_and_code(tmp_path):
+    """One declaration (`setting(..., min=, below=)`), one message, whatever built the config."""
+    from megatron.config.schema import ParallelConfig, TrainingConfig
+
+    want = "--hidden-dropout: must be in [0, 1), got 1.5. Fix: pass --hidden-dropout in [0, 1)"
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        parse_args([*BASE, "--hidden-dropout", "1.5"], world_size=1)
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {hidden_dropout: 1.5}\n")
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        parse_args([*BASE, "-c", str(run)], world_size=1)
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        ModelConfig(hidden_dropout=1.5)
+    with pytest.raises(ConfigError, match=re.escape("--num-workers: must be >= 0, got -1")):
+        TrainingConfig(num_workers=-1)
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size: must be >= 1, got 0"):
+        ParallelConfig(tensor_model_parallel_size=0)
+    with pytest.raises(ConfigError, match="--normalization: 'BatchNorm' is not a valid choice"):
+        ModelConfig(normalization="BatchNorm")
+    assert ModelConfig(hidden_dropout=0.0, vocab_size=None).hidden_dropout == 0.0  # limits hold
+
+
+def test_the_limits_are_in_the_help(capsys):
+    from megatron.config.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "(in [0, 1))" in " ".join(text.split()) and "(>= 1)" in text
+
+
+def test_a_setting_takes_one_lower_and_one_upper_limit():
+    from megatron.config.declare import setting
+
+    with pytest.raises(TypeError):
+        setting(0.0, "x", min=0, above=0)
+
+
+def test_one_validate_per_purpose_and_pretrain_applies_the_training_rules():
+    from megatron.config.rules import PURPOSES, validate
+    from megatron.training.loop import pretrain
+
+    cfg = parse_args(BASE, world_size=1)  # valid settings, but no --train-iters / --lr
+    assert validate(cfg) == cfg and validate(validate(cfg)) == cfg
+    with pytest.raises(ConfigError, match="--train-iters/--train-samples"):
+        validate(cfg, "train-gpt")
+    with pytest.raises(ConfigError, match="--train-iters/--train-samples"):
+        pretrain(cfg)  # refused before any process group or data work
+    bert = parse_args([*BASE, "--mask-prob", "0.2", "--train-iters", "2", "--lr", "1"], 1)
+    with pytest.raises(ConfigError, match="--mask-prob: a BERT pretraining setting"):
+        validate(bert, "train-gpt")
+    assert validate(bert, "eval-bert").data.tokenizer.tokenizer_type == "BertWordPieceLowerCase"
+    with pytest.raises(ValueError, match="unknown purpose"):
+        validate(cfg, "finetune")
+    assert set(PURPOSES) == {"config", "train-gpt", "train-bert", "eval-bert", "inference"}
+
+
+def test_inference_purpose_checks_one_replica():
+    from megatron.config.inference import inference_config
+    from megatron.config.rules import validate
+
+    assert (
+        validate(inference_config({}, 4, 2), "inference").parallel.tensor_model_parallel_size == 2
+    )
+    with pytest.raises(ConfigError, match="inference runs one model replica"):
+        validate(inference_config({"parallel.tensor_model_parallel_size": 2}, 4), "inference")
+    with pytest.raises(ConfigError, match="does not divide the 3 processes"):
+        validate(inference_config({}, 3, 2), "inference")
+    both = {"precision.fp16": True, "precision.bf16": True}
+    with pytest.raises(ConfigError, match="--fp16/--bf16: both are set"):
+        validate(inference_config(both, 1), "inference")
+
+
+def test_the_deepspeed_json_is_read_once_before_start_up(tmp_path):
+    import json
+
+    from megatron.config.deepspeed_json import build_ds_config
+    from megatron.config.rules import validate
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    argv = [*BASE, "--train-iters", "2", "--lr", "1e-3", "--deepspeed", "--deepspeed_config"]
+    cfg = parse_args([*argv, str(path)], world_size=1, purpose="train-gpt")
+    path.unlink()  # from here on nothing reads it
+    assert cfg.deepspeed.config_json == {"zero_optimization": {"stage": 1}}
+    assert build_ds_config(validate(cfg, "train-gpt"))["zero_optimization"]["stage"] == 1
+    # Parsing alone does not need the file; a training run names it before any work.
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args([*argv, str(path)], world_size=1, purpose="train-gpt")
+    assert parse_args([*argv, str(path)], world_size=1).deepspeed.config_json is None
+
+
+def test_building_the_tokenizer_section_never_touches_the_disk(tmp_path, monkeypatch):
+    from megatron.config import schema
+    from megatron.config.schema import TokenizerConfig
+
+    (tmp_path / "gpt2-vocab.json").write_text("{}")
+    (tmp_path / "gpt2-merges.txt").write_text("")
+    calls = []
+    real = schema.find_files
+    monkeypatch.setattr(schema, "find_files", lambda *a: calls.append(a) or real(*a))
+    tok = TokenizerConfig(tokenizer_model_type="gpt2", cache_dir=str(tmp_path))
+    assert tok.vocab_file is None and tok.tokenizer_type is None and not calls
+    found = tok.with_pretrained_files()  # the explicit resolution step
+    assert found.tokenizer_type == "GPT2BPETokenizer" and found.vocab_file.endswith("vocab.json")
+    assert found.with_pretrained_files() is found and len(calls) == 1

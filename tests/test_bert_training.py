@@ -78,15 +78,14 @@ def _train(rank, world, argv):
     from megatron.training import bert
     from megatron.training.loop import pretrain
 
-    cfg = bert.with_bert_defaults(
-        parse_args(argv, world_size=world, default_tokenizer=bert.DEFAULT_TOKENIZER)
-    )
+    cfg = parse_args(argv, world_size=world, purpose="train-bert")
     result = pretrain(
         cfg,
         forward_step_func=bert.make_forward_step(cfg),
         model_provider=bert.model_provider(cfg),
         datasets_provider=bert.datasets_provider,
         out=open(os.devnull, "w"),
+        purpose="train-bert",
     )
     assert pretrain_bert.main  # the entry point imports
     state = {k: v.detach().clone() for k, v in result.model.module.state_dict().items()}

@@ -49,14 +49,14 @@ def flags(tok, *data, save=None):
 def _dp2_runs(rank, world, runs):
     """Each run's losses, or its error message, on this rank (one spawn for all of them)."""
     from megatron.config.cli import parse_args
-    from megatron.config.rules import validate_training
+    from megatron.config.rules import validate
     from megatron.training.loop import pretrain
 
     out = []
     for argv in runs:
         try:
             cfg = parse_args(argv, world_size=world)
-            validate_training(cfg)
+            validate(cfg, "train-gpt")
             result = pretrain(cfg, out=open(os.devnull, "w"))
             out.append([h["lm_loss"] for h in result.history])
         except ValueError as e:

@@ -78,11 +78,11 @@ def test_context_parallel_divides_the_world_before_data_parallelism():
 
 
 def test_bert_refuses_context_parallelism():
-    from megatron.config.rules import validate_bert
+    from megatron.config.rules import validate
 
     cfg = parse_args([*_BASE_ARGV, "--context-parallel-size", "2"], world_size=2)
     with pytest.raises(ConfigError, match="--context-parallel-size"):
-        validate_bert(cfg)
+        validate(cfg, "train-bert")
 
 
 # ---- the load-balanced split ----

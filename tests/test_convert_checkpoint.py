@@ -476,11 +476,11 @@ def test_from_hf_reads_hub_style_gpt2_names(tmp_path):
 
 def _train_worker(rank, world, argv):
     from megatron.config.cli import parse_args
-    from megatron.config.rules import validate_training
+    from megatron.config.rules import validate
     from megatron.training.loop import pretrain
 
     cfg = parse_args(argv, world_size=world)
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     result = pretrain(cfg, out=open(os.devnull, "w"))
     return [h["lm_loss"] for h in result.history], result.iteration
 

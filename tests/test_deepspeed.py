@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from megatron.config.cli import parse_args
+from megatron.config.deepspeed_json import build_ds_config
 from megatron.config.schema import ConfigError
-from megatron.training.deepspeed.config import build_ds_config
 from tests.distributed import run_distributed
 from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
     _CALLS,

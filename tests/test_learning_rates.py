@@ -11,7 +11,7 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.lr_schedule import scheduler_steps
-from megatron.config.rules import validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
 from megatron.training.learning_rates import AnnealingLR
 
@@ -226,7 +226,7 @@ def test_classic_and_current_megatron_keys_load():
     ],
 )
 def test_invariants_name_the_argument(kwargs, argument):
-    """The scheduler guards its own arguments; the flags' rules are validate_training's."""
+    """The scheduler guards its own arguments; the flags' rules are validate(cfg, "train-gpt")'s."""
     with pytest.raises(ValueError, match=argument):
         make_scheduler(**kwargs)
 
@@ -318,7 +318,7 @@ SCHEDULE_RULES = [
 )
 def test_schedule_rules_name_the_flag(extra, flag):
     with pytest.raises(ConfigError) as err:
-        validate_training(parse_args([*MODEL, *extra], world_size=1))
+        validate(parse_args([*MODEL, *extra], world_size=1), "train-gpt")
     assert flag in str(err.value) and "Fix:" in str(err.value)
 
 
@@ -329,12 +329,11 @@ def test_schedule_rules_name_the_flag(extra, flag):
         ("lr_wsd_decay_style", "x", "--lr-wsd"),
     ],
 )
-def test_unknown_schedule_styles_from_a_config_file_name_the_flag(field, value, flag):
-    """argparse refuses them on the command line; a config file reaches the rule."""
+def test_unknown_schedule_styles_from_code_name_the_flag(field, value, flag):
+    """argparse refuses them on the command line; a section built in code checks its choices."""
     cfg = parse_args([*MODEL, *ITERS], world_size=1)
-    cfg = cfg.replace(optimizer=dataclasses.replace(cfg.optimizer, **{field: value}))
     with pytest.raises(ConfigError, match=flag):
-        validate_training(cfg)
+        dataclasses.replace(cfg.optimizer, **{field: value})
 
 
 def test_valid_schedules_pass_and_give_the_scheduler_valid_arguments():
@@ -347,7 +346,7 @@ def test_valid_schedules_pass_and_give_the_scheduler_valid_arguments():
         [*ITERS, "--lr-decay-style", "constant", "--lr-warmup-iters", "200"],
     ):
         cfg = parse_args([*MODEL, *extra], world_size=1)
-        validate_training(cfg)
+        validate(cfg, "train-gpt")
         scheduler = scheduler_of(cfg, 1, make_optimizer())  # its own checks pass too
         assert (scheduler.max_lr, scheduler.decay_style) == (1e-3, cfg.optimizer.lr_decay_style)
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
-from megatron.config.rules import validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import DataConfig
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.convert_indexed_dataset import main as convert_main
@@ -214,7 +214,7 @@ def test_mmap_warmup_touches_every_byte(tmp_path):
 def test_bad_num_workers_and_data_impl_fail_naming_the_flag():
     argv = flags("prefix")
     with pytest.raises(ConfigError, match="--num-workers: must be >= 0, got -1. Fix:"):
-        validate_training(parse_args([*argv, "--num-workers", "-1"], world_size=1))
+        validate(parse_args([*argv, "--num-workers", "-1"], world_size=1), "train-gpt")
     with pytest.raises(SystemExit):  # argparse: invalid choice, listing the four
         parse_args([*argv, "--data-impl", "fast"], world_size=1)
 

@@ -64,14 +64,14 @@ def _train_runs(rank, world, runs):
     import contextlib
     import io
 
-    from megatron.config.rules import validate_training
+    from megatron.config.rules import validate
     from megatron.training.loop import pretrain
 
     out = []
     for argv, env in runs:
         os.environ.update(env)
         cfg = parse_args(argv, world_size=world)
-        validate_training(cfg)
+        validate(cfg, "train-gpt")
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             result = pretrain(cfg, out=open(os.devnull, "w"))

@@ -44,11 +44,11 @@ def _attributes(model) -> dict:
 
 def _train_and_read_own_shard(rank, world, argv, save):
     from megatron.config.cli import parse_args
-    from megatron.config.rules import validate_training
+    from megatron.config.rules import validate
     from megatron.training.loop import pretrain
 
     cfg = parse_args(argv, world_size=world)
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     result = pretrain(cfg, out=open(os.devnull, "w"))
     shard = load_shard(save, result.iteration, tp_rank=rank, pp_rank=0, pp_size=1)
     return shard["partition"], _attributes(result.model), sorted(shard["model"])

@@ -218,7 +218,7 @@ def test_interleaved_micro_batch_rule_is_checked_before_any_work(batch_flags, ba
     """Every batch size of the run, the ramp's included, must be whole rounds of P micro
     batches; the schedule itself only keeps an internal check."""
     from megatron.config.cli import parse_args
-    from megatron.config.rules import validate_training
+    from megatron.config.rules import validate
     from megatron.config.schema import ConfigError
 
     argv = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
@@ -226,5 +226,5 @@ def test_interleaved_micro_batch_rule_is_checked_before_any_work(batch_flags, ba
     argv += ["--train-samples", "800", "--pipeline-model-parallel-size", "2"]
     argv += ["--num-layers-per-virtual-pipeline-stage", "1", *batch_flags]
     with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage") as err:
-        validate_training(parse_args(argv, world_size=2))
+        validate(parse_args(argv, world_size=2), "train-gpt")
     assert f"({batches} = batch" in str(err.value) and "Fix:" in str(err.value)

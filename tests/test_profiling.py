@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron.config.cli import parse_args
-from megatron.config.rules import validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.training.loop import pretrain
@@ -35,7 +35,7 @@ def data_prefix(tmp_path_factory):
 
 def _train(rank, world, argv):
     cfg = parse_args(argv, world_size=world)
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     with open(os.devnull, "w") as out:
         pretrain(cfg, out=out)
 
@@ -112,4 +112,4 @@ def test_profiling_and_wandb_flags_fail_fast(extra, world, flag):
     argv = (argv + "--vocab-size 128 --train-iters 5 --lr 1e-3").split()
     cfg = parse_args(argv + extra, world_size=world)
     with pytest.raises(ConfigError, match=flag):
-        validate_training(cfg)
+        validate(cfg, "train-gpt")

@@ -13,7 +13,7 @@ import yaml
 
 from megatron.config.cli import parse_args
 from megatron.config.files import to_yaml
-from megatron.config.rules import validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, MegatronConfig
 
 ROOT = Path(__file__).parent.parent
@@ -206,7 +206,7 @@ WORLDS = {"gpt2_345m.yaml": 1, "gpt3_1.3b_dp.yaml": 8, "gpt3_6.7b_sharded.yaml":
 def test_every_shipped_example_resolves(path):
     assert set(WORLDS) == {p.name for p in EXAMPLES}, "give each example the world it needs"
     cfg = parse_args(["-c", str(path)], world_size=WORLDS[path.name])
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     lines = path.read_text().splitlines()
     header = "\n".join(itertools.takewhile(lambda line: line.startswith("#"), lines))
     assert "pretrain_gpt2.py" in header and f"-c examples/configs/{path.name}" in header, (
@@ -223,7 +223,7 @@ def test_every_shipped_example_resolves(path):
         }[path.name]
     )
     if cfg.deepspeed.enabled:
-        from megatron.training.deepspeed.config import build_ds_config
+        from megatron.config.deepspeed_json import build_ds_config
 
         ds = build_ds_config(cfg)  # the JSON it names exists and agrees with the file
         assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 128

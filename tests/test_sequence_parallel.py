@@ -380,7 +380,7 @@ def test_bad_sequence_parallel_layouts_fail_before_any_work(extra, world, messag
     ],
 )
 def test_deepspeed_options_that_assume_equal_tp_activations_are_refused(extra, message):
-    from megatron.training.deepspeed.config import build_ds_config
+    from megatron.config.deepspeed_json import build_ds_config
 
     base = ["--vocab-size", "64", "--tensor-model-parallel-size", "2", "--deepspeed"]
     cfg = parse_args(base + extra + ["--sequence-parallel"], world_size=2)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
-from megatron.config.rules import validate_training
+from megatron.config.rules import validate
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.training.loop import TrainingError, forward_step, pretrain
 from tests.distributed import run_distributed
@@ -89,7 +89,7 @@ _LAST_MODEL = {}  # the last run's trained model in this process (for weight che
 
 def _train(rank, world, argv, hook=None):
     cfg = parse_args(argv, world_size=world)
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     step = forward_step if hook is None else hook
     result = pretrain(cfg, forward_step_func=step, out=open(os.devnull, "w"))
     _LAST_MODEL["model"] = result.model
@@ -235,7 +235,6 @@ def test_too_many_skipped_steps_exit_non_zero_with_the_message(monkeypatch, caps
         raise TrainingError("50 iterations in a row were skipped (inf/NaN gradients or loss)")
 
     monkeypatch.setattr(pretrain_gpt2, "pretrain", diverging)
-    monkeypatch.setattr(pretrain_gpt2, "validate_training", lambda cfg: None)
     assert pretrain_gpt2.main(flags("unused")) == 1
     assert "error: 50 iterations in a row were skipped" in capsys.readouterr().err
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron import mpu
 from megatron.config.cli import parse_args
-from megatron.config.rules import validate, validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS
 from megatron.model import GPTModel
@@ -363,7 +363,7 @@ def test_exponential_lr_decay_is_v1x():
     assert s.get_lr(5) == 0.5 and s.get_lr(10) == 1.0 and s.get_lr(60) > 0.6
     assert s.get_lr(110) == s.get_lr(500) == 0.6  # floored at min_lr
     argv = [*ARGV, "--lr", "1e-3", "--train-iters", "10", "--lr-decay-style", "exponential"]
-    validate_training(parse_args(argv, world_size=1))
+    validate(parse_args(argv, world_size=1), "train-gpt")
 
 
 # ---- TP2 and PP2 against one process (one spawn) ---------------------------------------------

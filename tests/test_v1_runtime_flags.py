@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
-from megatron.config.legacy import REFUSED
-from megatron.config.rules import validate_training
+from megatron.config.compat_v1 import REFUSED
+from megatron.config.deepspeed_json import build_ds_config
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
-from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.loop import pretrain, resolve_vocab
 from tests.distributed import run_distributed
 from tests.test_training import _losses, _train, data_prefix, flags  # noqa: F401
@@ -187,7 +187,7 @@ def test_gpt2_bpe_is_the_default_tokenizer_when_a_vocab_file_is_given():
             resolve_vocab(parse_args(argv, world_size=1))
         assert str(err.value).startswith(f"{flag}: ")
     with pytest.raises(ConfigError) as err:
-        validate_training(parse_args(no_size, world_size=1))
+        validate(parse_args(no_size, world_size=1), "train-gpt")
     assert str(err.value).startswith("--vocab-file: ") and "--vocab-size N" in str(err.value)
 
 
@@ -246,7 +246,7 @@ def _weights(model) -> dict:
 
 def _run(rank, world, argv):
     cfg = parse_args(argv, world_size=world)
-    validate_training(cfg)
+    validate(cfg, "train-gpt")
     result = pretrain(cfg, out=open(os.devnull, "w"))
     return _losses(result.history), _weights(result.model), result.model
 

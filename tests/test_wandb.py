@@ -12,7 +12,7 @@ import pytest
 
 from megatron.config import rules_logging
 from megatron.config.cli import parse_args
-from megatron.config.rules import validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
 from tests.distributed import run_distributed
 from tests.test_profiling import _train, data_prefix  # noqa: F401 (a fixture)
@@ -101,7 +101,7 @@ def test_wandb_project_without_the_package_fails_fast(monkeypatch):
     argv = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
     argv += "--vocab-size 128 --train-iters 5 --lr 1e-3 --wandb-project p"
     with pytest.raises(ConfigError, match="--wandb-project.*pip install wandb"):
-        validate_training(parse_args(argv.split(), world_size=1))
+        validate(parse_args(argv.split(), world_size=1), "train-gpt")
 
 
 _OPTIONAL = ("wandb", "pyarrow", "datasets", "lm_eval", "fastapi", "uvicorn", "matplotlib")

@@ -14,7 +14,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.checkpoint.storage import CheckpointError  # noqa: E402
 from megatron.config.cli import parse_args  # noqa: E402
 from megatron.initialize import shutdown_distributed  # noqa: E402
-from megatron.training.bert import DEFAULT_TOKENIZER  # noqa: E402
 from megatron.training.bert_eval import evaluate_checkpoint  # noqa: E402
 
 
@@ -29,7 +28,7 @@ def main(argv=None) -> int:
             print("error: --eval-split: choose valid or test", file=sys.stderr)
             return 1
     try:
-        metrics = evaluate_checkpoint(parse_args(argv, default_tokenizer=DEFAULT_TOKENIZER), split)
+        metrics = evaluate_checkpoint(parse_args(argv, purpose="eval-bert"), split)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

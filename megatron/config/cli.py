@@ -16,9 +16,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from megatron.config.compat_v1 import (
+    V1_DEFAULT_TOKENIZER,
+    add_refused_arguments,
+    apply_v1_defaults,
+    check_refused,
+)
 from megatron.config.declare import Tree
 from megatron.config.files import parse_overrides, read_config_file, to_yaml
-from megatron.config.legacy import add_refused_arguments, apply_v1_defaults, check_refused
 from megatron.config.rules import validate
 from megatron.config.schema import LAUNCHER_VARIABLES, MegatronConfig
 
@@ -73,7 +78,7 @@ def world_size_from_env() -> int:
 
 
 def resolve(
-    ns: argparse.Namespace, world_size: int, default_tokenizer: str = "GPT2BPETokenizer"
+    ns: argparse.Namespace, world_size: int, default_tokenizer: str = V1_DEFAULT_TOKENIZER["gpt"]
 ) -> MegatronConfig:
     """defaults < config file < flags on the command line < -o (not yet validated)."""
     tree = config_tree()
@@ -91,26 +96,28 @@ def parse_args(
     argv: Sequence[str] | None = None,
     world_size: int | None = None,
     plan: Callable[[MegatronConfig], MegatronConfig] | None = None,
-    default_tokenizer: str = "GPT2BPETokenizer",
+    purpose: str = "config",
 ) -> MegatronConfig:
-    """Parse argv (default sys.argv) into a validated, frozen config.
+    """Parse argv (default sys.argv) into a config validated for `purpose` (see
+    megatron.config.rules.validate: "config", "train-gpt", "train-bert", "eval-bert").
 
     `world_size` defaults to the launcher's environment, so the layout is checked before any
     process group exists. With --print-config the config is printed and the process exits 0
     here, before any distributed or data work. `plan` (pretrain_gpt2.py's --auto-parallel)
     may replace the layout settings of the resolved config before it is validated.
-    `default_tokenizer` is the entry point's tokenizer for a --vocab-file without
-    --tokenizer-type (v1.x: pretrain_bert.py's is BertWordPieceLowerCase).
+    A --vocab-file without --tokenizer-type means the purpose's v1.x tokenizer (GPT-2 BPE, or
+    BertWordPieceLowerCase for BERT).
     """
     ns = build_parser().parse_args(argv)
     check_refused(ns)
     world = world_size if world_size is not None else world_size_from_env()
-    cfg = resolve(ns, world, default_tokenizer)
+    family = "bert" if purpose.endswith("-bert") else "gpt"
+    cfg = resolve(ns, world, V1_DEFAULT_TOKENIZER[family])
     if plan is not None:
         cfg = plan(cfg)
-    validate(cfg)
-    if ns.print_config:
+    if ns.print_config:  # the settings alone: a template may still lack e.g. --lr
+        cfg = validate(cfg)
         sys.stdout.write(to_yaml(cfg, "resolved by --print-config; run it with -c FILE"))
         sys.stdout.flush()
         raise SystemExit(0)
-    return cfg
+    return validate(cfg, purpose)

@@ -3,6 +3,11 @@ help, flag spelling and Megatron aliases, and everything else is derived from it
 argparse options (one argument group per section), config-file keys (`section.key`), type
 checks and the suggestions for misspelled keys.
 
+A setting's own constraints (`choices=`, `min=`/`max=` inclusive, `above=`/`below=` exclusive)
+are declared with it too, and checked whenever a section is built, from flags, files or code
+(`Section.__post_init__`), with one generated message naming the flag, the value, the limit and
+the fix. Rules between settings are megatron.config.rules'.
+
 A new flag is one field in megatron/config/schema.py plus its use; nothing here changes.
 Standard library only, so every layer (the data tools included) may import it.
 """
@@ -28,9 +33,14 @@ def setting(
     *aliases: str,
     flag: str | None = None,
     choices: tuple | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
     metavar: str | tuple[str, ...] | None = None,
     shortcuts: dict[str, tuple[object, str]] | None = None,
     from_env: bool = False,
+    resolved: bool = False,
 ):
     """A config field with everything the command line and config files need to know.
 
@@ -39,18 +49,56 @@ def setting(
     `shortcuts`: {flag: (value, help)}, a flag without argument that sets this field to value
     (`--checkpoint-activations` = recompute granularity full); it wins over the main flag.
     `from_env`: set by the launcher's environment, neither a flag nor a config-file key.
-    The help says what the value means; the builder appends the default.
+    `resolved`: read by the resolution step (megatron.config.rules.validate) from a file another
+    setting names; neither a flag nor a config-file key, and not part of the hash.
+    `choices`: the accepted values. `min`/`max`: inclusive limits, `above`/`below`: exclusive
+    ones (a probability in [0, 1) is min=0, below=1); None (an unset optional) is never checked.
+    The help says what the value means; the builder appends the limits and the default.
     """
+    if (min is not None and above is not None) or (max is not None and below is not None):
+        raise TypeError("a setting has one lower limit (min or above) and one upper (max or below)")
     meta = {
         "help": help,
         "aliases": aliases,
         "flag": flag,
         "choices": tuple(choices) if choices is not None else None,
+        "bounds": Bounds(min, max, above, below),
         "metavar": metavar,
         "shortcuts": dict(shortcuts or {}),
-        "from_env": from_env,
+        "from_env": from_env or resolved,
+        "resolved": resolved,
     }
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta, hash=False if resolved else None)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A setting's numeric limits: min/max inclusive, above/below exclusive (None: no limit)."""
+
+    min: float | None = None
+    max: float | None = None
+    above: float | None = None
+    below: float | None = None
+
+    def __str__(self) -> str:
+        """'>= 1', '> 0', 'in [0, 1)', ... ('' without limits)."""
+        lo = ("[", self.min) if self.min is not None else ("(", self.above)
+        hi = (self.max, "]") if self.max is not None else (self.below, ")")
+        if lo[1] is not None and hi[0] is not None:
+            return f"in {lo[0]}{lo[1]:g}, {hi[0]:g}{hi[1]}"
+        if lo[1] is not None:
+            return f"{'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
+        if hi[0] is not None:
+            return f"{'<=' if hi[1] == ']' else '<'} {hi[0]:g}"
+        return ""
+
+    def admit(self, value) -> bool:
+        return not (
+            (self.min is not None and value < self.min)
+            or (self.above is not None and value <= self.above)
+            or (self.max is not None and value > self.max)
+            or (self.below is not None and value >= self.below)
+        )
 
 
 @dataclass(frozen=True)
@@ -66,9 +114,11 @@ class Setting:
     flags: tuple[str, ...]
     help: str
     choices: tuple | None
+    bounds: Bounds
     metavar: object
     shortcuts: dict
-    from_env: bool
+    from_env: bool  # not a flag or a file key (the launcher or the resolution step sets it)
+    resolved: bool
 
     @property
     def flag(self) -> str:
@@ -90,15 +140,19 @@ def _unpack_type(hint) -> tuple[type, bool, int | str | None]:
     return hint, optional, None
 
 
+def _main_flag(f: dataclasses.Field, kind: type) -> str:
+    if f.metadata["flag"] is not None:
+        return f.metadata["flag"]
+    dashed = f.name.replace("_", "-")
+    return f"--no-{dashed}" if kind is bool and f.default is True else f"--{dashed}"
+
+
 def _make_setting(f: dataclasses.Field, hint, path: str) -> Setting:
     kind, optional, nargs = _unpack_type(hint)
     meta = f.metadata
     if "help" not in meta:
         raise TypeError(f"{path}: declare it with setting(default, help, ...)")
-    flag = meta["flag"]
-    if flag is None:
-        dashed = f.name.replace("_", "-")
-        flag = f"--no-{dashed}" if kind is bool and f.default is True else f"--{dashed}"
+    flag = _main_flag(f, kind)
     return Setting(
         path=path,
         name=f.name,
@@ -109,10 +163,49 @@ def _make_setting(f: dataclasses.Field, hint, path: str) -> Setting:
         flags=() if meta["from_env"] else (flag, *meta["aliases"]),
         help=meta["help"],
         choices=meta["choices"],
+        bounds=meta["bounds"],
         metavar=meta["metavar"],
         shortcuts=meta["shortcuts"],
         from_env=meta["from_env"],
+        resolved=meta["resolved"],
     )
+
+
+class Section:
+    """Base of every config section: building one, from flags, a file or code, checks each
+    setting's declared choices and limits (a ConfigError naming the flag, value, limit, fix)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if "help" in f.metadata:
+                _check_declared(f, getattr(self, f.name))
+
+
+def _check_declared(f: dataclasses.Field, value) -> None:
+    meta = f.metadata
+    bounds, choices = meta["bounds"], meta["choices"]
+    for v in value if isinstance(value, tuple) else (value,):
+        if v is None or isinstance(v, bool):
+            continue
+        if choices is not None and v not in choices:
+            raise ConfigError(
+                f"{_flag_of(f)}: {v!r} is not a valid choice. "
+                f"Fix: use one of {', '.join(map(str, choices))}"
+            )
+        if isinstance(v, (int, float)) and not bounds.admit(v):
+            raise ConfigError(out_of_bounds(_flag_of(f), v, bounds, f.default))
+
+
+def _flag_of(f: dataclasses.Field) -> str:
+    if f.metadata["from_env"]:
+        return f.name.replace("_", " ")
+    return _main_flag(f, type(f.default))
+
+
+def out_of_bounds(flag: str, value, bounds: Bounds, default=None) -> str:
+    """The one message of a value outside its declared limits."""
+    default_text = f" (default {default})" if default is not None else ""
+    return f"{flag}: must be {bounds}, got {value}. Fix: pass {flag} {bounds}{default_text}."
 
 
 def _is_section(hint) -> bool:
@@ -179,9 +272,10 @@ class Tree:
         if path in self.sections:
             raise ConfigError(f"{where}: {path!r} is a section, not a key. Fix: set its keys")
         if path in self.settings:
+            who = "the run reads it" if self.settings[path].resolved else "the launcher sets it"
             raise ConfigError(
                 f"{where}: {path} is not a config key ({self.settings[path].help}). "
-                "Fix: drop it; the launcher sets it"
+                f"Fix: drop it; {who}"
             )
         section, _, key = path.rpartition(".")
         if section not in self.sections or as_section:
@@ -288,6 +382,8 @@ def _add_argument(group, s: Setting, given_only: bool) -> None:
 
 def _help(s: Setting) -> str:
     text = s.help
+    if str(s.bounds):
+        text += f" ({s.bounds})"
     if s.default is not None and not isinstance(s.default, bool) and s.default != ():
         text += f" (default: {s.default})"
     return text.replace("%", "%%")

@@ -80,7 +80,7 @@ def to_yaml(cfg, header: str = "") -> str:
     tree = Tree(type(cfg))
     body = yaml.safe_dump(tree.to_dict(cfg), sort_keys=False, default_flow_style=False)
     lines = [f"# {line}" for line in header.splitlines()]
-    env = {s.path: s for s in tree.settings.values() if s.from_env}
+    env = {s.path: s for s in tree.settings.values() if s.from_env and not s.resolved}
     for path, s in env.items():
         value = cfg
         for part in path.split("."):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
+from megatron.config.compat_v1 import REFUSED
 from megatron.config.declare import Setting, Tree
-from megatron.config.legacy import REFUSED
 from megatron.config.schema import MegatronConfig
 
 COMMAND = "python -m megatron.config.flag_doc > docs/flags.md"

@@ -14,9 +14,9 @@ AnnealingLR (megatron/training/learning_rates.py). Nothing here re-checks the fl
 from __future__ import annotations
 
 from megatron.config.schema import OptimizerConfig, TrainingConfig
+from megatron.config.schema_run import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential", "inverse-square-root", "WSD")
-LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+__all__ = ["LR_DECAY_STYLES", "LR_WSD_DECAY_STYLES", "schedule_steps", "scheduler_steps"]
 
 
 def scheduler_steps(

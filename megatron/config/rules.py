@@ -1,13 +1,26 @@
-"""Every rule of the configuration, checked once before any work.
+"""Every rule between settings, checked once before any work, through one entry point:
 
-Each broken rule raises `ConfigError` naming the flag and the fix (never an `assert`, which
-`python -O` would remove).
+    cfg = validate(cfg, purpose)
+
+`purpose` says what the run will do: "config" (the settings alone: what parse_args checks for
+every tool), "train-gpt" (pretrain_gpt2.py, pretrain(cfg)), "train-bert" (pretrain_bert.py),
+"eval-bert" (tools/evaluate_bert.py) or "inference" (the generation and evaluation tools, whose
+model comes from the checkpoint). The result is the resolved config: --tokenizer-model-type's
+files found in --cache-dir, the --deepspeed_config JSON read (once; build_ds_config then checks
+it against the flags before start-up). Validating a validated config changes nothing.
+
+A setting's own limits and choices are declared with it (megatron.config.schema) and checked
+whenever a section is built. Each broken rule raises `ConfigError` naming the flag and the fix
+(never an `assert`, which `python -O` would remove).
 """
 
 from __future__ import annotations
 
-from megatron.config.legacy import validate_compat, validate_vocab
-from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, schedule_steps
+import dataclasses
+
+from megatron.config.compat_v1 import V1_DEFAULT_TOKENIZER, validate_compat
+from megatron.config.deepspeed_json import build_ds_config, with_ds_json
+from megatron.config.lr_schedule import schedule_steps
 from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import (
     ConfigError,
@@ -20,6 +33,7 @@ from megatron.config.schema import (
     split_weights,
 )
 from megatron.config.schema_corpora import parse_corpus_list
+from megatron.config.tokenizer_files import validate_vocab
 
 
 def _fail(flag: str, problem: str, fix: str) -> None:
@@ -27,18 +41,8 @@ def _fail(flag: str, problem: str, fix: str) -> None:
 
 
 def validate_model(m: ModelConfig, tp: int = 1) -> None:
-    """Shape rules of the model alone (and of its split over `tp` tensor-parallel ranks)."""
-    for flag, value in (
-        ("--num-layers", m.num_layers),
-        ("--hidden-size", m.hidden_size),
-        ("--num-attention-heads", m.num_attention_heads),
-        ("--seq-length", m.seq_length),
-        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
-    ):
-        if value < 1:
-            _fail(flag, f"must be a positive integer, got {value}", f"pass {flag} >= 1")
-    if m.vocab_size is not None and m.vocab_size < 1:
-        _fail("--vocab-size", f"must be positive, got {m.vocab_size}", "pass the tokenizer's size")
+    """Shape rules of the model alone (and of its split over `tp` tensor-parallel ranks); each
+    setting's own limits are declared with it (megatron.config.schema)."""
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         _fail(
             "--hidden-size",
@@ -52,7 +56,7 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
             "use a head count divisible by the tensor-parallel size, or a smaller TP size",
         )
     if m.num_query_groups is not None:
-        if m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups:
+        if m.num_attention_heads % m.num_query_groups:
             _fail(
                 "--num-query-groups",
                 f"{m.num_query_groups} does not divide "
@@ -72,26 +76,6 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
             f"{m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
             "choose an FFN size that is a multiple of the tensor-parallel size",
         )
-    for flag, p in (
-        ("--hidden-dropout", m.hidden_dropout),
-        ("--attention-dropout", m.attention_dropout),
-    ):
-        if not 0.0 <= p < 1.0:
-            _fail(
-                flag,
-                f"{p} is not a probability in [0, 1)",
-                "pass a value such as 0.1 (0 disables it)",
-            )
-    if m.init_method_std <= 0:
-        _fail("--init-method-std", f"must be positive, got {m.init_method_std}", "pass e.g. 0.02")
-    if m.position_embedding_type not in ("learned", "rope"):
-        _fail(
-            "--position-embedding-type",
-            f"unknown {m.position_embedding_type!r}",
-            "use learned or rope",
-        )
-    if m.normalization not in ("LayerNorm", "RMSNorm"):
-        _fail("--normalization", f"unknown {m.normalization!r}", "use LayerNorm or RMSNorm")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         _fail(
             "--position-embedding-type rope",
@@ -109,14 +93,12 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
 
 def _validate_v1_architecture(m: ModelConfig) -> None:
     n = m.num_unique_layers
-    if n is not None and not (1 <= n <= m.num_layers and m.num_layers % n == 0):
+    if n is not None and not (n <= m.num_layers and m.num_layers % n == 0):
         _fail(
             "--num-unique-layers",
             f"{n} does not divide --num-layers {m.num_layers}",
             "use a divisor of the layer count (or drop it: no sharing)",
         )
-    if m.param_sharing_style not in ("grouped", "spaced"):
-        _fail("--param-sharing-style", f"unknown {m.param_sharing_style!r}", "grouped or spaced")
     if m.openai_gelu and m.swiglu:
         _fail("--openai-gelu", "the MLP is --swiglu, which has no GeLU", "drop one of them")
 
@@ -140,16 +122,66 @@ def layer_sharing_problem(m: ModelConfig, pp: int, vp_layers: int | None = None)
     return None
 
 
-def validate(cfg: MegatronConfig) -> None:
+PURPOSES = ("config", "train-gpt", "train-bert", "eval-bert", "inference")
+_TRAINING = ("train-gpt", "train-bert")
+_BERT = ("train-bert", "eval-bert")
+
+
+def validate(cfg: MegatronConfig, purpose: str = "config") -> MegatronConfig:
+    """The resolved config for `purpose` (one of PURPOSES), or a ConfigError naming the first
+    broken rule's flag and fix."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"validate: unknown purpose {purpose!r}; use one of {PURPOSES}")
+    cfg = _with_tokenizer_files(cfg, purpose)
+    if purpose == "inference":
+        _validate_one_replica(cfg)
+        return cfg
+    _validate_settings(cfg)
+    if purpose in _TRAINING:
+        _validate_training(cfg)
+    if purpose == "train-gpt":
+        _refuse_bert_settings(cfg)
+    if purpose in _BERT:
+        _validate_bert(cfg)
+    if purpose in _TRAINING and cfg.deepspeed.enabled:
+        cfg = with_ds_json(cfg)
+        build_ds_config(cfg)  # its rules, before any process group exists
+    return cfg
+
+
+def _with_tokenizer_files(cfg: MegatronConfig, purpose: str) -> MegatronConfig:
+    """--tokenizer-model-type's files; the BERT tools' tokenizer when none is named (v1.1.5)."""
+    tok = cfg.data.tokenizer.with_pretrained_files()
+    if purpose in _BERT and tok.tokenizer_type is None:
+        tok = dataclasses.replace(tok, tokenizer_type=V1_DEFAULT_TOKENIZER["bert"])
+    if tok == cfg.data.tokenizer:
+        return cfg
+    return cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=tok))
+
+
+def _validate_one_replica(cfg: MegatronConfig) -> None:
+    """Inference runs one model replica: TP x PP = the process count."""
+    par = cfg.parallel
+    tp, pp, world = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.world_size
+    if world % pp:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} does not divide the {world} processes. "
+            "Fix: launch a multiple of the checkpoint's pipeline stages"
+        )
+    if tp * pp != world:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
+            f"{tp * pp}, but {world} processes were launched; inference runs one model "
+            f"replica. Fix: launch {tp * pp} processes (e.g. torchrun --nproc_per_node {tp * pp})"
+        )
+    if cfg.precision.fp16 and cfg.precision.bf16:
+        _fail("--fp16/--bf16", "both are set", "choose one")
+
+
+def _validate_settings(cfg: MegatronConfig) -> None:
     """Every cross-group rule; raises ConfigError on the first broken one."""
     par, m = cfg.parallel, cfg.model
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    for flag, value in (
-        ("--tensor-model-parallel-size", tp),
-        ("--pipeline-model-parallel-size", pp),
-    ):
-        if value < 1:
-            _fail(flag, f"must be >= 1, got {value}", f"pass {flag} 1 or more")
     if par.world_size % (tp * pp):
         _fail(
             "--tensor-model-parallel-size/--pipeline-model-parallel-size",
@@ -159,13 +191,6 @@ def validate(cfg: MegatronConfig) -> None:
     validate_model(m, tp)
     _validate_context_parallel(cfg)
     _validate_sequence_parallel(cfg)
-    _validate_auto_parallel(cfg)
-    if cfg.recompute.num_layers < 1:
-        _fail(
-            "--recompute-num-layers",
-            f"must be >= 1, got {cfg.recompute.num_layers}",
-            "pass 1 or more",
-        )
     if m.num_layers % pp:
         _fail(
             "--pipeline-model-parallel-size",
@@ -180,7 +205,7 @@ def validate(cfg: MegatronConfig) -> None:
                 "the interleaved schedule needs --pipeline-model-parallel-size of 2 or more",
                 "drop the flag or raise the pipeline-parallel size",
             )
-        if vlayers < 1 or (m.num_layers // pp) % vlayers:
+        if (m.num_layers // pp) % vlayers:
             _fail(
                 "--num-layers-per-virtual-pipeline-stage",
                 f"{vlayers} does not divide the {m.num_layers // pp} layers of each pipeline stage",
@@ -197,10 +222,6 @@ def validate(cfg: MegatronConfig) -> None:
             "number of model chunks, or no pipeline parallelism",
         )
     _validate_v1_kernels(cfg)
-    if cfg.distributed.backend not in (None, "nccl", "gloo"):
-        _fail("--distributed-backend", f"unknown {cfg.distributed.backend!r}", "use nccl or gloo")
-    if cfg.distributed.timeout_minutes <= 0:
-        _fail("--distributed-timeout-minutes", "must be positive", "pass e.g. 10")
     _validate_batch(cfg.training, par.data_parallel_size)
     _validate_data(cfg.data)
     _validate_distributed_optimizer(cfg)
@@ -289,8 +310,6 @@ def _validate_context_parallel(cfg: MegatronConfig) -> None:
         par.pipeline_model_parallel_size,
     )
     flag = "--context-parallel-size"
-    if cp < 1:
-        _fail(flag, f"must be >= 1, got {cp}", f"pass {flag} 1 or more")
     if cp == 1:
         return
     if par.world_size % (tp * cp * pp):
@@ -341,16 +360,6 @@ def _validate_context_parallel(cfg: MegatronConfig) -> None:
     for other, given, why, fix in refused:
         if given:
             _fail(flag, f"{cp} given with {other}: {why}", fix)
-
-
-def _validate_auto_parallel(cfg: MegatronConfig) -> None:
-    par = cfg.parallel
-    if par.auto_parallel_gpu_memory_gb is not None and par.auto_parallel_gpu_memory_gb <= 0:
-        _fail("--auto-parallel-gpu-memory-gb", "must be positive", "pass e.g. 80")
-    if par.auto_parallel_gpus_per_node < 1:
-        _fail("--auto-parallel-gpus-per-node", "must be >= 1", "pass e.g. 8")
-    if par.auto_parallel_overhead_gb < 0:
-        _fail("--auto-parallel-overhead-gb", "must be >= 0", "pass e.g. 1")
 
 
 def _validate_data(d: DataConfig) -> None:
@@ -445,13 +454,9 @@ def _validate_loose_json(d: DataConfig) -> None:
             "loose JSON needs a tokenizer",
             "pass --tokenizer-type (with its --vocab-file etc.) or --tokenizer-model-type",
         )
-    if lj.cache_wait_minutes <= 0:
-        _fail("--cache-wait-minutes", f"must be > 0, got {lj.cache_wait_minutes}", "pass e.g. 120")
 
 
 def _validate_batch(t: TrainingConfig, dp: int) -> None:
-    if t.micro_batch_size < 1:
-        _fail("--micro-batch-size", f"must be >= 1, got {t.micro_batch_size}", "pass 1 or more")
     gbs = t.resolved_global_batch_size(dp)
     if gbs % (t.micro_batch_size * dp):
         _fail(
@@ -462,7 +467,7 @@ def _validate_batch(t: TrainingConfig, dp: int) -> None:
         )
 
 
-def validate_training(cfg: MegatronConfig) -> None:
+def _validate_training(cfg: MegatronConfig) -> None:
     """The rules that only a training run needs (pretrain_gpt2.py checks them at start-up)."""
     t, o, c = cfg.training, cfg.optimizer, cfg.checkpoint
     if (t.train_iters is None) == (t.train_samples is None):
@@ -471,29 +476,10 @@ def validate_training(cfg: MegatronConfig) -> None:
             "give exactly one of them",
             "pass --train-iters N (steps) or --train-samples N (samples)",
         )
-    for flag, value in (
-        ("--train-iters", t.train_iters),
-        ("--train-samples", t.train_samples),
-        ("--eval-interval", t.eval_interval),
-        ("--log-interval", cfg.logging.log_interval),
-        ("--save-interval", c.save_interval),
-        ("--exit-interval", t.exit_interval),
-        ("--loss-scale-window", o.loss_scale_window),
-        ("--hysteresis", o.hysteresis),
-        ("--max-skipped-in-a-row", t.max_skipped_in_a_row),
-        ("--lr-decay-iters", o.lr_decay_iters),
-        ("--lr-decay-samples", o.lr_decay_samples),
-    ):
-        if value is not None and value < 1:
-            _fail(flag, f"must be >= 1, got {value}", f"pass a positive {flag}")
     validate_logging(cfg.logging, cfg.parallel.world_size)
-    if t.eval_iters < 0:
-        _fail("--eval-iters", f"must be >= 0, got {t.eval_iters}", "pass 0 to skip validation")
-    if t.num_workers < 0:
-        _fail("--num-workers", f"must be >= 0, got {t.num_workers}", "pass 0 to load in-process")
-    if o.lr is None or o.lr <= 0:
+    if o.lr is None:
         _fail("--lr", "a positive peak learning rate is required", "pass e.g. --lr 1.5e-4")
-    if o.min_lr < 0 or o.min_lr > o.lr:
+    if o.min_lr > o.lr:
         _fail("--min-lr", f"{o.min_lr} is not in [0, --lr {o.lr}]", "lower --min-lr")
     _validate_lr_schedule(o, t, cfg.parallel.data_parallel_size)
     if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
@@ -502,20 +488,14 @@ def validate_training(cfg: MegatronConfig) -> None:
             "given with --use-checkpoint-lr-scheduler",
             "choose which schedule wins on resume",
         )
-    if o.loss_scale is not None and o.loss_scale <= 0:
-        _fail("--loss-scale", f"must be positive, got {o.loss_scale}", "drop it for dynamic")
-    if o.min_loss_scale <= 0 or o.initial_loss_scale < o.min_loss_scale:
+    if o.initial_loss_scale < o.min_loss_scale:
         _fail(
             "--initial-loss-scale/--min-loss-scale",
             "need 0 < min <= initial",
             "e.g. --initial-loss-scale 65536 --min-loss-scale 1",
         )
-    if t.clip_grad < 0:
-        _fail("--clip-grad", f"must be >= 0, got {t.clip_grad}", "pass 0 to disable clipping")
     if c.save_interval is not None and c.save is None:
         _fail("--save-interval", "given without --save", "pass --save DIR")
-    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-        _fail("--exit-duration-in-mins", "must be positive", "pass e.g. 230")
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
     validate_vocab(cfg)
@@ -577,15 +557,6 @@ def _validate_lr_schedule(o: OptimizerConfig, t: TrainingConfig, dp: int) -> Non
     for stem in ("lr-decay", "lr-warmup", "lr-wsd-decay"):
         if getattr(o, f"{stem.replace('-', '_')}_{other}"):
             _fail(f"--{stem}-{other}", f"contradicts --train-{unit}", f"use --{stem}-{unit}")
-    for flag, value in (
-        ("--lr-warmup-iters", o.lr_warmup_iters),
-        ("--lr-warmup-samples", o.lr_warmup_samples),
-    ):
-        if value < 0:
-            _fail(flag, f"must be >= 0, got {value}", "pass 0 for no warmup")
-    for flag, frac in (("--lr-warmup-fraction", o.lr_warmup_fraction), ("--warmup", o.warmup)):
-        if frac is not None and not 0 <= frac < 1:
-            _fail(flag, f"{frac} is not a fraction in [0, 1)", "pass e.g. 0.01")
     if o.warmup is not None and o.lr_warmup_fraction is not None:
         _fail("--warmup", "is the classic --lr-warmup-fraction; both are given", "pass one of them")
     fraction_flag = "--warmup" if o.warmup is not None else "--lr-warmup-fraction"
@@ -593,12 +564,6 @@ def _validate_lr_schedule(o: OptimizerConfig, t: TrainingConfig, dp: int) -> Non
         _fail(fraction_flag, "given together with --lr-warmup-iters", "set the warmup one way")
     if (o.lr_warmup_fraction is not None or o.warmup is not None) and o.lr_warmup_samples:
         _fail(fraction_flag, "given together with --lr-warmup-samples", "set the warmup one way")
-    for flag, style, styles in (
-        ("--lr-decay-style", o.lr_decay_style, LR_DECAY_STYLES),
-        ("--lr-wsd-decay-style", o.lr_wsd_decay_style, LR_WSD_DECAY_STYLES),
-    ):
-        if style not in styles:
-            _fail(flag, f"unknown {style!r}", f"use one of {', '.join(styles)}")
     steps = schedule_steps(o, t, t.resolved_global_batch_size(dp))
     warm, decay, wsd = steps["warmup_steps"], steps["decay_steps"], steps["wsd_decay_steps"]
     if o.lr_decay_style != "constant" and warm >= decay:
@@ -616,13 +581,8 @@ def _validate_lr_schedule(o: OptimizerConfig, t: TrainingConfig, dp: int) -> Non
         )
 
 
-def validate_bert(cfg: MegatronConfig) -> None:
-    """pretrain_bert.py's rules: its settings in range, and what its model cannot do."""
-    b = cfg.bert
-    if not 0.0 < b.mask_prob < 1.0:
-        _fail("--mask-prob", f"{b.mask_prob} is not in (0, 1)", "use e.g. 0.15")
-    if not 0.0 <= b.short_seq_prob <= 1.0:
-        _fail("--short-seq-prob", f"{b.short_seq_prob} is not in [0, 1]", "use e.g. 0.1")
+def _validate_bert(cfg: MegatronConfig) -> None:
+    """pretrain_bert.py's rules: what its model cannot do."""
     if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         _fail(
             "--num-layers-per-virtual-pipeline-stage",
@@ -657,7 +617,7 @@ def validate_bert(cfg: MegatronConfig) -> None:
         )
 
 
-def refuse_bert_settings(cfg: MegatronConfig) -> None:
+def _refuse_bert_settings(cfg: MegatronConfig) -> None:
     """pretrain_gpt2.py: the BERT section's flags do nothing for a GPT, so they are refused."""
     if cfg.bert.changed:
         _fail(

@@ -14,7 +14,7 @@ def _fail(flag: str, problem: str, fix: str) -> None:
 def validate_logging(lg: LoggingConfig, world_size: int) -> None:
     """Checked before any work, on every rank (so no rank waits for one that refused)."""
     if lg.profile:
-        if lg.profile_step_start < 0 or lg.profile_step_end <= lg.profile_step_start:
+        if lg.profile_step_end <= lg.profile_step_start:
             _fail(
                 "--profile-step-start/--profile-step-end",
                 f"need 0 <= start < end, got {lg.profile_step_start} and {lg.profile_step_end}",

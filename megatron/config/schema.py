@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron.config.declare import ConfigError, setting
+from megatron.config.declare import ConfigError, Section, setting
 from megatron.config.pretrained_vocab import PRETRAINED, find_files
 from megatron.config.pretrained_vocab import problem as pretrained_problem
 from megatron.config.schema_corpora import LooseJsonConfig
@@ -66,35 +66,35 @@ TOKENIZER_TYPES = (
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints."""
 
-    num_layers: int = setting(2, "transformer layers")
-    hidden_size: int = setting(64, "model width h")
-    num_attention_heads: int = setting(4, "query heads")
+    num_layers: int = setting(2, "transformer layers", min=1)
+    hidden_size: int = setting(64, "model width h", min=1)
+    num_attention_heads: int = setting(4, "query heads", min=1)
     ffn_hidden_size: int | None = setting(
         None, "MLP inner width (default 4h; with --swiglu 2/3 x 4h rounded down to 64)"
     )
     num_query_groups: int | None = setting(
-        None, "key/value heads for grouped-query attention (default: one per query head)"
+        None, "key/value heads for grouped-query attention (default: one per query head)", min=1
     )
     kv_channels: int | None = setting(
         None, "size of each head (default hidden-size / num-attention-heads)"
     )
-    seq_length: int = setting(128, "tokens per sample")
+    seq_length: int = setting(128, "tokens per sample", min=1)
     max_position_embeddings: int | None = setting(
         None, "rows of the learned position table (default: seq-length)"
     )
     vocab_size: int | None = setting(
-        None, "vocabulary size when no tokenizer sets it (e.g. the null tokenizer)"
+        None, "vocabulary size when no tokenizer sets it (e.g. the null tokenizer)", min=1
     )
     make_vocab_size_divisible_by: int = setting(
-        128, "pad the vocab to a multiple of this x TP size; padding is masked out"
+        128, "pad the vocab to a multiple of this x TP size; padding is masked out", min=1
     )
-    hidden_dropout: float = setting(0.1, "dropout on residual branches")
-    attention_dropout: float = setting(0.1, "dropout on attention probs")
+    hidden_dropout: float = setting(0.1, "dropout on residual branches", min=0, below=1)
+    attention_dropout: float = setting(0.1, "dropout on attention probs", min=0, below=1)
     init_method_std: float = setting(
-        0.02, "std of the normal init (output projections get std / sqrt(2 x num-layers))"
+        0.02, "std of the normal init (output projections get std / sqrt(2 x num-layers))", above=0
     )
     position_embedding_type: str = setting(
         "learned",
@@ -130,6 +130,7 @@ class ModelConfig:
         None,
         "share weights: only this many distinct layers, reused to make --num-layers "
         "(must divide it; default: no sharing)",
+        min=1,
     )
     param_sharing_style: str = setting(
         "grouped",
@@ -194,7 +195,7 @@ def model_config_from_saved(saved: dict) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(Section):
     """Fused kernels and compilation (Triton on CUDA, torch elsewhere); not saved in checkpoints."""
 
     attention_backend: str = setting(
@@ -267,7 +268,7 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
-class RecomputeConfig:
+class RecomputeConfig(Section):
     """Activation recompute: trade compute for memory; not saved in checkpoints."""
 
     granularity: str | None = setting(
@@ -290,7 +291,11 @@ class RecomputeConfig:
         choices=("uniform", "block"),
     )
     num_layers: int = setting(
-        1, "N for --recompute-method", "--checkpoint-num-layers", flag="--recompute-num-layers"
+        1,
+        "N for --recompute-method",
+        "--checkpoint-num-layers",
+        flag="--recompute-num-layers",
+        min=1,
     )
     distribute_saved_activations: bool = setting(
         False,
@@ -311,25 +316,27 @@ LAUNCHER_VARIABLES = (
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(Section):
     """How the ranks are split: TP fastest, then CP, then DP, then PP."""
 
     tensor_model_parallel_size: int = setting(
-        1, "tensor-parallel ranks per layer", "--model-parallel-size"
+        1, "tensor-parallel ranks per layer", "--model-parallel-size", min=1
     )
     pipeline_model_parallel_size: int = setting(
         1,
         "pipeline stages (v1.x --pipe-parallel-size 0, no pipeline, means 1)",
         "--pipe-parallel-size",
+        min=1,
     )
     context_parallel_size: int = setting(
         1,
         "context-parallel ranks per sequence (CP): each sample's sequence is cut into 2 x CP "
         "chunks, CP rank r holding chunks r and 2 CP - 1 - r, and attention passes keys and "
         "values round the CP group (ring attention); needs --seq-length divisible by 2 x CP",
+        min=1,
     )
     num_layers_per_virtual_pipeline_stage: int | None = setting(
-        None, "layers per model chunk for the interleaved pipeline schedule"
+        None, "layers per model chunk for the interleaved pipeline schedule", min=1
     )
     sequence_parallel: bool = setting(
         False,
@@ -345,16 +352,25 @@ class ParallelConfig:
         "resolved run config records the choice (with auto_parallel off)",
     )
     auto_parallel_gpu_memory_gb: float | None = setting(
-        None, "GiB per GPU for --auto-parallel (default: the first CUDA device's total memory)"
+        None,
+        "GiB per GPU for --auto-parallel (default: the first CUDA device's total memory)",
+        above=0,
     )
     auto_parallel_gpus_per_node: int = setting(
-        8, "GPUs per node for --auto-parallel (TP within a node, DP / PP traffic across nodes)"
+        8,
+        "GPUs per node for --auto-parallel (TP within a node, DP / PP traffic across nodes)",
+        min=1,
     )
     auto_parallel_overhead_gb: float = setting(
-        1.0, "GiB per GPU the planner reserves for the framework (CUDA context, allocator cache)"
+        1.0,
+        "GiB per GPU the planner reserves for the framework (CUDA context, allocator cache)",
+        min=0,
     )
     world_size: int = setting(
-        1, "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)", from_env=True
+        1,
+        "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)",
+        from_env=True,
+        min=1,
     )
 
     @property
@@ -374,7 +390,7 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class DistributedConfig:
+class DistributedConfig(Section):
     """Process groups and data-parallel gradient reduction."""
 
     backend: str | None = setting(
@@ -384,7 +400,10 @@ class DistributedConfig:
         choices=("nccl", "gloo"),
     )
     timeout_minutes: float = setting(
-        10.0, "a collective that waits longer fails the job", flag="--distributed-timeout-minutes"
+        10.0,
+        "a collective that waits longer fails the job",
+        flag="--distributed-timeout-minutes",
+        above=0,
     )
     local_rank: int | None = setting(
         None, "set by some launchers; LOCAL_RANK from the environment wins", "--local_rank"
@@ -415,7 +434,7 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
+class PrecisionConfig(Section):
     """Mixed precision."""
 
     fp16: bool = setting(False, "fp16 weights/activations, loss scaling")
@@ -433,7 +452,7 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class TokenizerConfig:
+class TokenizerConfig(Section):
     """The tokenizer (shared with tools/preprocess_data.py and the other data tools)."""
 
     tokenizer_type: str | None = setting(
@@ -464,17 +483,20 @@ class TokenizerConfig:
         "--train-data/--valid-data/--test-data write their tokenized corpora under DIR/loose_json",
     )
 
-    def __post_init__(self) -> None:
-        """--tokenizer-model-type fills the tokenizer type and the files not given (the rules
-        check what is still missing or conflicting)."""
+    def with_pretrained_files(self) -> TokenizerConfig:
+        """The resolution step of --tokenizer-model-type (called by megatron.config.rules.validate
+        and by the tools that build a tokenizer): it fills the tokenizer type and the files not
+        given from --cache-dir. This searches the disk, so building the section never does; the
+        rules check what is still missing or conflicting."""
         name = self.tokenizer_model_type
         if name not in PRETRAINED:
-            return
-        if self.tokenizer_type is None:
-            object.__setattr__(self, "tokenizer_type", PRETRAINED[name][0])
-        for kwarg, path in find_files(name, self.cache_dir).items():
-            if getattr(self, kwarg) is None and path is not None:
-                object.__setattr__(self, kwarg, path)
+            return self
+        fill = {} if self.tokenizer_type is not None else {"tokenizer_type": PRETRAINED[name][0]}
+        if any(getattr(self, kwarg) is None for kwarg in PRETRAINED[name][1]):
+            for kwarg, path in find_files(name, self.cache_dir).items():
+                if getattr(self, kwarg) is None and path is not None:
+                    fill[kwarg] = path
+        return dataclasses.replace(self, **fill) if fill else self
 
     def pretrained_problem(self) -> tuple[str, str, str] | None:
         """(flag, problem, fix) when --tokenizer-model-type cannot be honoured (the rules and
@@ -496,7 +518,7 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
     """.bin/.idx datasets written by preprocess_data.py: where, split, blend, format."""
 
     data_path: tuple[str, ...] = setting(
@@ -586,12 +608,14 @@ def split_weights(split: str) -> list[float]:
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(Section):
     """BERT pretraining (pretrain_bert.py); pretrain_gpt2.py refuses them when changed."""
 
-    mask_prob: float = setting(0.15, "fraction of each sample's tokens the MLM predicts")
+    mask_prob: float = setting(
+        0.15, "fraction of each sample's tokens the MLM predicts", above=0, below=1
+    )
     short_seq_prob: float = setting(
-        0.1, "probability that a sample is cut to a random shorter length"
+        0.1, "probability that a sample is cut to a random shorter length", min=0, max=1
     )
     bert_no_binary_head: bool = setting(
         False, "no pooler and next-sentence (NSP) head: MLM only, one segment per sample"
@@ -612,7 +636,7 @@ class BertConfig:
 
 
 @dataclass(frozen=True)
-class MegatronConfig:
+class MegatronConfig(Section):
     """The whole run configuration; one field per section."""
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.config.declare import setting
+from megatron.config.declare import Section, setting
 
 CORPORA_ENV = "MEGATRON_CORPORA"  # the corpora file when --corpora-file is not given
 
 
 @dataclass(frozen=True)
-class LooseJsonConfig:
+class LooseJsonConfig(Section):
     """Loose JSON corpora, tokenized once into --cache-dir, then trained like --data-path."""
 
     train_data: tuple[str, ...] = setting(
@@ -59,6 +59,7 @@ class LooseJsonConfig:
     cache_wait_minutes: float = setting(
         120.0,
         "how long ranks other than 0 wait for rank 0 to tokenize the corpora into --cache-dir",
+        above=0,
     )
 
     @property

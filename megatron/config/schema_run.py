@@ -7,16 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.config.declare import setting
+from megatron.config.declare import Section, setting
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
+class TrainingConfig(Section):
     """The training loop: batch sizes, length, evaluation and exit conditions."""
 
     seed: int = setting(1234, "base random seed")
     micro_batch_size: int = setting(
-        1, "samples per forward pass on one data-parallel rank", "--batch-size"
+        1, "samples per forward pass on one data-parallel rank", "--batch-size", min=1
     )
     global_batch_size: int | None = setting(
         None,
@@ -28,6 +31,7 @@ class TrainingConfig:
         "micro batches per step on each data-parallel rank (v1.x --gas): global batch = "
         "micro-batch-size x DP x this; must agree with --global-batch-size if both are given",
         "--gas",
+        min=1,
     )
     rampup_batch_size: tuple[int, int, int] | None = setting(
         None,
@@ -35,26 +39,26 @@ class TrainingConfig:
         "(needs --train-samples)",
         metavar=("START", "INCREMENT", "SAMPLES"),
     )
-    train_iters: int | None = setting(None, "optimizer steps to train")
+    train_iters: int | None = setting(None, "optimizer steps to train", min=1)
     train_samples: int | None = setting(
-        None, "samples to train (instead of --train-iters; schedules count samples)"
+        None, "samples to train (instead of --train-iters; schedules count samples)", min=1
     )
-    eval_interval: int = setting(1000, "iterations between validation runs")
-    eval_iters: int = setting(100, "batches per validation run (0 disables validation)")
+    eval_interval: int = setting(1000, "iterations between validation runs", min=1)
+    eval_iters: int = setting(100, "batches per validation run (0 disables validation)", min=0)
     exit_interval: int | None = setting(
-        None, "save and exit when the iteration is a multiple of this"
+        None, "save and exit when the iteration is a multiple of this", min=1
     )
     exit_duration_in_mins: float | None = setting(
-        None, "save and exit after this many minutes of training"
+        None, "save and exit after this many minutes of training", above=0
     )
     exit_signal_handler: bool = setting(
         False, "on SIGTERM: all ranks agree, save a checkpoint and exit 0"
     )
-    clip_grad: float = setting(1.0, "clip the global gradient norm to this (0 disables)")
+    clip_grad: float = setting(1.0, "clip the global gradient norm to this (0 disables)", min=0)
     max_skipped_in_a_row: int = setting(
-        50, "stop with an error after this many consecutive skipped steps (overflow/NaN)"
+        50, "stop with an error after this many consecutive skipped steps (overflow/NaN)", min=1
     )
-    num_workers: int = setting(2, "DataLoader worker processes per rank")
+    num_workers: int = setting(2, "DataLoader worker processes per rank", min=0)
 
     def resolved_global_batch_size(self, data_parallel_size: int) -> int:
         if self.global_batch_size:
@@ -63,7 +67,7 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(Section):
     """Optimizer, learning-rate schedule and fp16 loss scaling (Megatron's flag names)."""
 
     optimizer: str = setting(
@@ -71,8 +75,8 @@ class OptimizerConfig:
         "adam = AdamW (decoupled weight decay), or sgd with momentum",
         choices=("adam", "sgd"),
     )
-    lr: float | None = setting(None, "peak learning rate (required)")
-    min_lr: float = setting(0.0, "floor of the decay")
+    lr: float | None = setting(None, "peak learning rate (required)", above=0)
+    min_lr: float = setting(0.0, "floor of the decay", min=0)
     weight_decay: float = setting(0.01, "decoupled weight decay; never applied to biases and norms")
     adam_beta1: float = setting(0.9, "Adam beta1")
     adam_beta2: float = setting(0.999, "Adam beta2")
@@ -81,18 +85,24 @@ class OptimizerConfig:
     lr_decay_style: str = setting(
         "linear",
         "decay after warmup (exponential: Megatron-LM v1.x's, halving over the decay)",
-        choices=("constant", "linear", "cosine", "exponential", "inverse-square-root", "WSD"),
+        choices=LR_DECAY_STYLES,
     )
-    lr_decay_iters: int | None = setting(None, "iterations to decay over (default --train-iters)")
-    lr_decay_samples: int | None = setting(None, "samples to decay over (default --train-samples)")
-    lr_warmup_iters: int = setting(0, "linear warmup iterations")
-    lr_warmup_samples: int = setting(0, "linear warmup samples")
-    lr_warmup_fraction: float | None = setting(None, "warmup as a fraction of the decay length")
-    warmup: float | None = setting(None, "classic spelling of --lr-warmup-fraction")
+    lr_decay_iters: int | None = setting(
+        None, "iterations to decay over (default --train-iters)", min=1
+    )
+    lr_decay_samples: int | None = setting(
+        None, "samples to decay over (default --train-samples)", min=1
+    )
+    lr_warmup_iters: int = setting(0, "linear warmup iterations", min=0)
+    lr_warmup_samples: int = setting(0, "linear warmup samples", min=0)
+    lr_warmup_fraction: float | None = setting(
+        None, "warmup as a fraction of the decay length", min=0, below=1
+    )
+    warmup: float | None = setting(None, "classic spelling of --lr-warmup-fraction", min=0, below=1)
     lr_wsd_decay_style: str = setting(
         "exponential",
         "WSD: shape of the final annealing phase",
-        choices=("linear", "cosine", "exponential", "minus_sqrt"),
+        choices=LR_WSD_DECAY_STYLES,
     )
     lr_wsd_decay_iters: int | None = setting(None, "WSD: iterations of the final annealing phase")
     lr_wsd_decay_samples: int | None = setting(None, "WSD: samples of the final annealing phase")
@@ -100,13 +110,15 @@ class OptimizerConfig:
         False, "on resume, use these flags' schedule (keep only the step count)"
     )
     use_checkpoint_lr_scheduler: bool = setting(False, "on resume, use the checkpoint's schedule")
-    loss_scale: float | None = setting(None, "fp16: static loss scale (default: dynamic)")
+    loss_scale: float | None = setting(None, "fp16: static loss scale (default: dynamic)", above=0)
     initial_loss_scale: float = setting(2.0**32, "fp16: first dynamic scale")
     min_loss_scale: float = setting(
-        1.0, "fp16: the dynamic scale never goes below this", "--min-scale"
+        1.0, "fp16: the dynamic scale never goes below this", "--min-scale", above=0
     )
-    loss_scale_window: int = setting(1000, "fp16: steps without overflow before the scale doubles")
-    hysteresis: int = setting(2, "fp16: overflows tolerated before the scale is halved")
+    loss_scale_window: int = setting(
+        1000, "fp16: steps without overflow before the scale doubles", min=1
+    )
+    hysteresis: int = setting(2, "fp16: overflows tolerated before the scale is halved", min=1)
     use_distributed_optimizer: bool = setting(
         False,
         "shard the fp32 main weights and optimizer moments over the data-parallel ranks "
@@ -121,12 +133,12 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """Saving and resuming (beside the checkpoints: run_config.yaml, this run's config)."""
 
     save: str | None = setting(None, "directory to save checkpoints in")
     load: str | None = setting(None, "directory to resume from")
-    save_interval: int | None = setting(None, "iterations between saves")
+    save_interval: int | None = setting(None, "iterations between saves", min=1)
     no_load_optim: bool = setting(False, "do not load optimizer state")
     no_load_rng: bool = setting(False, "do not load RNG states")
     no_save_optim: bool = setting(
@@ -142,10 +154,10 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(Section):
     """Log lines, timers, TensorBoard, Weights & Biases and the profiler."""
 
-    log_interval: int = setting(100, "iterations between log lines")
+    log_interval: int = setting(100, "iterations between log lines", min=1)
     tensorboard_dir: str | None = setting(None, "write TensorBoard scalars here")
     timing_log_level: int = setting(
         0, "0: iteration time; 1: + forward/backward/optimizer; 2: everything", choices=(0, 1, 2)
@@ -160,7 +172,7 @@ class LoggingConfig:
         "cudaProfilerStart/Stop around the window (nsys --capture-range=cudaProfilerApi)",
     )
     profile_step_start: int = setting(
-        10, "--profile: the window opens after this many iterations (Megatron-core's count)"
+        10, "--profile: the window opens after this many iterations (Megatron-core's count)", min=0
     )
     profile_step_end: int = setting(
         12, "--profile: the window closes after this iteration (records end - start steps)"
@@ -184,7 +196,7 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
-class DeepSpeedConfig:
+class DeepSpeedConfig(Section):
     """--deepspeed and the classic Megatron-DeepSpeed flags (None: not given, the JSON decides).
 
     The spellings are those deepspeed.add_config_arguments defines, without importing deepspeed
@@ -201,6 +213,9 @@ class DeepSpeedConfig:
         "DeepSpeed JSON; filled from these flags where it is silent",
         "--deepspeed-config",
         flag="--deepspeed_config",
+    )
+    config_json: dict | None = setting(
+        None, "the --deepspeed_config file's content, read once before start-up", resolved=True
     )
     zero_stage: int | None = setting(None, "ZeRO stage (overrides the JSON)", choices=(0, 1, 2, 3))
     zero_reduce_scatter: bool | None = setting(

@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--json-keys {' '.join(keys)}: {p} is plain text, which has no "
                     "keys; give one key (it names the output) or use JSON input"
                 )
-    tok = section_from_args(TokenizerConfig, args)
+    tok = section_from_args(TokenizerConfig, args).with_pretrained_files()
     problem = tok.pretrained_problem()
     if problem:
         raise ValueError("{}: {}. Fix: {}.".format(*problem))

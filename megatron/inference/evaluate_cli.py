@@ -4,7 +4,7 @@ accuracy, loose-JSON perplexity of a checkpoint, on any TP x PP layout.
 All three run `evaluate()`; they differ only in their command lines: ours, Megatron-LM v1.x's
 tasks/main.py (--task LAMBADA | WIKITEXT103), and the 2019 scripts/run_gpt2_eval.py
 (--cloze-eval | --webtext-eval | WikiText by default). The training command line's flags are
-accepted too (megatron.inference.flags). The result is printed last as one JSON line.
+accepted too (megatron.config.inference). The result is printed last as one JSON line.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 
+from megatron.config.inference import EPILOG, parse_with_training_flags
 from megatron.inference.evaluation import (
     evaluate_lambada,
     evaluate_loose_json,
@@ -20,7 +21,6 @@ from megatron.inference.evaluation import (
     progress_bar,
     read_jsonl_texts,
 )
-from megatron.inference.flags import EPILOG, parse_with_training_flags
 from megatron.inference.session import add_checkpoint_args, run_tool, setup
 
 V1_TASKS = {"LAMBADA": "lambada", "WIKITEXT103": "wikitext"}

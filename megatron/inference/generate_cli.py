@@ -5,7 +5,7 @@ Modes, as in Megatron-LM's generate_samples_gpt2: --num-samples N writes N uncon
 (each started from end-of-document) to --genfile as JSON lines; --prompt (repeatable) or
 --sample-input-file (one prompt per line) continue given text; with none of these, an
 interactive prompt on rank 0 (empty line: an unconditional sample; 'stop' or Ctrl-D quits).
-The training command line's flags are accepted too (megatron.inference.flags).
+The training command line's flags are accepted too (megatron.config.inference).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 import json
 import sys
 
+from megatron.config.inference import EPILOG, parse_with_training_flags
 from megatron.inference.engine import broadcast_json
-from megatron.inference.flags import EPILOG, parse_with_training_flags
 from megatron.inference.generation import SamplingParams
 from megatron.inference.samples import (
     interactive,

@@ -68,7 +68,7 @@ def load_model_for_inference(
 
 def _build_tokenizer(fields: dict, model_cfg):
     """The tokenizer of the merged record, checked to fit the model's vocabulary."""
-    tok_cfg = TokenizerConfig(**fields)
+    tok_cfg = TokenizerConfig(**fields).with_pretrained_files()
     if not tok_cfg.tokenizer_type:
         return None
     tok = build_tokenizer(

@@ -12,14 +12,14 @@ import sys
 from collections.abc import Callable, Iterator
 
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import DistributedConfig, MegatronConfig, ParallelConfig
-from megatron.inference.engine import load_inference_model
-from megatron.inference.flags import (
+from megatron.config.inference import (
     check_against_checkpoint,
-    layout,
+    inference_config,
     precision_dtype,
     tokenizer_overrides,
 )
+from megatron.config.rules import validate
+from megatron.inference.engine import load_inference_model
 from megatron.inference.generation import SamplingParams, generate
 from megatron.initialize import initialize_megatron, read_launch_env, shutdown_distributed
 
@@ -37,20 +37,11 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def setup(load: str, pp: int = 1, given: dict | None = None):
     """(runtime, engine, tokenizer, iteration). `given`: the training flags of the command line
-    (megatron.inference.flags): layout, backend, precision and tokenizer are used, shapes must
+    (megatron.config.inference): layout, backend, precision and tokenizer are used, shapes must
     match the checkpoint."""
     given = given or {}
     env = read_launch_env()
-    tp, pp = layout(given, env.world_size, pp)
-    dist_keys = {f"distributed.{k}": k for k in ("backend", "timeout_minutes", "local_rank")}
-    cfg = MegatronConfig(
-        parallel=ParallelConfig(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            world_size=env.world_size,
-        ),
-        distributed=DistributedConfig(**{k: given[p] for p, k in dist_keys.items() if p in given}),
-    )
+    cfg = validate(inference_config(given, env.world_size, pp), "inference")
     rt = initialize_megatron(cfg, env)
     engine, tokenizer, iteration = load_inference_model(
         load, rt, dtype=precision_dtype(given), tokenizer=tokenizer_overrides(given)

@@ -2,9 +2,9 @@
 step time; the ranked list and the --auto-parallel choice.
 
 A candidate is the user's config with TP, CP, PP, virtual stages, sequence parallelism, micro
-batch and recompute replaced; it is kept only if megatron.config.rules (`validate`, and the
-layout rules of `validate_training`) accept it, so the planner never proposes a layout that
-training would refuse. The global batch is the user's: it fixes M = batch / (micro batch x DP).
+batch and recompute replaced; it is kept only if megatron.config.rules.validate(cfg, "train-gpt")
+accepts it, so the planner never proposes a layout that training would refuse. The global batch
+is the user's: it fixes M = batch / (micro batch x DP).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from megatron.config.rules import validate, validate_training
+from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.planning.memory import Device, GiB, Layout, MemoryEstimate, Training, estimate_memory
 from megatron.planning.timing import Hardware, limiting_term, mfu, step_time
@@ -102,13 +102,12 @@ def candidate(cfg: MegatronConfig, world: int, lay: Layout) -> MegatronConfig:
 def _check(cfg: MegatronConfig) -> None:
     """The training rules, with placeholders for the settings a plan does not need (length
     of the run, learning rate) so only layout problems can fail."""
-    validate(cfg)
     t, o = cfg.training, cfg.optimizer
     if t.train_iters is None and t.train_samples is None:
         t = dataclasses.replace(t, train_iters=1)
     if o.lr is None:
         o = dataclasses.replace(o, lr=1.0)
-    validate_training(cfg.replace(training=t, optimizer=o))
+    validate(cfg.replace(training=t, optimizer=o), "train-gpt")
 
 
 def _candidates(cfg: MegatronConfig, s: Search):

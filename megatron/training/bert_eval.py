@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.config.rules import validate_bert
+from megatron.config.rules import validate
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import initialize_megatron
 from megatron.mpu import vocab_parallel_cross_entropy
@@ -73,9 +73,7 @@ def evaluate_checkpoint(cfg: MegatronConfig, split: str = "valid") -> dict[str, 
             "--pipeline-model-parallel-size: evaluation runs PP = 1 (any TP). Fix: reshard "
             "with tools/convert_checkpoint.py --target-pipeline-model-parallel-size 1"
         )
-    cfg = bert.with_bert_defaults(cfg)
-    validate_bert(cfg)
-    cfg, _ = resolve_vocab(cfg)
+    cfg, _ = resolve_vocab(validate(cfg, "eval-bert"))
     rt = initialize_megatron(cfg)
     backend = NativeBackend(cfg, rt, bert.make_forward_step(cfg), bert.model_provider(cfg))
     backend.load()

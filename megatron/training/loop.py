@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megatron.checkpoint.storage import CheckpointError, write_text_atomic
 from megatron.config.files import RUN_CONFIG_NAME, to_yaml
-from megatron.config.legacy import check_tokenizer_files
-from megatron.config.rules import validate_model
+from megatron.config.rules import validate
 from megatron.config.schema import MegatronConfig
+from megatron.config.tokenizer_files import check_tokenizer_files
 from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
@@ -53,7 +53,8 @@ class TrainResult:
 
 
 def resolve_vocab(cfg: MegatronConfig):
-    """Set the model's vocab from the tokenizer (when one is configured); returns (cfg, tok)."""
+    """Set the model's vocab from the tokenizer (when one is configured); returns (cfg, tok).
+    Its files are checked first (named errors); ModelConfig checks the size it gets."""
     tok_cfg = cfg.data.tokenizer
     check_tokenizer_files(cfg)
     if tok_cfg.tokenizer_type is None:
@@ -62,7 +63,6 @@ def resolve_vocab(cfg: MegatronConfig):
         tok_cfg.tokenizer_type, vocab_size=cfg.model.vocab_size, **tok_cfg.kwargs()
     )
     model = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    validate_model(model, cfg.parallel.tensor_model_parallel_size)
     return cfg.replace(model=model), tokenizer
 
 
@@ -104,12 +104,15 @@ def pretrain(
     out=sys.stdout,
     model_provider=None,
     datasets_provider=None,
+    purpose: str = "train-gpt",
 ) -> TrainResult:
     """Train as the config says; returns the per-iteration history (the last rank logs it).
 
     Another model family plugs in here: `model_provider` (model/stages.py build_model's
     signature), `datasets_provider(cfg, rt, counts) -> [train, valid, test]` and its
-    `forward_step_func` (pretrain_bert.py)."""
+    `forward_step_func` (pretrain_bert.py), with `purpose` "train-bert" (the rules it is
+    validated by, megatron.config.rules.validate; a validated config passes unchanged)."""
+    cfg = validate(cfg, purpose)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)

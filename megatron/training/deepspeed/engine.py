@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config.legacy import uses_deepspeed_checkpointing
+from megatron.config.deepspeed_json import build_ds_config, uses_deepspeed_checkpointing
 from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.documents import document_attention_mask
@@ -38,7 +38,6 @@ from megatron.mpu import (
 )
 from megatron.training.backend import global_loss, other_losses
 from megatron.training.data import get_batch
-from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.optimizer import _torch_optimizer, param_groups
 from megatron.training.schedules import forward_backward_no_pipelining
 from megatron.training.step import evaluate, lm_loss

@@ -1,35 +1,160 @@
-"""The DeepSpeed JSON, filled and checked against the command line (no deepspeed import).
+"""The DeepSpeed JSON (--deepspeed_config) and the classic DeepSpeed flags, against the command
+line (no deepspeed import).
 
 Batch sizes, gradient accumulation, precision, loss scaling and clipping have one source: the
 command line. Where the JSON is silent it is filled from the flags; where it states a value
 that differs from the flags, that is a ConfigError naming the JSON key and the flag. The
 classic ZeRO flags (--zero-stage, --zero-reduce-scatter, ...) override the JSON when given.
+A JSON "optimizer" section (v1.x's ds_zero_stage_2_config.json has one) fills the optimizer
+flags the command line did not give, and contradicts the ones it gave.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
-from megatron.config.legacy import json_optimizer_values, uses_deepspeed_checkpointing
-from megatron.config.schema import ConfigError, MegatronConfig
-from megatron.training.microbatches import MicroBatchCalculator
+from megatron.config.declare import ConfigError
+from megatron.config.schema import MegatronConfig
+
+_JSON_OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
+_JSON_OPTIMIZER_PARAMS = {
+    "lr": ("optimizer.lr", "--lr"),
+    "eps": ("optimizer.adam_eps", "--adam-eps"),
+    "weight_decay": ("optimizer.weight_decay", "--weight-decay"),
+    "max_grad_norm": ("training.clip_grad", "--clip-grad"),
+}
 
 
-def _load(path: str | None) -> dict:
-    if path is None:
-        return {}
+def json_optimizer_values(section: object, where: str) -> dict[str, tuple[object, str, str]]:
+    """{config path: (value, JSON key, flag)} of a DeepSpeed JSON "optimizer" section.
+
+    Only what our optimizer (AdamW) can honour is accepted; anything else is a ConfigError."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}optimizer in the DeepSpeed JSON must be an object")
+    kind = str(section.get("type", "Adam"))
+    params = dict(section.get("params", {}))
+    if kind.lower() not in _JSON_OPTIMIZER_TYPES or params.pop("adam_w_mode", True) is not True:
+        raise ConfigError(
+            f"'optimizer' in the DeepSpeed JSON: type {kind!r} cannot be honoured; the optimizer "
+            "comes from --optimizer/--lr/--weight-decay/--adam-* (AdamW or SGD). Fix: remove "
+            "'optimizer' from the JSON, or use type Adam/AdamW"
+        )
+    out = {"optimizer.optimizer": ("adam", "optimizer.type", "--optimizer")}
+    if "betas" in params:
+        b1, b2 = params.pop("betas")
+        out["optimizer.adam_beta1"] = (float(b1), "optimizer.params.betas[0]", "--adam-beta1")
+        out["optimizer.adam_beta2"] = (float(b2), "optimizer.params.betas[1]", "--adam-beta2")
+    for key, value in params.items():
+        if key not in _JSON_OPTIMIZER_PARAMS:
+            raise ConfigError(
+                f"'optimizer.params.{key}' in the DeepSpeed JSON has no flag here. Fix: remove "
+                f"it (known: betas, {', '.join(_JSON_OPTIMIZER_PARAMS)})"
+            )
+        path, flag = _JSON_OPTIMIZER_PARAMS[key]
+        out[path] = (float(value), f"optimizer.params.{key}", flag)
+    return out
+
+
+def fill_from_ds_json(values: dict[str, object]) -> None:
+    """Read the --deepspeed_config file once (its content travels in deepspeed.config_json) and
+    fill the optimizer flags not given from its "optimizer" section; a value there that
+    contradicts a flag given is a ConfigError. An unreadable file is left for the training
+    rules to report (validate(cfg, "train-gpt") names it); parsing alone does not need it."""
+    path = values.get("deepspeed.config")
+    if not values.get("deepspeed.enabled") or not path:
+        return
+    try:
+        data = read_ds_json(str(path))
+    except ConfigError:
+        return
+    values["deepspeed.config_json"] = data
+    section = data.get("optimizer")
+    if section is None:
+        return
+    for key, (value, json_key, flag) in json_optimizer_values(section, "").items():
+        if key in values and values[key] != value:
+            raise ConfigError(
+                f"{json_key}={value!r} in the DeepSpeed JSON contradicts {flag} "
+                f"({values[key]!r}). Fix: make them equal, or drop one of them"
+            )
+        values[key] = value
+
+
+def read_ds_json(path: str) -> dict:
+    """The DeepSpeed JSON at `path`, or a ConfigError naming the file."""
     try:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--deepspeed_config {path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed_config {path}:{e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object")
     return data
+
+
+def with_ds_json(cfg: MegatronConfig) -> MegatronConfig:
+    """`cfg` with the --deepspeed_config content in deepspeed.config_json (read here only when
+    parsing did not: a config built in code, or a file missing then)."""
+    d = cfg.deepspeed
+    if not d.enabled or not d.config or d.config_json is not None:
+        return cfg
+    return cfg.replace(deepspeed=dataclasses.replace(d, config_json=read_ds_json(d.config)))
+
+
+def _fail(flag: str, problem: str, fix: str) -> None:
+    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
+
+
+_DEEPSPEED_ONLY = (
+    ("--zero-stage", "zero_stage"),
+    ("--zero-reduce-scatter", "zero_reduce_scatter"),
+    ("--zero-contigious-gradients", "zero_contigious_gradients"),
+    ("--zero-reduce-bucket-size", "zero_reduce_bucket_size"),
+    ("--zero-allgather-bucket-size", "zero_allgather_bucket_size"),
+    ("--deepspeed-activation-checkpointing", "activation_checkpointing"),
+)
+# DeepSpeed activation-checkpointing options: they configure deepspeed.checkpointing.
+DS_CHECKPOINTING = (
+    ("--partition-activations", "partition_activations"),
+    ("--checkpoint-in-cpu", "checkpoint_in_cpu"),
+    ("--contigious-checkpointing", "contigious_checkpointing"),
+    ("--synchronize-each-layer", "synchronize_each_layer"),
+    ("--profile-backward", "profile_backward"),
+)
+
+
+def uses_deepspeed_checkpointing(cfg: MegatronConfig) -> bool:
+    """--deepspeed recompute runs through deepspeed.checkpointing when asked for, explicitly or
+    by one of its options; otherwise through our mpu checkpoint (as v1.x did)."""
+    d = cfg.deepspeed
+    return d.enabled and (
+        d.activation_checkpointing or any(getattr(d, name) for _, name in DS_CHECKPOINTING)
+    )
+
+
+def validate_deepspeed_flags(cfg: MegatronConfig) -> None:
+    d = cfg.deepspeed
+    given = [f for f, n in _DEEPSPEED_ONLY + DS_CHECKPOINTING if getattr(d, n) not in (None, False)]
+    if given and not d.enabled:
+        _fail(given[0], "a DeepSpeed setting, given without --deepspeed", "add --deepspeed")
+    checkpointing = [f for f, n in DS_CHECKPOINTING if getattr(d, n)]
+    if d.activation_checkpointing:
+        checkpointing.append("--deepspeed-activation-checkpointing")
+    if checkpointing and cfg.recompute.granularity != "full":
+        _fail(
+            checkpointing[0],
+            "configures activation checkpointing, which is off",
+            "add --checkpoint-activations (--recompute-granularity full)",
+        )
+    if d.cpu_torch_adam and not d.cpu_optimizer:
+        _fail("--cpu_torch_adam", "chooses the CPU optimizer's kernel", "add --cpu-optimizer")
 
 
 def _agree(section: dict, key: str, value, flag: str, where: str) -> None:
@@ -164,7 +289,7 @@ def _sequence_parallel(ds: dict, cfg: MegatronConfig) -> None:
 
 def build_ds_config(cfg: MegatronConfig) -> dict:
     """The JSON of --deepspeed_config, completed and checked against the command line."""
-    ds = copy.deepcopy(_load(cfg.deepspeed.config))
+    ds = copy.deepcopy(with_ds_json(cfg).deepspeed.config_json or {})
     _json_optimizer(ds, cfg)
     for section, flags in (("scheduler", "--lr-decay-style/--lr-warmup-*/--min-lr"),):
         if section in ds:
@@ -195,7 +320,7 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
         )
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", "")
     # The same split into micro batches as the loop's (the ramp is refused above).
-    micro_batches = MicroBatchCalculator(gbs, t.micro_batch_size, dp).num_micro_batches(0)
+    micro_batches = gbs // (t.micro_batch_size * dp)
     gas = t.gradient_accumulation_steps is not None and t.global_batch_size is None
     _agree(
         ds,

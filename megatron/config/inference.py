@@ -21,7 +21,15 @@ import dataclasses
 import functools
 
 from megatron.config.declare import Tree
-from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig, TokenizerConfig
+from megatron.config.schema import (
+    ConfigError,
+    DistributedConfig,
+    MegatronConfig,
+    ModelConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TokenizerConfig,
+)
 
 _LAYOUT = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size")
 _RUNTIME = (
@@ -89,27 +97,24 @@ def parse_with_training_flags(parser: argparse.ArgumentParser, argv=None):
                 f"{flag}: a training setting that inference does not use. Fix: drop {flag} "
                 f"(see {parser.prog} --help for this tool's flags)"
             )
-    if given.get("precision.fp16") and given.get("precision.bf16"):
-        raise ConfigError("--fp16/--bf16: both are set. Fix: choose one")
     return args, given
 
 
-def layout(given: dict, world_size: int, pp_default: int = 1) -> tuple[int, int]:
-    """(TP, PP) of this run: the flags' values, checked against the process count (DP = 1)."""
+def inference_config(given: dict, world_size: int, pp_default: int = 1) -> MegatronConfig:
+    """The run config of an inference tool from the training flags given: the layout (TP
+    defaults to the processes / PP: one model replica), the process-group and precision
+    settings; the model comes from the checkpoint. Check it with validate(cfg, "inference")."""
     pp = given.get("parallel.pipeline_model_parallel_size", pp_default)
-    if pp < 1 or world_size % pp:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {pp} does not divide the {world_size} processes. "
-            "Fix: launch a multiple of the checkpoint's pipeline stages"
-        )
-    tp = given.get("parallel.tensor_model_parallel_size", world_size // pp)
-    if tp * pp != world_size:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
-            f"{tp * pp}, but {world_size} processes were launched; inference runs one model "
-            f"replica. Fix: launch {tp * pp} processes (e.g. torchrun --nproc_per_node {tp * pp})"
-        )
-    return tp, pp
+    tp = given.get("parallel.tensor_model_parallel_size", max(world_size // max(pp, 1), 1))
+    sections = {"distributed": DistributedConfig, "precision": PrecisionConfig}
+    kwargs = {
+        name: cls(**{p.rpartition(".")[2]: v for p, v in given.items() if p.startswith(name + ".")})
+        for name, cls in sections.items()
+    }
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world_size
+    )
+    return MegatronConfig(parallel=par, **kwargs)
 
 
 def check_against_checkpoint(given: dict, saved: ModelConfig, load: str) -> None:

@@ -9,18 +9,18 @@ module holds what an alias cannot say:
 - the v1.x defaults applied while resolving: `--pipe-parallel-size 0` ("no pipeline") is one
   stage, and pretrain_gpt2.py without `--tokenizer-type` but with `--vocab-file` uses
   GPT2BPETokenizer (without `--vocab-file` the data is pre-tokenized ids, `--vocab-size N`);
-- a DeepSpeed JSON "optimizer" section (v1.x's ds_zero_stage_2_config.json has one): its
-  values fill the optimizer flags the command line did not give, and contradict the ones it gave;
 - the rules between the v1.x flags (`validate_compat`, called by megatron.config.rules).
+
+The DeepSpeed JSON and the DeepSpeed flags are megatron.config.deepspeed_json's; the tokenizer
+files megatron.config.tokenizer_files'.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 from megatron.config.declare import ConfigError
+from megatron.config.deepspeed_json import fill_from_ds_json, validate_deepspeed_flags
 from megatron.config.schema import MegatronConfig
 
 _RETRIEVAL = (
@@ -81,69 +81,16 @@ def check_refused(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}: {REFUSED[flag][1]}.")
 
 
-# ---- resolving: v1.x defaults and the DeepSpeed JSON's optimizer section ----
-
-_JSON_OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
-_JSON_OPTIMIZER_PARAMS = {
-    "lr": ("optimizer.lr", "--lr"),
-    "eps": ("optimizer.adam_eps", "--adam-eps"),
-    "weight_decay": ("optimizer.weight_decay", "--weight-decay"),
-    "max_grad_norm": ("training.clip_grad", "--clip-grad"),
-}
+# ---- resolving: v1.x defaults ----
 
 
-def json_optimizer_values(section: object, where: str) -> dict[str, tuple[object, str, str]]:
-    """{config path: (value, JSON key, flag)} of a DeepSpeed JSON "optimizer" section.
-
-    Only what our optimizer (AdamW) can honour is accepted; anything else is a ConfigError."""
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}optimizer in the DeepSpeed JSON must be an object")
-    kind = str(section.get("type", "Adam"))
-    params = dict(section.get("params", {}))
-    if kind.lower() not in _JSON_OPTIMIZER_TYPES or params.pop("adam_w_mode", True) is not True:
-        raise ConfigError(
-            f"'optimizer' in the DeepSpeed JSON: type {kind!r} cannot be honoured; the optimizer "
-            "comes from --optimizer/--lr/--weight-decay/--adam-* (AdamW or SGD). Fix: remove "
-            "'optimizer' from the JSON, or use type Adam/AdamW"
-        )
-    out = {"optimizer.optimizer": ("adam", "optimizer.type", "--optimizer")}
-    if "betas" in params:
-        b1, b2 = params.pop("betas")
-        out["optimizer.adam_beta1"] = (float(b1), "optimizer.params.betas[0]", "--adam-beta1")
-        out["optimizer.adam_beta2"] = (float(b2), "optimizer.params.betas[1]", "--adam-beta2")
-    for key, value in params.items():
-        if key not in _JSON_OPTIMIZER_PARAMS:
-            raise ConfigError(
-                f"'optimizer.params.{key}' in the DeepSpeed JSON has no flag here. Fix: remove "
-                f"it (known: betas, {', '.join(_JSON_OPTIMIZER_PARAMS)})"
-            )
-        path, flag = _JSON_OPTIMIZER_PARAMS[key]
-        out[path] = (float(value), f"optimizer.params.{key}", flag)
-    return out
-
-
-def _fill_from_ds_json(values: dict[str, object]) -> None:
-    path = values.get("deepspeed.config")
-    if not values.get("deepspeed.enabled") or not path:
-        return
-    try:
-        with open(str(path)) as f:
-            section = json.load(f).get("optimizer")
-    except (OSError, ValueError, AttributeError):
-        return  # build_ds_config reports an unreadable JSON, naming the file
-    if section is None:
-        return
-    for key, (value, json_key, flag) in json_optimizer_values(section, "").items():
-        if key in values and values[key] != value:
-            raise ConfigError(
-                f"{json_key}={value!r} in the DeepSpeed JSON contradicts {flag} "
-                f"({values[key]!r}). Fix: make them equal, or drop one of them"
-            )
-        values[key] = value
+# v1.x's tokenizer for a --vocab-file without --tokenizer-type, by entry point (pretrain_gpt2.py,
+# pretrain_bert.py); the BERT tools use it without --vocab-file too (megatron.config.rules).
+V1_DEFAULT_TOKENIZER = {"gpt": "GPT2BPETokenizer", "bert": "BertWordPieceLowerCase"}
 
 
 def apply_v1_defaults(
-    values: dict[str, object], default_tokenizer: str = "GPT2BPETokenizer"
+    values: dict[str, object], default_tokenizer: str = V1_DEFAULT_TOKENIZER["gpt"]
 ) -> None:
     """v1.x meanings, in place, on {path: value} as given (file, flags, -o). A --vocab-file
     without --tokenizer-type means the entry point's v1.x default: GPT-2 BPE for
@@ -156,7 +103,7 @@ def apply_v1_defaults(
         and not values.get("data.tokenizer.tokenizer_model_type")  # it names its own kind
     ):
         values["data.tokenizer.tokenizer_type"] = default_tokenizer
-    _fill_from_ds_json(values)
+    fill_from_ds_json(values)
 
 
 # ---- rules between the v1.x flags ----
@@ -166,58 +113,11 @@ def _fail(flag: str, problem: str, fix: str) -> None:
     raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
 
 
-_DEEPSPEED_ONLY = (
-    ("--zero-stage", "zero_stage"),
-    ("--zero-reduce-scatter", "zero_reduce_scatter"),
-    ("--zero-contigious-gradients", "zero_contigious_gradients"),
-    ("--zero-reduce-bucket-size", "zero_reduce_bucket_size"),
-    ("--zero-allgather-bucket-size", "zero_allgather_bucket_size"),
-    ("--deepspeed-activation-checkpointing", "activation_checkpointing"),
-)
-# DeepSpeed activation-checkpointing options: they configure deepspeed.checkpointing.
-DS_CHECKPOINTING = (
-    ("--partition-activations", "partition_activations"),
-    ("--checkpoint-in-cpu", "checkpoint_in_cpu"),
-    ("--contigious-checkpointing", "contigious_checkpointing"),
-    ("--synchronize-each-layer", "synchronize_each_layer"),
-    ("--profile-backward", "profile_backward"),
-)
-
-
-def uses_deepspeed_checkpointing(cfg: MegatronConfig) -> bool:
-    """--deepspeed recompute runs through deepspeed.checkpointing when asked for, explicitly or
-    by one of its options; otherwise through our mpu checkpoint (as v1.x did)."""
-    d = cfg.deepspeed
-    return d.enabled and (
-        d.activation_checkpointing or any(getattr(d, name) for _, name in DS_CHECKPOINTING)
-    )
-
-
-def _validate_deepspeed_only(cfg: MegatronConfig) -> None:
-    d = cfg.deepspeed
-    given = [f for f, n in _DEEPSPEED_ONLY + DS_CHECKPOINTING if getattr(d, n) not in (None, False)]
-    if given and not d.enabled:
-        _fail(given[0], "a DeepSpeed setting, given without --deepspeed", "add --deepspeed")
-    checkpointing = [f for f, n in DS_CHECKPOINTING if getattr(d, n)]
-    if d.activation_checkpointing:
-        checkpointing.append("--deepspeed-activation-checkpointing")
-    if checkpointing and cfg.recompute.granularity != "full":
-        _fail(
-            checkpointing[0],
-            "configures activation checkpointing, which is off",
-            "add --checkpoint-activations (--recompute-granularity full)",
-        )
-    if d.cpu_torch_adam and not d.cpu_optimizer:
-        _fail("--cpu_torch_adam", "chooses the CPU optimizer's kernel", "add --cpu-optimizer")
-
-
 def _validate_gas(cfg: MegatronConfig) -> None:
     t, dp = cfg.training, cfg.parallel.data_parallel_size
     gas = t.gradient_accumulation_steps
     if gas is None:
         return
-    if gas < 1:
-        _fail("--gas", f"must be >= 1, got {gas}", "pass 1 or more")
     implied = t.micro_batch_size * dp * gas
     if t.global_batch_size is not None and t.global_batch_size != implied:
         _fail(
@@ -273,29 +173,6 @@ def _validate_runtime(cfg: MegatronConfig) -> None:
 
 def validate_compat(cfg: MegatronConfig) -> None:
     """The rules of the v1.x flags; raises ConfigError naming the flag and the fix."""
-    _validate_deepspeed_only(cfg)
+    validate_deepspeed_flags(cfg)
     _validate_gas(cfg)
     _validate_runtime(cfg)
-
-
-def validate_vocab(cfg: MegatronConfig) -> None:
-    """A training run needs a vocab: a tokenizer, or --vocab-size for pre-tokenized ids."""
-    if cfg.data.tokenizer.tokenizer_type is None and cfg.model.vocab_size is None:
-        _fail(
-            "--vocab-file",
-            "no tokenizer and no --vocab-size",
-            "pass --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt (GPT-2 BPE, the "
-            "v1.x default), or --vocab-size N for data that is already token ids",
-        )
-
-
-def check_tokenizer_files(cfg: MegatronConfig) -> None:
-    """GPT-2 BPE files that exist (checked when training starts, before any other work)."""
-    tok = cfg.data.tokenizer
-    if tok.tokenizer_type != "GPT2BPETokenizer":
-        return
-    for flag, path in (("--vocab-file", tok.vocab_file), ("--merge-file", tok.merge_file)):
-        if not path:
-            _fail(flag, "GPT2BPETokenizer needs it", f"pass {flag} (GPT-2 vocab.json / merges.txt)")
-        if not os.path.isfile(path):
-            _fail(flag, f"{path}: no such file", f"pass the path of an existing file to {flag}")
