@@ -82,7 +82,7 @@ def test_bert_refuses_context_parallelism():
 
     cfg = parse_args([*_BASE_ARGV, "--context-parallel-size", "2"], world_size=2)
     with pytest.raises(ConfigError, match="--context-parallel-size"):
-        validate(cfg, "train-bert")
+        validate(cfg, "eval-bert")
 
 
 # ---- the load-balanced split ----
