@@ -66,7 +66,7 @@ def _reaches_a_spawn(obj, seen: set[int]) -> bool:
         c = codes.pop()
         names |= set(c.co_names) | set(c.co_freevars)
         codes += [k for k in c.co_consts if inspect.iscode(k)]
-    if names & _SPAWN_NAMES:
+    if names & (_SPAWN_NAMES | _SPAWN_MODULES):  # also `import subprocess` inside a function
         return True
     scope = {**func.__globals__, **_closure_vars(func)}
     return any(_reaches_a_spawn(scope[n], seen) for n in names if n in scope)

@@ -152,7 +152,7 @@ def _bad_corpus(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_fail_policy_reports_file_and_line_and_leaves_nothing(tmp_path, capsys, workers):
     path = _bad_corpus(tmp_path)
     assert _run(tmp_path, [path], "--workers", workers) == 1

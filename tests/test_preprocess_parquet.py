@@ -41,7 +41,7 @@ def _outputs_key(tmp_path: Path, prefix: str, key: str) -> tuple[bytes, bytes]:
     return Path(f"{base}.bin").read_bytes(), Path(f"{base}.idx").read_bytes()
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_parquet_glob_is_byte_identical_to_jsonl(tmp_path, monkeypatch, workers):
     monkeypatch.setattr(preprocess_tables, "_BATCH_ROWS", 256)  # many batches per file
     assert _run(tmp_path, [_jsonl(tmp_path, TEXTS)], "--chunk-bytes", "4096", prefix="j") == 0
