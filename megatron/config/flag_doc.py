@@ -79,6 +79,8 @@ def _help_cell(s: Setting) -> str:
     parts = [s.help.rstrip(".")]
     if s.choices is not None:
         parts.append("choices: " + ", ".join(_code(c) for c in s.choices))
+    if str(s.bounds):
+        parts.append(f"must be {s.bounds}")
     for flag, (value, text) in s.shortcuts.items():
         parts.append(f"shortcut {_code(flag)} = {_code(_value(value))}: {text.rstrip('.')}")
     return _cell("; ".join(parts))
