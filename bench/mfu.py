@@ -229,8 +229,9 @@ def run_hf(shape: Shape, device, args) -> dict:
     }
 
 
-def run_mcore(shape: Shape, device, args, log) -> dict:
-    """Megatron-core in a subprocess whose path holds its install and not this repository."""
+def start_mcore(shape: Shape, device, args):
+    """Start Megatron-core's arm: a subprocess whose path holds its install, not this repo.
+    Returns (process, spec, working directory) or a result dict saying why it did not start."""
     if not args.mcore_dir or not os.path.isdir(os.path.join(args.mcore_dir, "megatron", "core")):
         return {"skipped": f"no megatron-core install at --mcore-dir {args.mcore_dir!r}"}
     spec = {
@@ -243,23 +244,34 @@ def run_mcore(shape: Shape, device, args, log) -> dict:
     }
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.path.abspath(args.mcore_dir)
-    script = os.path.join(ROOT, "bench", "mcore_arm.py")
-    with tempfile.TemporaryDirectory() as cwd:  # the repository is not the working directory
-        try:
-            proc = subprocess.run(
-                [sys.executable, script, json.dumps(spec)],
-                cwd=cwd,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=args.mcore_timeout,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.mcore_timeout} s"}
-    log.write(f"--- megatron-core arm {spec}\n{proc.stdout}\n{proc.stderr}\n")
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("MCORE_RESULT ")), None)
+    cwd = tempfile.TemporaryDirectory()  # the repository is not the working directory
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "bench", "mcore_arm.py"), json.dumps(spec)],
+        cwd=cwd.name,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, spec, cwd
+
+
+def finish_mcore(started, args, log) -> dict:
+    if isinstance(started, dict):
+        return started
+    proc, spec, cwd = started
+    try:
+        stdout, stderr = proc.communicate(timeout=args.mcore_timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(killed after {args.mcore_timeout} s)"
+    finally:
+        cwd.cleanup()
+    log.write(f"--- megatron-core arm {spec}\n{stdout}\n{stderr}\n")
+    line = next((x for x in stdout.splitlines() if x.startswith("MCORE_RESULT ")), None)
     if line is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = (stderr or stdout).strip().splitlines()[-2:]
         return {"error": f"exit {proc.returncode}: " + " / ".join(tail)}
     result = json.loads(line.removeprefix("MCORE_RESULT "))
     if "version" in result:
@@ -301,6 +313,13 @@ def measure_shape(name: str, device, args, peak: float, log) -> list[dict]:
     cfg = model_config(shape)
     ours_params = our_param_count(cfg)
     rows = []
+    # On the CPU Megatron-core's arm only builds its model: start it now, alongside ours and HF.
+    # On a GPU it starts in its turn, after the others gave their memory back.
+    early = (
+        start_mcore(shape, device, args)
+        if "mcore" in args.systems and device.type == "cpu"
+        else None
+    )
     for system in args.systems:
         variants = args.ours_variants if system == "ours" else [None]
         for variant in variants:
@@ -312,7 +331,8 @@ def measure_shape(name: str, device, args, peak: float, log) -> list[dict]:
                 elif system == "hf":
                     r = run_hf(shape, device, args)
                 else:
-                    r = run_mcore(shape, device, args, log)
+                    started = early if early is not None else start_mcore(shape, device, args)
+                    r = finish_mcore(started, args, log)
             except torch.OutOfMemoryError:
                 r = {"error": "out of memory"}
             except Exception as e:  # one system failing must not hide the others
@@ -377,9 +397,9 @@ def main(argv=None) -> int:
     with open(args.log or os.devnull, "a") as log:
         for shape_name in args.shapes.split(","):
             rows += measure_shape(shape_name, device, args, peak, log)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "peak_tflops": peak, "rows": rows}, f, indent=1)
+            if args.json:  # after every shape: a run cut short by its time limit keeps them
+                with open(args.json, "w") as f:
+                    json.dump({"device": name, "peak_tflops": peak, "rows": rows}, f, indent=1)
     print("HEADLINE " + headline(rows))
     return 1 if any("error" in r for r in rows) else 0
 
