@@ -25,6 +25,8 @@
 # fine), for the GPU machine's Python 3.12 (it already has torch, triton, transformers, numpy,
 # tokenizers, tiktoken, pyyaml, tensorboard):
 #
+#   bash bench/gpu_check.sh --fetch-wheels     (runs exactly these, with $PYTHON -m pip)
+#
 #   W=shared/wheels; mkdir -p $W
 #   pip download -d $W --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --abi cp312 --platform manylinux_2_28_x86_64 megatron-core==0.19.2
@@ -47,13 +49,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 SMOKE=0
+FETCH=0
 STEPS="install,tests,kernels,mfu,train"
 while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) SMOKE=1 ;;
+        --fetch-wheels) FETCH=1 ;;
         --steps) STEPS="$2"; shift ;;
         -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument $1 (--smoke, --steps a,b,c, --help)" >&2; exit 2 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (--smoke, --steps a,b,c, --fetch-wheels," \
+               "--help)" >&2; exit 2 ;;
     esac
     shift
 done
@@ -61,6 +66,20 @@ done
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_check_out}
 WHEELS=${WHEELS:-shared/wheels}
+
+if [ $FETCH = 1 ]; then  # the commands of the header, on a machine with network
+    set -e
+    W=$WHEELS; mkdir -p "$W"
+    TAGS=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312)
+    $PY -m pip download -d "$W" --no-deps "${TAGS[@]}" --platform manylinux_2_28_x86_64 \
+        megatron-core==0.19.2
+    $PY -m pip download -d "$W" "${TAGS[@]}" --platform manylinux_2_28_x86_64 \
+        --platform manylinux2014_x86_64 pytest pytest-timeout hjson ninja psutil py-cpuinfo \
+        "pydantic>=2" msgpack einops setuptools wheel
+    DS_BUILD_OPS=0 $PY -m pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w "$W"
+    ls -l "$W"
+    exit 0
+fi
 GPU_DEPS=${GPU_DEPS:-.venv/gpu-deps}
 PYVER=$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 if [ -z "${MCORE_VERSION:-}" ]; then
@@ -72,9 +91,11 @@ if [ -z "${MCORE_VERSION:-}" ]; then
     fi
 fi
 MCORE_DIR=${MCORE_DIR:-.venv/mcore-$MCORE_VERSION-py$PYVER}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$GPU_DEPS" "$(dirname "$MCORE_DIR")"
 OUT=$(cd "$OUT" && pwd)
-export PYTHONPATH="$PWD:$PWD/$GPU_DEPS${PYTHONPATH:+:$PYTHONPATH}"
+GPU_DEPS=$(cd "$GPU_DEPS" && pwd)
+MCORE_DIR="$(cd "$(dirname "$MCORE_DIR")" && pwd)/$(basename "$MCORE_DIR")"
+export PYTHONPATH="$PWD:$GPU_DEPS${PYTHONPATH:+:$PYTHONPATH}"
 export MCORE_DIR
 unset TRITON_INTERPRET  # the kernels must compile for the GPU (kernels --smoke sets it itself)
 if [ $SMOKE = 1 ]; then
@@ -82,7 +103,7 @@ if [ $SMOKE = 1 ]; then
     : "${T_INSTALL:=120}" "${T_TESTS:=120}" "${T_KERNELS:=120}" "${T_MFU:=150}" "${T_TRAIN:=150}"
     : "${BUDGET:=3600}"
 else
-    : "${T_INSTALL:=120}" "${T_TESTS:=200}" "${T_KERNELS:=90}" "${T_MFU:=420}" "${T_TRAIN:=120}"
+    : "${T_INSTALL:=120}" "${T_TESTS:=240}" "${T_KERNELS:=90}" "${T_MFU:=420}" "${T_TRAIN:=120}"
     : "${BUDGET:=570}"
 fi
 SUMMARY="$OUT/summary.tsv"
@@ -131,8 +152,8 @@ do_install() {
         # The CPU venv has DeepSpeed and pytest (make setup); only megatron-core is fetched.
         if [ -d "$MCORE_DIR/megatron/core" ]; then
             echo "megatron-core $MCORE_VERSION already in $MCORE_DIR"
-        elif ! $PY -m pip install -q --no-deps --target "$MCORE_DIR.tmp" \
-                "megatron-core==$MCORE_VERSION"; then
+        elif ! $PY -m pip install -q --retries 1 --timeout 15 --no-deps \
+                --target "$MCORE_DIR.tmp" "megatron-core==$MCORE_VERSION"; then
             rm -rf "$MCORE_DIR.tmp"
             skip "megatron-core $MCORE_VERSION: the package registry could not be reached (the" \
                  "mfu step builds its model only when $MCORE_DIR exists)"
@@ -144,6 +165,7 @@ do_install() {
         return 0
     fi
     [ -d "$WHEELS" ] || { echo "no wheel folder $WHEELS (see the header of $0)"; return 1; }
+    $PY -m pip --version || $PY -m ensurepip --user  # some Python builds ship without pip
     # Missing distributions only, wheels before sdists (setuptools/wheel first, for the build).
     local missing
     missing=$($PY - "$WHEELS" <<'PYEOF'
