@@ -16,9 +16,9 @@ one after the other in this command, in bf16 with fp32 weights for the optimizer
          autocast, fused AdamW, torch.compile (what a user would pick instead)
 The largest shape uses selective recompute (ours and Megatron-core: the attention core; Hugging
 Face has only whole-layer gradient checkpointing). Warm-up steps (compilation included) are not
-timed; the step time is the median of the timed steps. TFLOP/s use Megatron's model-FLOPs
-formula without a recompute term (megatron.training.log.model_flops_per_sample), and MFU is
-given against the bf16 matmul peak measured here and against the H100's 989 TFLOP/s.
+timed; the step time is the median of the timed steps. TFLOP/s use Megatron-LM's model-FLOPs
+formula (`megatron_flops_per_sample`) without a recompute term, and MFU is given against the bf16
+matmul peak measured here and against the H100's 989 TFLOP/s.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from megatron.config.schema import KernelConfig, ModelConfig, RecomputeConfig  #
 from megatron.fused_kernels import select_ops  # noqa: E402
 from megatron.model.stages import build_model  # noqa: E402
 from megatron.mpu import single_process_state  # noqa: E402
-from megatron.training.log import model_flops_per_sample  # noqa: E402
 
 H100_PEAK = 989.0  # dense bf16 TFLOP/s of an H100 SXM
 DATA_SEED = 0
@@ -84,6 +83,24 @@ def model_config(shape: Shape) -> ModelConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+
+
+def megatron_flops_per_sample(m: ModelConfig, seq: int) -> float:
+    """Model FLOPs to train on one sample, as Megatron-LM counts them (`transformer_flops` in
+    megatron/training/training.py, megatron-core 0.19) for a dense GPT without recompute.
+
+    3 (forward, backward for inputs and for weights) x 2 (multiply-add) x, per token: per layer
+    the projections h (q + 2 g d) + q h and the MLP h f (x 3/2 with SwiGLU, as 2 or 3 matmuls),
+    plus the logits h V; and per sequence of s tokens s^2 q per layer for QK^T and PV, halved
+    for the causal mask. (The trainer's log line, megatron.training.log, counts the whole s^2
+    term, as the 2021 Megatron paper did: its MFU reads higher by that share.)
+    """
+    h, q = m.hidden_size, m.num_attention_heads * m.head_dim
+    kv = 2 * m.query_groups * m.head_dim
+    mlp = h * m.ffn_size * (3 if m.swiglu else 2)
+    per_token = m.num_layers * (h * (q + kv) + q * h + mlp) + h * m.padded_vocab_size(1)
+    per_sequence_core = m.num_layers * seq * seq * q / 2 * 2  # causal half of QK^T and PV
+    return 3 * 2 * (seq * per_token + per_sequence_core)
 
 
 def batches(shape: Shape, vocab: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -284,7 +301,7 @@ def finish_mcore(started, args, log) -> dict:
 
 def figures(result: dict, shape: Shape, cfg: ModelConfig, peak: float) -> dict:
     seconds = result["step_s"]
-    tflops = shape.batch * model_flops_per_sample(cfg, shape.seq) / seconds / 1e12
+    tflops = shape.batch * megatron_flops_per_sample(cfg, shape.seq) / seconds / 1e12
     return {
         "tokens_per_s": shape.batch * shape.seq / seconds,
         "tflops": tflops,

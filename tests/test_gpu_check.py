@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron.config.schema import ModelConfig
+from megatron.training.log import model_flops_per_sample
+
 ROOT = Path(__file__).parent.parent
 STEPS = ["install", "tests", "kernels", "train", "mfu"]
 
@@ -52,3 +55,29 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
         assert f"{systems['ours']['params']:,} parameters equal ours" in systems["mcore"]["skipped"]
     else:
         assert "registry could not be reached" in rows["install"][3]
+
+
+@pytest.mark.parametrize("swiglu, groups", [(False, None), (True, 2)])
+def test_mfu_counts_megatrons_model_flops(swiglu, groups):
+    """bench/mfu.py's count is Megatron-LM's: the trainer's (which counts the whole s^2 attention
+    core) less the half that the causal mask skips; GPT-2 small by hand."""
+    from bench.mfu import megatron_flops_per_sample
+
+    cfg = ModelConfig(
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        seq_length=1024,
+        vocab_size=50257,
+        swiglu=swiglu,
+        num_query_groups=groups,
+    )
+    s, q = 1024, 768
+    assert megatron_flops_per_sample(cfg, s) == pytest.approx(
+        model_flops_per_sample(cfg, s) - 3 * 2 * 12 * s * s * q, rel=1e-12
+    )
+    if not swiglu:  # 6 FLOPs per token per matmul weight (QKV, proj, MLP, logits) + attention
+        matmul_params = 12 * (4 * 768 * 768 + 8 * 768 * 768) + 768 * 50304
+        assert megatron_flops_per_sample(cfg, s) == pytest.approx(
+            6 * s * matmul_params + 6 * 12 * s * s * q, rel=1e-12
+        )
