@@ -16,7 +16,8 @@
 #   make gpu-check                             the first form
 #
 # Environment: OUT (gpu_check_out), WHEELS (shared/wheels), PYTHON (python3), GPU_DEPS (the pip
-# --target folder for missing packages, .venv/gpu-deps), MCORE_VERSION (0.19.2 on Python 3.12+,
+# --target folder for missing packages, .venv/gpu-deps), GPU_CHECK_DATA (the training data,
+# .venv/gpu-check-data; --smoke: under $OUT), MCORE_VERSION (0.19.2 on Python 3.12+,
 # else 0.16.1), MCORE_DIR (.venv/mcore-$MCORE_VERSION-pyX.Y), TRAIN_ITERS (200), BUDGET (570 s
 # for all steps together), T_<STEP> (each step's own limit, seconds: T_INSTALL T_TESTS T_KERNELS
 # T_TRAIN T_MFU). A step that would start with under 30 s of the budget left is not started.
@@ -119,7 +120,7 @@ step() {
     local left=$((BUDGET - (SECONDS - START)))
     if [ $left -lt 30 ]; then
         printf '%s\t%s\t0\t%s\n' "$name" "not run" \
-            "${left}s of BUDGET=$BUDGET left: run it alone (--steps install,$name)" >> "$SUMMARY"
+            "${left}s of BUDGET=$BUDGET left: run it in a call of its own (--steps)" >> "$SUMMARY"
         return 0
     fi
     [ "$limit" -le $((left - 5)) ] || limit=$((left - 5))
@@ -142,7 +143,8 @@ step() {
 }
 skip() { echo "GPU_CHECK_SKIP $*"; }
 cuda_available() { $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; }
-export PY OUT WHEELS GPU_DEPS MCORE_VERSION SMOKE TRAIN_ITERS
+GPU_CHECK_DATA=${GPU_CHECK_DATA:-$PWD/.venv/gpu-check-data}
+export PY OUT WHEELS GPU_DEPS MCORE_VERSION SMOKE TRAIN_ITERS GPU_CHECK_DATA
 
 # --- 1 install ------------------------------------------------------------------------------
 do_install() {
@@ -238,9 +240,12 @@ do_mfu() {
 
 # --- 5 train --------------------------------------------------------------------------------
 do_train() {
-    set -e
-    local data="$OUT/data" model iters tok
+    set -eo pipefail  # (bash -c does not inherit the caller's options)
+    # On the GPU the data (~40 MB) and the checkpoint (~1.7 GB) stay out of $OUT, which comes
+    # back from the device machine; the data is kept for the next call.
+    local data="$GPU_CHECK_DATA" ckpt="${TMPDIR:-/tmp}/gpu_check_train_checkpoints" model iters tok
     if [ "$SMOKE" = 1 ]; then
+        data="$OUT/data" ckpt="$OUT/train_checkpoints"
         local corpus_bytes=200000 vocab=512 backend=gloo
         model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
                --micro-batch-size 2 --global-batch-size 4)
@@ -263,15 +268,15 @@ print(w('$data/corpus.jsonl', $corpus_bytes))"
         $PY tools/preprocess_data.py --input "$data/corpus.jsonl" --output-prefix "$data/corpus" \
             "${tok[@]}" --append-eod --workers 2 --log-interval 1000
     fi
-    rm -rf "$OUT/train_checkpoints"
+    rm -rf "$ckpt"
     $PY pretrain_gpt2.py --distributed-backend "$backend" --bf16 "${model[@]}" \
         --train-iters "$iters" --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine \
         --lr-warmup-iters $((iters / 10)) --weight-decay 0.1 --clip-grad 1.0 \
         --hidden-dropout 0.0 --attention-dropout 0.0 \
         --data-path "$data/corpus_text_document" --split 98,2,0 "${tok[@]}" \
         --log-interval $((iters >= 20 ? iters / 10 : 1)) --eval-interval "$iters" --eval-iters 2 \
-        --num-workers "$([ "$SMOKE" = 1 ] && echo 0 || echo 2)" --save "$OUT/train_checkpoints" --save-interval "$iters" \
-        | tee "$OUT/train_iterations.log"
+        --num-workers "$([ "$SMOKE" = 1 ] && echo 0 || echo 2)" \
+        --save "$ckpt" --save-interval "$iters" | tee "$OUT/train_iterations.log"
     $PY - "$OUT/train_iterations.log" <<'PYEOF'
 import re, sys
 lines = [x for x in open(sys.argv[1]) if " iteration " in x and "lm loss:" in x]

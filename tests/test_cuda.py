@@ -59,6 +59,7 @@ LLAMA = ModelConfig(
     }
 )
 VARIANTS = {"gpt2": GPT2, "llama": LLAMA}
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "head.output_layer.weight")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Max error relative to the largest reference value: the rounding of each precision over two
 # layers (fp32: accumulation order; half: a few units of 2^-11 (fp16) or 2^-8 (bf16) per op).
@@ -180,13 +181,9 @@ def test_checkpoint_save_load_and_hf_export_on_the_device(test_device, tmp_path)
     _write_checkpoint(tmp_path / "ckpt", model, GPT2, tp=1, pp=1)
     state, args = load_full_state(str(tmp_path / "ckpt"))
     loaded = build_model(GPT2, mpu.single_process_state(), rng_tracker=None, seed=0)
-    padded = {
-        k: (F.pad(v, (0, 0, 0, GPT2.padded_vocab_size(1) - v.size(0))) if v.dim() == 2 else v)
-        if k.endswith("word_embeddings.weight")
-        else v
-        for k, v in state.items()
-    }
-    loaded.load_state_dict(padded, strict=False)
+    pad = GPT2.padded_vocab_size(1) - GPT2.vocab_size  # the full state holds the real vocab
+    state_padded = {k: F.pad(v, (0, 0, 0, pad)) if k in VOCAB_ROWS else v for k, v in state.items()}
+    loaded.load_state_dict(state_padded, strict=True)
     loaded = loaded.to(test_device)
     tokens, _ = batch(GPT2, test_device)
     with torch.no_grad():
