@@ -104,7 +104,7 @@ if [ $SMOKE = 1 ]; then
     : "${T_INSTALL:=120}" "${T_TESTS:=120}" "${T_KERNELS:=120}" "${T_MFU:=150}" "${T_TRAIN:=150}"
     : "${BUDGET:=3600}"
 else
-    : "${T_INSTALL:=120}" "${T_TESTS:=240}" "${T_KERNELS:=90}" "${T_MFU:=420}" "${T_TRAIN:=120}"
+    : "${T_INSTALL:=120}" "${T_TESTS:=240}" "${T_KERNELS:=180}" "${T_MFU:=540}" "${T_TRAIN:=150}"
     : "${BUDGET:=570}"
 fi
 SUMMARY="$OUT/summary.tsv"
