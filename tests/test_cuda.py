@@ -172,6 +172,14 @@ def test_rng_state_round_trips_on_the_device(test_device):
     torch.testing.assert_close(torch.rand(4, device=test_device), first, rtol=0, atol=0)
 
 
+def test_a_cpu_checkpoint_resumed_on_a_gpu_names_the_rng_flag():
+    from megatron.checkpoint.storage import CheckpointError
+
+    saved_on_cpu = rng_state_dict("cpu")
+    with pytest.raises(CheckpointError, match="--no-load-rng"):
+        set_rng_state(saved_on_cpu, torch.device("cuda", 0))  # refused before touching CUDA
+
+
 def test_checkpoint_save_load_and_hf_export_on_the_device(test_device, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the HF export needs transformers")
     from megatron.checkpoint.hf import to_hf
