@@ -2,6 +2,8 @@
 #   make test   create .venv, install, run the test suite
 #   make demo   create .venv, install, run the CPU demo
 # `make test-fast` skips the tests marked `slow` (multi-rank, subprocess, over a second).
+# `make gpu-check` runs the whole GPU check on a CUDA machine (docs/gpu.md; no venv there: the
+# machine's python3 and the wheels in shared/wheels); `make gpu-smoke` runs it on the CPU.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -11,7 +13,7 @@ BIN    := $(VENV)/bin
 CPU_TORCH ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint demo clean
+.PHONY: setup test test-fast lint demo clean gpu-check gpu-smoke
 
 setup: $(STAMP)
 
@@ -34,8 +36,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check megatron tests tools bench *.py
 	$(BIN)/ruff format --check megatron tests tools bench *.py
 
+gpu-check:
+	bash bench/gpu_check.sh
+
+gpu-smoke: $(STAMP)
+	PYTHON=$(BIN)/python bash bench/gpu_check.sh --smoke
+
 demo: $(STAMP)
 	PYTHON=$(BIN)/python bash examples/cpu_demo.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache gpu_check_out

@@ -77,9 +77,17 @@ def _mean_loss(per_token):
 
 
 def build_ours(
-    cfg: ModelConfig, device, dtype, ops=None, torch_compile: bool = False, builder=None, fwd=None
+    cfg: ModelConfig,
+    device,
+    dtype,
+    ops=None,
+    torch_compile: bool = False,
+    builder=None,
+    fwd=None,
+    recompute=None,
 ):
-    """One train_step of our stack; `builder`/`fwd`: another family's (bench/bert_step.py)."""
+    """One train_step of our stack; `builder`/`fwd`: another family's (bench/bert_step.py);
+    `recompute`: a RecomputeConfig (bench/mfu.py's largest shape uses selective recompute)."""
     state = single_process_state()
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, 1)
@@ -93,6 +101,7 @@ def build_ours(
         dtype=dtype,
         ops=ops,
         torch_compile=torch_compile,
+        **({} if recompute is None else {"recompute": recompute}),
     )
     ddp = DistributedDataParallel(model, None)
     opt = MegatronOptimizer(

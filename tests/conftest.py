@@ -112,3 +112,28 @@ def _fast_tests_start_no_process(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     yield
+
+
+def _requested_device() -> torch.device:
+    """MEGATRON_TEST_DEVICE (cpu | cuda | cuda:N; default cpu): where tests/test_cuda.py runs."""
+    name = os.environ.get("MEGATRON_TEST_DEVICE", "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise pytest.UsageError(f"MEGATRON_TEST_DEVICE={name!r}: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"MEGATRON_TEST_DEVICE={name!r}: use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"MEGATRON_TEST_DEVICE={name}: torch sees no CUDA device "
+            f"(torch {torch.__version__}). Fix: unset it to run on the CPU"
+        )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
+@pytest.fixture(scope="session")
+def test_device() -> torch.device:
+    """The device of tests/test_cuda.py (MEGATRON_TEST_DEVICE, default cpu)."""
+    return _requested_device()

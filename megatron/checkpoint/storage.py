@@ -671,5 +671,8 @@ def set_rng_state(state: dict, device: str | torch.device) -> None:
     torch.set_rng_state(state["torch"].cpu())  # a CPU ByteTensor, whatever map_location was
     if device.type == "cuda":
         if state.get("cuda") is None:
-            raise CheckpointError("checkpoint has no CUDA RNG state (saved on another device)")
+            raise CheckpointError(
+                "checkpoint has no CUDA RNG state (it was saved on the CPU). Fix: resume with "
+                "--no-load-rng (the random streams then start from --seed)"
+            )
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)

@@ -42,7 +42,8 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp_group) -> torch.Tensor:
 def mlm_metrics(model, data_iterator, iters: int, rt) -> dict[str, float]:
     """MLM loss / accuracy and NSP accuracy of `iters` micro batches per DP rank (PP = 1)."""
     tp_group = rt.state.tp_group
-    sums = torch.zeros(5, dtype=torch.float64)  # loss, correct, predicted, nsp right, samples
+    # loss, correct, predicted, nsp right, samples; on the device: NCCL reduces no CPU tensor.
+    sums = torch.zeros(5, dtype=torch.float64, device=rt.device)
     model.eval()
     for _ in range(iters):
         data = {k: v.to(rt.device) for k, v in next(data_iterator).items()}

@@ -382,8 +382,9 @@ def _skip_non_finite_steps(optimizer) -> None:
         if grads:  # one flag per tensor, one device sync in all
             bad = torch.stack([g.isfinite().all().logical_not() for g in grads]).any()
             bad = bad.float().reshape(1)
-        else:
-            bad = torch.zeros(1)
+        else:  # on the parameters' device: NCCL reduces no CPU tensor
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            bad = torch.zeros(1, device=params[0].device if params else None)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         optimizer.overflow = bool(bad.item())
         return None if optimizer.overflow else step(closure)
