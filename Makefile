@@ -26,11 +26,15 @@ $(STAMP): setup.py pyproject.toml
 	$(BIN)/pip install -q --no-build-isolation "deepspeed>=0.14"
 	touch $(STAMP)
 
+# Two pytest workers (TEST_WORKERS), each taking whole test files, so a file's module-scoped
+# fixtures are built once; many tests wait on process start-up, so two overlap well on 2 cores.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -x -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests -x -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check megatron tests tools bench *.py

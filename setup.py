@@ -34,6 +34,7 @@ setup(
         "dev": [
             "pytest>=7",
             "pytest-timeout",
+            "pytest-xdist",  # make test: two workers, one test file each at a time
             "ruff",
             "sentencepiece",
             "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)

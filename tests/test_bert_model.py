@@ -64,6 +64,7 @@ def test_tp1_bert_equals_transformers_bert_for_pretraining():
     torch.testing.assert_close(nsp, out.seq_relationship_logits, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_hf_import_gives_back_the_same_weights_and_pre_ln_is_refused():
     model = BertModel(CFG, mpu.single_process_state(), seed=5, dtype=DT)
     sd = model.state_dict()
@@ -76,6 +77,7 @@ def test_hf_import_gives_back_the_same_weights_and_pre_ln_is_refused():
         bert_to_hf(sd, pre_ln)
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_padding_changes_nothing_for_the_real_tokens_and_no_binary_head():
     cfg = dataclasses.replace(CFG, apply_residual_connection_post_layernorm=False)
     model = BertModel(cfg, mpu.single_process_state(), seed=3, dtype=DT).eval()

@@ -181,6 +181,7 @@ def _cli():
     return module.main
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_split_rules_match_the_model_and_mpu_shard(variant):
     cfg = VARIANTS[variant]
@@ -431,6 +432,7 @@ def _hf_model(variant: str):
     return model.eval()
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_reads_what_transformers_writes(tmp_path, variant):
     from megatron.checkpoint.hf import from_hf

@@ -89,6 +89,7 @@ def batch(cfg, device, n=3):
 # --- the model in each precision --------------------------------------------------------------
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("precision", list(DTYPES))
 def test_gpt_forward_backward_matches_float64_reference(test_device, variant, precision):
@@ -137,6 +138,7 @@ def test_tp_layers_at_tp1_are_plain_linear_and_embedding(test_device):
 # --- loss scaling, checkpoint state ---------------------------------------------------------
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(test_device):
     model = GPTModel(GPT2, mpu.single_process_state(), seed=3, device=test_device, dtype=torch.half)
     opt = MegatronOptimizer(
@@ -180,6 +182,7 @@ def test_a_cpu_checkpoint_resumed_on_a_gpu_names_the_rng_flag():
         set_rng_state(saved_on_cpu, torch.device("cuda", 0))  # refused before touching CUDA
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_checkpoint_save_load_and_hf_export_on_the_device(test_device, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the HF export needs transformers")
     from megatron.checkpoint.hf import to_hf
@@ -212,6 +215,7 @@ def _engine(cfg, device, dtype=torch.float32):
     return InferenceModel(chunks, state, cfg.vocab_size, cfg.hidden_size)
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_kv_cache_generation_equals_recomputing_the_prefix(test_device, variant):
     engine = _engine(VARIANTS[variant], test_device)
@@ -222,6 +226,7 @@ def test_kv_cache_generation_equals_recomputing_the_prefix(test_device, variant)
         assert [len(c) - len(p) for c, p in zip(cached, prompts, strict=True)] == [8] * 3
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_evaluation_on_the_device_equals_the_cpu(test_device):
     from megatron.data.tokenizers import build_tokenizer
 

@@ -138,6 +138,7 @@ def _compare(packed, alone):
 @pytest.mark.parametrize(
     "backend", ["sdpa", "unfused", pytest.param("fused", marks=pytest.mark.slow)]
 )
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("cfg", [CFG, ROPE], ids=["learned", "rope"])
 def test_each_packed_document_scores_as_if_alone(backend, cfg, monkeypatch):
     model = GPTModel(cfg, mpu.single_process_state(), seed=3, ops=_ops(backend, monkeypatch))
@@ -158,6 +159,7 @@ def test_each_packed_document_scores_as_if_alone(backend, cfg, monkeypatch):
         _compare(*_packed_and_alone(model, DocumentMasking(EOD))[:2])
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_recompute_with_document_masks_changes_nothing():
     """Full (uniform, block) and selective recompute replay the masked attention exactly."""
     tracker = mpu.RNGStatesTracker("cpu")

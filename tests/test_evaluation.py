@@ -86,6 +86,7 @@ def test_wikitext_detokenizer():
     )
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("stride", [16, 5])
 def test_wikitext_ppl_and_adjusted_ppl_match_a_hand_computation(setup, stride):
     tok, engine, model = setup
@@ -98,6 +99,7 @@ def test_wikitext_ppl_and_adjusted_ppl_match_a_hand_computation(setup, stride):
     assert result["adjusted_ppl"] == pytest.approx(math.exp(nll / (words - 1)), rel=1e-5)
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_loose_json_ppl_covers_documents_and_eod(setup):
     tok, engine, model = setup
     docs = ["def add(a, b):\n    return a + b\n", "The quick brown fox."]

@@ -169,6 +169,7 @@ def test_bad_input_names_the_smallest_fix():
     assert estimate_memory(GPT_1_3B, Layout(8, 1, 1, 1, 512), Training()).total < 8 * GiB
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_auto_parallel_picks_a_layout_and_writes_it_into_the_config(capsys):
     argv = [
         "--num-layers",
@@ -212,6 +213,7 @@ def test_auto_parallel_picks_a_layout_and_writes_it_into_the_config(capsys):
     assert cfg.parallel.tensor_model_parallel_size == 4
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_pretrain_auto_parallel_resolves_the_layout_and_the_tool_reports_bad_input(
     monkeypatch, capsys
 ):

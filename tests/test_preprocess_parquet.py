@@ -41,6 +41,7 @@ def _outputs_key(tmp_path: Path, prefix: str, key: str) -> tuple[bytes, bytes]:
     return Path(f"{base}.bin").read_bytes(), Path(f"{base}.idx").read_bytes()
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_parquet_glob_is_byte_identical_to_jsonl(tmp_path, monkeypatch, workers):
     monkeypatch.setattr(preprocess_tables, "_BATCH_ROWS", 256)  # many batches per file
@@ -53,6 +54,7 @@ def test_parquet_glob_is_byte_identical_to_jsonl(tmp_path, monkeypatch, workers)
     assert _outputs_key(tmp_path, "p", "content") == _outputs(tmp_path, "j")
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_saved_dataset_is_byte_identical_and_dataset_dicts_name_their_splits(tmp_path, capsys):
     datasets = pytest.importorskip("datasets", reason="pip install datasets")
     assert _run(tmp_path, [_jsonl(tmp_path, TEXTS)], prefix="j") == 0
@@ -67,6 +69,7 @@ def test_saved_dataset_is_byte_identical_and_dataset_dicts_name_their_splits(tmp
     assert "a DatasetDict with splits ['train']" in err and f"--input {tmp_path}/dict/train" in err
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_bad_rows_are_named_by_file_and_row_under_both_policies(tmp_path, capsys):
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"text": ["fine", None, "also fine"]}), path)

@@ -65,6 +65,7 @@ def test_greedy_equals_a_manual_argmax_loop_and_never_picks_padding():
     assert got == expected and all(t < CFG.vocab_size for t in got)
 
 
+@pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("cfg", [CFG, ROPE], ids=["gpt2", "rope-gqa"])
 def test_kv_cache_equals_recomputing_the_prefix_for_a_ragged_batch(cfg):
     engine = _engine(cfg)
@@ -83,6 +84,7 @@ def test_kv_cache_equals_recomputing_the_prefix_for_a_ragged_batch(cfg):
     assert generate(engine, PROMPTS, SamplingParams(10, greedy=True))[1] == alone
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_top_k_1_is_greedy_and_eod_stops_a_row():
     engine = _engine(CFG)
     greedy = generate(engine, PROMPTS, SamplingParams(8, greedy=True))

@@ -101,6 +101,7 @@ def test_generate_samples_gpt2_v1_command_writes_unconditional_json_lines(checkp
         assert r["finished"] or r["length"] == 8
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_unconditional_recompute_file_and_interactive_modes_match_the_library(
     checkpoint,  # noqa: F811
     loaded,
@@ -145,6 +146,7 @@ def _complete(engine, tok, texts):
     return complete(engine, tok, texts, SamplingParams(6, greedy=True))
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_tasks_main_and_run_gpt2_eval_give_tools_evaluate_numbers(checkpoint, loaded, data, capsys):  # noqa: F811
     rt, engine, tok = loaded
     wiki = evaluate_wikitext(engine, tok, WIKI, 32, 16, 8)
@@ -214,6 +216,7 @@ def test_v1_commands_under_torch_distributed_launch_on_tp2(checkpoint, loaded, d
     assert json.loads(out.strip().splitlines()[-1])["ppl"] == pytest.approx(lam["ppl"], rel=1e-6)
 
 
+@pytest.mark.slow  # over a second on 2 cores
 def test_flags_must_agree_with_the_checkpoint_and_process_count(checkpoint, data, capsys):  # noqa: F811
     base = ["--task", "LAMBADA", "--valid-data", str(data / "lambada.jsonl"), "--load", checkpoint]
     for extra, named in (

@@ -257,6 +257,7 @@ def test_fp16_lm_cross_entropy_keeps_the_logits_dtype():
 @pytest.mark.parametrize(
     "style,order", [("grouped", [0, 1, 0, 1]), ("spaced", [0, 0, 1, 1])]
 )  # v1.x's help: grouped [1, 2, 1, 2], spaced [1, 1, 2, 2]
+@pytest.mark.slow  # over a second on 2 cores
 def test_shared_layers_exist_once_and_their_gradients_sum(style, order):
     cfg = ModelConfig(**BASE, num_unique_layers=2, param_sharing_style=style)
     assert [cfg.unique_layer(i) for i in range(4)] == order
