@@ -15,7 +15,7 @@ from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate_bert, validate_training
 from megatron.initialize import shutdown_distributed
-from megatron.training import bert
+from megatron.models.bert import train as bert
 from megatron.training.loop import TrainingError, pretrain
 
 

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron.training.ddp as ddp_module  # noqa: E402
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
 from megatron.model.transformer import TransformerLayer  # noqa: E402
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
 from megatron.training.distrib_optimizer import DistributedOptimizer  # noqa: E402

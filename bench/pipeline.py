@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import ModelConfig, RecomputeConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
-from megatron.model.stages import build_model  # noqa: E402
+from megatron.models.gpt.model import build_model  # noqa: E402
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
 from megatron.training.learning_rates import AnnealingLR  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron import mpu
 from megatron.checkpoint.storage import finalize_checkpoint, save_shard
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import free_port
 
 ROOT = Path(__file__).parent.parent

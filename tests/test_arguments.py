@@ -340,10 +340,10 @@ _MAY_IMPORT = {
     "planning": {"config.schema", "config.rules"},  # runs before any model or process group
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
-    "checkpoint": {"config.schema", "model", "mpu"},
+    "checkpoint": {"config.schema", "model", "models", "mpu"},
     "inference": {"checkpoint", "config.declare", "config.schema", "data", "fused_kernels"}
     | {"initialize", "progress"}
-    | {"model", "mpu"},
+    | {"model", "models", "mpu"},
 }
 
 

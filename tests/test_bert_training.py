@@ -75,7 +75,7 @@ def _train(rank, world, argv):
 
     import pretrain_bert
     from megatron.config.cli import parse_args
-    from megatron.training import bert
+    from megatron.models.bert import train as bert
     from megatron.training.loop import pretrain
 
     cfg = bert.with_bert_defaults(
@@ -206,7 +206,7 @@ def _check_conversions(ckpt, tmp_path):
     from transformers import BertForPreTraining
 
     from megatron.checkpoint.resharding import load_checkpoint, model_config
-    from megatron.model.bert import BertModel
+    from megatron.models.bert.model import BertModel
     from megatron.mpu import single_process_state
 
     convert = _convert_tool()

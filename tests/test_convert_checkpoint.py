@@ -33,8 +33,8 @@ from megatron.checkpoint.storage import (
     tracker_path,
 )
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel
-from megatron.model.stages import build_model, stage_layer_range
+from megatron.model.stages import stage_layer_range
+from megatron.models.gpt.model import GPTModel, build_model
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -331,7 +331,7 @@ def _hf_logits(out_dir: str, variant: str) -> torch.Tensor:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_to_hf_gives_the_same_logits_in_transformers(tmp_path, variant):
     pytest.importorskip("transformers", reason="HF export checks need transformers")
-    from megatron.checkpoint.hf import to_hf
+    from megatron.models.gpt.hf import to_hf
 
     cfg = VARIANTS[variant]
     model = _model(cfg)
@@ -354,7 +354,7 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
     pytest.importorskip("safetensors", reason="HF files are safetensors")
-    from megatron.checkpoint.hf import to_hf
+    from megatron.models.gpt.hf import to_hf
 
     cfg = VARIANTS[variant]
     tokenizer = None
@@ -397,7 +397,7 @@ def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
 
 
 def test_unsupported_architecture_names_what_it_would_need():
-    from megatron.checkpoint.hf import hf_architecture
+    from megatron.models.gpt.hf import hf_architecture
 
     cfg = dataclasses.replace(VARIANTS["gpt2"], swiglu=True)
     with pytest.raises(ValueError, match="LlamaForCausalLM would need --position-embedding-type"):
@@ -431,8 +431,8 @@ def _hf_model(variant: str):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_reads_what_transformers_writes(tmp_path, variant):
-    from megatron.checkpoint.hf import from_hf
     from megatron.checkpoint.resharding import model_config
+    from megatron.models.gpt.hf import from_hf
 
     hf = _hf_model(variant)
     hf.save_pretrained(str(tmp_path / "hf"))
@@ -455,7 +455,7 @@ def test_from_hf_reads_hub_style_gpt2_names(tmp_path):
     pytest.importorskip("safetensors", reason="HF files are safetensors")
     from safetensors.torch import save_file
 
-    from megatron.checkpoint.hf import from_hf, to_hf
+    from megatron.models.gpt.hf import from_hf, to_hf
 
     cfg = VARIANTS["gpt2"]
     state = _unpadded(_model(cfg), cfg)

@@ -11,7 +11,7 @@ import torch
 from megatron.checkpoint.storage import checkpoint_dir, tracker_path, write_text_atomic
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from megatron.mpu import single_process_state
 from megatron.training import ddp as ddp_module
 from megatron.training.ddp import DistributedDataParallel

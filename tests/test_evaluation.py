@@ -20,7 +20,7 @@ from megatron.inference.evaluation import (
     wikitext_detokenize,
     window_plan,
 )
-from megatron.model.stages import build_model
+from megatron.models.gpt.model import build_model
 from tests.test_text_generation import checkpoint  # noqa: F401
 
 ROOT = Path(__file__).parent.parent

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import KernelConfig, ModelConfig  # noqa: E402
 from megatron.fused_kernels import TORCH_OPS, FusedOps, select_ops  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel, TransformerLayer
+from megatron.model.transformer import TransformerLayer
+from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.reference_gpt import RefGPT, load_from_megatron

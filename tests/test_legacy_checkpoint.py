@@ -14,7 +14,7 @@ import torch
 from megatron import mpu
 from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 from tests.test_convert_checkpoint import _cli as _convert_cli
 

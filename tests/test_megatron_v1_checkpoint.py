@@ -25,7 +25,7 @@ from megatron import mpu
 from megatron.checkpoint.megatron_v1 import _load, import_megatron_v1
 from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.checkpoint.storage import CheckpointError
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 from tests.test_convert_checkpoint import _cli
 from tests.test_training import _train, data_prefix  # noqa: F401 - data_prefix is a fixture

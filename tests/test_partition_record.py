@@ -24,7 +24,7 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 from tests.test_training import data_prefix, flags  # noqa: F401
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig, RecomputeConfig
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from megatron.training.pipeline import check_message_order, pipeline_actions
 from tests.distributed import run_distributed
 from tests.test_training import _losses, _resume_worker, _train, data_prefix, flags  # noqa: F401

@@ -12,8 +12,8 @@ from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.config.schema_run import OptimizerConfig, TrainingConfig
-from megatron.model import GPTModel
 from megatron.model.memory import SavedActivations
+from megatron.models.gpt.model import GPTModel
 from megatron.planning.auto import auto_parallel
 from megatron.planning.enumerate import PlanError, Search, best_plan, layouts, plans
 from megatron.planning.memory import (

@@ -18,9 +18,9 @@ from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import FusedOps
-from megatron.model import GPTModel
 from megatron.model.memory import SavedActivations
 from megatron.model.transformer import TransformerLayer
+from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
 from tests.distributed import run_distributed

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from tests.serving import CFG, FIXTURES, Server, convert, make_checkpoint
 
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (pip install -e '.[serve]')")

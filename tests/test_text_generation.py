@@ -18,8 +18,7 @@ from megatron.checkpoint.storage import finalize_checkpoint, save_shard
 from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate, generate_greedy
-from megatron.model import GPTModel
-from megatron.model.stages import build_model
+from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import free_port, run_distributed
 

@@ -28,7 +28,7 @@ from megatron.inference.generation import SamplingParams, generate
 from megatron.inference.samples import interactive, unconditional_samples
 from megatron.inference.session import setup
 from megatron.initialize import shutdown_distributed
-from megatron.model.stages import build_model
+from megatron.models.gpt.model import build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import free_port, run_distributed
 from tests.test_evaluation import WIKI

@@ -18,8 +18,8 @@ from megatron.config.cli import parse_args
 from megatron.config.rules import validate, validate_training
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS
-from megatron.model import GPTModel
 from megatron.model.transformer import KVCache, ParallelAttention, TransformerLayer
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 
 BASE = dict(
@@ -390,7 +390,7 @@ def _check_grads(model, ref_grads, state, vocab, reduce_embedding=False):
 
 
 def _tp_pp_worker(rank, world):
-    from megatron.model.stages import build_model
+    from megatron.models.gpt.model import build_model
     from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 
     cfg = ModelConfig(**BASE, **V1, param_sharing_style="spaced")
@@ -457,7 +457,7 @@ def test_hf_export_openai_gelu_as_gelu_new_and_shared_layers_copied(tmp_path):
     transformers = pytest.importorskip("transformers", reason="HF export checks need transformers")
     import json
 
-    from megatron.checkpoint.hf import from_hf, hf_architecture, to_hf
+    from megatron.models.gpt.hf import from_hf, hf_architecture, to_hf
 
     cfg = ModelConfig(**{**BASE, **V1, "apply_residual_connection_post_layernorm": False})
     model = GPTModel(cfg, ST, seed=3).eval()

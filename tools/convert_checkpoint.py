@@ -139,13 +139,13 @@ def _reshard(a) -> int:
 
 
 def _export(a) -> int:
-    from megatron.checkpoint.hf import to_hf
+    from megatron.models.gpt.hf import to_hf
 
     if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
         raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
     loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
     if loaded.args.get("model_family", "gpt").startswith("bert"):
-        from megatron.checkpoint.hf_bert import export_hf_bert
+        from megatron.models.bert.hf import export_hf_bert
 
         export_hf_bert(loaded.state, loaded.args, a.to_hf)
         print(
@@ -159,11 +159,11 @@ def _export(a) -> int:
 
 
 def _import(a) -> int:
-    from megatron.checkpoint.hf import from_hf
+    from megatron.models.gpt.hf import from_hf
 
     hf_cfg = _hf_config_json(a.from_hf)
     if hf_cfg.get("model_type") == "bert":
-        from megatron.checkpoint.hf_bert import import_hf_bert
+        from megatron.models.bert.hf import import_hf_bert
 
         state, args = import_hf_bert(a.from_hf, hf_cfg)
     else:

@@ -40,9 +40,9 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved
-from megatron.model.bert import BertModel
-from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS, GPTModel
 from megatron.model.stages import stage_layer_range
+from megatron.models.bert.model import BertModel
+from megatron.models.gpt.model import OUTPUT_WEIGHTS, WORD_EMBEDDINGS, GPTModel
 from megatron.mpu import partition_of, single_process_state
 from megatron.mpu.utils import shard, unshard
 

@@ -9,7 +9,7 @@ from megatron.checkpoint.storage import CheckpointError, load_shard, resolve_loa
 from megatron.config.schema import KernelConfig, TokenizerConfig, model_config_from_saved
 from megatron.data.tokenizers import build_tokenizer
 from megatron.fused_kernels import select_ops
-from megatron.model.stages import build_model
+from megatron.models.gpt.model import build_model
 
 
 def load_model_for_inference(

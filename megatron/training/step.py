@@ -18,7 +18,7 @@ from megatron.config.lr_schedule import schedule_steps
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
-from megatron.model.stages import build_model
+from megatron.models.gpt.model import build_model
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
 from megatron.training.backend import StepResult, TrainerBackend, average_loss, other_losses

@@ -27,9 +27,14 @@ from megatron.config.legacy import uses_deepspeed_checkpointing
 from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.documents import document_attention_mask
-from megatron.model.gpt import Embedding, OutputHead, init_weights, mark_sequence_parallel_params
-from megatron.model.stages import build_model
 from megatron.model.transformer import TransformerLayer, build_norm
+from megatron.models.gpt.model import (
+    Embedding,
+    OutputHead,
+    build_model,
+    init_weights,
+    mark_sequence_parallel_params,
+)
 from megatron.mpu import (
     ParallelState,
     checkpoint,

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config.schema import MegatronConfig, parse_blend, split_weights
-from megatron.data.bert_dataset import BertDataset, BertOptions, BertTokens
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.builder import SPLIT_NAMES
 from megatron.data.dataset_impl import make_indexed_dataset
 from megatron.data.gpt_dataset import split_document_ranges
 from megatron.data.tokenizers import build_tokenizer
 from megatron.initialize import barrier
-from megatron.model.bert import build_bert_model
+from megatron.models.bert.dataset import BertDataset, BertOptions, BertTokens
+from megatron.models.bert.model import build_bert_model
 
 DEFAULT_TOKENIZER = "BertWordPieceLowerCase"  # v1.1.5's default for BERT
 

@@ -26,9 +26,9 @@ from torch import nn
 from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.model.documents import padding_attention_mask
-from megatron.model.gpt import init_weights, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.transformer import TransformerLayer, build_norm
+from megatron.models.gpt.model import init_weights, run_layers
 from megatron.mpu import (
     ParallelState,
     RNGStatesTracker,

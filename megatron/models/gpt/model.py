@@ -20,6 +20,7 @@ from torch import nn
 from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS, FusedOps
 from megatron.model.documents import document_attention_mask
+from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.transformer import (
     NORM_TYPES,
     TransformerLayer,
@@ -364,3 +365,43 @@ def init_weights(
             full.zero_()
             full[:rows].normal_(0.0, std, generator=_generator(seed, name))
         copy_full_into_param(param, full, state.tp_group)
+
+
+def build_model(
+    cfg: ModelConfig,
+    state: ParallelState,
+    *,
+    rng_tracker: RNGStatesTracker | None,
+    seed: int,
+    device=None,
+    dtype=torch.float32,
+    checkpoint_impl=None,
+    ops=None,
+    recompute: RecomputeConfig | None = None,
+    torch_compile: bool = False,
+) -> ModelChunks:
+    """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V.
+
+    `ops`, `recompute` and `torch_compile` are the run-time switches (see GPTModel)."""
+    vp = state.virtual_pp_size
+    chunks = []
+    for c in range(vp or 1):
+        last_chunk = c == (vp or 1) - 1
+        chunks.append(
+            GPTModel(
+                cfg,
+                state,
+                rng_tracker=rng_tracker,
+                seed=seed,
+                device=device,
+                dtype=dtype,
+                layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank, vp, c),
+                checkpoint_impl=checkpoint_impl,
+                ops=ops,
+                recompute=recompute,
+                torch_compile=torch_compile,
+                pre_process=state.is_first_stage and c == 0,
+                post_process=state.is_last_stage and last_chunk,
+            )
+        )
+    return ModelChunks(chunks)
