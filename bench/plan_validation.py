@@ -131,12 +131,12 @@ def _layer_cost() -> float:
     """The fixed cost of one transformer layer's forward + backward (a layer of width 8)."""
     import torch
 
-    from megatron import mpu
     from megatron.config.schema import ModelConfig
+    from megatron.model.context import BuildContext
     from megatron.model.transformer import TransformerLayer
 
     cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=2)
-    layer = TransformerLayer(cfg, mpu.single_process_state(), None)
+    layer = TransformerLayer(cfg, BuildContext())
     x = torch.randn(1, 2, 8, requires_grad=True)
     start, n = time.perf_counter(), 30
     for _ in range(n):

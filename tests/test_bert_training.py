@@ -207,7 +207,6 @@ def _check_conversions(ckpt, tmp_path):
 
     from megatron.checkpoint.resharding import load_checkpoint, model_config
     from megatron.models.bert.model import BertModel
-    from megatron.mpu import single_process_state
 
     convert = _convert_tool()
     original = load_checkpoint(ckpt)
@@ -235,7 +234,7 @@ def _check_conversions(ckpt, tmp_path):
     hf_dir = str(tmp_path / "hf")
     assert convert(["--load", split, "--to-hf", hf_dir]) == 0
     cfg = model_config(original.args)
-    ours = BertModel(cfg, single_process_state()).eval()
+    ours = BertModel(cfg).eval()
     padded = {}
     for name, t in original.state.items():
         rows = ours.state_dict()[name].shape[0]

@@ -33,6 +33,7 @@ from megatron.checkpoint.storage import (
     tracker_path,
 )
 from megatron.config.schema import ModelConfig
+from megatron.model.context import BuildContext
 from megatron.model.stages import stage_layer_range
 from megatron.models.gpt.model import GPTModel, build_model
 from tests.distributed import run_distributed
@@ -69,7 +70,7 @@ VOCAB = ("embedding.word_embeddings.weight", "head.output_layer.weight")
 
 def _model(cfg: ModelConfig, seed: int = 7) -> GPTModel:
     """A model whose biases and norm weights are not 0 and 1, so their mapping is tested too."""
-    model = GPTModel(cfg, mpu.single_process_state(), seed=seed, dtype=torch.float32).eval()
+    model = GPTModel(cfg, BuildContext(seed=seed, dtype=torch.float32)).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -131,8 +132,7 @@ def _stage_keys(cfg: ModelConfig, pp: int, pp_rank: int) -> list[str]:
     """Names the trainer's stage model holds, from the model itself."""
     stage = GPTModel(
         cfg,
-        mpu.single_process_state(),
-        seed=1,
+        BuildContext(seed=1),
         layer_range=stage_layer_range(cfg.num_layers, pp, pp_rank),
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp - 1,
@@ -203,7 +203,7 @@ def test_split_rules_match_the_model_and_mpu_shard(variant):
         state = dataclasses.replace(
             mpu.single_process_state(), pp_size=2, pp_rank=pp_rank, virtual_pp_size=2
         )
-        chunks = build_model(cfg, state, rng_tracker=None, seed=1)
+        chunks = build_model(cfg, BuildContext(state, seed=1))
         assert set(stage_names(cfg, 2, pp_rank, vp_layers=1)) == set(chunks.state_dict())
 
 
@@ -236,7 +236,7 @@ def test_tp2_pp2_to_tp1_pp1_gives_the_same_logits(tmp_path, variant, capsys):
 def _tp_worker(rank, world, ckpt, cfg, expected):
     state = mpu.initialize_model_parallel(world, 1)
     shard = load_shard(ckpt, 20, tp_rank=state.tp_rank, pp_rank=0, pp_size=1)
-    model = GPTModel(cfg, state, seed=5, dtype=torch.float32).eval()
+    model = GPTModel(cfg, BuildContext(state, seed=5, dtype=torch.float32)).eval()
     model.load_state_dict(shard["model"])
     with torch.no_grad():
         local = model(_tokens(cfg))  # (b, s, V_pad / TP): this rank's vocab slice

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig
+from megatron.model.context import BuildContext
 from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -50,7 +51,7 @@ def _batch(cfg, batch=3):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_tp1_model_equals_plain_reference_gpt(name):
     cfg = VARIANTS[name]
-    model = GPTModel(cfg, mpu.single_process_state(), seed=3, dtype=DT)
+    model = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
     ref = RefGPT(cfg).to(DT)
     load_from_megatron(ref, model)
     tokens, labels = _batch(cfg)
@@ -78,7 +79,7 @@ def test_tp1_model_equals_plain_reference_gpt(name):
 
 def test_weight_init_statistics():
     cfg = dataclasses.replace(VARIANTS["gpt2"], num_layers=8, hidden_size=256, vocab_size=1000)
-    model = GPTModel(cfg, mpu.single_process_state(), seed=1)
+    model = GPTModel(cfg, BuildContext(seed=1))
     sd = model.state_dict()
     std = sd["layers.0.self_attention.query_key_value.weight"].std().item()
     scaled = sd["layers.0.mlp.dense_4h_to_h.weight"].std().item()
@@ -87,7 +88,7 @@ def test_weight_init_statistics():
     assert torch.equal(sd["layers.0.input_layernorm.weight"], torch.ones(256))
     assert torch.equal(sd["layers.0.mlp.dense_h_to_4h.bias"], torch.zeros(1024))
     assert not sd["embedding.word_embeddings.weight"][1000:].any(), "padding rows are zero"
-    other = GPTModel(cfg, mpu.single_process_state(), seed=2).state_dict()
+    other = GPTModel(cfg, BuildContext(seed=2)).state_dict()
     assert not torch.equal(
         sd["layers.0.mlp.dense_4h_to_h.weight"], other["layers.0.mlp.dense_4h_to_h.weight"]
     )
@@ -109,7 +110,7 @@ def _all_gather(t, group, size):
 
 
 def _compare_to_reference(cfg, state, ref, ref_loss, tokens, labels):
-    model = GPTModel(cfg, state, seed=3, dtype=DT)
+    model = GPTModel(cfg, BuildContext(state, seed=3, dtype=DT))
     loss = model(tokens, labels=labels)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
     loss.mean().backward()
@@ -139,7 +140,7 @@ def _compare_to_reference(cfg, state, ref, ref_loss, tokens, labels):
 def _tp_worker(rank, world):
     for cfg in VARIANTS.values():
         tokens, labels = _batch(cfg)
-        ref = GPTModel(cfg, mpu.single_process_state(), seed=3, dtype=DT)
+        ref = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
         ref_loss = ref(tokens, labels=labels)
         ref_loss.mean().backward()
         for tp in (4, 2):
@@ -159,7 +160,7 @@ def test_activation_checkpoint_replays_dropout_exactly():
     state = mpu.single_process_state()
     tracker = mpu.RNGStatesTracker("cpu")
     tracker.add(mpu.MODEL_PARALLEL_RNG, 99)
-    layer = TransformerLayer(cfg, state, tracker, dtype=DT)
+    layer = TransformerLayer(cfg, BuildContext(state, dtype=DT, rng_tracker=tracker))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x0 = torch.randn(2, cfg.seq_length, cfg.hidden_size, dtype=DT)

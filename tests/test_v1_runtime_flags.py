@@ -268,7 +268,7 @@ def _native_worker(rank, world, argv, save_dir):
         out[f"dtypes_{name}"] = sorted(set(map(str, seen)))
     # --cpu-optimizer and --use-cpu-initialization together: each must leave the run unchanged.
     devices, real_build = [], step.build_model
-    step.build_model = lambda *a, **kw: devices.append(str(kw["device"])) or real_build(*a, **kw)
+    step.build_model = lambda cfg, ctx: devices.append(str(ctx.device)) or real_build(cfg, ctx)
     try:
         cpu = ["--cpu-optimizer", "--use-cpu-initialization"]
         out["cpu"], w_cpu, _ = _run(rank, world, argv + cpu)

@@ -41,9 +41,10 @@ from megatron.checkpoint.storage import (
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved
 from megatron.model.stages import stage_layer_range
+from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
 from megatron.models.bert.model import BertModel
-from megatron.models.gpt.model import OUTPUT_WEIGHTS, WORD_EMBEDDINGS, GPTModel
-from megatron.mpu import partition_of, single_process_state
+from megatron.models.gpt.model import GPTModel
+from megatron.mpu import partition_of
 from megatron.mpu.utils import shard, unshard
 
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -66,8 +67,8 @@ def family_of_names(names) -> str:
 
 def _build_tp1(cfg: ModelConfig, family: str) -> nn.Module:
     if family == "gpt":
-        return GPTModel(cfg, single_process_state())
-    return BertModel(cfg, single_process_state(), binary_head=family == "bert")
+        return GPTModel(cfg)
+    return BertModel(cfg, binary_head=family == "bert")
 
 
 DROPPED_STATE_NOTE = (

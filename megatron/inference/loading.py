@@ -8,7 +8,9 @@ import dataclasses
 from megatron.checkpoint.storage import CheckpointError, load_shard, resolve_load_iteration
 from megatron.config.schema import KernelConfig, TokenizerConfig, model_config_from_saved
 from megatron.data.tokenizers import build_tokenizer
-from megatron.fused_kernels import select_ops
+from megatron.fused_kernels import TORCH_OPS, select_ops
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
 
 
@@ -51,16 +53,16 @@ def load_model_for_inference(
     # The checkpoint holds the architecture only: the kernels come from the caller (plain torch
     # ops when it names none), recompute is a training setting. Weights are overwritten right
     # after, so the seed is moot.
-    model = build_model(
-        model_cfg,
-        st,
-        rng_tracker=rt.rng_tracker,
+    ctx = BuildContext(
+        state=st,
         seed=0,
         device=rt.device,
         dtype=dtype or next(iter(shard["model"].values())).dtype,
-        ops=select_ops(kernels, rt.device) if kernels is not None else None,
-        torch_compile=kernels is not None and kernels.torch_compile,
+        rng_tracker=rt.rng_tracker,
+        ops=select_ops(kernels, rt.device) if kernels is not None else TORCH_OPS,
     )
+    model = build_model(model_cfg, ctx)
+    parallelize(model, st, torch_compile=kernels is not None and kernels.torch_compile)
     model.load_state_dict(shard["model"])
     tok = _build_tokenizer({**args.get("tokenizer", {}), **(tokenizer or {})}, model_cfg)
     return model, tok, model_cfg, iteration

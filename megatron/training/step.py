@@ -18,6 +18,8 @@ from megatron.config.lr_schedule import schedule_steps
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
@@ -54,28 +56,44 @@ def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider=None):
-    """`model_provider`: build_model's signature, another family's (BERT); None: the GPT's."""
-    model_provider = model_provider or build_model
-    dtype = cfg.precision.params_dtype
-    ops = select_ops(cfg.kernels, rt.device)
-    if rt.state.rank == 0:
-        print(f" {ops.describe()}", file=sys.stderr, flush=True)
-    cpu_init = cfg.distributed.use_cpu_initialization
-    model = model_provider(
-        cfg.model,
-        rt.state,
-        rng_tracker=rt.rng_tracker,
+def build_context(cfg: MegatronConfig, rt: Runtime, device=None) -> BuildContext:
+    """This rank's BuildContext for the run: its place in the grid, the seed, device, dtype,
+    dropout streams and the kernels --attention-backend etc. chose."""
+    return BuildContext(
+        state=rt.state,
         seed=cfg.training.seed,
-        device=torch.device("cpu") if cpu_init else rt.device,
-        dtype=dtype,
-        checkpoint_impl=recompute_impl(cfg, rt),
-        ops=ops,
-        recompute=cfg.recompute,
-        torch_compile=cfg.kernels.torch_compile,
+        device=device or rt.device,
+        dtype=cfg.precision.params_dtype,
+        rng_tracker=rt.rng_tracker,
+        ops=select_ops(cfg.kernels, rt.device),
     )
+
+
+def build_parallelized_model(cfg: MegatronConfig, rt: Runtime, model_provider, checkpoint_impl):
+    """model_provider(ModelConfig, BuildContext) -> ModelChunks, then the run-time
+    transformations in their fixed order (megatron.model.parallelize)."""
+    cpu_init = cfg.distributed.use_cpu_initialization
+    ctx = build_context(cfg, rt, torch.device("cpu") if cpu_init else None)
+    if rt.state.rank == 0:
+        print(f" {ctx.ops.describe()}", file=sys.stderr, flush=True)
+    model = model_provider(cfg.model, ctx)
     if cpu_init:
         model.to(rt.device)  # --use-cpu-initialization: built on the CPU, then moved
+    return parallelize(
+        model,
+        rt.state,
+        cfg.recompute,
+        torch_compile=cfg.kernels.torch_compile,
+        checkpoint_impl=checkpoint_impl,
+    )
+
+
+def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider=None):
+    """`model_provider`: build_model's signature, another family's (BERT); None: the GPT's."""
+    model = build_parallelized_model(
+        cfg, rt, model_provider or build_model, recompute_impl(cfg, rt)
+    )
+    dtype = cfg.precision.params_dtype
     distributed = cfg.optimizer.use_distributed_optimizer
     tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
     ddp = wrap_data_parallel(

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -25,16 +26,12 @@ from torch import nn
 
 from megatron.config.legacy import uses_deepspeed_checkpointing
 from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
-from megatron.fused_kernels import select_ops
-from megatron.model.documents import document_attention_mask
+from megatron.model.context import BuildContext
+from megatron.model.masks import CAUSAL, AttentionMask
+from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer, build_norm
-from megatron.models.gpt.model import (
-    Embedding,
-    OutputHead,
-    build_model,
-    init_weights,
-    mark_sequence_parallel_params,
-)
+from megatron.model.weights import init_weights
+from megatron.models.gpt.model import Embedding, OutputHead, build_model
 from megatron.mpu import (
     ParallelState,
     checkpoint,
@@ -46,7 +43,7 @@ from megatron.training.data import get_batch
 from megatron.training.deepspeed.config import build_ds_config
 from megatron.training.optimizer import _torch_optimizer, param_groups
 from megatron.training.schedules import forward_backward_no_pipelining
-from megatron.training.step import evaluate, lm_loss
+from megatron.training.step import build_context, build_parallelized_model, evaluate, lm_loss
 
 
 def import_deepspeed():
@@ -110,12 +107,10 @@ class MpuAdapter:
 
 
 class EmbeddingPipe(Embedding):
-    def __init__(
-        self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype, rng_tracker=None
-    ):
-        super().__init__(cfg, state, device, dtype, rng_tracker=rng_tracker)
-        init_weights(self, cfg, state, seed, prefix="embedding.")
-        mark_sequence_parallel_params(self, state)
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
+        super().__init__(cfg, ctx)
+        init_weights(self, cfg, ctx.state, ctx.seed, prefix="embedding.")
+        parallelize(self, ctx.state)
 
     def forward(self, inputs):
         if isinstance(inputs, tuple):
@@ -126,42 +121,32 @@ class EmbeddingPipe(Embedding):
 
 class TransformerLayerPipe(TransformerLayer):
     """`document_mask`: attend within documents (--reset-attention-mask); each layer builds
-    the mask from the document ids it passes on."""
+    the mask from the document ids it passes on. Full recompute is DeepSpeed's
+    (activation_checkpoint_interval); selective recompute is applied here."""
 
-    def __init__(
-        self,
-        cfg,
-        state,
-        tracker,
-        seed: int,
-        number: int,
-        device,
-        dtype,
-        recompute,
-        ops=None,
-        document_mask: bool = False,
-    ):
-        super().__init__(
-            cfg, state, tracker, device, dtype, ops, recompute, layer_number=number + 1
-        )
-        init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
-        mark_sequence_parallel_params(self, state)
+    def __init__(self, cfg, ctx: BuildContext, number: int, recompute, document_mask=False):
+        super().__init__(cfg, ctx, layer_number=number + 1)
+        init_weights(self, cfg, ctx.state, ctx.seed, prefix=f"layers.{number}.")
+        if recompute.granularity == "selective":
+            parallelize(self, ctx.state, recompute)
+        else:
+            parallelize(self, ctx.state)
         self.document_mask = document_mask
 
     def forward(self, inputs):
         if not isinstance(inputs, tuple):
             return super().forward(inputs)
         x, position_ids, document_ids = inputs
-        mask = document_attention_mask(document_ids) if self.document_mask else None
+        mask = AttentionMask.documents(document_ids) if self.document_mask else CAUSAL
         return super().forward(x, position_ids, None, mask), position_ids, document_ids
 
 
 class FinalNormPipe(nn.Module):
-    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
-        self.final_layernorm = build_norm(cfg, device, dtype)
-        init_weights(self, cfg, state, seed, prefix="head.")
-        mark_sequence_parallel_params(self, state)
+        self.final_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
+        init_weights(self, cfg, ctx.state, ctx.seed, prefix="head.")
+        parallelize(self, ctx.state)
 
     def forward(self, inputs):
         return self.final_layernorm(inputs[0] if isinstance(inputs, tuple) else inputs)
@@ -170,10 +155,10 @@ class FinalNormPipe(nn.Module):
 class HeadPipe(OutputHead):
     """The untied output layer (the final norm is FinalNormPipe)."""
 
-    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
-        super().__init__(cfg, state, device, dtype)
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
+        super().__init__(cfg, ctx)
         del self.final_layernorm
-        init_weights(self, cfg, state, seed, prefix="head.")
+        init_weights(self, cfg, ctx.state, ctx.seed, prefix="head.")
 
     def forward(self, x):
         return self.logits(x)
@@ -202,51 +187,32 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    m, st, seed = cfg.model, rt.state, cfg.training.seed
-    ops = select_ops(cfg.kernels, rt.device)
-    common = (cfg.model, st, seed, rt.device, cfg.precision.params_dtype)
+    m, st = cfg.model, rt.state
+    ctx = build_context(cfg, rt)
+    common = (cfg.model, ctx)
     tied = not m.untie_embeddings_and_output_weights
-    tracker = {"rng_tracker": rt.rng_tracker}  # the embedding's dropout with SP
     embed = (
-        TiedLayerSpec(
-            "embed",
-            EmbeddingPipe,
-            *common,
-            tied_weight_attr="word_embeddings.weight",
-            **tracker,
-        )
+        TiedLayerSpec("embed", EmbeddingPipe, *common, tied_weight_attr="word_embeddings.weight")
         if tied
-        else LayerSpec(EmbeddingPipe, *common, **tracker)
+        else LayerSpec(EmbeddingPipe, *common)
     )
     if tied:
         # A weightless head (meta device) that computes the logits with the tied weight.
-        head_fn = functools.partial(_tied_logits, OutputHead(m, st, device="meta"))
+        meta = dataclasses.replace(ctx, device="meta")
+        head_fn = functools.partial(_tied_logits, OutputHead(m, meta))
         head = TiedLayerSpec(
             "embed",
             EmbeddingPipe,
             *common,
             tied_weight_attr="word_embeddings.weight",
             forward_fn=head_fn,
-            **tracker,
         )
     else:
         head = LayerSpec(HeadPipe, *common)
     layers = [
         embed,
         *(
-            LayerSpec(
-                TransformerLayerPipe,
-                m,
-                st,
-                rt.rng_tracker,
-                seed,
-                i,
-                rt.device,
-                cfg.precision.params_dtype,
-                cfg.recompute,
-                ops,
-                cfg.data.reset_attention_mask,
-            )
+            LayerSpec(TransformerLayerPipe, m, ctx, i, cfg.recompute, cfg.data.reset_attention_mask)
             for i in range(m.num_layers)
         ),
         LayerSpec(FinalNormPipe, *common),
@@ -337,18 +303,7 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler, model_provider=None
     if pipeline:
         model = build_pipeline_module(cfg, rt, tracked)
     else:
-        model = (model_provider or build_model)(
-            cfg.model,
-            rt.state,
-            rng_tracker=rt.rng_tracker,
-            seed=cfg.training.seed,
-            device=rt.device,
-            dtype=cfg.precision.params_dtype,
-            checkpoint_impl=impl,
-            ops=select_ops(cfg.kernels, rt.device),
-            recompute=cfg.recompute,
-            torch_compile=cfg.kernels.torch_compile,
-        )
+        model = build_parallelized_model(cfg, rt, model_provider or build_model, impl)
         if ds_config["zero_optimization"]["stage"] == 3 and model[0].tied:
             # The head reads the embedding's weight outside the module that owns it.
             deepspeed.zero.register_external_parameter(
