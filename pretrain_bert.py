@@ -13,23 +13,20 @@ import sys
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
-from megatron.config.rules import validate_bert, validate_training
+from megatron.config.rules import validate_training
 from megatron.initialize import shutdown_distributed
 from megatron.models.bert import train as bert
+from megatron.models.registry import get_spec
 from megatron.training.loop import TrainingError, pretrain
 
 
 def main(argv=None) -> int:
     try:
+        spec = get_spec("bert")
         cfg = bert.with_bert_defaults(parse_args(argv, default_tokenizer=bert.DEFAULT_TOKENIZER))
         validate_training(cfg)
-        validate_bert(cfg)
-        pretrain(
-            cfg,
-            forward_step_func=bert.make_forward_step(cfg),
-            model_provider=bert.model_provider(cfg),
-            datasets_provider=bert.datasets_provider,
-        )
+        spec.validate(cfg)
+        pretrain(cfg, family=spec)
     except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as e:
         # ConfigError and DataError are ValueErrors: bad flags, data or checkpoints, named.
         print(f"error: {e}", file=sys.stderr, flush=True)

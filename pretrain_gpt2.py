@@ -12,8 +12,9 @@ import sys
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
-from megatron.config.rules import refuse_bert_settings, validate_training
+from megatron.config.rules import validate_training
 from megatron.initialize import shutdown_distributed
+from megatron.models.registry import get_spec
 from megatron.planning.auto import auto_parallel
 from megatron.training.loop import TrainingError, pretrain, resolve_vocab
 
@@ -33,10 +34,11 @@ def _quiet(line: str) -> None:
 
 def main(argv=None) -> int:
     try:
+        gpt = get_spec("gpt")
         cfg = parse_args(argv, plan=plan_layout)
         validate_training(cfg)
-        refuse_bert_settings(cfg)
-        pretrain(cfg)
+        gpt.validate(cfg)
+        pretrain(cfg, family=gpt)
     except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as e:
         # ConfigError and DataError are ValueErrors: bad flags, data or checkpoints, named.
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -76,18 +76,13 @@ def _train(rank, world, argv):
     import pretrain_bert
     from megatron.config.cli import parse_args
     from megatron.models.bert import train as bert
+    from megatron.models.registry import get_spec
     from megatron.training.loop import pretrain
 
     cfg = bert.with_bert_defaults(
         parse_args(argv, world_size=world, default_tokenizer=bert.DEFAULT_TOKENIZER)
     )
-    result = pretrain(
-        cfg,
-        forward_step_func=bert.make_forward_step(cfg),
-        model_provider=bert.model_provider(cfg),
-        datasets_provider=bert.datasets_provider,
-        out=open(os.devnull, "w"),
-    )
+    result = pretrain(cfg, family=get_spec("bert"), out=open(os.devnull, "w"))
     assert pretrain_bert.main  # the entry point imports
     state = {k: v.detach().clone() for k, v in result.model.module.state_dict().items()}
     torch.distributed.barrier()

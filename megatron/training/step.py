@@ -1,7 +1,7 @@
 """One training step, evaluation and the native backend (our DDP, optimizer and schedules).
 
-forward_step is the GPT's: the loss of one micro batch, averaged over its tokens. train_step
-runs the schedule over the global batch, all-reduces the gradients over DP (and the tied
+The model family's forward_step gives the loss of one micro batch (megatron/models/<family>/).
+train_step runs the schedule over the global batch, all-reduces the gradients over DP (and the tied
 embedding's over the first and last stage), and steps the optimizer and the LR schedule.
 """
 
@@ -20,11 +20,9 @@ from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
-from megatron.models.gpt.model import build_model
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
 from megatron.training.backend import StepResult, TrainerBackend, average_loss, other_losses
-from megatron.training.data import get_batch
 from megatron.training.ddp import wrap_data_parallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.learning_rates import AnnealingLR
@@ -32,28 +30,6 @@ from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron.training.state import TrainState, load_training_state, save_training_state
 from megatron.training.timers import Timers
-
-
-def forward_step(data_iterator, model):
-    """One GPT micro batch: the chunk's output and the loss function for the last stage."""
-    batch = get_batch(data_iterator, _device_of(model))
-    output = model(  # per-token loss (b, s) on the last stage
-        batch.tokens,
-        position_ids=batch.position_ids,
-        labels=batch.labels,
-        document_ids=batch.document_ids,
-    )
-    return output, functools.partial(lm_loss, batch.loss_mask)
-
-
-def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor):
-    """Mean language-model loss over the unmasked tokens of a micro batch."""
-    loss = (per_token * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach()}
-
-
-def _device_of(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def build_context(cfg: MegatronConfig, rt: Runtime, device=None) -> BuildContext:
@@ -88,11 +64,9 @@ def build_parallelized_model(cfg: MegatronConfig, rt: Runtime, model_provider, c
     )
 
 
-def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider=None):
-    """`model_provider`: build_model's signature, another family's (BERT); None: the GPT's."""
-    model = build_parallelized_model(
-        cfg, rt, model_provider or build_model, recompute_impl(cfg, rt)
-    )
+def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
+    """`model_provider(ModelConfig, BuildContext) -> ModelChunks`: the family's builder."""
+    model = build_parallelized_model(cfg, rt, model_provider, recompute_impl(cfg, rt))
     dtype = cfg.precision.params_dtype
     distributed = cfg.optimizer.use_distributed_optimizer
     tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
@@ -237,7 +211,7 @@ def evaluate(
 class NativeBackend(TrainerBackend):
     """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
 
-    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider=None):
+    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(
             cfg, rt, model_provider

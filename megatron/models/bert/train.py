@@ -39,9 +39,11 @@ def with_bert_defaults(cfg: MegatronConfig) -> MegatronConfig:
     return cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=tok))
 
 
-def model_provider(cfg: MegatronConfig):
-    """build_model's signature, for the backends (binary head from --bert-no-binary-head)."""
-    return functools.partial(build_bert_model, binary_head=not cfg.bert.bert_no_binary_head)
+def model_provider(cfg: MegatronConfig | None):
+    """build(ModelConfig, BuildContext), for the backends (binary head from
+    --bert-no-binary-head; cfg None: with the head)."""
+    binary_head = cfg is None or not cfg.bert.bert_no_binary_head
+    return functools.partial(build_bert_model, binary_head=binary_head)
 
 
 def bert_tokens(cfg: MegatronConfig) -> BertTokens:
