@@ -14,20 +14,14 @@ import sys
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
 from megatron.initialize import shutdown_distributed
-from megatron.training import bert
+from megatron.models.registry import get_spec
 from megatron.training.loop import TrainingError, pretrain
 
 
 def main(argv=None) -> int:
     try:
-        cfg = parse_args(argv, purpose="train-bert")
-        pretrain(
-            cfg,
-            forward_step_func=bert.make_forward_step(cfg),
-            model_provider=bert.model_provider(cfg),
-            datasets_provider=bert.datasets_provider,
-            purpose="train-bert",
-        )
+        spec = get_spec("bert")
+        pretrain(parse_args(argv, purpose=spec.purpose), family=spec)
     except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as e:
         # ConfigError and DataError are ValueErrors: bad flags, data or checkpoints, named.
         print(f"error: {e}", file=sys.stderr, flush=True)

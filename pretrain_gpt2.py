@@ -13,6 +13,7 @@ import sys
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
 from megatron.initialize import shutdown_distributed
+from megatron.models.registry import get_spec
 from megatron.planning.auto import auto_parallel
 from megatron.training.loop import TrainingError, pretrain, resolve_vocab
 
@@ -32,7 +33,8 @@ def _quiet(line: str) -> None:
 
 def main(argv=None) -> int:
     try:
-        pretrain(parse_args(argv, plan=plan_layout, purpose="train-gpt"))
+        gpt = get_spec("gpt")
+        pretrain(parse_args(argv, plan=plan_layout, purpose=gpt.purpose), family=gpt)
     except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as e:
         # ConfigError and DataError are ValueErrors: bad flags, data or checkpoints, named.
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -38,7 +38,7 @@ setup(
             "ruff",
             "sentencepiece",
             "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)
-            "safetensors",  # HF weight files (megatron/checkpoint/hf.py)
+            "safetensors",  # HF weight files (megatron/models/gpt/hf.py)
             "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
             *SERVE,
             *EVAL,

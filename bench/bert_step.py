@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.train_step import _sync, build_ours  # noqa: E402
-from megatron.checkpoint.hf_bert import hf_bert_config  # noqa: E402
 from megatron.config.schema import ModelConfig  # noqa: E402
-from megatron.model import bert  # noqa: E402
-from megatron.training.bert import bert_loss  # noqa: E402
+from megatron.models.bert import model as bert  # noqa: E402
+from megatron.models.bert.hf import hf_bert_config  # noqa: E402
+from megatron.models.bert.train import bert_loss  # noqa: E402
 
 
 def _batches(args, device):

@@ -31,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron.training.ddp as ddp_module  # noqa: E402
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.model.context import BuildContext
 from megatron.model.transformer import TransformerLayer  # noqa: E402
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
 from megatron.training.distrib_optimizer import DistributedOptimizer  # noqa: E402
@@ -71,7 +72,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def model_state_bytes(cfg: ModelConfig, state, dp: int, distributed: bool, dtype) -> dict:
     """{'params', 'grads', 'optimizer', 'n'}: bytes this rank allocates, and its parameters."""
     with torch.device("meta"):
-        model = GPTModel(cfg, state, dtype=dtype)
+        model = GPTModel(cfg, BuildContext(state, dtype=dtype))
     n = sum(p.numel() for p in model.parameters())
     with _stand_in_dp():
         ddp = DistributedDataParallel(
@@ -145,7 +146,7 @@ def activation_bytes(cfg: ModelConfig, state, seq: int, batch: int, sp: bool = F
     tracker.add(mpu.MODEL_PARALLEL_RNG, 1)
     if sp:  # the layer reads --sequence-parallel from the parallel state, as in training
         state = dataclasses.replace(state, sequence_parallel=True)
-    layer = TransformerLayer(cfg, state, tracker, dtype=torch.bfloat16)
+    layer = TransformerLayer(cfg, BuildContext(state, dtype=torch.bfloat16, rng_tracker=tracker))
     with torch.no_grad():  # real values, so that only dropout masks look like masks
         for p in layer.parameters():
             p.normal_(1.0 if p.ndim == 1 else 0.0, 0.02)
@@ -155,7 +156,8 @@ def activation_bytes(cfg: ModelConfig, state, seq: int, batch: int, sp: bool = F
     if sp:
         return per_layer, (0, 0)
     one = GPTModel(
-        dataclasses.replace(cfg, num_layers=1), state, rng_tracker=tracker, dtype=torch.bfloat16
+        dataclasses.replace(cfg, num_layers=1),
+        BuildContext(state, dtype=torch.bfloat16, rng_tracker=tracker),
     )
     weights = {p.untyped_storage().data_ptr() for p in one.parameters()}
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq))

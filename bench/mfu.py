@@ -43,8 +43,8 @@ sys.path.insert(0, ROOT)
 from bench.train_step import build_ours  # noqa: E402
 from megatron.config.schema import KernelConfig, ModelConfig, RecomputeConfig  # noqa: E402
 from megatron.fused_kernels import select_ops  # noqa: E402
-from megatron.model.stages import build_model  # noqa: E402
-from megatron.mpu import single_process_state  # noqa: E402
+from megatron.model.context import BuildContext  # noqa: E402
+from megatron.models.gpt.model import build_model  # noqa: E402
 
 H100_PEAK = 989.0  # dense bf16 TFLOP/s of an H100 SXM
 DATA_SEED = 0
@@ -161,7 +161,7 @@ def memory_gib(device: torch.device) -> float | None:
 
 
 def our_param_count(cfg: ModelConfig) -> int:
-    model = build_model(cfg, single_process_state(), rng_tracker=None, seed=1, device="meta")
+    model = build_model(cfg, BuildContext(seed=1, device="meta"))
     return sum(p.numel() for p in model.parameters())
 
 

@@ -25,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import ModelConfig, RecomputeConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
@@ -119,7 +121,9 @@ def bench_bubble(P: int, M: int, ms: float) -> list[tuple]:
 def _saved_bytes(cfg: ModelConfig, recompute: RecomputeConfig, batch: int) -> int:
     tracker = mpu.RNGStatesTracker("cpu")
     tracker.add(mpu.MODEL_PARALLEL_RNG, 1)
-    model = GPTModel(cfg, mpu.single_process_state(), rng_tracker=tracker, recompute=recompute)
+    model = parallelize(
+        GPTModel(cfg, BuildContext(rng_tracker=tracker)), mpu.single_process_state(), recompute
+    )
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length))
     total = [0]
 

@@ -131,12 +131,12 @@ def _layer_cost() -> float:
     """The fixed cost of one transformer layer's forward + backward (a layer of width 8)."""
     import torch
 
-    from megatron import mpu
     from megatron.config.schema import ModelConfig
+    from megatron.model.context import BuildContext
     from megatron.model.transformer import TransformerLayer
 
     cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=2)
-    layer = TransformerLayer(cfg, mpu.single_process_state(), None)
+    layer = TransformerLayer(cfg, BuildContext())
     x = torch.randn(1, 2, 8, requires_grad=True)
     start, n = time.perf_counter(), 30
     for _ in range(n):
@@ -164,8 +164,9 @@ def _run_layout(cfg, lay, steps: int) -> dict:
     import torch
 
     from megatron.initialize import Runtime, set_random_seeds
+    from megatron.models.gpt.train import forward_step, model_provider
     from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron.training.step import NativeBackend, forward_step
+    from megatron.training.step import NativeBackend
     from megatron.training.timers import Timers
 
     state = initialize_model_parallel(
@@ -175,7 +176,7 @@ def _run_layout(cfg, lay, steps: int) -> dict:
         sequence_parallel=lay.sequence_parallel,
     )
     rt = Runtime(state, torch.device("cpu"), set_random_seeds(1234, state, torch.device("cpu")))
-    backend = NativeBackend(cfg, rt, forward_step)
+    backend = NativeBackend(cfg, rt, forward_step, model_provider(cfg))
     gen = torch.Generator().manual_seed(0)
     m = cfg.model
 

@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
-from megatron.model.stages import build_model  # noqa: E402
+from megatron.model.context import BuildContext  # noqa: E402
+from megatron.model.parallelize import parallelize  # noqa: E402
+from megatron.models.gpt.model import build_model  # noqa: E402
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
 from megatron.training.learning_rates import AnnealingLR  # noqa: E402
@@ -92,16 +94,9 @@ def build_ours(
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, 1)
     rt = Runtime(state=state, device=device, rng_tracker=tracker)
-    model = (builder or build_model)(
-        cfg,
-        state,
-        rng_tracker=tracker,
-        seed=1,
-        device=device,
-        dtype=dtype,
-        ops=ops,
-        torch_compile=torch_compile,
-        **({} if recompute is None else {"recompute": recompute}),
+    ctx = BuildContext(state, seed=1, device=device, dtype=dtype, rng_tracker=tracker, ops=ops)
+    model = parallelize(
+        (builder or build_model)(cfg, ctx), state, recompute, torch_compile=torch_compile
     )
     ddp = DistributedDataParallel(model, None)
     opt = MegatronOptimizer(

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron.config.cli import parse_args  # noqa: E402
 from megatron.config.rules import validate  # noqa: E402
 from megatron.initialize import shutdown_distributed  # noqa: E402
+from megatron.models.gpt.train import forward_step  # noqa: E402
 from megatron.training.loop import pretrain  # noqa: E402
-from megatron.training.step import forward_step  # noqa: E402
 
 
 def main() -> None:

@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from megatron import mpu
 from megatron.checkpoint.storage import finalize_checkpoint, save_shard
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import free_port
 
 ROOT = Path(__file__).parent.parent
@@ -30,7 +30,7 @@ CFG = ModelConfig(
 
 def make_checkpoint(root: Path, cfg: ModelConfig = CFG, seed: int = 5) -> str:
     """A GPT saved the way the trainer saves it (iteration 7), with the fixture GPT-2 BPE."""
-    model = GPTModel(cfg, mpu.single_process_state(), seed=seed)
+    model = GPTModel(cfg, BuildContext(seed=seed))
     args = {
         "model": cfg.__dict__,
         "tensor_model_parallel_size": 1,

@@ -345,12 +345,16 @@ _MAY_IMPORT = {
     "planning": {"config.schema", "config.rules", "pipeline_order"},
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
-    "checkpoint": {"config.schema", "model", "mpu"},
+    # The generic code names no model family: it asks megatron.models.registry for one by name.
+    "checkpoint": {"config.schema", "model", "models.registry", "mpu"},
     "inference": {"checkpoint", "config.inference", "config.rules", "config.schema", "data"}
     | {"fused_kernels"}
     | {"initialize", "progress"}
-    | {"model", "mpu"},
+    | {"model", "models.registry", "mpu"},
 }
+# Above them: the trainer (which may use any layer below it, and of megatron.models only the
+# registry) and the model families, each of which may use everything but another family.
+_GENERIC_ABOVE = ("training",)
 
 
 def _megatron_imports(path) -> set[str]:
@@ -361,8 +365,8 @@ def _megatron_imports(path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module]
-            if node.module == "megatron":
-                names = [f"megatron.{a.name}" for a in node.names]
+            if node.module in ("megatron", "megatron.models"):
+                names = [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
@@ -370,7 +374,7 @@ def _megatron_imports(path) -> set[str]:
         for name in names:
             parts = name.split(".")
             if parts[0] == "megatron" and len(parts) > 1:
-                found.add(".".join(parts[1:3]) if parts[1] == "config" else parts[1])
+                found.add(".".join(parts[1:3]) if parts[1] in ("config", "models") else parts[1])
     return found
 
 
@@ -379,11 +383,21 @@ def test_imports_follow_the_layers():
 
     root = Path(__file__).parent.parent / "megatron"
     for path in root.rglob("*.py"):
-        package = path.relative_to(root).parts[0].removesuffix(".py")
+        parts = path.relative_to(root).parts
+        package = parts[0].removesuffix(".py")
+        imports = _megatron_imports(path)
+        families = {i for i in imports if i.startswith("models.") and i != "models.registry"}
+        if package in _GENERIC_ABOVE:
+            assert not families, f"{path} imports the model families {sorted(families)}"
+        if package == "models" and len(parts) > 2:  # megatron/models/<family>/...
+            others = {f for f in families if f != f"models.{parts[1]}"}
+            assert not others, f"{path} imports another family's code: {sorted(others)}"
+        if package == "models" and parts[1] == "registry.py":
+            assert not families, "the registry imports families by name, on first use"
         if package not in _MAY_IMPORT:
-            continue  # training and the package root sit on top
-        own = {i for i in _megatron_imports(path) if i.split(".")[0] == package}
-        wrong = _megatron_imports(path) - own - _MAY_IMPORT[package]
+            continue  # training, the model families and the package root sit on top
+        own = {i for i in imports if i.split(".")[0] == package}
+        wrong = imports - own - _MAY_IMPORT[package]
         assert not wrong, f"{path} imports {sorted(wrong)}: a lower layer imports an upper one"
     # The inference tools share code through the library, not through each other.
     for path in (root / "inference").glob("*.py"):

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from megatron.data.bert_dataset import BertDataset, BertOptions, BertTokens, build_samples
 from megatron.data.gpt_dataset import DataError
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from megatron.models.bert.dataset import BertDataset, BertOptions, BertTokens, build_samples
 
 TOK = BertTokens(cls=1, sep=2, mask=3, pad=0, vocab_size=200)
 WORDS = 10  # ids 10..199 are words

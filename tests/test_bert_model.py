@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.checkpoint.hf_bert import bert_to_hf, hf_bert_config, hf_to_bert
 from megatron.config.schema import ModelConfig
-from megatron.model.bert import BertModel
+from megatron.model.context import BuildContext
+from megatron.models.bert.evaluate import vocab_parallel_argmax
+from megatron.models.bert.hf import bert_to_hf, hf_bert_config, hf_to_bert
+from megatron.models.bert.model import BertModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.training.bert_eval import vocab_parallel_argmax
 from tests.distributed import run_distributed
 
 # vocab 100 pads to 104 / 112 at TP 1 / 2: the padding differs, the model must not.
@@ -52,7 +53,7 @@ def _hf_model(model):
 
 @pytest.mark.slow  # over a second on 2 cores
 def test_tp1_bert_equals_transformers_bert_for_pretraining():
-    model = BertModel(CFG, mpu.single_process_state(), seed=3, dtype=DT).eval()
+    model = BertModel(CFG, BuildContext(seed=3, dtype=DT)).eval()
     tokens, types, pad, _ = _batch()
     logits, nsp = model(tokens, pad, types)
     assert torch.isinf(logits[..., CFG.vocab_size :]).all(), "padding logits must be masked"
@@ -66,7 +67,7 @@ def test_tp1_bert_equals_transformers_bert_for_pretraining():
 
 @pytest.mark.slow  # over a second on 2 cores
 def test_hf_import_gives_back_the_same_weights_and_pre_ln_is_refused():
-    model = BertModel(CFG, mpu.single_process_state(), seed=5, dtype=DT)
+    model = BertModel(CFG, BuildContext(seed=5, dtype=DT))
     sd = model.state_dict()
     back = hf_to_bert(_hf_model(model).state_dict(), CFG, CFG.padded_vocab_size(1))
     assert set(back) == set(sd)
@@ -80,12 +81,12 @@ def test_hf_import_gives_back_the_same_weights_and_pre_ln_is_refused():
 @pytest.mark.slow  # over a second on 2 cores
 def test_padding_changes_nothing_for_the_real_tokens_and_no_binary_head():
     cfg = dataclasses.replace(CFG, apply_residual_connection_post_layernorm=False)
-    model = BertModel(cfg, mpu.single_process_state(), seed=3, dtype=DT).eval()
+    model = BertModel(cfg, BuildContext(seed=3, dtype=DT)).eval()
     tokens, types, pad, _ = _batch(cfg)
     logits, _ = model(tokens, pad, types)
     short, _ = model(tokens[2:, :-5], pad[2:, :-5], types[2:, :-5])
     torch.testing.assert_close(logits[2:, :-5], short, rtol=1e-10, atol=1e-10)
-    headless = BertModel(cfg, mpu.single_process_state(), seed=3, dtype=DT, binary_head=False)
+    headless = BertModel(cfg, BuildContext(seed=3, dtype=DT), binary_head=False)
     assert headless(tokens, pad, types)[1] is None
     assert not any("pooler" in k or "binary" in k for k in headless.state_dict())
 
@@ -97,7 +98,7 @@ def test_unfused_masked_softmax_path_equals_sdpa_with_padding():
     tokens, types, pad, labels = _batch()
     results = []
     for ops in (None, FusedOps(attention_backend="unfused")):
-        model = BertModel(CFG, mpu.single_process_state(), seed=3, dtype=DT, ops=ops)
+        model = BertModel(CFG, BuildContext(seed=3, dtype=DT, ops=ops))
         loss, nsp = model(tokens, pad, types, labels)
         ((loss * pad).sum() + nsp.sum()).backward()
         results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))
@@ -134,10 +135,10 @@ def _tp_worker(rank, world):
     batch = _batch()
     for post_ln in (True, False):
         cfg = dataclasses.replace(CFG, apply_residual_connection_post_layernorm=post_ln)
-        ref = BertModel(cfg, mpu.single_process_state(), seed=3, dtype=DT)
+        ref = BertModel(cfg, BuildContext(seed=3, dtype=DT))
         ref_loss, ref_grads = _run(ref, batch), _grads_full(ref, mpu.single_process_state())
         state = initialize_model_parallel(2, 1)
-        model = BertModel(cfg, state, seed=3, dtype=DT)
+        model = BertModel(cfg, BuildContext(state, seed=3, dtype=DT))
         loss, grads = _run(model, batch), _grads_full(model, state)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
         for name, g in grads.items():

@@ -75,18 +75,12 @@ def _train(rank, world, argv):
 
     import pretrain_bert
     from megatron.config.cli import parse_args
-    from megatron.training import bert
+    from megatron.models.registry import get_spec
     from megatron.training.loop import pretrain
 
-    cfg = parse_args(argv, world_size=world, purpose="train-bert")
-    result = pretrain(
-        cfg,
-        forward_step_func=bert.make_forward_step(cfg),
-        model_provider=bert.model_provider(cfg),
-        datasets_provider=bert.datasets_provider,
-        out=open(os.devnull, "w"),
-        purpose="train-bert",
-    )
+    spec = get_spec("bert")
+    cfg = parse_args(argv, world_size=world, purpose=spec.purpose)
+    result = pretrain(cfg, family=spec, out=open(os.devnull, "w"))
     assert pretrain_bert.main  # the entry point imports
     state = {k: v.detach().clone() for k, v in result.model.module.state_dict().items()}
     torch.distributed.barrier()
@@ -205,8 +199,7 @@ def _check_conversions(ckpt, tmp_path):
     from transformers import BertForPreTraining
 
     from megatron.checkpoint.resharding import load_checkpoint, model_config
-    from megatron.model.bert import BertModel
-    from megatron.mpu import single_process_state
+    from megatron.models.bert.model import BertModel
 
     convert = _convert_tool()
     original = load_checkpoint(ckpt)
@@ -234,7 +227,7 @@ def _check_conversions(ckpt, tmp_path):
     hf_dir = str(tmp_path / "hf")
     assert convert(["--load", split, "--to-hf", hf_dir]) == 0
     cfg = model_config(original.args)
-    ours = BertModel(cfg, single_process_state()).eval()
+    ours = BertModel(cfg).eval()
     padded = {}
     for name, t in original.state.items():
         rows = ours.state_dict()[name].shape[0]

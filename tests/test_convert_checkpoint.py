@@ -33,8 +33,9 @@ from megatron.checkpoint.storage import (
     tracker_path,
 )
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel
-from megatron.model.stages import build_model, stage_layer_range
+from megatron.model.context import BuildContext
+from megatron.model.stages import stage_layer_range
+from megatron.models.gpt.model import GPTModel, build_model
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +70,7 @@ VOCAB = ("embedding.word_embeddings.weight", "head.output_layer.weight")
 
 def _model(cfg: ModelConfig, seed: int = 7) -> GPTModel:
     """A model whose biases and norm weights are not 0 and 1, so their mapping is tested too."""
-    model = GPTModel(cfg, mpu.single_process_state(), seed=seed, dtype=torch.float32).eval()
+    model = GPTModel(cfg, BuildContext(seed=seed, dtype=torch.float32)).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -131,8 +132,7 @@ def _stage_keys(cfg: ModelConfig, pp: int, pp_rank: int) -> list[str]:
     """Names the trainer's stage model holds, from the model itself."""
     stage = GPTModel(
         cfg,
-        mpu.single_process_state(),
-        seed=1,
+        BuildContext(seed=1),
         layer_range=stage_layer_range(cfg.num_layers, pp, pp_rank),
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp - 1,
@@ -204,7 +204,7 @@ def test_split_rules_match_the_model_and_mpu_shard(variant):
         state = dataclasses.replace(
             mpu.single_process_state(), pp_size=2, pp_rank=pp_rank, virtual_pp_size=2
         )
-        chunks = build_model(cfg, state, rng_tracker=None, seed=1)
+        chunks = build_model(cfg, BuildContext(state, seed=1))
         assert set(stage_names(cfg, 2, pp_rank, vp_layers=1)) == set(chunks.state_dict())
 
 
@@ -238,7 +238,7 @@ def test_tp2_pp2_to_tp1_pp1_gives_the_same_logits(tmp_path, variant, capsys):
 def _tp_worker(rank, world, ckpt, cfg, expected):
     state = mpu.initialize_model_parallel(world, 1)
     shard = load_shard(ckpt, 20, tp_rank=state.tp_rank, pp_rank=0, pp_size=1)
-    model = GPTModel(cfg, state, seed=5, dtype=torch.float32).eval()
+    model = GPTModel(cfg, BuildContext(state, seed=5, dtype=torch.float32)).eval()
     model.load_state_dict(shard["model"])
     with torch.no_grad():
         local = model(_tokens(cfg))  # (b, s, V_pad / TP): this rank's vocab slice
@@ -333,7 +333,7 @@ def _hf_logits(out_dir: str, variant: str) -> torch.Tensor:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_to_hf_gives_the_same_logits_in_transformers(tmp_path, variant):
     pytest.importorskip("transformers", reason="HF export checks need transformers")
-    from megatron.checkpoint.hf import to_hf
+    from megatron.models.gpt.hf import to_hf
 
     cfg = VARIANTS[variant]
     model = _model(cfg)
@@ -357,7 +357,7 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
     pytest.importorskip("safetensors", reason="HF files are safetensors")
-    from megatron.checkpoint.hf import to_hf
+    from megatron.models.gpt.hf import to_hf
 
     cfg = VARIANTS[variant]
     tokenizer = None
@@ -400,7 +400,7 @@ def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
 
 
 def test_unsupported_architecture_names_what_it_would_need():
-    from megatron.checkpoint.hf import hf_architecture
+    from megatron.models.gpt.hf import hf_architecture
 
     cfg = dataclasses.replace(VARIANTS["gpt2"], swiglu=True)
     with pytest.raises(ValueError, match="LlamaForCausalLM would need --position-embedding-type"):
@@ -435,8 +435,8 @@ def _hf_model(variant: str):
 @pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_from_hf_reads_what_transformers_writes(tmp_path, variant):
-    from megatron.checkpoint.hf import from_hf
     from megatron.checkpoint.resharding import model_config
+    from megatron.models.gpt.hf import from_hf
 
     hf = _hf_model(variant)
     hf.save_pretrained(str(tmp_path / "hf"))
@@ -459,7 +459,7 @@ def test_from_hf_reads_hub_style_gpt2_names(tmp_path):
     pytest.importorskip("safetensors", reason="HF files are safetensors")
     from safetensors.torch import save_file
 
-    from megatron.checkpoint.hf import from_hf, to_hf
+    from megatron.models.gpt.hf import from_hf, to_hf
 
     cfg = VARIANTS["gpt2"]
     state = _unpadded(_model(cfg), cfg)

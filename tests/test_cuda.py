@@ -30,8 +30,8 @@ from megatron.fused_kernels import TORCH_OPS, select_ops
 from megatron.inference.engine import InferenceModel
 from megatron.inference.evaluation import evaluate_loose_json
 from megatron.inference.generation import SamplingParams, generate
-from megatron.model import GPTModel
-from megatron.model.stages import build_model
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel, build_model
 from megatron.training.optimizer import MegatronOptimizer
 from tests.reference_gpt import RefGPT, load_from_megatron
 from tests.test_training import data_prefix, flags  # noqa: F401 - data_prefix is a fixture
@@ -94,7 +94,7 @@ def batch(cfg, device, n=3):
 @pytest.mark.parametrize("precision", list(DTYPES))
 def test_gpt_forward_backward_matches_float64_reference(test_device, variant, precision):
     cfg, dtype = VARIANTS[variant], DTYPES[precision]
-    model = GPTModel(cfg, mpu.single_process_state(), seed=3, device=test_device, dtype=dtype)
+    model = GPTModel(cfg, BuildContext(seed=3, device=test_device, dtype=dtype))
     ref = RefGPT(cfg).double()
     load_from_megatron(ref, model)
     tokens, labels = batch(cfg, test_device)
@@ -140,7 +140,7 @@ def test_tp_layers_at_tp1_are_plain_linear_and_embedding(test_device):
 
 @pytest.mark.slow  # over a second on 2 cores
 def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(test_device):
-    model = GPTModel(GPT2, mpu.single_process_state(), seed=3, device=test_device, dtype=torch.half)
+    model = GPTModel(GPT2, BuildContext(seed=3, device=test_device, dtype=torch.half))
     opt = MegatronOptimizer(
         model,
         OptimizerConfig(lr=1e-3, initial_loss_scale=2.0**16, hysteresis=1),
@@ -185,13 +185,13 @@ def test_a_cpu_checkpoint_resumed_on_a_gpu_names_the_rng_flag():
 @pytest.mark.slow  # over a second on 2 cores
 def test_checkpoint_save_load_and_hf_export_on_the_device(test_device, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the HF export needs transformers")
-    from megatron.checkpoint.hf import to_hf
+    from megatron.models.gpt.hf import to_hf
     from tests.test_convert_checkpoint import _write_checkpoint
 
-    model = GPTModel(GPT2, mpu.single_process_state(), seed=7, device=test_device)
+    model = GPTModel(GPT2, BuildContext(seed=7, device=test_device))
     _write_checkpoint(tmp_path / "ckpt", model, GPT2, tp=1, pp=1)
     state, args = load_full_state(str(tmp_path / "ckpt"))
-    loaded = build_model(GPT2, mpu.single_process_state(), rng_tracker=None, seed=0)
+    loaded = build_model(GPT2, BuildContext(seed=0))
     pad = GPT2.padded_vocab_size(1) - GPT2.vocab_size  # the full state holds the real vocab
     state_padded = {k: F.pad(v, (0, 0, 0, pad)) if k in VOCAB_ROWS else v for k, v in state.items()}
     loaded.load_state_dict(state_padded, strict=True)
@@ -211,7 +211,7 @@ def test_checkpoint_save_load_and_hf_export_on_the_device(test_device, tmp_path)
 
 def _engine(cfg, device, dtype=torch.float32):
     state = mpu.single_process_state()
-    chunks = build_model(cfg, state, rng_tracker=None, seed=3, device=device, dtype=dtype)
+    chunks = build_model(cfg, BuildContext(state, seed=3, device=device, dtype=dtype))
     return InferenceModel(chunks, state, cfg.vocab_size, cfg.hidden_size)
 
 
@@ -350,7 +350,7 @@ def test_whole_gpt_through_the_compiled_kernels(test_device, variant):
     tokens, labels = batch(cfg, test_device)
     results = []
     for ops in (TORCH_OPS, fused):
-        model = GPTModel(cfg, mpu.single_process_state(), seed=3, device=test_device, ops=ops)
+        model = GPTModel(cfg, BuildContext(seed=3, device=test_device, ops=ops))
         loss = model(tokens, labels=labels)
         loss.mean().backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -11,8 +11,7 @@ import torch
 from megatron.checkpoint.storage import checkpoint_dir, tracker_path, write_text_atomic
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig
-from megatron.model import GPTModel
-from megatron.mpu import single_process_state
+from megatron.models.gpt.model import GPTModel
 from megatron.training import ddp as ddp_module
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_names, shard_pieces
@@ -262,7 +261,7 @@ def test_shards_cover_every_parameter_once_and_the_tied_embedding_has_its_own_bu
     each bucket is padded to equal shards, and `own_bucket` isolates the embedding."""
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
     with torch.device("meta"):
-        model = GPTModel(cfg, single_process_state())
+        model = GPTModel(cfg)
     tied = model.word_embeddings_weight()
     monkeypatch.setattr(ddp_module, "group_size", lambda g: 1 if g is None else 3)
     covered = {}

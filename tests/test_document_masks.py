@@ -15,8 +15,10 @@ from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, KernelConfig, ModelConfig, RecomputeConfig
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.fused_kernels import FusedOps, select_ops
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
 from megatron.model.documents import document_attention_mask
+from megatron.model.parallelize import parallelize
+from megatron.models.gpt.model import GPTModel
 from megatron.training.data import DocumentMasking, collate, document_fields, get_batch
 from tests.distributed import run_distributed
 from tests.test_pipeline import _pp_worker, _ref_worker
@@ -141,7 +143,7 @@ def _compare(packed, alone):
 @pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("cfg", [CFG, ROPE], ids=["learned", "rope"])
 def test_each_packed_document_scores_as_if_alone(backend, cfg, monkeypatch):
-    model = GPTModel(cfg, mpu.single_process_state(), seed=3, ops=_ops(backend, monkeypatch))
+    model = GPTModel(cfg, BuildContext(seed=3, ops=_ops(backend, monkeypatch)))
     packed, alone, loss_mask = _packed_and_alone(model)
     _compare(packed, alone)
     # Gradients too: the masked sum over the packed samples is the sum over the documents
@@ -167,13 +169,10 @@ def test_recompute_with_document_masks_changes_nothing():
     cfg = dataclasses.replace(ROPE, hidden_dropout=0.2, attention_dropout=0.2)
     results = []
     for rc in (None, *(RecomputeConfig(g, m, 1) for g, m in RECOMPUTE)):
-        model = GPTModel(
-            cfg,
+        model = parallelize(
+            GPTModel(cfg, BuildContext(seed=3, dtype=torch.float64, rng_tracker=tracker)),
             mpu.single_process_state(),
-            rng_tracker=tracker,
-            seed=3,
-            dtype=torch.float64,
-            recompute=rc,
+            rc,
         )
         torch.manual_seed(11)
         tracker.set_states({mpu.MODEL_PARALLEL_RNG: torch.Generator().manual_seed(5).get_state()})

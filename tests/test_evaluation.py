@@ -20,7 +20,8 @@ from megatron.inference.evaluation import (
     wikitext_detokenize,
     window_plan,
 )
-from megatron.model.stages import build_model
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import build_model
 from tests.test_text_generation import checkpoint  # noqa: F401
 
 ROOT = Path(__file__).parent.parent
@@ -47,7 +48,7 @@ def setup():
     tok = build_tokenizer(
         "GPT2BPETokenizer", vocab_file=FIXTURES / "vocab.json", merge_file=FIXTURES / "merges.txt"
     )
-    chunks = build_model(CFG, mpu.single_process_state(), rng_tracker=None, seed=7)
+    chunks = build_model(CFG, BuildContext(seed=7))
     engine = InferenceModel(chunks, mpu.single_process_state(), CFG.vocab_size, CFG.hidden_size)
     return tok, engine, chunks[0]
 

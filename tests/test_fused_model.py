@@ -13,7 +13,8 @@ import torch  # noqa: E402
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import KernelConfig, ModelConfig  # noqa: E402
 from megatron.fused_kernels import TORCH_OPS, FusedOps, select_ops  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_model_through_triton_kernels_equals_the_torch_path(name):
     tokens = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(3))
     results = []
     for ops in (None, select_ops(FUSED, "cpu"), FusedOps(attention_backend="unfused")):
-        model = GPTModel(cfg, mpu.single_process_state(), seed=5, ops=ops)
+        model = GPTModel(cfg, BuildContext(seed=5, ops=ops))
         loss = model(tokens, labels=tokens).mean()
         loss.backward()
         results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))

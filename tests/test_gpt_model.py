@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel, TransformerLayer
+from megatron.model.context import BuildContext
+from megatron.model.transformer import TransformerLayer
+from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.reference_gpt import RefGPT, load_from_megatron
@@ -49,7 +51,7 @@ def _batch(cfg, batch=3):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_tp1_model_equals_plain_reference_gpt(name):
     cfg = VARIANTS[name]
-    model = GPTModel(cfg, mpu.single_process_state(), seed=3, dtype=DT)
+    model = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
     ref = RefGPT(cfg).to(DT)
     load_from_megatron(ref, model)
     tokens, labels = _batch(cfg)
@@ -77,7 +79,7 @@ def test_tp1_model_equals_plain_reference_gpt(name):
 
 def test_weight_init_statistics():
     cfg = dataclasses.replace(VARIANTS["gpt2"], num_layers=8, hidden_size=256, vocab_size=1000)
-    model = GPTModel(cfg, mpu.single_process_state(), seed=1)
+    model = GPTModel(cfg, BuildContext(seed=1))
     sd = model.state_dict()
     std = sd["layers.0.self_attention.query_key_value.weight"].std().item()
     scaled = sd["layers.0.mlp.dense_4h_to_h.weight"].std().item()
@@ -86,7 +88,7 @@ def test_weight_init_statistics():
     assert torch.equal(sd["layers.0.input_layernorm.weight"], torch.ones(256))
     assert torch.equal(sd["layers.0.mlp.dense_h_to_4h.bias"], torch.zeros(1024))
     assert not sd["embedding.word_embeddings.weight"][1000:].any(), "padding rows are zero"
-    other = GPTModel(cfg, mpu.single_process_state(), seed=2).state_dict()
+    other = GPTModel(cfg, BuildContext(seed=2)).state_dict()
     assert not torch.equal(
         sd["layers.0.mlp.dense_4h_to_h.weight"], other["layers.0.mlp.dense_4h_to_h.weight"]
     )
@@ -108,7 +110,7 @@ def _all_gather(t, group, size):
 
 
 def _compare_to_reference(cfg, state, ref, ref_loss, tokens, labels):
-    model = GPTModel(cfg, state, seed=3, dtype=DT)
+    model = GPTModel(cfg, BuildContext(state, seed=3, dtype=DT))
     loss = model(tokens, labels=labels)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
     loss.mean().backward()
@@ -138,7 +140,7 @@ def _compare_to_reference(cfg, state, ref, ref_loss, tokens, labels):
 def _tp_worker(rank, world):
     for cfg in VARIANTS.values():
         tokens, labels = _batch(cfg)
-        ref = GPTModel(cfg, mpu.single_process_state(), seed=3, dtype=DT)
+        ref = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
         ref_loss = ref(tokens, labels=labels)
         ref_loss.mean().backward()
         for tp in (4, 2):
@@ -158,7 +160,7 @@ def test_activation_checkpoint_replays_dropout_exactly():
     state = mpu.single_process_state()
     tracker = mpu.RNGStatesTracker("cpu")
     tracker.add(mpu.MODEL_PARALLEL_RNG, 99)
-    layer = TransformerLayer(cfg, state, tracker, dtype=DT)
+    layer = TransformerLayer(cfg, BuildContext(state, dtype=DT, rng_tracker=tracker))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x0 = torch.randn(2, cfg.seq_length, cfg.hidden_size, dtype=DT)
@@ -190,3 +192,83 @@ def test_activation_checkpoint_replays_dropout_exactly():
 
 def _fresh_state(seed):
     return torch.Generator().manual_seed(seed).get_state()
+
+
+def _loss_and_grads(model, tokens, labels):
+    model.zero_grad()
+    loss = model(tokens, labels=labels).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_recompute_is_applied_after_building_by_name_and_changes_no_number(granularity):
+    from megatron.config.schema import RecomputeConfig
+    from megatron.model.parallelize import parallelize
+    from megatron.model.recompute import LayerRecompute
+
+    cfg = ModelConfig(**{**BASE, "num_layers": 3})
+    tokens, labels = _batch(cfg)
+    plain = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
+    model = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
+    names = list(model.state_dict())
+    recompute = RecomputeConfig(granularity=granularity, method="uniform", num_layers=2)
+    assert parallelize(model, mpu.single_process_state(), recompute) is model
+    assert list(model.state_dict()) == names, "state-dict names must not change"
+    selective = [layer.self_attention.recompute_core for layer in model.layers.values()]
+    if granularity == "selective":
+        assert all(selective) and model.layer_recompute is None
+    else:
+        assert not any(selective) and model.layer_recompute == LayerRecompute("uniform", 2)
+    assert plain.layer_recompute is None and not plain.layers["0"].self_attention.recompute_core
+    (l0, g0), (l1, g1) = (
+        _loss_and_grads(plain, tokens, labels),
+        _loss_and_grads(model, tokens, labels),
+    )
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0)
+
+
+@pytest.mark.slow  # torch.compile of two layers: ~20 s on 2 cores
+def test_compile_is_applied_to_the_layers_as_modules_keeping_their_names():
+    from megatron.model.parallelize import parallelize
+
+    cfg = ModelConfig(**BASE)
+    tokens, labels = _batch(cfg)
+    plain = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
+    model = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
+    parallelize(model, mpu.single_process_state(), torch_compile=True)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
+    assert "forward" not in vars(model.layers["0"]), "the module is compiled, not its forward"
+    (l0, g0), (l1, g1) = (
+        _loss_and_grads(plain, tokens, labels),
+        _loss_and_grads(model, tokens, labels),
+    )
+    torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-10)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-10)
+
+
+def test_attention_mask_types_say_what_they_carry():
+    from megatron.model.masks import CAUSAL, AttentionMask, MaskType
+
+    with pytest.raises(ValueError, match="causal attention mask takes no keep tensor"):
+        AttentionMask(MaskType.CAUSAL, torch.ones(1, 1, 2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="padding attention mask needs a keep tensor"):
+        AttentionMask(MaskType.PADDING)
+    pad = AttentionMask.padding(torch.tensor([[1, 1, 0]]))
+    assert pad.type is MaskType.PADDING and pad.keep.shape == (1, 1, 3, 3)
+    assert pad.keep[0, 0, 0].tolist() == [True, True, False]  # every query: the real keys
+    docs = AttentionMask.documents(torch.tensor([[0, 0, 1]]))
+    assert docs.type is MaskType.ARBITRARY
+    assert docs.keep[0, 0].tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    # A padding mask of all-real tokens is not causal: the first query sees the last key.
+    cfg = ModelConfig(**BASE)
+    layer = TransformerLayer(cfg, BuildContext(dtype=DT)).eval()
+    x = torch.randn(2, 5, cfg.hidden_size, dtype=DT)
+    full = layer(x, None, None, AttentionMask.padding(torch.ones(2, 5)))
+    causal = layer(x, None, None, CAUSAL)
+    torch.testing.assert_close(full[:, -1], causal[:, -1], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(full[:, 0], causal[:, 0])

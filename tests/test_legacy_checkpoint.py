@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron import mpu
 from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 from tests.test_convert_checkpoint import _cli as _convert_cli
 
@@ -82,7 +82,7 @@ def test_legacy_checkpoint_resumes_with_the_losses_of_the_old_uninterrupted_run(
 @torch.no_grad()
 def _logits(state: dict, args: dict, tokens: torch.Tensor) -> torch.Tensor:
     cfg = model_config(args)
-    model = GPTModel(cfg, mpu.single_process_state(), seed=0, dtype=torch.float32).eval()
+    model = GPTModel(cfg, BuildContext(seed=0, dtype=torch.float32)).eval()
     padded = cfg.padded_vocab_size(1)
     for name, tensor in state.items():  # full states hold exactly vocab_size rows
         if tensor.shape[0] == cfg.vocab_size and padded != cfg.vocab_size:

@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron import mpu
 from megatron.checkpoint.megatron_v1 import _load, import_megatron_v1
 from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.checkpoint.storage import CheckpointError
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 from tests.test_convert_checkpoint import _cli
 from tests.test_training import _train, data_prefix  # noqa: F401 - data_prefix is a fixture
@@ -42,7 +41,7 @@ def _v1_losses(state: dict, args: dict, tp: int) -> tuple[torch.Tensor, torch.Te
     """(our model's per-token losses with `state`, v1.1.5's own) on the fixture's tokens."""
     with open(os.path.join(_fixture(tp), "expected.json")) as f:
         expected = json.load(f)
-    model = GPTModel(model_config(args), mpu.single_process_state())
+    model = GPTModel(model_config(args))
     words = "embedding.word_embeddings.weight"
     padded = model.state_dict()[words].shape[0]  # our padding rows: zeros, their logits masked
     rows = state[words].shape[0]

@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-from megatron import mpu
 from megatron.checkpoint.resharding import (
     load_checkpoint,
     model_layout,
@@ -24,7 +23,8 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 from tests.test_training import data_prefix, flags  # noqa: F401
 
@@ -126,7 +126,7 @@ def test_converted_shards_record_the_model_rules_and_reload(tmp_path):
         make_vocab_size_divisible_by=8,
         swiglu=True,
     )
-    model = GPTModel(cfg, mpu.single_process_state(), seed=3)
+    model = GPTModel(cfg, BuildContext(seed=3))
     state = {
         n: t[:70] if n == "embedding.word_embeddings.weight" else t
         for n, t in model.state_dict().items()
@@ -145,7 +145,7 @@ def test_model_layout_is_the_model_itself():
     """Shapes and rules come from the (meta-device) model; its vocab rows are unpadded."""
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=70)
     shapes, rules = model_layout(cfg)
-    model = GPTModel(cfg, mpu.single_process_state())
+    model = GPTModel(cfg)
     assert list(shapes) == list(model.state_dict())
     for name, tensor in model.state_dict().items():
         rows = 70 if name == "embedding.word_embeddings.weight" else tensor.shape[0]

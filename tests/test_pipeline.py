@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig, RecomputeConfig
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
+from megatron.models.gpt.model import GPTModel
 from megatron.pipeline_order import check_message_order, pipeline_actions
 from tests.distributed import run_distributed
 from tests.test_training import _losses, _resume_worker, _train, data_prefix, flags  # noqa: F401
@@ -99,13 +101,10 @@ def test_activation_checkpointing_gives_identical_losses_and_grads(granularity, 
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     results = []
     for recompute in (None, RecomputeConfig(granularity, method, n)):
-        model = GPTModel(
-            CFG,
+        model = parallelize(
+            GPTModel(CFG, BuildContext(seed=3, dtype=torch.float64, rng_tracker=tracker)),
             mpu.single_process_state(),
-            rng_tracker=tracker,
-            seed=3,
-            dtype=torch.float64,
-            recompute=recompute,
+            recompute,
         )
         torch.manual_seed(11)
         tracker.set_states({mpu.MODEL_PARALLEL_RNG: torch.Generator().manual_seed(5).get_state()})

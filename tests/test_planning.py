@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.config.schema_run import OptimizerConfig, TrainingConfig
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
 from megatron.model.memory import SavedActivations
+from megatron.models.gpt.model import GPTModel
 from megatron.planning.auto import auto_parallel
 from megatron.planning.enumerate import PlanError, Search, best_plan, layouts, plans
 from megatron.planning.memory import (
@@ -63,12 +63,12 @@ def test_enumeration_keeps_exactly_the_layouts_the_rules_accept():
 def test_the_memory_model_matches_the_schedule_and_the_built_model():
     for kw in ({}, {"swiglu": True, "normalization": "RMSNorm", "num_query_groups": 2}):
         m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=250, **kw)
-        model = GPTModel(m, mpu.single_process_state(), seed=1)
+        model = GPTModel(m, BuildContext(seed=1))
         assert stage_params(m, 1, 1, 0) == sum(p.numel() for p in model.parameters())
     m = ModelConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256
     )
-    model = GPTModel(m, mpu.single_process_state(), seed=1)
+    model = GPTModel(m, BuildContext(seed=1))
     tokens = torch.randint(0, 256, (2, 33))
     with SavedActivations(exclude=model.parameters()) as saved:
         model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()

@@ -18,9 +18,11 @@ from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import FusedOps
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
 from megatron.model.memory import SavedActivations
+from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer
+from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
 from tests.distributed import run_distributed
@@ -169,15 +171,16 @@ def _train_steps(model, state, steps: int = 3):
 def _check_model_equivalence(state, names) -> None:
     for name in names:
         cfg, recompute, ops, steps = _VARIANTS[name]
-        ref = GPTModel(cfg, mpu.single_process_state(), seed=5, recompute=recompute, ops=ops)
+        ref = parallelize(
+            GPTModel(cfg, BuildContext(seed=5, ops=ops)), mpu.single_process_state(), recompute
+        )
         ref_losses, ref_grads = _train_steps(ref, ref.state, steps)
-        model = GPTModel(
-            cfg,
+        model = parallelize(
+            GPTModel(
+                cfg, BuildContext(state, seed=5, rng_tracker=_tracker(5, state.tp_rank), ops=ops)
+            ),
             state,
-            seed=5,
-            rng_tracker=_tracker(5, state.tp_rank),
-            recompute=recompute,
-            ops=ops,
+            recompute,
         )
         losses, grads = _train_steps(model, state, steps)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
@@ -205,7 +208,7 @@ def _check_dropout_streams(state) -> None:
     """Residual dropout on the sequence slices: independent masks per TP rank, replayed exactly
     by full recompute, and replicated parameters stay equal over TP."""
     cfg = dataclasses.replace(_BASE, hidden_dropout=0.3)
-    layer = TransformerLayer(cfg, state, _tracker(9, state.tp_rank))
+    layer = TransformerLayer(cfg, BuildContext(state, rng_tracker=_tracker(9, state.tp_rank)))
     mask = layer._dropout(torch.ones(2, 16, 32)) == 0
     masks = [torch.empty_like(mask) for _ in range(state.tp_size)]
     dist.all_gather(masks, mask, group=state.tp_group)
@@ -214,8 +217,10 @@ def _check_dropout_streams(state) -> None:
     runs = []
     for recompute in (None, RecomputeConfig(granularity="full", num_layers=2)):
         torch.manual_seed(3)
-        model = GPTModel(
-            cfg, state, seed=5, rng_tracker=_tracker(5, state.tp_rank), recompute=recompute
+        model = parallelize(
+            GPTModel(cfg, BuildContext(state, seed=5, rng_tracker=_tracker(5, state.tp_rank))),
+            state,
+            recompute,
         )
         runs.append(_train_steps(model, state, steps=2) + (model,))
     (l0, g0, model), (l1, g1, _) = runs
@@ -230,7 +235,7 @@ def _check_dropout_streams(state) -> None:
 
 
 def _activation_bytes(state, cfg) -> int:
-    model = GPTModel(cfg, state, seed=5, rng_tracker=_tracker(5, state.tp_rank))
+    model = GPTModel(cfg, BuildContext(state, seed=5, rng_tracker=_tracker(5, state.tp_rank)))
     tokens, labels = _batch(cfg, 0)
     with SavedActivations(exclude=model.parameters()) as saved:
         model(tokens, labels=labels).mean().backward()

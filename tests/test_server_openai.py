@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from megatron import mpu
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel
 from tests.serving import CFG, FIXTURES, Server, convert, make_checkpoint
 
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (pip install -e '.[serve]')")
@@ -34,7 +34,7 @@ def _tokenizer():
 
 def _reference_logprobs(ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1 from the same weights in one plain process."""
-    model = GPTModel(CFG, mpu.single_process_state(), seed=5)
+    model = GPTModel(CFG, BuildContext(seed=5))
     model.eval()
     with torch.no_grad():
         logits = model(torch.tensor([ids]))[0, :, : CFG.vocab_size].float()

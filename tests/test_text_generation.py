@@ -18,8 +18,8 @@ from megatron.checkpoint.storage import finalize_checkpoint, save_shard
 from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate, generate_greedy
-from megatron.model import GPTModel
-from megatron.model.stages import build_model
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import free_port, run_distributed
 
@@ -49,12 +49,12 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
 
 def _engine(cfg, state=None, seed=3):
     state = state or mpu.single_process_state()
-    chunks = build_model(cfg, state, rng_tracker=None, seed=seed)
+    chunks = build_model(cfg, BuildContext(state, seed=seed))
     return InferenceModel(chunks, state, cfg.vocab_size, cfg.hidden_size)
 
 
 def test_greedy_equals_a_manual_argmax_loop_and_never_picks_padding():
-    model = GPTModel(CFG, mpu.single_process_state(), seed=3)
+    model = GPTModel(CFG, BuildContext(seed=3))
     model.eval()
     got = generate_greedy(model, [1, 2, 3], 8, max_length=CFG.seq_length)
     expected = [1, 2, 3]
@@ -144,7 +144,7 @@ def checkpoint(tmp_path_factory):
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    model = GPTModel(cfg, mpu.single_process_state(), seed=5)
+    model = GPTModel(cfg, BuildContext(seed=5))
     args = {
         "model": cfg.__dict__,
         "tensor_model_parallel_size": 1,

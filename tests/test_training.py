@@ -17,7 +17,8 @@ import torch
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from megatron.training.loop import TrainingError, forward_step, pretrain
+from megatron.models.gpt.train import forward_step
+from megatron.training.loop import TrainingError, pretrain
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).parent.parent

@@ -28,7 +28,8 @@ from megatron.inference.generation import SamplingParams, generate
 from megatron.inference.samples import interactive, unconditional_samples
 from megatron.inference.session import setup
 from megatron.initialize import shutdown_distributed
-from megatron.model.stages import build_model
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import free_port, run_distributed
 from tests.test_evaluation import WIKI
@@ -293,7 +294,7 @@ def _modes_worker(rank, world):
     out = {}
     for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
         state = initialize_model_parallel(tp, pp)
-        chunks = build_model(CFG, state, rng_tracker=None, seed=4)
+        chunks = build_model(CFG, BuildContext(state, seed=4))
         out[name] = _modes(InferenceModel(chunks, state, CFG.vocab_size, CFG.hidden_size), rank)
         destroy_model_parallel(state)
     return out
@@ -301,7 +302,7 @@ def _modes_worker(rank, world):
 
 def test_unconditional_and_interactive_on_tp2_and_pp2_match_one_process():
     state = mpu.single_process_state()
-    chunks = build_model(CFG, state, rng_tracker=None, seed=4)
+    chunks = build_model(CFG, BuildContext(state, seed=4))
     expected = _modes(InferenceModel(chunks, state, CFG.vocab_size, CFG.hidden_size))
     assert expected["interactive"][0] == 2 and len(expected["unconditional"]) == 3
     assert expected["recompute"] == expected["unconditional"][:2]

@@ -18,8 +18,10 @@ from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
 from megatron.model.transformer import KVCache, ParallelAttention, TransformerLayer
+from megatron.models.gpt.model import GPTModel
 from tests.distributed import run_distributed
 
 BASE = dict(
@@ -59,12 +61,12 @@ def _init(module, seed=0):
 
 
 def _attention(cfg, layer_number=1, ops=TORCH_OPS, dtype=torch.float32):
-    attn = ParallelAttention(cfg, ST, None, dtype=dtype, ops=ops, layer_number=layer_number)
+    attn = ParallelAttention(cfg, BuildContext(ST, dtype=dtype, ops=ops), layer_number=layer_number)
     return _init(attn)
 
 
 def _layer(cfg):
-    layer = _init(TransformerLayer(cfg, ST, None), seed=4)
+    layer = _init(TransformerLayer(cfg, BuildContext(ST)), seed=4)
     with torch.no_grad():  # norms near their usual weights
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight.add_(1.0)
@@ -151,7 +153,7 @@ def test_qk_layer_scaling_keeps_fp16_scores_finite():
 def test_openai_gelu_is_the_tanh_form_and_changes_only_the_mlp():
     cfg = ModelConfig(**BASE)
     erf = _layer(cfg)
-    tanh = TransformerLayer(dataclasses.replace(cfg, openai_gelu=True), ST, None)
+    tanh = TransformerLayer(dataclasses.replace(cfg, openai_gelu=True), BuildContext(ST))
     tanh.load_state_dict(erf.state_dict())
     h = torch.randn(2, 8, 32, generator=_gen(3))
     fc1, fc2 = tanh.mlp.dense_h_to_4h, tanh.mlp.dense_4h_to_h
@@ -170,7 +172,7 @@ def test_post_layernorm_residual_follows_v1x():
     h = n1 + layer.self_attention(n1)
     n2 = layer.post_attention_layernorm(h)
     torch.testing.assert_close(layer(x), n2 + layer.mlp(n2), rtol=0, atol=0)
-    pre = TransformerLayer(ModelConfig(**BASE), ST, None)
+    pre = TransformerLayer(ModelConfig(**BASE), BuildContext(ST))
     pre.load_state_dict(layer.state_dict())
     assert not torch.allclose(pre(x), layer(x))
 
@@ -192,7 +194,7 @@ def test_bias_dropout_fusion_compiles_the_residual_add_and_replays_its_masks():
             ModelConfig(**BASE), apply_residual_connection_post_layernorm=post_ln
         )
         plain = _layer(cfg)
-        fused = TransformerLayer(cfg, ST, None, ops=FUSED_BDA)
+        fused = TransformerLayer(cfg, BuildContext(ST, ops=FUSED_BDA))
         fused.load_state_dict(plain.state_dict())
         x = torch.randn(2, 8, 32, generator=_gen(5), requires_grad=True)
         assert fused.self_attention.defer_bias and fused.mlp.defer_bias
@@ -209,7 +211,7 @@ def test_bias_dropout_fusion_compiles_the_residual_add_and_replays_its_masks():
     tokens, labels = _tokens(cfg), _tokens(cfg, seed=2)
     runs = []
     for recompute in (None, RecomputeConfig(granularity="full", method="uniform", num_layers=1)):
-        model = GPTModel(cfg, ST, seed=3, ops=FUSED_BDA, recompute=recompute)
+        model = parallelize(GPTModel(cfg, BuildContext(ST, seed=3, ops=FUSED_BDA)), ST, recompute)
         torch.manual_seed(11)
         loss = model(tokens, labels=labels).mean()
         loss.backward()
@@ -247,7 +249,7 @@ def test_fp16_lm_cross_entropy_keeps_the_logits_dtype():
     cfg = ModelConfig(**BASE)
     for flag, dtype in ((False, torch.float32), (True, torch.float16)):
         ops = dataclasses.replace(TORCH_OPS, fp16_lm_cross_entropy=flag)
-        model = GPTModel(cfg, ST, dtype=torch.float16, ops=ops)
+        model = GPTModel(cfg, BuildContext(ST, dtype=torch.float16, ops=ops))
         assert model(_tokens(cfg), labels=_tokens(cfg, seed=2)).dtype == dtype
 
 
@@ -261,14 +263,14 @@ def test_fp16_lm_cross_entropy_keeps_the_logits_dtype():
 def test_shared_layers_exist_once_and_their_gradients_sum(style, order):
     cfg = ModelConfig(**BASE, num_unique_layers=2, param_sharing_style=style)
     assert [cfg.unique_layer(i) for i in range(4)] == order
-    shared = GPTModel(cfg, ST, seed=3, dtype=torch.float64)
+    shared = GPTModel(cfg, BuildContext(ST, seed=3, dtype=torch.float64))
     owners = sorted({cfg.layer_owner(i) for i in range(4)})
     assert sorted(map(int, shared.layers)) == owners and len(shared.run_order()) == 4
     names = {n.split(".")[1] for n in shared.state_dict() if n.startswith("layers.")}
     assert names == {str(o) for o in owners}, "a checkpoint holds each unique layer once"
     # The same model written out with 4 separate (equal) layers: same loss, and the shared
     # gradient is the sum over the layers that use it.
-    full = GPTModel(ModelConfig(**BASE), ST, seed=3, dtype=torch.float64)
+    full = GPTModel(ModelConfig(**BASE), BuildContext(ST, seed=3, dtype=torch.float64))
     sd = dict(shared.state_dict())
     for i in range(4):
         for key, t in shared.layers[str(cfg.layer_owner(i))].state_dict().items():
@@ -291,7 +293,7 @@ def test_shared_layers_exist_once_and_their_gradients_sum(style, order):
 
 def test_kv_cache_generation_runs_shared_layers_with_a_cache_per_use():
     cfg = ModelConfig(**BASE, **V1)
-    model = GPTModel(cfg, ST, seed=3).eval()
+    model = GPTModel(cfg, BuildContext(ST, seed=3)).eval()
     tokens = _tokens(cfg, batch=1)
     caches = {n: KVCache(1, 8, 4, 8, "cpu", torch.float32) for n in model.layer_numbers}
     with torch.no_grad():
@@ -391,18 +393,18 @@ def _check_grads(model, ref_grads, state, vocab, reduce_embedding=False):
 
 
 def _tp_pp_worker(rank, world):
-    from megatron.model.stages import build_model
+    from megatron.models.gpt.model import build_model
     from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 
     cfg = ModelConfig(**BASE, **V1, param_sharing_style="spaced")
     tokens, labels = _tokens(cfg), _tokens(cfg, seed=2)
-    ref = GPTModel(cfg, ST, seed=3, dtype=torch.float64)
+    ref = GPTModel(cfg, BuildContext(ST, seed=3, dtype=torch.float64))
     ref_loss = ref(tokens, labels=labels)
     ref_loss.sum().backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     state = initialize_model_parallel(2, 1)  # TP2
-    model = GPTModel(cfg, state, seed=3, dtype=torch.float64)
+    model = GPTModel(cfg, BuildContext(state, seed=3, dtype=torch.float64))
     loss = model(tokens, labels=labels)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)
     loss.sum().backward()
@@ -418,7 +420,7 @@ def _tp_pp_worker(rank, world):
     destroy_model_parallel(state)
 
     state = initialize_model_parallel(1, 2)  # PP2: unique layer r lives on stage r
-    (stage,) = build_model(cfg, state, rng_tracker=None, seed=3, dtype=torch.float64).chunks
+    (stage,) = build_model(cfg, BuildContext(state, seed=3, dtype=torch.float64)).chunks
     assert list(stage.layers) == [str(2 * rank)] and stage.layer_numbers == [2 * rank, 2 * rank + 1]
     if state.is_first_stage:
         out = stage(tokens)
@@ -458,10 +460,10 @@ def test_hf_export_openai_gelu_as_gelu_new_and_shared_layers_copied(tmp_path):
     transformers = pytest.importorskip("transformers", reason="HF export checks need transformers")
     import json
 
-    from megatron.checkpoint.hf import from_hf, hf_architecture, to_hf
+    from megatron.models.gpt.hf import from_hf, hf_architecture, to_hf
 
     cfg = ModelConfig(**{**BASE, **V1, "apply_residual_connection_post_layernorm": False})
-    model = GPTModel(cfg, ST, seed=3).eval()
+    model = GPTModel(cfg, BuildContext(ST, seed=3)).eval()
     with torch.no_grad():  # biases and norms away from 0 and 1
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=_gen(8)) * 0.05)

@@ -252,7 +252,7 @@ def _run(rank, world, argv):
 
 
 def _native_worker(rank, world, argv, save_dir):
-    import megatron.training.step as step
+    import megatron.models.gpt.train as gpt_train
 
     out = {}
     out["local"], w_local, _ = _run(rank, world, argv)
@@ -267,13 +267,13 @@ def _native_worker(rank, world, argv, save_dir):
             out[f"bf16_{name}"] = _run(rank, world, argv + ["--bf16", *extra])[0]
         out[f"dtypes_{name}"] = sorted(set(map(str, seen)))
     # --cpu-optimizer and --use-cpu-initialization together: each must leave the run unchanged.
-    devices, real_build = [], step.build_model
-    step.build_model = lambda *a, **kw: devices.append(str(kw["device"])) or real_build(*a, **kw)
+    devices, real_build = [], gpt_train.build_model
+    gpt_train.build_model = lambda cfg, ctx: devices.append(str(ctx.device)) or real_build(cfg, ctx)
     try:
         cpu = ["--cpu-optimizer", "--use-cpu-initialization"]
         out["cpu"], w_cpu, _ = _run(rank, world, argv + cpu)
     finally:
-        step.build_model = real_build
+        gpt_train.build_model = real_build
     out["cpu_init_device"] = devices
     out["cpu_weights"] = max(float((w_local[k] - w_cpu[k]).abs().max()) for k in w_local)
     tp2 = argv + ["--tensor-model-parallel-size", "2", "--checkpoint-activations"]

@@ -27,6 +27,7 @@ from megatron.checkpoint.resharding import (  # noqa: E402
     validate_layout,
 )
 from megatron.checkpoint.storage import CheckpointError  # noqa: E402
+from megatron.models import registry  # noqa: E402
 from megatron.progress import Progress  # noqa: E402
 
 
@@ -139,35 +140,29 @@ def _reshard(a) -> int:
 
 
 def _export(a) -> int:
-    from megatron.checkpoint.hf import to_hf
-
     if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
         raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
     loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
-    if loaded.args.get("model_family", "gpt").startswith("bert"):
-        from megatron.checkpoint.hf_bert import export_hf_bert
-
-        export_hf_bert(loaded.state, loaded.args, a.to_hf)
-        print(
-            f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as BertForPreTraining"
-        )
-        return 0
-    arch = to_hf(loaded.state, loaded.args, a.to_hf, tokenizer_files=a.tokenizer_files)
-    name = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
+    spec = registry.spec_of_checkpoint_family(loaded.args.get("model_family"))
+    if spec.hf_export is None:
+        raise ValueError(f"--to-hf: the {spec.name} family has no Hugging Face mapping")
+    name = spec.hf_export(loaded.state, loaded.args, a.to_hf, tokenizer_files=a.tokenizer_files)
     print(f"exported iteration {loaded.iteration} of {a.load} to {a.to_hf} as {name}")
     return 0
 
 
+def _hf_importer(hf_cfg: dict):
+    """The family that imports this Hugging Face `model_type` (else the default family's
+    importer, which names what it cannot read)."""
+    for spec in registry.all_specs():
+        if hf_cfg.get("model_type") in spec.hf_model_types:
+            return spec.hf_import
+    return registry.get_spec(registry.DEFAULT_FAMILY).hf_import
+
+
 def _import(a) -> int:
-    from megatron.checkpoint.hf import from_hf
-
     hf_cfg = _hf_config_json(a.from_hf)
-    if hf_cfg.get("model_type") == "bert":
-        from megatron.checkpoint.hf_bert import import_hf_bert
-
-        state, args = import_hf_bert(a.from_hf, hf_cfg)
-    else:
-        state, args = from_hf(a.from_hf)
+    state, args = _hf_importer(hf_cfg)(a.from_hf, hf_cfg)
     cfg = model_config(args)
     tp = a.target_tensor_model_parallel_size or 1
     pp = a.target_pipeline_model_parallel_size or 1

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.checkpoint.storage import CheckpointError  # noqa: E402
 from megatron.config.cli import parse_args  # noqa: E402
 from megatron.initialize import shutdown_distributed  # noqa: E402
-from megatron.training.bert_eval import evaluate_checkpoint  # noqa: E402
+from megatron.models.bert.evaluate import evaluate_checkpoint  # noqa: E402
 
 
 def main(argv=None) -> int:

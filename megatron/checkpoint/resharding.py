@@ -40,34 +40,32 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved
-from megatron.model.bert import BertModel
-from megatron.model.gpt import OUTPUT_WEIGHTS, WORD_EMBEDDINGS, GPTModel
 from megatron.model.stages import stage_layer_range
-from megatron.mpu import partition_of, single_process_state
+from megatron.model.weights import WORD_EMBEDDINGS
+from megatron.models import registry
+from megatron.mpu import partition_of
 from megatron.mpu.utils import shard, unshard
 
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
-VOCAB_WEIGHTS = (WORD_EMBEDDINGS, OUTPUT_WEIGHTS, "head.lm_bias")  # the last: BERT's MLM bias
-# Model families (args["model_family"]; absent = "gpt"). A BERT checkpoint is told by its
-# token-type embedding, and one without the NSP head by its missing pooler.
-FAMILIES = ("gpt", "bert", "bert-no-binary-head")
+# Model families: a checkpoint's args["model_family"] (absent: the default family), or the one
+# its tensor names tell (megatron.models.registry asks each family).
 
 
 def model_family(args: dict) -> str:
-    return args.get("model_family", "gpt")
+    return args.get("model_family", registry.DEFAULT_FAMILY)
 
 
 def family_of_names(names) -> str:
-    names = set(names)
-    if "embedding.tokentype_embeddings.weight" not in names:
-        return "gpt"
-    return "bert" if "head.pooler.weight" in names else "bert-no-binary-head"
+    return registry.checkpoint_family(names)
 
 
 def _build_tp1(cfg: ModelConfig, family: str) -> nn.Module:
-    if family == "gpt":
-        return GPTModel(cfg, single_process_state())
-    return BertModel(cfg, single_process_state(), binary_head=family == "bert")
+    return registry.spec_of_checkpoint_family(family).reference_model(cfg, family)
+
+
+def _is_vocab_sized(name: str) -> bool:
+    """One row per vocab entry (padding rows dropped on merge, zeros restored on split)."""
+    return name in registry.vocab_sized_names()
 
 
 DROPPED_STATE_NOTE = (
@@ -95,7 +93,7 @@ Rule = tuple[int, int] | None  # (partition dim, stride), or None: every TP rank
 
 def partition_record(model: nn.Module) -> dict[str, Rule]:
     """Name -> Rule of every tensor in `model`'s state dict (our DDP, ModelChunks or a
-    GPTModel), read from its parameters' mpu attributes: what a shard records."""
+    a family's model), read from its parameters' mpu attributes: what a shard records."""
     module = getattr(model, "module", model)
     record: dict[str, Rule] = {}
     for chunk in getattr(module, "chunks", [module]):
@@ -107,7 +105,7 @@ def partition_record(model: nn.Module) -> dict[str, Rule]:
 
 @functools.lru_cache(maxsize=4)
 def model_layout(
-    cfg: ModelConfig, family: str = "gpt"
+    cfg: ModelConfig, family: str = registry.DEFAULT_FAMILY
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, Rule]]:
     """(full shapes, split rules) of every tensor of the model `cfg` describes, in model order.
 
@@ -118,7 +116,7 @@ def model_layout(
         model = _build_tp1(cfg, family)
     shapes = {}
     for name, tensor in model.state_dict().items():
-        rows = cfg.vocab_size if name in VOCAB_WEIGHTS else tensor.shape[0]
+        rows = cfg.vocab_size if _is_vocab_sized(name) else tensor.shape[0]
         shapes[name] = (rows, *tensor.shape[1:])
     return shapes, partition_record(model)
 
@@ -134,13 +132,18 @@ def model_config(args: dict) -> ModelConfig:
     return model_config_from_saved(args["model"])
 
 
-def full_shapes(cfg: ModelConfig, family: str = "gpt") -> dict[str, tuple[int, ...]]:
+def full_shapes(
+    cfg: ModelConfig, family: str = registry.DEFAULT_FAMILY
+) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the full state (unpadded vocab), in model order."""
     return dict(model_layout(cfg, family)[0])
 
 
 def check_full_state(
-    full_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str, family: str = "gpt"
+    full_state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    where: str,
+    family: str = registry.DEFAULT_FAMILY,
 ) -> None:
     """Raise CheckpointError unless `full_state` has exactly the model's names and shapes."""
     expected = full_shapes(cfg, family)
@@ -187,7 +190,11 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int, vp_layers: int | None = 
 
 
 def stage_names(
-    cfg: ModelConfig, pp: int, pp_rank: int, vp_layers: int | None = None, family: str = "gpt"
+    cfg: ModelConfig,
+    pp: int,
+    pp_rank: int,
+    vp_layers: int | None = None,
+    family: str = registry.DEFAULT_FAMILY,
 ) -> list[str]:
     """Names of the full state a pipeline rank holds (its model chunks' union), model order.
 
@@ -277,7 +284,7 @@ def _merge_stage(shards: list[dict], cfg: ModelConfig, where: str, full: dict) -
     rules = stage_rules(shards, cfg, where)
     for name in shards[0]["model"]:
         tensor = _merge_tp(name, [s["model"][name] for s in shards], rules[name])
-        if name in VOCAB_WEIGHTS:
+        if _is_vocab_sized(name):
             tensor = tensor[: cfg.vocab_size].clone()  # drop the padding rows
         if name in full:  # the last stage's copy of the tied word embedding
             if not torch.equal(full[name], tensor):
@@ -322,7 +329,7 @@ def load_checkpoint(load_dir: str, iteration: int | None = None, progress=None) 
         if progress:
             progress(pp_rank + 1, pp)
     family = family_of_names(full)
-    if family != "gpt":
+    if family != registry.DEFAULT_FAMILY:
         args = {**args, "model_family": family}
     check_full_state(full, cfg, directory, family)
     full = {n: full[n] for n in full_shapes(cfg, family)}  # model order, whatever the stage order
@@ -356,7 +363,7 @@ def load_full_state(load_dir: str, iteration: int | None = None) -> tuple[dict, 
 def _local_tensor(
     name: str, full: torch.Tensor, rule: Rule, tp: int, tp_rank: int, padded: int
 ) -> torch.Tensor:
-    if name in VOCAB_WEIGHTS:
+    if _is_vocab_sized(name):
         pad = full.new_zeros(padded - full.shape[0], *full.shape[1:])
         full = torch.cat([full, pad])  # (V_pad, h): padding rows are zeros, as at init
     if rule is None:

@@ -128,7 +128,7 @@ def generate_greedy(
     eod: int | None = None,
     max_length: int | None = None,
 ) -> list[int]:
-    """Greedy continuation of one prompt with a plain GPTModel on one pipeline stage."""
+    """Greedy continuation of one prompt with a causal language model on one pipeline stage."""
     from megatron.mpu import single_process_state
 
     state = model.state if tp_group is not None else single_process_state()

@@ -8,8 +8,10 @@ import dataclasses
 from megatron.checkpoint.storage import CheckpointError, load_shard, resolve_load_iteration
 from megatron.config.schema import KernelConfig, TokenizerConfig, model_config_from_saved
 from megatron.data.tokenizers import build_tokenizer
-from megatron.fused_kernels import select_ops
-from megatron.model.stages import build_model
+from megatron.fused_kernels import TORCH_OPS, select_ops
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
+from megatron.models import registry
 
 
 def load_model_for_inference(
@@ -20,8 +22,9 @@ def load_model_for_inference(
     tokenizer: dict | None = None,
 ):
     """(model chunks, tokenizer or None, model config, iteration) for this rank's TP/PP
-    position; `model[0]` is this stage's GPTModel. `kernels`: the run-time kernel switches
-    (None: plain torch), never the ones a checkpoint from before they left ModelConfig holds.
+    position; `model[0]` is this stage's model (a causal LM family's). `kernels`: the run-time
+    kernel switches (None: plain torch), never the ones a checkpoint from before they left
+    ModelConfig holds.
     `dtype`: cast the weights (None: as saved). `tokenizer`: TokenizerConfig fields that
     replace the checkpoint's record (the command line's --vocab-file etc.)."""
     iteration = resolve_load_iteration(load_dir)
@@ -46,21 +49,27 @@ def load_model_for_inference(
             f"{st.pp_size}. Fix: launch {saved_tp * saved_pp} processes with those sizes (or "
             "reshard it with tools/convert_checkpoint.py)"
         )
+    spec = registry.spec_of_checkpoint_family(registry.checkpoint_family(shard["model"]))
+    if not spec.causal_lm:
+        raise CheckpointError(
+            f"--load {load_dir}: a {spec.name} checkpoint; generation and language-model "
+            "evaluation run causal language models only"
+        )
     model_cfg = model_config_from_saved(args["model"])
     model_cfg = dataclasses.replace(model_cfg, hidden_dropout=0.0, attention_dropout=0.0)
     # The checkpoint holds the architecture only: the kernels come from the caller (plain torch
     # ops when it names none), recompute is a training setting. Weights are overwritten right
     # after, so the seed is moot.
-    model = build_model(
-        model_cfg,
-        st,
-        rng_tracker=rt.rng_tracker,
+    ctx = BuildContext(
+        state=st,
         seed=0,
         device=rt.device,
         dtype=dtype or next(iter(shard["model"].values())).dtype,
-        ops=select_ops(kernels, rt.device) if kernels is not None else None,
-        torch_compile=kernels is not None and kernels.torch_compile,
+        rng_tracker=rt.rng_tracker,
+        ops=select_ops(kernels, rt.device) if kernels is not None else TORCH_OPS,
     )
+    model = spec.model_provider(None)(model_cfg, ctx)  # the architecture alone
+    parallelize(model, st, torch_compile=kernels is not None and kernels.torch_compile)
     model.load_state_dict(shard["model"])
     tok = _build_tokenizer({**args.get("tokenizer", {}), **(tokenizer or {})}, model_cfg)
     return model, tok, model_cfg, iteration

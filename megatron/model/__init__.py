@@ -1,11 +1,5 @@
-from megatron.model.gpt import GPTModel, init_weights
+"""The transformer building blocks the model families share (megatron/models/<family>/)."""
+
 from megatron.model.transformer import ParallelAttention, ParallelMLP, RMSNorm, TransformerLayer
 
-__all__ = [
-    "GPTModel",
-    "ParallelAttention",
-    "ParallelMLP",
-    "RMSNorm",
-    "TransformerLayer",
-    "init_weights",
-]
+__all__ = ["ParallelAttention", "ParallelMLP", "RMSNorm", "TransformerLayer"]

@@ -11,10 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.config.schema import ModelConfig, RecomputeConfig
-from megatron.model.gpt import GPTModel
-from megatron.mpu import ParallelState, RNGStatesTracker
-
 
 def stage_layer_range(
     num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None, vp_rank: int = 0
@@ -32,14 +28,14 @@ class ModelChunks(nn.Module):
     a shard looks the same whatever V is.
     """
 
-    def __init__(self, chunks: list[GPTModel]):
+    def __init__(self, chunks: list[nn.Module]):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def __getitem__(self, i: int) -> GPTModel:
+    def __getitem__(self, i: int) -> nn.Module:
         return self.chunks[i]
 
     def forward(self, *args, **kwargs):
@@ -68,43 +64,3 @@ class ModelChunks(nn.Module):
             if chunk.tied and (chunk.pre_process or chunk.post_process):
                 return chunk.word_embeddings_weight()
         return None
-
-
-def build_model(
-    cfg: ModelConfig,
-    state: ParallelState,
-    *,
-    rng_tracker: RNGStatesTracker | None,
-    seed: int,
-    device=None,
-    dtype=torch.float32,
-    checkpoint_impl=None,
-    ops=None,
-    recompute: RecomputeConfig | None = None,
-    torch_compile: bool = False,
-) -> ModelChunks:
-    """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V.
-
-    `ops`, `recompute` and `torch_compile` are the run-time switches (see GPTModel)."""
-    vp = state.virtual_pp_size
-    chunks = []
-    for c in range(vp or 1):
-        last_chunk = c == (vp or 1) - 1
-        chunks.append(
-            GPTModel(
-                cfg,
-                state,
-                rng_tracker=rng_tracker,
-                seed=seed,
-                device=device,
-                dtype=dtype,
-                layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank, vp, c),
-                checkpoint_impl=checkpoint_impl,
-                ops=ops,
-                recompute=recompute,
-                torch_compile=torch_compile,
-                pre_process=state.is_first_stage and c == 0,
-                post_process=state.is_last_stage and last_chunk,
-            )
-        )
-    return ModelChunks(chunks)

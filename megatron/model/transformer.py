@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config.schema import ModelConfig, RecomputeConfig
-from megatron.fused_kernels import TORCH_OPS, FusedOps
+from megatron.config.schema import ModelConfig
+from megatron.model.context import BuildContext
+from megatron.model.masks import CAUSAL, AttentionMask, MaskType
 from megatron.mpu import (
     ColumnParallelLinear,
     ParallelState,
@@ -134,10 +135,11 @@ class KVCache:
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention over this rank's heads: torch SDPA, or (--attention-backend)
-    softmax(scale q k^T) v with a Triton (fused) or torch (unfused) scaled causal softmax.
-    An `attention_mask` (b, 1, s, s) of the keys each query may see (documents of a packed
-    sample, model/documents.py) replaces the causal mask: SDPA's attn_mask, or a masked softmax.
+    """Self-attention over this rank's heads: torch SDPA, or (--attention-backend)
+    softmax(scale q k^T) v with a Triton (fused) or torch (unfused) scaled softmax.
+    The `attention_mask` (model/masks.py) says which keys each query sees: CAUSAL (the default),
+    or PADDING / ARBITRARY with a keep tensor (b, 1, s, s) (BERT's padding, the documents of a
+    packed sample): SDPA's attn_mask, or a masked softmax.
 
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
@@ -146,27 +148,19 @@ class ParallelAttention(nn.Module):
     from the GEMM, softmax(L x scores) in fp32 (v1.x's fp16 overflow guard; equal in exact math).
     """
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        state: ParallelState,
-        rng_tracker: RNGStatesTracker | None,
-        device=None,
-        dtype=None,
-        ops: FusedOps | None = None,
-        recompute: RecomputeConfig | None = None,
-        layer_number: int = 1,
-    ):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
         super().__init__()
-        self.rng_tracker = rng_tracker
+        state, device, dtype = ctx.state, ctx.device, ctx.dtype
+        self.rng_tracker = ctx.rng_tracker
         self.qk_coeff = float(layer_number) if cfg.apply_query_key_layer_scaling else None
         self.head_dim = cfg.head_dim
         self.heads = divide(cfg.num_attention_heads, state.tp_size)  # local query heads
         self.groups = divide(cfg.query_groups, state.tp_size)  # local key/value heads
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
         self.dropout = cfg.attention_dropout
-        self.recompute_core = recompute is not None and recompute.granularity == "selective"
-        self.ops = ops or TORCH_OPS
+        # --recompute-granularity selective (megatron.model.parallelize switches it on)
+        self.recompute_core = False
+        self.ops = ctx.ops
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         kw = {
             "group": state.tp_group,
@@ -195,7 +189,7 @@ class ParallelAttention(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: AttentionMask = CAUSAL,
     ) -> torch.Tensor:
         qkv = self.query_key_value(x)  # (b, s, ...): the full sequence, also when x is a slice
         b, s = qkv.shape[:2]
@@ -207,13 +201,13 @@ class ParallelAttention(nn.Module):
                 start = kv_cache.length if kv_cache is not None else 0
                 position_ids = torch.arange(start, start + s, device=x.device).expand(b, s)
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
-        mask = attention_mask  # None: causal
+        mask = attention_mask
         if kv_cache is not None:  # generation: attend to the cached prefix as well
             past = kv_cache.length
             k, v = kv_cache.append(k, v)  # (b, past + s, g, d)
-            mask = kv_cache.causal_mask(past, s) if past and s > 1 else None
-            if past and s == 1:
-                mask = False  # one new position sees everything before it
+            # s new queries after `past` cached keys (one new position sees them all: causal)
+            many = past and s > 1
+            mask = AttentionMask.arbitrary(kv_cache.causal_mask(past, s)) if many else CAUSAL
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
         if self.q_per_group > 1 and self.ring is None:
             k = k.repeat_interleave(self.q_per_group, dim=1)
@@ -227,9 +221,9 @@ class ParallelAttention(nn.Module):
             return self.dense.forward_without_bias(ctx)
         return self.dense(ctx)
 
-    def _core_attention(self, q, k, v, mask=None):
-        # q: (b, heads, s_q, d); k, v: (b, heads, s_k, d). mask None: causal; False: none;
-        # a tensor: which keys each query may see.
+    def _core_attention(self, q, k, v, mask: AttentionMask = CAUSAL):
+        # q: (b, heads, s_q, d); k, v: (b, heads, s_k, d); s_q < s_k only for a KV cache's
+        # queries, which are the last s_q positions.
         p = self.dropout if self.training else 0.0
         # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
@@ -238,15 +232,18 @@ class ParallelAttention(nn.Module):
                 return self.ring(q, k, v, dropout_p=p)
             if self.ops.attention_backend != "sdpa" or self._fp32_softmax(q.dtype):
                 scores, scale = self._scores(q, k)  # (b, heads, s_q, s_k)
-                if isinstance(mask, torch.Tensor):  # documents (or a KV-cache prefix)
-                    probs = self.ops.masked_softmax(scores, mask, scale)  # fp32 math inside
-                else:  # causal with the queries at the end of the keys (None, or False: s_q 1)
+                if mask.type is MaskType.CAUSAL:  # the queries at the end of the keys
                     probs = self.ops.causal_softmax(scores, scale)  # fp32 math inside
+                else:  # padding, documents (or a KV-cache prefix)
+                    probs = self.ops.masked_softmax(scores, mask.keep, scale)  # fp32 inside
                 return torch.matmul(F.dropout(probs, p), v)
-            if mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            attn_mask = None if mask is False else mask
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+            if mask.type is not MaskType.CAUSAL:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.keep, dropout_p=p)
+            if q.size(2) == 1:  # one query at the end of the keys sees them all
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            # SDPA's is_causal aligns the queries to the start: right only when s_q == s_k
+            # (KV caches with several new queries pass an ARBITRARY mask)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
     def _fp32_softmax(self, dtype: torch.dtype) -> bool:
         """SDPA's softmax precision is its kernel's choice: under fp16/bf16 the v1.x precision
@@ -270,16 +267,10 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """h -> ffn (GeLU, or SwiGLU: silu(gate) * up) -> h, the ffn dimension split over TP."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        state: ParallelState,
-        device=None,
-        dtype=None,
-        ops: FusedOps | None = None,
-    ):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
-        self.swiglu, self.ops = cfg.swiglu, ops or TORCH_OPS
+        state, device, dtype = ctx.state, ctx.device, ctx.dtype
+        self.swiglu, self.ops = cfg.swiglu, ctx.ops
         self.gelu_approx = "tanh" if cfg.openai_gelu else "none"  # --openai-gelu
         kw = {
             "group": state.tp_group,
@@ -328,35 +319,23 @@ class TransformerLayer(nn.Module):
     bias_dropout_add; same values, other kernels (and on CUDA other dropout masks).
     """
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        state: ParallelState,
-        rng_tracker: RNGStatesTracker | None,
-        device=None,
-        dtype=None,
-        ops: FusedOps | None = None,
-        recompute: RecomputeConfig | None = None,
-        layer_number: int = 1,
-    ):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
         super().__init__()
-        self.hidden_dropout, self.ops = cfg.hidden_dropout, ops or TORCH_OPS
+        self.hidden_dropout, self.ops = cfg.hidden_dropout, ctx.ops
         self.post_ln_residual = cfg.apply_residual_connection_post_layernorm
         self.bias_dropout_fusion = self.ops.bias_dropout_add == "compile"
-        self.residual_rng = split_dropout_rng(state, rng_tracker)
-        self.input_layernorm = build_norm(cfg, device, dtype)
-        self.self_attention = ParallelAttention(
-            cfg, state, rng_tracker, device, dtype, ops, recompute, layer_number
-        )
-        self.post_attention_layernorm = build_norm(cfg, device, dtype)
-        self.mlp = ParallelMLP(cfg, state, device, dtype, ops)
+        self.residual_rng = split_dropout_rng(ctx.state, ctx.rng_tracker)
+        self.input_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
+        self.self_attention = ParallelAttention(cfg, ctx, layer_number)
+        self.post_attention_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
+        self.mlp = ParallelMLP(cfg, ctx)
 
     def forward(
         self,
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: AttentionMask = CAUSAL,
     ) -> torch.Tensor:
         normed = self.input_layernorm(x)
         attn = self.self_attention(normed, position_ids, kv_cache, attention_mask)

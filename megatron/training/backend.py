@@ -10,9 +10,9 @@ owns the model, optimizer and LR schedule and answers the loop through `TrainerB
 
 What both need exists once: resume glue and the checkpoint entries every backend writes
 (megatron/training/state.py), the batch fetch (megatron/training/data.py get_batch), the
-micro-batch loop (megatron/training/schedules.py), the vocab-padding mask
-(megatron/model/gpt.py OutputHead.logits), the barrier (megatron/initialize.py) and the reported
-loss (`average_loss` below).
+micro-batch loop (megatron/training/schedules.py), the vocab-padding mask (the family's
+output head, e.g. megatron/models/gpt/model.py OutputHead.logits), the barrier
+(megatron/initialize.py) and the reported loss (`average_loss` below).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class StepResult(TypedDict):
     # reads on the host only when it logs (so steps that do not log never wait for the device)
     updated: bool  # False: the step was skipped (inf/NaN gradients, fp16 overflow)
     grad_norm: float | None  # None where the backend cannot tell
-    other_losses: NotRequired[dict[str, torch.Tensor | float]]  # e.g. BERT's {"nsp loss": ...}
+    other_losses: NotRequired[dict[str, torch.Tensor | float]]  # e.g. {"nsp loss": ...}
 
 
 class TrainerBackend(abc.ABC):

@@ -17,10 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.config.schema import DataConfig, MegatronConfig
-from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.loose_json import CorpusError, prepare_loose_json
 from megatron.data.samplers import MegatronPretrainingSampler
-from megatron.initialize import Runtime, barrier
+from megatron.initialize import Runtime
 from megatron.mpu import ParallelState
 from megatron.mpu.context_parallel import context_parallel_slice
 
@@ -165,20 +164,16 @@ def build_data_iterators(
     rt: Runtime,
     consumed_train: int,
     consumed_valid: int,
-    documents: DocumentMasking | None = None,
-    datasets_provider=None,
+    documents: DocumentMasking | None,
+    datasets_provider,
 ):
-    """Train / valid / test iterators of batch dicts: "text" (b, s + 1), plus the fields of
-    `documents` (see document_fields); or of the datasets `datasets_provider(cfg, rt, counts)`
-    builds (another model family's samples)."""
+    """Train / valid / test iterators over the datasets `datasets_provider(cfg, rt, counts)`
+    (the model family's) builds; with `documents`, the language-model batches ("text"
+    (b, s + 1)) get the fields of document_fields."""
     counts = split_sample_counts(cfg, rt.state.dp_size)
     if cfg.data.loose_json.given:
         cfg = dataclasses.replace(cfg, data=resolve_data_config(cfg, rt.state.rank))
-    if datasets_provider is not None:
-        datasets = datasets_provider(cfg, rt, counts)
-    else:
-        datasets = _gpt_datasets(cfg, rt, counts)
-    train, valid, test = datasets
+    train, valid, test = datasets_provider(cfg, rt, counts)
     if train is None:
         raise ValueError(
             "no training data: pass --data-path (with --split), --train-data-path, or "
@@ -188,18 +183,6 @@ def build_data_iterators(
         _loader(train, consumed_train, cfg, rt, documents),
         _loader(valid, consumed_valid, cfg, rt, documents),
         _loader(test, 0, cfg, rt, documents),
-    )
-
-
-def _gpt_datasets(cfg: MegatronConfig, rt: Runtime, counts):
-    return build_train_valid_test_datasets(
-        cfg.data,
-        counts,
-        cfg.model.seq_length,
-        cfg.training.seed,
-        vocab_size=cfg.model.vocab_size,
-        is_builder=rt.state.rank == 0,
-        barrier=barrier,
     )
 
 
@@ -221,8 +204,9 @@ def get_batch(data_iterator, device: torch.device, state: ParallelState | None =
     > 1) every field is this CP rank's load-balanced chunks (b, s / CP), position ids included
     (the chunks' places in the whole sequence).
 
-    The one batch fetch of both backends: the GPT's forward_step (training/step.py) and the
-    DeepSpeed pipeline engine's PipeBatches (training/deepspeed/engine.py)."""
+    The one batch fetch of both backends: a language model's forward_step
+    (megatron/models/gpt/train.py) and the DeepSpeed pipeline engine's PipeBatches
+    (training/deepspeed/engine.py)."""
     data = next(data_iterator)
     text = data["text"].to(device, non_blocking=True)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()

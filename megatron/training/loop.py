@@ -22,6 +22,7 @@ from megatron.config.tokenizer_files import check_tokenizer_files
 from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
+from megatron.models.registry import DEFAULT_FAMILY, ModelSpec, get_spec
 from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.data import DocumentMasking, build_data_iterators
 from megatron.training.log import (
@@ -35,7 +36,7 @@ from megatron.training.log import (
 from megatron.training.microbatches import MicroBatchCalculator
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
-from megatron.training.step import NativeBackend, forward_step
+from megatron.training.step import NativeBackend
 from megatron.training.timers import Timers
 
 
@@ -99,25 +100,25 @@ def _any_rank(flags: list[bool], device) -> list[bool]:
 def pretrain(
     cfg: MegatronConfig,
     *,
-    forward_step_func=forward_step,
+    family: ModelSpec | None = None,
+    forward_step_func=None,
     runtime: Runtime | None = None,
     out=sys.stdout,
-    model_provider=None,
-    datasets_provider=None,
-    purpose: str = "train-gpt",
 ) -> TrainResult:
     """Train as the config says; returns the per-iteration history (the last rank logs it).
 
-    Another model family plugs in here: `model_provider` (model/stages.py build_model's
-    signature), `datasets_provider(cfg, rt, counts) -> [train, valid, test]` and its
-    `forward_step_func` (pretrain_bert.py), with `purpose` "train-bert" (the rules it is
-    validated by, megatron.config.rules.validate; a validated config passes unchanged)."""
-    cfg = validate(cfg, purpose)
+    `family`: the model family's spec (megatron.models.registry; None: the default family),
+    which gives the model, the datasets, the forward step and the rules the config is validated
+    by (megatron.config.rules.validate(cfg, family.purpose); a validated config passes
+    unchanged); `forward_step_func` replaces the family's (tests wrap it)."""
+    family = family or get_spec(DEFAULT_FAMILY)
+    cfg = validate(cfg, family.purpose)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)
     rt = runtime or initialize_megatron(cfg)
-    backend = build_backend(cfg, rt, forward_step_func, model_provider)
+    forward_step_func = forward_step_func or family.forward_step(cfg)
+    backend = build_backend(cfg, rt, forward_step_func, family)
     loop = None
     try:
         state = backend.load() if cfg.checkpoint.load else TrainState()
@@ -127,7 +128,7 @@ def pretrain(
             state.consumed_train_samples,
             state.consumed_valid_samples,
             documents,
-            datasets_provider,
+            family.datasets_provider,
         )
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.metrics)
@@ -152,15 +153,17 @@ def pretrain(
 
 
 def build_backend(
-    cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider=None
+    cfg: MegatronConfig, rt: Runtime, forward_step_func, family: ModelSpec
 ) -> TrainerBackend:
     """--deepspeed picks DeepSpeed's engine (imported only then), else our own backend."""
-    kw = {} if model_provider is None else {"model_provider": model_provider}
+    model_provider = family.model_provider(cfg)
     if cfg.deepspeed.enabled:
         from megatron.training.deepspeed.backend import DeepSpeedBackend
 
-        return DeepSpeedBackend(cfg, rt, forward_step_func, **kw)
-    return NativeBackend(cfg, rt, forward_step_func, **kw)
+        return DeepSpeedBackend(
+            cfg, rt, forward_step_func, model_provider, family.deepspeed_pipeline
+        )
+    return NativeBackend(cfg, rt, forward_step_func, model_provider)
 
 
 @dataclass

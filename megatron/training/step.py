@@ -1,7 +1,7 @@
 """One training step, evaluation and the native backend (our DDP, optimizer and schedules).
 
-forward_step is the GPT's: the loss of one micro batch, averaged over its tokens. train_step
-runs the schedule over the global batch, all-reduces the gradients over DP (and the tied
+The model family's forward_step gives the loss of one micro batch (megatron/models/<family>/).
+train_step runs the schedule over the global batch, all-reduces the gradients over DP (and the tied
 embedding's over the first and last stage), and steps the optimizer and the LR schedule.
 """
 
@@ -17,7 +17,8 @@ from megatron.config.lr_schedule import schedule_steps
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
-from megatron.model.stages import build_model
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
 from megatron.training.backend import (
@@ -27,7 +28,6 @@ from megatron.training.backend import (
     global_loss,
     other_losses,
 )
-from megatron.training.data import get_batch
 from megatron.training.ddp import wrap_data_parallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.learning_rates import AnnealingLR
@@ -37,68 +37,42 @@ from megatron.training.state import TrainState, load_training_state, save_traini
 from megatron.training.timers import Timers
 
 
-def forward_step(data_iterator, model):
-    """One GPT micro batch: the chunk's output and the loss function for the last stage."""
-    state = _state_of(model)  # with context parallelism: this CP rank's chunks
-    batch = get_batch(data_iterator, _device_of(model), state)
-    output = model(  # per-token loss (b, s) on the last stage
-        batch.tokens,
-        position_ids=batch.position_ids,
-        labels=batch.labels,
-        document_ids=batch.document_ids,
-    )
-    cp = state if state is not None and state.cp_size > 1 else None
-    return output, functools.partial(lm_loss, batch.loss_mask, context_parallel=cp)
-
-
-def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor, context_parallel=None):
-    """Mean language-model loss over the unmasked tokens of a micro batch.
-
-    `context_parallel` (a ParallelState with CP > 1): this rank holds 2 of the 2 x CP chunks
-    of each sample; the mean is over all the tokens of the samples (sums and counts
-    all-reduced over CP). The loss to backpropagate is this rank's share of it times CP, as
-    the gradients are averaged over DP x CP: the CP shares then add up to the whole mean's."""
-    local, count = (per_token * loss_mask).sum(), loss_mask.sum()
-    if context_parallel is None:
-        loss = local / count
-        return loss, {"lm loss": loss.detach()}
-    totals = torch.stack([local.detach().float(), count.float()])
-    dist.all_reduce(totals, group=context_parallel.cp_group)
-    loss = local * context_parallel.cp_size / totals[1]
-    return loss, {"lm loss": totals[0] / totals[1]}
-
-
-def _state_of(model):
-    """The chunk's ParallelState (through torch DDP's wrapper with --DDP-impl torch)."""
-    return getattr(model, "state", None) or getattr(getattr(model, "module", None), "state", None)
-
-
-def _device_of(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider=None):
-    """`model_provider`: build_model's signature, another family's (BERT); None: the GPT's."""
-    model_provider = model_provider or build_model
-    dtype = cfg.precision.params_dtype
-    ops = select_ops(cfg.kernels, rt.device)
-    if rt.state.rank == 0:
-        print(f" {ops.describe()}", file=sys.stderr, flush=True)
-    cpu_init = cfg.distributed.use_cpu_initialization
-    model = model_provider(
-        cfg.model,
-        rt.state,
-        rng_tracker=rt.rng_tracker,
+def build_context(cfg: MegatronConfig, rt: Runtime, device=None) -> BuildContext:
+    """This rank's BuildContext for the run: its place in the grid, the seed, device, dtype,
+    dropout streams and the kernels --attention-backend etc. chose."""
+    return BuildContext(
+        state=rt.state,
         seed=cfg.training.seed,
-        device=torch.device("cpu") if cpu_init else rt.device,
-        dtype=dtype,
-        checkpoint_impl=recompute_impl(cfg, rt),
-        ops=ops,
-        recompute=cfg.recompute,
-        torch_compile=cfg.kernels.torch_compile,
+        device=device or rt.device,
+        dtype=cfg.precision.params_dtype,
+        rng_tracker=rt.rng_tracker,
+        ops=select_ops(cfg.kernels, rt.device),
     )
+
+
+def build_parallelized_model(cfg: MegatronConfig, rt: Runtime, model_provider, checkpoint_impl):
+    """model_provider(ModelConfig, BuildContext) -> ModelChunks, then the run-time
+    transformations in their fixed order (megatron.model.parallelize)."""
+    cpu_init = cfg.distributed.use_cpu_initialization
+    ctx = build_context(cfg, rt, torch.device("cpu") if cpu_init else None)
+    if rt.state.rank == 0:
+        print(f" {ctx.ops.describe()}", file=sys.stderr, flush=True)
+    model = model_provider(cfg.model, ctx)
     if cpu_init:
         model.to(rt.device)  # --use-cpu-initialization: built on the CPU, then moved
+    return parallelize(
+        model,
+        rt.state,
+        cfg.recompute,
+        torch_compile=cfg.kernels.torch_compile,
+        checkpoint_impl=checkpoint_impl,
+    )
+
+
+def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
+    """`model_provider(ModelConfig, BuildContext) -> ModelChunks`: the family's builder."""
+    model = build_parallelized_model(cfg, rt, model_provider, recompute_impl(cfg, rt))
+    dtype = cfg.precision.params_dtype
     distributed = cfg.optimizer.use_distributed_optimizer
     tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
     ddp = wrap_data_parallel(
@@ -242,7 +216,7 @@ def evaluate(
 class NativeBackend(TrainerBackend):
     """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
 
-    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider=None):
+    def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(
             cfg, rt, model_provider

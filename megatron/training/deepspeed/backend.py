@@ -57,10 +57,16 @@ class DeepSpeedBackend(TrainerBackend):
     """The model, our optimizer and LR schedule in a DeepSpeed engine (ZeRO; its pipeline
     engine for PP > 1)."""
 
-    def __init__(self, cfg: MegatronConfig, rt, forward_step_func, model_provider=None):
+    def __init__(
+        self, cfg: MegatronConfig, rt, forward_step_func, model_provider, pipeline_provider=None
+    ):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func
         self.engine, self.scheduler, self.pipeline = setup_deepspeed(
-            cfg, rt, functools.partial(make_scheduler, cfg, rt.state.dp_size), model_provider
+            cfg,
+            rt,
+            functools.partial(make_scheduler, cfg, rt.state.dp_size),
+            model_provider,
+            pipeline_provider,
         )
         self.model = self.engine
 

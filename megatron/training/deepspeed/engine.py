@@ -1,10 +1,9 @@
 """--deepspeed: the same model, optimizer and schedule handed to a DeepSpeed engine.
 
-- PP = 1: the GPT (our TP layers) in `deepspeed.initialize` with our torch AdamW, AnnealingLR
+- PP = 1: the model (our TP layers) in `deepspeed.initialize` with our torch AdamW, AnnealingLR
   and an `mpu` adapter over our process groups, so ZeRO partitions over DP only.
-- PP > 1: a `deepspeed.pipe.PipelineModule` built from the same layers (embedding, transformer
-  layers, final norm, head; the tied embedding through `TiedLayerSpec`), trained with
-  `train_batch`. Every layer draws the weights GPTModel would (same names, same seed).
+- PP > 1: the family's `deepspeed.pipe.PipelineModule` built from the same layers
+  (megatron/models/gpt/deepspeed_pipe.py), trained with `train_batch`.
 - Activation recompute through `deepspeed.checkpointing` (partitioning, CPU offload, ...) with
   our TP dropout stream replayed on recompute.
 - Document options (--reset-position-ids / --reset-attention-mask): the pipeline layers pass
@@ -21,26 +20,19 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron.config.deepspeed_json import build_ds_config, uses_deepspeed_checkpointing
-from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
-from megatron.fused_kernels import select_ops
-from megatron.model.documents import document_attention_mask
-from megatron.model.gpt import Embedding, OutputHead, init_weights, mark_sequence_parallel_params
-from megatron.model.stages import build_model
-from megatron.model.transformer import TransformerLayer, build_norm
+from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.mpu import (
     ParallelState,
     checkpoint,
     reduce_sequence_parallel_grads_in_backward,
-    vocab_parallel_cross_entropy,
 )
 from megatron.training.backend import global_loss, other_losses
 from megatron.training.data import get_batch
 from megatron.training.optimizer import _torch_optimizer, param_groups
 from megatron.training.schedules import forward_backward_no_pipelining
-from megatron.training.step import evaluate, lm_loss
+from megatron.training.step import build_parallelized_model, evaluate
 
 
 def import_deepspeed():
@@ -99,171 +91,6 @@ class MpuAdapter:
         return self.s.pp_size
 
 
-# ---- pipeline layers: the GPT's pieces with one tensor in and one out, or, under the document
-# options, the tuple (tensor, position_ids, document_ids) (b, s) each (see PipeBatches) ----
-
-
-class EmbeddingPipe(Embedding):
-    def __init__(
-        self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype, rng_tracker=None
-    ):
-        super().__init__(cfg, state, device, dtype, rng_tracker=rng_tracker)
-        init_weights(self, cfg, state, seed, prefix="embedding.")
-        mark_sequence_parallel_params(self, state)
-
-    def forward(self, inputs):
-        if isinstance(inputs, tuple):
-            tokens, position_ids, document_ids = inputs
-            return super().forward(tokens, position_ids), position_ids, document_ids
-        return super().forward(inputs)
-
-
-class TransformerLayerPipe(TransformerLayer):
-    """`document_mask`: attend within documents (--reset-attention-mask); each layer builds
-    the mask from the document ids it passes on."""
-
-    def __init__(
-        self,
-        cfg,
-        state,
-        tracker,
-        seed: int,
-        number: int,
-        device,
-        dtype,
-        recompute,
-        ops=None,
-        document_mask: bool = False,
-    ):
-        super().__init__(
-            cfg, state, tracker, device, dtype, ops, recompute, layer_number=number + 1
-        )
-        init_weights(self, cfg, state, seed, prefix=f"layers.{number}.")
-        mark_sequence_parallel_params(self, state)
-        self.document_mask = document_mask
-
-    def forward(self, inputs):
-        if not isinstance(inputs, tuple):
-            return super().forward(inputs)
-        x, position_ids, document_ids = inputs
-        mask = document_attention_mask(document_ids) if self.document_mask else None
-        return super().forward(x, position_ids, None, mask), position_ids, document_ids
-
-
-class FinalNormPipe(nn.Module):
-    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
-        super().__init__()
-        self.final_layernorm = build_norm(cfg, device, dtype)
-        init_weights(self, cfg, state, seed, prefix="head.")
-        mark_sequence_parallel_params(self, state)
-
-    def forward(self, inputs):
-        return self.final_layernorm(inputs[0] if isinstance(inputs, tuple) else inputs)
-
-
-class HeadPipe(OutputHead):
-    """The untied output layer (the final norm is FinalNormPipe)."""
-
-    def __init__(self, cfg: ModelConfig, state: ParallelState, seed: int, device, dtype):
-        super().__init__(cfg, state, device, dtype)
-        del self.final_layernorm
-        init_weights(self, cfg, state, seed, prefix="head.")
-
-    def forward(self, x):
-        return self.logits(x)
-
-
-def _tied_logits(head: OutputHead, module: EmbeddingPipe, x):
-    """The last stage's copy of the tied embedding as the output layer (padding masked)."""
-    return head.logits(x, module.word_embeddings.weight)
-
-
-class _LossPipe:
-    """The pipeline engine's loss: the native path's lm_loss over the per-token cross entropy,
-    with the loss mask PipeBatches sends beside the labels."""
-
-    def __init__(self, tp_group, upcast: bool = True):
-        self.tp_group, self.upcast = tp_group, upcast
-
-    def __call__(self, logits, labels_and_mask):
-        labels, loss_mask = labels_and_mask
-        per_token = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.upcast)
-        return lm_loss(loss_mask, per_token)[0]
-
-
-def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
-    deepspeed = import_deepspeed()
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-    m, st, seed = cfg.model, rt.state, cfg.training.seed
-    ops = select_ops(cfg.kernels, rt.device)
-    common = (cfg.model, st, seed, rt.device, cfg.precision.params_dtype)
-    tied = not m.untie_embeddings_and_output_weights
-    tracker = {"rng_tracker": rt.rng_tracker}  # the embedding's dropout with SP
-    embed = (
-        TiedLayerSpec(
-            "embed",
-            EmbeddingPipe,
-            *common,
-            tied_weight_attr="word_embeddings.weight",
-            **tracker,
-        )
-        if tied
-        else LayerSpec(EmbeddingPipe, *common, **tracker)
-    )
-    if tied:
-        # A weightless head (meta device) that computes the logits with the tied weight.
-        head_fn = functools.partial(_tied_logits, OutputHead(m, st, device="meta"))
-        head = TiedLayerSpec(
-            "embed",
-            EmbeddingPipe,
-            *common,
-            tied_weight_attr="word_embeddings.weight",
-            forward_fn=head_fn,
-            **tracker,
-        )
-    else:
-        head = LayerSpec(HeadPipe, *common)
-    layers = [
-        embed,
-        *(
-            LayerSpec(
-                TransformerLayerPipe,
-                m,
-                st,
-                rt.rng_tracker,
-                seed,
-                i,
-                rt.device,
-                cfg.precision.params_dtype,
-                cfg.recompute,
-                ops,
-                cfg.data.reset_attention_mask,
-            )
-            for i in range(m.num_layers)
-        ),
-        LayerSpec(FinalNormPipe, *common),
-        head,
-    ]
-    topology = PipeModelDataParallelTopology(
-        num_pp=st.pp_size, num_mp=st.tp_size, num_dp=st.dp_size
-    )
-    recompute = cfg.recompute.granularity == "full"
-    del deepspeed
-    return PipelineModule(
-        layers=layers,
-        loss_fn=_LossPipe(st.tp_group, upcast=not cfg.kernels.fp16_lm_cross_entropy),
-        topology=topology,
-        partition_method="type:TransformerLayerPipe",
-        activation_checkpoint_interval=cfg.recompute.num_layers if recompute else 0,
-        activation_checkpoint_func=checkpoint_fn,
-        # Transformer layers only: DeepSpeed's default also checkpoints the embedding, whose
-        # inputs (token ids) need no grad, so stage 0's output had none and backward failed.
-        checkpointable_layers=["TransformerLayerPipe"],
-    )
-
-
 def _checkpoint_fn(cfg: MegatronConfig, rt):
     """(impl, tracked): the checkpoint implementation for recompute and that checkpoint with our
     TP dropout stream replayed. DeepSpeed's (deepspeed.checkpointing, configured from the
@@ -311,9 +138,12 @@ def _client_optimizer(groups: list[dict], cfg: MegatronConfig):
     )
 
 
-def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler, model_provider=None):
+def setup_deepspeed(
+    cfg: MegatronConfig, rt, make_scheduler, model_provider, pipeline_provider=None
+):
     """(engine, scheduler, is_pipeline): the model, our optimizer and LR schedule in DeepSpeed.
-    `model_provider`: None (the GPT) or another family's; PP > 1 is the GPT's only."""
+    `model_provider`: the family's builder; `pipeline_provider(cfg, rt, checkpoint_fn)`: its
+    PipelineModule for PP > 1 (None: the family has none)."""
     deepspeed = import_deepspeed()
     # Our process group already exists; DeepSpeed's comm layer adopts it. DeepSpeed also insists
     # on LOCAL_RANK, which a launcher other than torchrun/deepspeed may not set.
@@ -322,27 +152,16 @@ def setup_deepspeed(cfg: MegatronConfig, rt, make_scheduler, model_provider=None
     ds_config = build_ds_config(cfg)
     impl, tracked = _checkpoint_fn(cfg, rt)
     pipeline = rt.state.pp_size > 1
-    if pipeline and model_provider not in (None, build_model):
+    if pipeline and pipeline_provider is None:
         raise ValueError(
-            "--deepspeed with --pipeline-model-parallel-size > 1 builds the GPT's "
-            "PipelineModule only. Fix: drop --deepspeed (our pipeline runs this model) or "
+            "--deepspeed with --pipeline-model-parallel-size > 1: this model family has no "
+            "DeepSpeed PipelineModule. Fix: drop --deepspeed (our pipeline runs this model) or "
             "use --pipeline-model-parallel-size 1"
         )
     if pipeline:
-        model = build_pipeline_module(cfg, rt, tracked)
+        model = pipeline_provider(cfg, rt, tracked)
     else:
-        model = (model_provider or build_model)(
-            cfg.model,
-            rt.state,
-            rng_tracker=rt.rng_tracker,
-            seed=cfg.training.seed,
-            device=rt.device,
-            dtype=cfg.precision.params_dtype,
-            checkpoint_impl=impl,
-            ops=select_ops(cfg.kernels, rt.device),
-            recompute=cfg.recompute,
-            torch_compile=cfg.kernels.torch_compile,
-        )
+        model = build_parallelized_model(cfg, rt, model_provider, impl)
         if ds_config["zero_optimization"]["stage"] == 3 and model[0].tied:
             # The head reads the embedding's weight outside the module that owns it.
             deepspeed.zero.register_external_parameter(

@@ -8,7 +8,6 @@ and the log shows "lm loss" (MLM) and "nsp loss" apart.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -17,31 +16,21 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config.schema import MegatronConfig, parse_blend, split_weights
-from megatron.data.bert_dataset import BertDataset, BertOptions, BertTokens
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.builder import SPLIT_NAMES
 from megatron.data.dataset_impl import make_indexed_dataset
 from megatron.data.gpt_dataset import split_document_ranges
 from megatron.data.tokenizers import build_tokenizer
 from megatron.initialize import barrier
-from megatron.model.bert import build_bert_model
-
-DEFAULT_TOKENIZER = "BertWordPieceLowerCase"  # v1.1.5's default for BERT
-
-
-def with_bert_defaults(cfg: MegatronConfig) -> MegatronConfig:
-    """v1.1.5's BERT defaults where the command line left them unset: the lower-case
-    WordPiece tokenizer."""
-    tok = cfg.data.tokenizer
-    if tok.tokenizer_type is not None:
-        return cfg
-    tok = dataclasses.replace(tok, tokenizer_type=DEFAULT_TOKENIZER)
-    return cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=tok))
+from megatron.models.bert.dataset import BertDataset, BertOptions, BertTokens
+from megatron.models.bert.model import build_bert_model
 
 
-def model_provider(cfg: MegatronConfig):
-    """build_model's signature, for the backends (binary head from --bert-no-binary-head)."""
-    return functools.partial(build_bert_model, binary_head=not cfg.bert.bert_no_binary_head)
+def model_provider(cfg: MegatronConfig | None):
+    """build(ModelConfig, BuildContext), for the backends (binary head from
+    --bert-no-binary-head; cfg None: with the head)."""
+    binary_head = cfg is None or not cfg.bert.bert_no_binary_head
+    return functools.partial(build_bert_model, binary_head=binary_head)
 
 
 def bert_tokens(cfg: MegatronConfig) -> BertTokens:

@@ -2,15 +2,16 @@
 
 An ordered layer list like GPTModel's (embedding, N transformer layers, head), so one process,
 native pipeline stages and TP all run it, with the same per-name seeded init: one seed gives one
-model at any TP / PP size. Attention sees every non-padding key of its sample (a keep-mask built
-from the padding mask, model/documents.py), never the causal mask.
+model at any TP / PP size. Attention sees every non-padding key of its sample (a PADDING mask,
+model/masks.py), never the causal mask. Built from (ModelConfig, BuildContext) and the binary
+head switch; recompute and compile are applied afterwards (megatron.model.parallelize).
 
 Layer order: with --apply-residual-connection-post-layernorm each layer is
 n1 = norm(x); h = n1 + attn(n1); n2 = norm(h); out = n2 + mlp(n2), and a final norm follows, which
 is exactly the original (post-LN) BERT once the norms are renamed: layer 0's input norm is BERT's
 embedding LayerNorm, layer l's post-attention norm its attention-output LayerNorm, and layer
 l + 1's input norm (the final norm for the last layer) its output LayerNorm
-(checkpoint/hf_bert.py maps them). Without the flag the layers are pre-LN.
+(models/bert/hf.py maps them). Without the flag the layers are pre-LN.
 
 Heads on the last stage: final norm -> MLM head dense + GeLU + norm -> logits against the tied
 word embedding + a vocab-parallel bias; pooler tanh(dense(h[:, 0])) -> binary (NSP) head, unless
@@ -23,18 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config.schema import ModelConfig, RecomputeConfig
-from megatron.fused_kernels import TORCH_OPS, FusedOps
-from megatron.model.documents import padding_attention_mask
-from megatron.model.gpt import init_weights, run_layers
+from megatron.config.schema import ModelConfig
+from megatron.model.context import BuildContext
+from megatron.model.masks import AttentionMask
+from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.transformer import TransformerLayer, build_norm
-from megatron.mpu import (
-    ParallelState,
-    RNGStatesTracker,
-    VocabParallelEmbedding,
-    copy_to_tensor_model_parallel_region,
-)
+from megatron.model.weights import init_weights
+from megatron.mpu import VocabParallelEmbedding, copy_to_tensor_model_parallel_region
 from megatron.mpu.layers import set_tensor_model_parallel_attributes
 
 NUM_TOKENTYPES = 2  # segment A / segment B
@@ -45,8 +42,9 @@ class BertEmbedding(nn.Module):
 
     `word_only`: the last stage's copy of the tied word embedding (see GPT's Embedding)."""
 
-    def __init__(self, cfg: ModelConfig, state: ParallelState, device, dtype, word_only=False):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, word_only=False):
         super().__init__()
+        state, device, dtype = ctx.state, ctx.device, ctx.dtype
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
             cfg.padded_vocab_size(state.tp_size),
@@ -75,8 +73,9 @@ class BertHead(nn.Module):
     """h (b, s, h) -> (this rank's vocab slice of the MLM logits (b, s, V_pad / p),
     NSP logits (b, 2) or None). Padding-vocab logits are -inf, as in GPT's OutputHead."""
 
-    def __init__(self, cfg: ModelConfig, state: ParallelState, device, dtype, binary_head: bool):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, binary_head: bool):
         super().__init__()
+        state, device, dtype = ctx.state, ctx.device, ctx.dtype
         self.tp_group = state.tp_group
         h, kw = cfg.hidden_size, {"device": device, "dtype": dtype}
         self.final_layernorm = build_norm(cfg, device, dtype)
@@ -115,45 +114,33 @@ class BertModel(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        state: ParallelState,
+        ctx: BuildContext | None = None,
         *,
-        rng_tracker: RNGStatesTracker | None = None,
-        seed: int = 1234,
-        device=None,
-        dtype: torch.dtype = torch.float32,
         layer_range: range | None = None,
         pre_process: bool = True,
         post_process: bool = True,
         binary_head: bool = True,
-        checkpoint_impl=None,
-        ops: FusedOps | None = None,
-        recompute: RecomputeConfig | None = None,
     ):
         super().__init__()
         if cfg.untie_embeddings_and_output_weights:
             raise ValueError("BERT ties its MLM output to the word embedding: drop --untie-*")
-        self.cfg, self.state, self.rng_tracker = cfg, state, rng_tracker
-        self.ops, self.recompute = ops or TORCH_OPS, recompute or RecomputeConfig()
-        self.checkpoint_impl = checkpoint_impl
+        ctx = ctx or BuildContext()
+        self.cfg, self.state, self.rng_tracker, self.ops = cfg, ctx.state, ctx.rng_tracker, ctx.ops
+        self.layer_recompute: LayerRecompute | None = None  # set by megatron.model.parallelize
         self.pre_process, self.post_process, self.tied = pre_process, post_process, True
         layer_range = range(cfg.num_layers) if layer_range is None else layer_range
         self.embedding = None
         if pre_process or post_process:
-            self.embedding = BertEmbedding(cfg, state, device, dtype, word_only=not pre_process)
+            self.embedding = BertEmbedding(cfg, ctx, word_only=not pre_process)
             if not pre_process:
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
         self.layer_numbers = list(layer_range)
         self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerLayer(
-                    cfg, state, rng_tracker, device, dtype, self.ops, self.recompute, i + 1
-                )
-                for i in layer_range
-            }
+            {str(i): TransformerLayer(cfg, ctx, i + 1) for i in layer_range}
         )
-        self.head = BertHead(cfg, state, device, dtype, binary_head) if post_process else None
+        self.head = BertHead(cfg, ctx, binary_head) if post_process else None
         self._input: torch.Tensor | None = None
-        init_weights(self, cfg, state, seed)
+        init_weights(self, cfg, ctx.state, ctx.seed)
 
     def layer_list(self) -> list[nn.Module]:
         first = [self.embedding] if self.pre_process else []
@@ -168,16 +155,15 @@ class BertModel(nn.Module):
     def forward(self, tokens, padding_mask, tokentype_ids=None, lm_labels=None):
         """padding_mask (b, s): 1 for real tokens, 0 for padding; every stage needs it."""
         x = self.embedding(tokens, tokentype_ids) if self.pre_process else self._input
-        mask = padding_attention_mask(padding_mask)  # (b, 1, s, s): bidirectional
+        mask = AttentionMask.padding(padding_mask)  # bidirectional over the real tokens
         x = run_layers(
             list(self.layers.values()),
             x,
             None,
-            self.recompute,
+            mask,
+            self.layer_recompute,
             self.rng_tracker,
             self.training,
-            self.checkpoint_impl,
-            mask,
         )
         if not self.post_process:
             return x
@@ -188,38 +174,18 @@ class BertModel(nn.Module):
 
 
 def build_bert_model(
-    cfg: ModelConfig,
-    state: ParallelState,
-    *,
-    binary_head: bool = True,
-    rng_tracker: RNGStatesTracker | None = None,
-    seed: int = 1234,
-    device=None,
-    dtype=torch.float32,
-    checkpoint_impl=None,
-    ops=None,
-    recompute: RecomputeConfig | None = None,
-    torch_compile: bool = False,
+    cfg: ModelConfig, ctx: BuildContext, *, binary_head: bool = True
 ) -> ModelChunks:
     """This rank's pipeline stage of the BERT (one chunk; interleaving is GPT's only)."""
+    state = ctx.state
     if state.virtual_pp_size:
         raise ValueError("BERT runs one model chunk per stage: drop --num-layers-per-virtual-*")
     model = BertModel(
         cfg,
-        state,
-        rng_tracker=rng_tracker,
-        seed=seed,
-        device=device,
-        dtype=dtype,
+        ctx,
         layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank),
         pre_process=state.is_first_stage,
         post_process=state.is_last_stage,
         binary_head=binary_head,
-        checkpoint_impl=checkpoint_impl,
-        ops=ops,
-        recompute=recompute,
     )
-    if torch_compile:
-        for layer in model.layers.values():
-            layer.forward = torch.compile(layer.forward)
     return ModelChunks([model])

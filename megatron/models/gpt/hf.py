@@ -21,14 +21,9 @@ import sys
 
 import torch
 
-from megatron.checkpoint.resharding import (
-    OUTPUT_WEIGHTS,
-    POSITION_EMBEDDINGS,
-    WORD_EMBEDDINGS,
-    check_full_state,
-    model_config,
-)
+from megatron.checkpoint.resharding import POSITION_EMBEDDINGS, check_full_state, model_config
 from megatron.config.schema import ModelConfig
+from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
 
 GPT2_EOD = "<|endoftext|>"
 HF_EOD_TOKENS = (GPT2_EOD, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")

@@ -2,7 +2,7 @@
 
 The original BERT is post-LN, so only a model built with
 --apply-residual-connection-post-layernorm has an HF twin. Its norms are ours renamed
-(model/bert.py): embeddings.LayerNorm = layers.0.input_layernorm; layer l's
+(models/bert/model.py): embeddings.LayerNorm = layers.0.input_layernorm; layer l's
 attention.output.LayerNorm = layers.l.post_attention_layernorm; layer l's output.LayerNorm =
 layers.(l+1).input_layernorm, or head.final_layernorm for the last layer.
 

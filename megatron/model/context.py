@@ -1,0 +1,34 @@
+"""BuildContext: everything a model needs besides its architecture to build this rank's part.
+
+A model is built from (ModelConfig, BuildContext) alone: the config says what the network is
+(and is what checkpoints record), the context says where this rank builds it (its place in the
+TP x PP x DP grid, device, dtype), which seed draws the weights, which RNG streams dropout uses
+and which kernels compute it. Recompute, torch.compile and sequence-parallel marking are not
+here: they are applied to the built model by megatron.model.parallelize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron.fused_kernels import TORCH_OPS, FusedOps
+from megatron.mpu import ParallelState, RNGStatesTracker, single_process_state
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """This rank's build settings. The default is one process on the default device, fp32,
+    plain torch ops, seed 1234 (what tests and conversion tools build)."""
+
+    state: ParallelState = field(default_factory=single_process_state)
+    seed: int = 1234  # weights are drawn from (seed, parameter name) on their full shapes
+    device: torch.device | str | None = None
+    dtype: torch.dtype = torch.float32
+    rng_tracker: RNGStatesTracker | None = None  # TP-rank dropout streams (None: default RNG)
+    ops: FusedOps = TORCH_OPS  # kernel choices (megatron.fused_kernels.select_ops)
+
+    def __post_init__(self):
+        if self.ops is None:  # "no kernel choice": plain torch
+            object.__setattr__(self, "ops", TORCH_OPS)

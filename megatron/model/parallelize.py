@@ -1,0 +1,82 @@
+"""Apply the run-time transformations to a built model, by name, in a fixed order.
+
+A model family builds its network from (ModelConfig, BuildContext) only; what changes how it
+computes but never its weights is applied here afterwards, always in this order:
+
+1. sequence parallel: mark the replicated parameters that see only this TP rank's s / p tokens
+   (their gradients are summed over TP before the optimizer steps);
+2. activation recompute: selective (the core attention of each `*.self_attention`) or full
+   (the transformer layers of each chunk, uniform groups or the first N);
+3. torch.compile: each transformer layer `layers.<n>` compiled as a module (its parameter
+   names, hence checkpoints, are unchanged).
+
+Compile comes last so it traces the recompute the layers will run (as torchtitan applies TP,
+activation checkpointing, then compile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from megatron.config.schema import RecomputeConfig
+from megatron.model.recompute import LayerRecompute
+from megatron.model.transformer import NORM_TYPES, ParallelAttention, TransformerLayer
+from megatron.mpu import ParallelState, mark_sequence_parallel
+
+POSITION_TABLE = "position_embeddings.weight"
+
+
+def parallelize(
+    model: nn.Module,
+    state: ParallelState,
+    recompute: RecomputeConfig | None = None,
+    *,
+    torch_compile: bool = False,
+    checkpoint_impl: Callable | None = None,
+) -> nn.Module:
+    """`model`: ModelChunks or one chunk (or a piece of one: a DeepSpeed pipeline layer).
+    Returns it, transformed in place."""
+    apply_sequence_parallel(model, state)
+    if recompute is not None:
+        apply_recompute(model, recompute, checkpoint_impl)
+    if torch_compile:
+        apply_compile(model)
+    return model
+
+
+def apply_sequence_parallel(model: nn.Module, state: ParallelState) -> None:
+    """--sequence-parallel: mark norm weights and biases and the learned position table (the
+    row-parallel biases mark themselves when built with the sequence-parallel layout)."""
+    if not state.sequence_parallel:
+        return
+    for module in model.modules():
+        if isinstance(module, NORM_TYPES):
+            for param in module.parameters(recurse=False):
+                mark_sequence_parallel(param)
+    for name, param in model.named_parameters():
+        if name == POSITION_TABLE or name.endswith("." + POSITION_TABLE):
+            mark_sequence_parallel(param)
+
+
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig, impl=None) -> None:
+    """selective: recompute each attention layer's softmax(q k^T) v in backward; full: the
+    chunks (modules with a `layer_recompute` slot) recompute their transformer layers."""
+    if recompute.granularity == "selective":
+        for _, module in model.named_modules():
+            if isinstance(module, ParallelAttention):
+                module.recompute_core = True
+    elif recompute.granularity == "full":
+        policy = LayerRecompute(recompute.method, recompute.num_layers, impl)
+        for _, module in model.named_modules():
+            if hasattr(module, "layer_recompute"):
+                module.layer_recompute = policy
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile every transformer layer as a module (nn.Module.compile): the module's call runs
+    compiled, its parameters keep their names."""
+    for _, module in model.named_modules():
+        if isinstance(module, TransformerLayer):
+            module.compile()

@@ -1,0 +1,1 @@
+"""The BERT family: bidirectional encoder, masked-LM + next-sentence-prediction loss."""

@@ -1,0 +1,1 @@
+"""The GPT family: decoder-only transformer, causal language-model loss."""

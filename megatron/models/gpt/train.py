@@ -1,0 +1,77 @@
+"""The GPT on the shared trainer: its model provider, datasets and forward step.
+
+Loss of one micro batch: the mean cross entropy of the next-token predictions over the tokens
+the loss mask keeps (--eod-mask-loss drops the end-of-document ones).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from megatron.config.schema import MegatronConfig
+from megatron.data.builder import build_train_valid_test_datasets
+from megatron.initialize import Runtime, barrier
+from megatron.models.gpt.model import build_model
+from megatron.training.data import get_batch
+
+
+def model_provider(cfg: MegatronConfig | None):
+    """build(ModelConfig, BuildContext) -> ModelChunks: the GPT needs nothing else."""
+    return build_model
+
+
+def datasets_provider(cfg: MegatronConfig, rt: Runtime, counts):
+    """[train, valid, test] GPT datasets: --data-path (with --split), the per-split paths, or a
+    blend, each sample seq_length + 1 tokens."""
+    return build_train_valid_test_datasets(
+        cfg.data,
+        counts,
+        cfg.model.seq_length,
+        cfg.training.seed,
+        vocab_size=cfg.model.vocab_size,
+        is_builder=rt.state.rank == 0,
+        barrier=barrier,
+    )
+
+
+def forward_step(data_iterator, model):
+    """One GPT micro batch: the chunk's output and the loss function for the last stage."""
+    state = _state_of(model)  # with context parallelism: this CP rank's chunks
+    batch = get_batch(data_iterator, next(model.parameters()).device, state)
+    output = model(  # per-token loss (b, s) on the last stage
+        batch.tokens,
+        position_ids=batch.position_ids,
+        labels=batch.labels,
+        document_ids=batch.document_ids,
+    )
+    cp = state if state is not None and state.cp_size > 1 else None
+    return output, functools.partial(lm_loss, batch.loss_mask, context_parallel=cp)
+
+
+def lm_loss(loss_mask: torch.Tensor, per_token: torch.Tensor, context_parallel=None):
+    """Mean language-model loss over the unmasked tokens of a micro batch.
+
+    `context_parallel` (a ParallelState with CP > 1): this rank holds 2 of the 2 x CP chunks
+    of each sample; the mean is over all the tokens of the samples (sums and counts
+    all-reduced over CP). The loss to backpropagate is this rank's share of it times CP, as
+    the gradients are averaged over DP x CP: the CP shares then add up to the whole mean's."""
+    local, count = (per_token * loss_mask).sum(), loss_mask.sum()
+    if context_parallel is None:
+        loss = local / count
+        return loss, {"lm loss": loss.detach()}
+    totals = torch.stack([local.detach().float(), count.float()])
+    dist.all_reduce(totals, group=context_parallel.cp_group)
+    loss = local * context_parallel.cp_size / totals[1]
+    return loss, {"lm loss": totals[0] / totals[1]}
+
+
+def _state_of(model):
+    """The chunk's ParallelState (through torch DDP's wrapper with --DDP-impl torch)."""
+    return getattr(model, "state", None) or getattr(getattr(model, "module", None), "state", None)
+
+
+def make_forward_step(cfg: MegatronConfig):
+    return forward_step
