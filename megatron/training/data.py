@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
@@ -96,6 +97,15 @@ def collate(documents: DocumentMasking | None, samples: list[dict]) -> dict[str,
     return batch
 
 
+def _worker_ignores_sigterm(worker_id: int) -> None:
+    """A launcher's SIGTERM goes to the whole process group (torchrun kills with killpg), so it
+    reaches the loader workers too. With --exit-signal-handler the rank's main process owns it:
+    a worker killed by it would make the main process raise "DataLoader worker ... is killed
+    by signal" (from its SIGCHLD handler, even inside torch.save) instead of saving. The
+    workers still stop with their rank: at its exit, or by their watchdog when it dies."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=None):
     if dataset is None:
         return None
@@ -108,6 +118,7 @@ def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=
         num_workers=cfg.training.num_workers,
         pin_memory=rt.device.type == "cuda",
         persistent_workers=cfg.training.num_workers > 0,
+        worker_init_fn=_worker_ignores_sigterm if cfg.training.exit_signal_handler else None,
         collate_fn=functools.partial(collate, documents) if documents is not None else None,
         # Its own generator: iter(loader) draws a worker base seed, and from the global torch
         # generator that would shift the dropout stream. A resume restores that generator from

@@ -250,6 +250,8 @@ class _TrainLoop:
         window = _Window()
         while not self._done(state):
             gbs = self._iteration(state, train_iter, window, result)
+            if self.rt.heartbeat is not None and self.rt.heartbeat.lost:
+                raise TrainingError(self.rt.heartbeat.lost)
             if state.iteration % cfg.logging.log_interval == 0:
                 self._log(state, gbs, window)
                 window = _Window()
