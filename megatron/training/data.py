@@ -202,6 +202,25 @@ def build_data_iterators(
     )
 
 
+def validation_off(cfg: MegatronConfig, valid_iter) -> str | None:
+    """Why validation cannot run although --eval-iters asks for it (None when it runs or is not
+    asked for). Megatron-LM skips it silently then (do_valid is false); we say so at start."""
+    eval_iters = cfg.training.eval_iters
+    if valid_iter is not None or not eval_iters:
+        return None
+    d = cfg.data
+    if d.data_path or (d.loose_json.train_data and not d.loose_json.valid_data):
+        why = f"--split {d.split} leaves the validation split no documents"
+        fix = "give validation a share of --split (e.g. 969,30,1)"
+    else:
+        why = "no validation data is given (--valid-data-path or --valid-data)"
+        fix = "pass --valid-data-path"
+    return (
+        f"validation is off: {why}, so --eval-iters {eval_iters} has nothing to read and no "
+        f"validation loss will be logged. Fix: {fix}, or pass --eval-iters 0 to turn it off"
+    )
+
+
 def _gpt_datasets(cfg: MegatronConfig, rt: Runtime, counts):
     return build_train_valid_test_datasets(
         cfg.data,

@@ -23,7 +23,7 @@ from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.training.backend import StepResult, TrainerBackend
-from megatron.training.data import DocumentMasking, build_data_iterators
+from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
 from megatron.training.log import (
     build_metrics_sinks,
     iteration_line,
@@ -33,6 +33,7 @@ from megatron.training.log import (
     validation_line,
 )
 from megatron.training.microbatches import MicroBatchCalculator
+from megatron.training.preflight import check_save_dir
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend, forward_step
@@ -113,6 +114,7 @@ def pretrain(
     `forward_step_func` (pretrain_bert.py), with `purpose` "train-bert" (the rules it is
     validated by, megatron.config.rules.validate; a validated config passes unchanged)."""
     cfg = validate(cfg, purpose)
+    check_save_dir(cfg.checkpoint.save)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)
@@ -129,6 +131,9 @@ def pretrain(
             documents,
             datasets_provider,
         )
+        no_validation = validation_off(cfg, iters[1])
+        if no_validation and rt.state.rank == 0:
+            print(f"warning: {no_validation}", file=out, flush=True)
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.metrics)
         result = loop.run(state, *iters)
