@@ -232,7 +232,7 @@ def test_overflow_and_nan_on_one_rank_skip_the_step_everywhere(data_prefix):
 def test_too_many_skipped_steps_exit_non_zero_with_the_message(monkeypatch, capsys):
     import pretrain_gpt2
 
-    def diverging(cfg):
+    def diverging(cfg, **kwargs):
         raise TrainingError("50 iterations in a row were skipped (inf/NaN gradients or loss)")
 
     monkeypatch.setattr(pretrain_gpt2, "pretrain", diverging)
