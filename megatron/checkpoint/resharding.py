@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.reshard_load import SavedLayout, find_shard_layout
 from megatron.checkpoint.storage import (
     CheckpointError,
     checkpoint_dir,
@@ -88,7 +88,6 @@ _CARRIED = (
     "consumed_valid_samples",
     "opt_param_scheduler",
 )
-_RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?")
 
 Rule = tuple[int, int] | None  # (partition dim, stride), or None: every TP rank holds it all
 
@@ -230,21 +229,6 @@ class LoadedCheckpoint:
     optimizer: dict | None = None
 
 
-def _find_layout(root: str, iteration: int) -> tuple[int, int]:
-    directory = checkpoint_dir(root, iteration)
-    ranks = []
-    for name in os.listdir(directory):
-        match = _RANK_DIR.fullmatch(name)
-        if match and os.path.isdir(os.path.join(directory, name)):
-            ranks.append((int(match.group(1)), int(match.group(2) or 0)))
-    if not ranks:
-        raise CheckpointError(
-            f"{directory} holds no mp_rank_*/model_optim_rng.pt shards (DeepSpeed engine "
-            "checkpoints are not supported by the converter)"
-        )
-    return max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1
-
-
 def _merge_tp(name: str, pieces: list[torch.Tensor], rule: Rule) -> torch.Tensor:
     if rule is not None:
         return unshard(pieces, rule[0], rule[1])
@@ -296,7 +280,7 @@ def load_checkpoint(load_dir: str, iteration: int | None = None, progress=None) 
     it = resolve_load_iteration(load_dir, iteration=iteration)
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint")
-    tp, pp = _find_layout(load_dir, it)
+    tp, pp = find_shard_layout(load_dir, it)
     directory = checkpoint_dir(load_dir, it)
     full: dict[str, torch.Tensor] = {}
     args = meta = optimizer = None
@@ -444,8 +428,15 @@ def save_resharded(
             if progress:
                 progress(pp_rank * tp + tp_rank + 1, tp * pp)
     files = tp * pp * (2 if optimizer is not None else 1)
+    vp = (cfg.num_layers // pp) // vp_layers if vp_layers else None
+    layout = SavedLayout(tp, pp, vp, dp=1, cp=1, optimizer="distributed" if optimizer else None)
     finalize_checkpoint(
-        save_dir, iteration, barrier=lambda: None, is_rank0=True, num_shards_expected=files
+        save_dir,
+        iteration,
+        barrier=lambda: None,
+        is_rank0=True,
+        num_shards_expected=files,
+        layout_record=layout.record(),
     )
     if not quiet:
         print(KEPT_OPTIMIZER_NOTE if optimizer else DROPPED_STATE_NOTE, file=sys.stderr)

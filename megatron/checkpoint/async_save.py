@@ -1,0 +1,103 @@
+"""--async-save: checkpoint files written on a background thread while training goes on.
+
+At a save step the state is staged: every tensor copied off the training tensors into host
+memory (torch.distributed.checkpoint's BlockingAsyncStager; on a GPU into pinned buffers that
+are kept and reused from one save to the next). That copy is the whole stall. A background
+thread then writes exactly the files a synchronous save writes (megatron.checkpoint.storage:
+temp file, fsync, rename). The commit (completion marker with checksums, then the pointer)
+needs every rank's files and collectives, so it runs on the training thread: at the start of
+each later step the ranks agree (one scalar all-reduce, only while a save is in flight)
+whether every writer is done, and commit then. A writer that failed makes that commit raise
+the usual CheckpointError naming the rank and file, on every rank, at that step. At most one
+save is in flight: the next save step, the end of training and a SIGTERM exit first wait for
+the writer and commit. A SIGKILL at any moment leaves the pointer on the previous complete
+checkpoint (the commit never ran) and at worst temp files the next save of that iteration
+removes.
+
+torch.distributed.checkpoint.async_save itself writes DCP's own format (.distcp files and a
+.metadata), not the shards users' tools read, so only its staging is used here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+
+class AsyncSaver:
+    """At most one checkpoint write in flight on a background thread; its commit runs on the
+    training thread (`poll` at each step, `wait` before the next save and at exit)."""
+
+    def __init__(self, device: str | torch.device):
+        self.device = torch.device(device)
+        # Pinned, reused buffers pay off on a GPU; on the CPU a plain copy is all there is.
+        self._stager = BlockingAsyncStager(cache_staged_state_dict=self.device.type == "cuda")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._commit: Callable[[BaseException | None], None] | None = None
+        self.iteration: int | None = None
+
+    def stage(self, state: dict) -> dict:
+        """A host copy of `state` (nested containers of tensors and plain values) that later
+        training steps cannot change."""
+        try:
+            staged = self._stager.stage(state)
+        except Exception:  # noqa: BLE001 - the cached buffers no longer fit this state's shape
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=False)
+            staged = self._stager.stage(state)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies into pinned memory are async
+        return staged
+
+    @property
+    def pending(self) -> bool:
+        return self._commit is not None
+
+    def start(
+        self,
+        iteration: int,
+        write: Callable[[], None],
+        commit: Callable[[BaseException | None], None],
+    ) -> None:
+        """Run `write()` (this rank's files) in the background; `commit(error or None)` runs
+        on this thread once every rank's write is over (`poll` / `wait`)."""
+        if self.pending:
+            raise RuntimeError("a checkpoint save is already in flight; wait() for it first")
+        self._error, self._commit, self.iteration = None, commit, iteration
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # noqa: BLE001 - handed to the commit on the main thread
+                self._error = e
+
+        # Not a daemon: an interpreter exiting on an error still lets the files finish.
+        self._thread = threading.Thread(target=run, name=f"checkpoint-writer-{iteration}")
+        self._thread.start()
+
+    def done_here(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def poll(self, all_ranks: Callable[[bool], bool]) -> bool:
+        """Commit if every rank's writer is done (`all_ranks(mine)`: the agreement, a
+        collective every rank calls at the same step). True if a commit ran."""
+        if not self.pending or not all_ranks(self.done_here()):
+            return False
+        self._finish()
+        return True
+
+    def wait(self) -> None:
+        """Block until this rank's writer is done, then commit (every rank calls it together)."""
+        if not self.pending:
+            return
+        self._thread.join()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._thread.join()
+        commit, error = self._commit, self._error
+        self._commit, self._error, self._thread, self.iteration = None, None, None, None
+        commit(error)  # raises the agreed CheckpointError if any rank's write failed
