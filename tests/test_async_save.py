@@ -104,7 +104,8 @@ def test_sigkill_during_a_background_write_leaves_the_pointer_on_a_complete_chec
         assert resolve_load_iteration(root) == 2, point
         shard = load_shard(root, 2, tp_rank=0, pp_rank=0, pp_size=1)  # checksum verified
         assert shard["iteration"] == 2 and "optimizer" in shard, point
-        assert not os.path.exists(os.path.join(checkpoint_dir(root, 4), MARKER_NAME)), point
+        marked = os.path.exists(os.path.join(checkpoint_dir(root, 4), MARKER_NAME))
+        assert marked == (point == "pointer"), point  # killed before or after its marker
 
 
 def _failing_and_sigterm_worker(rank, world, argv, full_root, sigterm_root):
@@ -153,8 +154,10 @@ def test_failed_background_write_stops_the_run_at_the_next_step_and_sigterm_wait
     (msg0, calls0, reason0, it0), (msg1, calls1, reason1, it1) = results
     assert msg1.startswith(f"cannot write checkpoint file {lost}: [Errno {errno.ENOSPC}]"), msg1
     assert msg0.startswith("iteration 4 was not saved: rank 1 failed (cannot write"), msg0
-    # TP=2 x DP=1, 4 micro batches a step: the error surfaced at the start of step 5.
-    assert calls0 == calls1 == 4 * 4, results
+    # TP=2 x DP=1, 4 micro batches a step: both ranks stopped together at the first step
+    # that began after the writers were done (step 5 or a later one), at the latest at the
+    # next save (6), which waits for the writer; never at the end of the run (10).
+    assert calls0 == calls1 and calls0 in (4 * 4, 5 * 4, 6 * 4), results
     assert read_tracker(full) == 2 and resolve_load_iteration(full) == 2
     assert (reason0, it0) == (reason1, it1) == ("signal", 3)
     assert read_tracker(term) == 3  # the SIGTERM save was committed before the run returned
