@@ -234,7 +234,7 @@ def save_training_state(
             shard["optimizer"]["param_names"] = plain_parameter_names(model.module)
     optim_shard = sharded() if sharded is not None else None
     if saver is not None:
-        shard, optim_shard = saver.stage(shard), saver.stage(optim_shard)
+        shard, optim_shard = saver.stage(shard, "model"), saver.stage(optim_shard, "optim")
     where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
     root, it = cfg.checkpoint.save, state.iteration
 
