@@ -4,16 +4,16 @@ At a save step the state is staged: every tensor copied off the training tensors
 memory that is kept and reused from one save to the next (on a GPU into pinned buffers, by
 torch.distributed.checkpoint's BlockingAsyncStager; on the CPU into the previous save's
 copies). That copy is the whole stall; the buffers cost one more host copy of the state. A
-background thread then writes exactly the files a synchronous save writes (megatron.checkpoint.storage:
-temp file, fsync, rename). The commit (completion marker with checksums, then the pointer)
-needs every rank's files and collectives, so it runs on the training thread: at the start of
-each later step the ranks agree (one scalar all-reduce, only while a save is in flight)
-whether every writer is done, and commit then. A writer that failed makes that commit raise
-the usual CheckpointError naming the rank and file, on every rank, at that step. At most one
-save is in flight: the next save step, the end of training and a SIGTERM exit first wait for
-the writer and commit. A SIGKILL at any moment leaves the pointer on the previous complete
-checkpoint (the commit never ran) and at worst temp files the next save of that iteration
-removes.
+background thread then writes exactly the files a synchronous save writes
+(megatron.checkpoint.storage: temp file, fsync, rename). The commit (completion marker with
+checksums, then the pointer) needs every rank's files and collectives, so it runs on the
+training thread: at the start of each later step the ranks agree (one scalar all-reduce, only
+while a save is in flight) whether every writer is done, and commit then. A writer that failed
+makes that commit raise the usual CheckpointError naming the rank and file, on every rank, at
+that step. At most one save is in flight: the next save step, the end of training and a SIGTERM
+exit first wait for the writer and commit. A SIGKILL at any moment leaves the pointer on the
+previous complete checkpoint (the commit never ran) and at worst temp files the next save of
+that iteration removes.
 
 torch.distributed.checkpoint.async_save itself writes DCP's own format (.distcp files and a
 .metadata), not the shards users' tools read, so only its staging is used here.
