@@ -36,8 +36,9 @@ CONVERTED_NOTE = (
     "trainer reshards on load.)"
 )
 NO_OPTIMIZER_NOTE = (
-    "note: the checkpoint holds no optimizer state; resume with --no-load-optim --no-load-rng "
-    "or --finetune."
+    "note: no optimizer state was converted (the checkpoint holds none, or none in a form that "
+    "can be resharded); resume with --no-load-optim --no-load-rng (keeps the iteration and "
+    "consumed samples) or with --finetune (starts again at iteration 0)."
 )
 
 
@@ -89,7 +90,12 @@ def convert_layout(
             "directory"
         )
     full_shapes, rules = model_layout(cfg, family)
-    with_optimizer = first.get("optimizer") is not None
+    saved_optimizer = first.get("optimizer") or {}
+    # A torch optimizer state dict (with its param groups), or the distributed optimizer's;
+    # anything else (a bare placeholder some tools write) cannot be cut and is dropped.
+    with_optimizer = bool(saved_optimizer.get("distributed")) or "param_groups" in (
+        saved_optimizer.get("optimizer") or {}
+    )
 
     def rank_state(names: list[str], tp_rank: int, padded: int):
         shapes = {
