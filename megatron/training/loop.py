@@ -138,6 +138,7 @@ def pretrain(
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.metrics)
         result = loop.run(state, *iters)
+        backend.wait_for_save()  # an --async-save in flight: committed before we return
         if hasattr(backend.model, "finish_param_sync"):  # an --overlap-param-gather in flight
             backend.model.finish_param_sync()
         result.model = backend.model
