@@ -26,7 +26,9 @@ from megatron.checkpoint.reshard_load import (
 )
 from megatron.checkpoint.storage import MARKER_NAME, CheckpointError, checkpoint_dir, load_shard
 from megatron.config.schema import ModelConfig
-from megatron.model.gpt import GPTModel
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel
+from megatron.models.registry import vocab_sized_names
 from megatron.mpu import single_process_state
 from tests.distributed import run_distributed
 from tests.test_distributed_optimizer import _checkpoint_at
@@ -151,9 +153,9 @@ def test_resume_on_a_new_layout_continues_the_uninterrupted_run(data_prefix, tmp
 
 def _full_state(cfg: ModelConfig) -> dict:
     torch.manual_seed(0)
-    model = GPTModel(cfg, single_process_state())
+    model = GPTModel(cfg, BuildContext(single_process_state()))
     full = {n: t.clone() for n, t in model.state_dict().items()}
-    for name in R.VOCAB_WEIGHTS:
+    for name in vocab_sized_names():
         if name in full:
             full[name] = full[name][: cfg.vocab_size]
     return full
@@ -184,7 +186,7 @@ def _target(cfg, full, tp, pp, pp_rank, tp_rank):
     expected = {n: R._local_tensor(n, full[n], rules[n], tp, tp_rank, padded) for n in names}
     shapes = {n: tuple(t.shape) for n, t in expected.items()}
     rules = {n: rules[n] for n in names}
-    vocab = frozenset(R.VOCAB_WEIGHTS)
+    vocab = frozenset(vocab_sized_names())
     return RankTarget(shapes, rules, tp, tp_rank, cfg.vocab_size, vocab), expected
 
 

@@ -14,7 +14,6 @@ import os
 from megatron.checkpoint.reshard_load import RankTarget, SavedShards, read_layout, read_rank_state
 from megatron.checkpoint.resharding import (
     _CARRIED,
-    VOCAB_WEIGHTS,
     family_of_names,
     model_config,
     model_layout,
@@ -28,6 +27,7 @@ from megatron.checkpoint.storage import (
     resolve_load_iteration,
     verify_checkpoint_files,
 )
+from megatron.models.registry import vocab_sized_names
 
 CONVERTED_NOTE = (
     "note: the optimizer state (Adam moments, fp32 main weights, loss scale) was converted "
@@ -99,7 +99,8 @@ def convert_layout(
 
     def rank_state(names: list[str], tp_rank: int, padded: int):
         shapes = {
-            n: _local_shape(full_shapes[n], rules[n], tp, padded, n in VOCAB_WEIGHTS) for n in names
+            n: _local_shape(full_shapes[n], rules[n], tp, padded, n in vocab_sized_names())
+            for n in names
         }
         target = RankTarget(
             shapes,
@@ -107,7 +108,7 @@ def convert_layout(
             tp,
             tp_rank,
             cfg.vocab_size,
-            frozenset(VOCAB_WEIGHTS),
+            frozenset(vocab_sized_names()),
         )
         model, optimizer = read_rank_state(shards, target, with_optimizer)
         if optimizer is None:

@@ -20,10 +20,11 @@ from megatron.checkpoint.reshard_load import (
     SavedShards,
     read_rank_state,
 )
-from megatron.checkpoint.resharding import VOCAB_WEIGHTS, partition_record, split_rule
+from megatron.checkpoint.resharding import partition_record, split_rule
 from megatron.checkpoint.storage import rng_state_dict
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, set_random_seeds
+from megatron.models.registry import vocab_sized_names
 
 
 def rank_target(cfg: MegatronConfig, rt: Runtime, model) -> RankTarget:
@@ -35,7 +36,7 @@ def rank_target(cfg: MegatronConfig, rt: Runtime, model) -> RankTarget:
         tp=rt.state.tp_size,
         tp_rank=rt.state.tp_rank,
         vocab_size=cfg.model.vocab_size,
-        vocab_names=frozenset(VOCAB_WEIGHTS),
+        vocab_names=frozenset(vocab_sized_names()),
     )
 
 
