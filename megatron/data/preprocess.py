@@ -116,13 +116,14 @@ def _tokenize_docs(texts: list[str], dtype) -> KeyResult:
     seq_len, doc_of_seq = seq_len[keep], doc_of_seq[keep]
     seqs_per_doc = np.bincount(doc_of_seq, minlength=len(texts))
     seqs_per_doc = seqs_per_doc[seqs_per_doc > 0]
+    flat = flat.astype(dtype, copy=False)  # before the insert: a copy of the narrow ids only
     if _OPTIONS["append_eod"] and len(seq_len):
         last = np.cumsum(seqs_per_doc) - 1  # each kept document's last sequence
         flat = np.insert(flat, np.cumsum(seq_len)[last], tok.eod)
         seq_len = seq_len.copy()
         seq_len[last] += 1
     return KeyResult(
-        tokens=flat.astype(dtype),
+        tokens=flat,
         seq_lengths=seq_len.astype(np.int32),
         seqs_per_doc=seqs_per_doc.astype(np.int32),
         empty=len(texts) - len(seqs_per_doc),

@@ -15,6 +15,7 @@ import itertools
 import json
 import numbers
 import os
+import re
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -26,6 +27,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from megatron.config.schema import TOKENIZER_TYPES  # declared once, with the flag
 from megatron.data.fast_bpe import TiktokenBPE
+from megatron.data.text_pieces import WHITESPACE_CUT, encode_in_pieces
 
 HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 WHITESPACE_EOD_TOKENS = ("<eod>", "<|endoftext|>", "</s>", "<eos>")
@@ -40,8 +42,11 @@ class Tokenizer(ABC):
     """The interface the data pipeline and the model rely on.
 
     `vocab_size` is the number of ids the model must embed (max id + 1, before Megatron pads
-    it); `eod` is the id appended after every document.
+    it); `eod` is the id appended after every document. `piece_cut`: where a long text may be
+    cut without changing its ids (text_pieces), None where no place is known to be safe.
     """
+
+    piece_cut: re.Pattern | None = None
 
     def __init__(self, name: str, build_kwargs: dict, vocab_size: int, eod: int):
         self.name = name
@@ -76,7 +81,12 @@ class Tokenizer(ABC):
         return [self.tokenize(t) for t in texts]
 
     def tokenize_batch_arrays(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Many documents -> (all their ids as one int64 array, the number of ids of each)."""
+        """Many documents -> (all their ids as one int64 array, the number of ids of each). A
+        document longer than text_pieces.PIECE_CHARS is encoded in pieces cut where
+        `piece_cut` says the ids cannot change, so memory does not grow with the document."""
+        return encode_in_pieces(self._encode_arrays, list(texts), self.piece_cut)
+
+    def _encode_arrays(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         docs = self.tokenize_batch(texts)
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
         flat = np.fromiter(
@@ -137,6 +147,8 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
     pure-Python encoder does, in Rust and with a multi-threaded batch path.
     """
 
+    piece_cut = WHITESPACE_CUT  # no pre-token spans a non-space -> space/newline boundary
+
     def __init__(self, vocab_file, merge_file):
         name = "GPT2BPETokenizer"
         vocab_file = _require_file(vocab_file, "--vocab-file", name, "GPT-2's vocab.json")
@@ -156,13 +168,13 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         self._fast = TiktokenBPE.build(vocab, merges)
         self._fast_checked = False
 
-    def tokenize_batch_arrays(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_arrays(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """tiktoken when it is installed and agrees with HF on the first batch; else HF."""
         if self._fast is None:
-            return super().tokenize_batch_arrays(texts)
-        flat, lengths = self._fast.encode_arrays(list(texts))
+            return super()._encode_arrays(texts)
+        flat, lengths = self._fast.encode_arrays(texts)
         if not self._fast_checked:
-            ref_flat, ref_lengths = super().tokenize_batch_arrays(texts)
+            ref_flat, ref_lengths = super()._encode_arrays(texts)
             if not (np.array_equal(flat, ref_flat) and np.array_equal(lengths, ref_lengths)):
                 warnings.warn(
                     "tiktoken disagrees with HF tokenizers on this vocab; using HF "
@@ -244,6 +256,8 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
     document, as in Megatron.
     """
 
+    piece_cut = WHITESPACE_CUT  # words never span whitespace
+
     def __init__(self, vocab_file, lowercase: bool):
         name = "BertWordPieceLowerCase" if lowercase else "BertWordPieceCase"
         vocab_file = _require_file(vocab_file, "--vocab-file", name, "a BERT vocab.txt")
@@ -316,6 +330,8 @@ def _import_sentencepiece():
 class NullTokenizer(Tokenizer):
     """Text is already ids ("3 17 4"); eod is one past the vocab, as in Megatron."""
 
+    piece_cut = WHITESPACE_CUT  # ids are whitespace-separated
+
     def __init__(self, vocab_size):
         if not isinstance(vocab_size, numbers.Integral) or vocab_size < 1:
             raise ValueError(
@@ -346,6 +362,8 @@ class WhitespaceTokenizer(Tokenizer):
 
     This is the ASC/Yuan setup, where the corpus is already segmented into words.
     """
+
+    piece_cut = WHITESPACE_CUT
 
     def __init__(self, vocab_file):
         name = "WhitespaceTokenizer"

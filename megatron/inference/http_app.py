@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from megatron.inference import openai_api
+from megatron.inference.http_guard import ApiKey, Limits
 from megatron.inference.megatron_api import BadRequest, check_length, parse_request
 from megatron.inference.ops import Leader
 
@@ -94,21 +95,35 @@ def _openai_error(status: int, message: str, field=None, headers=None) -> JSONRe
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _read_body(request: Request) -> bytes:
-    """The body, refusing (413) more than MAX_BODY_BYTES whatever Content-Length says."""
+class _Unread(Exception):
+    """The body was not read: too large (413) or too slow (408)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def _read_body(request: Request, timeout: float) -> bytes:
+    """The body, refusing (413) more than MAX_BODY_BYTES whatever Content-Length says, and (408)
+    one that takes more than `timeout` seconds to arrive (a slow-drip client)."""
+    too_large = _Unread(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
-        raise _TooLarge
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise _TooLarge
-    return bytes(body)
+        raise too_large
 
+    async def read() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+        return bytes(body)
 
-class _TooLarge(Exception):
-    pass
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        message = f"the body did not arrive within {timeout:g} s (the server's --body-timeout)"
+        raise _Unread(408, message) from None
 
 
 async def _wait(request: Request, future: Future):
@@ -123,12 +138,23 @@ async def _wait(request: Request, future: Future):
             return None
 
 
-def build_app(scheduler: Scheduler, model, model_name: str) -> FastAPI:
-    """The routes; `model` (ops.Model) gives the tokenizer and context for validation."""
+def build_app(
+    scheduler: Scheduler,
+    model,
+    model_name: str,
+    limits: Limits | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The routes; `model` (ops.Model) gives the tokenizer and context for validation. With an
+    `api_key`, every route but /health needs it (http_guard.ApiKey)."""
+    limits = limits or Limits()
     app = FastAPI(title="megatron-3d", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(ApiKey, key=api_key)
     tokenizer = model.tokenizer
     vocab = model.engine.vocab_size
     busy = {"Retry-After": "2"}
+    close = {"Connection": "close"}  # after a 408 / 413 the rest of the body is not wanted
 
     @app.get("/health")
     async def health():
@@ -144,12 +170,12 @@ def build_app(scheduler: Scheduler, model, model_name: str) -> FastAPI:
     @app.api_route("/api", methods=["PUT", "POST"])
     async def megatron_api(request: Request):
         try:
-            body = await _read_body(request)
+            body = await _read_body(request, limits.body_timeout)
             req = await asyncio.to_thread(parse_request, body)
             await asyncio.to_thread(check_length, req, tokenizer, model.max_positions)
             result = await _wait(request, scheduler.submit("generate", req))
-        except _TooLarge:
-            return _megatron_error(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
+        except _Unread as e:
+            return _megatron_error(e.status, str(e), close)
         except BadRequest as e:
             return _megatron_error(400, str(e))
         except Busy as e:
@@ -162,7 +188,7 @@ def build_app(scheduler: Scheduler, model, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
-            body = await _read_body(request)
+            body = await _read_body(request, limits.body_timeout)
             args = await asyncio.to_thread(
                 openai_api.completion_args, body, tokenizer, model.max_positions, vocab
             )
@@ -170,8 +196,8 @@ def build_app(scheduler: Scheduler, model, model_name: str) -> FastAPI:
             if results is None:
                 return JSONResponse({}, 499)
             return openai_api.completion_response(args, results, tokenizer)
-        except _TooLarge:
-            return _openai_error(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
+        except _Unread as e:
+            return _openai_error(e.status, str(e), headers=close)
         except openai_api.FieldError as e:
             return _openai_error(400, str(e), e.field)
         except Busy as e:

@@ -10,6 +10,8 @@ Retry-After when the queue is full) and hands valid ones, one at a time, to ever
 (ops.Leader); the other ranks run them in step (ops.follow). SIGTERM / SIGINT to any
 rank (torchrun sends it to all at once): the server stops taking requests, finishes the running
 one and stops the other ranks; all exit 0 (ops.relay_stop_signals).
+--api-key (or $MEGATRON_API_KEY) guards every route but /health; --header-timeout,
+--body-timeout and --max-connections bound slow and piled-up clients (http_guard).
 FastAPI and uvicorn are imported only when serving starts.
 """
 
@@ -19,6 +21,7 @@ import argparse
 import socket
 import sys
 
+from megatron.inference.http_guard import API_KEY_ENV, Limits, api_key_from
 from megatron.inference.megatron_api import (  # noqa: F401 - this module's API before the split
     BadRequest,
     params_of,
@@ -43,18 +46,28 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(
-    model: Model, leader: Leader, sock: socket.socket, name: str, stops: StopSignals, banner: str
+    model: Model,
+    leader: Leader,
+    sock: socket.socket,
+    stops: StopSignals,
+    banner: str,
+    args: argparse.Namespace,
 ) -> None:
     """Rank 0: print `banner`, answer HTTP on `sock` until a SIGINT / SIGTERM to any rank, then
-    stop the other ranks."""
+    stop the other ranks. `args`: the model name, API key and limits of the command line."""
     import uvicorn
 
     from megatron.inference.http_app import Scheduler, build_app
+    from megatron.inference.http_guard import guarded_protocol
 
     scheduler = Scheduler(leader)
-    app = build_app(scheduler, model, name)
+    app = build_app(scheduler, model, args.model_name, args.limits, args.api_key)
     config = uvicorn.Config(
-        app, log_level="warning", timeout_graceful_shutdown=5, backlog=LISTEN_BACKLOG
+        app,
+        http=guarded_protocol(args.limits),
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        backlog=LISTEN_BACKLOG,
     )
     server = uvicorn.Server(config)
 
@@ -74,6 +87,48 @@ def serve(
         scheduler.close()
 
 
+def add_guard_args(p: argparse.ArgumentParser) -> None:
+    """Who may call the server, and how long and how many connections it holds open."""
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: "
+        f"${API_KEY_ENV} if set, else no key; the variable keeps the key out of `ps`)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=Limits.header_timeout,
+        help="seconds a connection may take to send a request's headers, from connect or the "
+        f"previous response; then it is closed ({Limits.header_timeout:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=Limits.body_timeout,
+        help=f"seconds to receive a request's body; then 408 ({Limits.body_timeout:g})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=Limits.max_connections,
+        help=f"open connections at most; more get 503 and are closed ({Limits.max_connections})",
+    )
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The limits of the command line, each checked (a ValueError names the flag)."""
+    for flag, value in (
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+    ):
+        if not value > 0:  # NaN included
+            raise ValueError(f"{flag} must be a positive number of seconds, not {value}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be at least 1, not {args.max_connections}")
+    return Limits(args.header_timeout, args.body_timeout, args.max_connections)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(p)
@@ -82,11 +137,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--model-name", default="megatron", help="the model id /v1/models reports (megatron)"
     )
+    add_guard_args(p)
     args = p.parse_args(argv)
 
     def body() -> None:
         import importlib.util
 
+        args.api_key = api_key_from(args.api_key)
+        args.limits = limits_from(args)
         if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
             raise ValueError("serving needs fastapi and uvicorn: pip install -e '.[serve]'")
         stops = StopSignals()
@@ -105,7 +163,8 @@ def main(argv=None) -> int:
         banner = (
             f"serving checkpoint iteration {iteration} on http://{args.host}:"
             f"{sock.getsockname()[1]} (PUT /api, POST /v1/completions, GET /health)"
+            + ("; API key required" if args.api_key else "")
         )
-        serve(model, leader, sock, args.model_name, stops, banner)
+        serve(model, leader, sock, stops, banner, args)
 
     return run_tool(body)
