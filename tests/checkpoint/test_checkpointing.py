@@ -10,11 +10,9 @@ import random
 import re
 import shlex
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zipfile
 import zlib
 from pathlib import Path
 from unittest import mock
@@ -43,10 +41,10 @@ from megatron.checkpoint.storage import (
     shard_path,
     tracker_path,
 )
-from tests.distributed import run_distributed
-from tests.test_training import data_prefix, flags  # noqa: F401 - data_prefix is a fixture
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.checkpoints import _damage
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import ROOT
+from tests.helpers.training import _train, flags
 
 
 def _noop() -> None:
@@ -176,7 +174,7 @@ KILL_POINTS = ["temp_shard", "second_shard", "before_finalize", "marker", "point
 
 @pytest.mark.slow
 def test_sigkill_during_save_never_moves_pointer_to_partial_checkpoint(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     children = {
         point: subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(tmp_path / point), point],
@@ -354,43 +352,6 @@ def _save_big(root, iteration: int) -> None:
     finalize_checkpoint(root, iteration, barrier=_noop, is_rank0=True, num_shards_expected=1)
 
 
-def _member_data(path, name_suffix: str) -> tuple[int, int]:
-    """(offset, length) of the bytes of the zip member ending in `name_suffix` in a torch.save
-    file (the local header's extra field pads tensors for alignment, so read it)."""
-    raw = Path(path).read_bytes()
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith(name_suffix))
-    name_len, extra_len = struct.unpack(
-        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
-    )
-    return info.header_offset + 30 + name_len + extra_len, info.compress_size
-
-
-def _overwrite(path, offset: int, data: bytes) -> None:
-    """Damage in place: same size, so the marker's size check cannot notice."""
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(data)
-    assert os.path.getsize(path) == size
-
-
-def _damage(path, where: str) -> None:
-    """Damage a torch.save file in place: 1 KiB inside its largest tensor, or 4 bytes of its
-    pickle (what fails today with "'utf-8' codec can't decode byte 0x85", naming no file)."""
-    if where == "tensor data":
-        with zipfile.ZipFile(path) as z:
-            largest = max(
-                (i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size
-            )
-        start, length = _member_data(path, largest.filename)
-        assert length >= 2048, "the tensor must be large enough to hold 1 KiB of damage"
-        _overwrite(path, start + length // 2 - 512, bytes(range(256)) * 4)
-    else:
-        start, _ = _member_data(path, "data.pkl")
-        _overwrite(path, start + 28, b"\x85" * 4)
-
-
 def _load_newest(root):
     return load_newest_intact(
         root, lambda it: load_shard(root, it, tp_rank=0, pp_rank=0, pp_size=1)
@@ -557,7 +518,7 @@ except ckpt.CheckpointError as e:
 def test_real_write_error_inside_torch_save_is_one_named_line(tmp_path):
     # torch.save turns the OSError of a failed write into "enforce fail at inline_container.cc";
     # a real one (file size limit, EFBIG) must still come out as our one-line error.
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-c", _FILE_TOO_LARGE, str(tmp_path)],
         env=env,
@@ -668,7 +629,6 @@ def _two_rank_commit(rank: int, world_size: int, root: str):
 def _full_disk_on_rank1(rank: int, world_size: int, root: str, argv: list[str]):
     """A TP=2 run saving at iterations 2 and 4, whose rank 1 finds the disk full at 4: what
     each rank raised, and how long after the failed write."""
-    from tests.test_training import _train
 
     real_open = open
 
@@ -690,7 +650,7 @@ def _full_disk_on_rank1(rank: int, world_size: int, root: str, argv: list[str]):
 
 
 @pytest.mark.slow
-def test_two_ranks_commit_once_and_agree_on_a_failed_write(tmp_path, data_prefix):  # noqa: F811
+def test_two_ranks_commit_once_and_agree_on_a_failed_write(tmp_path, data_prefix):
     results = run_distributed(_two_rank_commit, 2, str(tmp_path))
     assert results == [(1, 7), (0, 7)]
     for tp in range(2):

@@ -1,14 +1,14 @@
 """Checkpoint conversion: TP x PP resharding, Hugging Face export/import, the CLI.
 
 Source checkpoints are made without the trainer: a TP = 1 model's weights are split into
-TP x PP shards by this file's own split functions (checked against mpu.shard and the model's
-per-stage state dicts) and written with save_shard, as the trainer's ranks would.
+TP x PP shards by tests/helpers/checkpoints.py's own split functions (checked here against
+mpu.shard and the model's per-stage state dicts) and written with save_shard, as the trainer's
+ranks would.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,20 +26,25 @@ from megatron.checkpoint.resharding import (
     stage_names,
 )
 from megatron.checkpoint.storage import (
-    finalize_checkpoint,
     load_shard,
     resolve_load_iteration,
-    save_shard,
     tracker_path,
 )
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
-from megatron.model.stages import stage_layer_range
 from megatron.models.gpt.model import GPTModel, build_model
-from tests.distributed import run_distributed
+from tests.helpers.checkpoints import (
+    VOCAB,
+    _args,
+    _cli,
+    _my_split,
+    _stage_keys,
+    _unpadded,
+    _write_checkpoint,
+)
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import MMAP, ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron-mmap")
 _COMMON = dict(
     num_layers=4,
     seq_length=16,
@@ -65,7 +70,6 @@ VARIANTS = {
         **_COMMON,
     ),
 }
-VOCAB = ("embedding.word_embeddings.weight", "head.output_layer.weight")
 
 
 def _model(cfg: ModelConfig, seed: int = 7) -> GPTModel:
@@ -89,96 +93,6 @@ def _tokens(cfg: ModelConfig) -> torch.Tensor:
 @torch.no_grad()
 def _logits(model: GPTModel, cfg: ModelConfig) -> torch.Tensor:
     return model(_tokens(cfg))[..., : cfg.vocab_size]
-
-
-def _args(cfg: ModelConfig, tp: int, pp: int, tokenizer: dict | None = None) -> dict:
-    return {
-        "model": dataclasses.asdict(cfg),
-        "tokenizer": tokenizer or {"tokenizer_type": None},
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "padded_vocab_size": cfg.padded_vocab_size(tp),
-        "params_dtype": "torch.float32",
-    }
-
-
-def _unpadded(model: GPTModel, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return {n: t[: cfg.vocab_size] if n in VOCAB else t for n, t in model.state_dict().items()}
-
-
-def _my_split(name: str, full: torch.Tensor, cfg: ModelConfig, tp: int, r: int) -> torch.Tensor:
-    """This rank's slice, written from the layer docs (not with mpu.shard)."""
-    if name in VOCAB:
-        padded = cfg.padded_vocab_size(tp)
-        full = torch.cat([full, full.new_zeros(padded - full.shape[0], full.shape[1])])
-        rows = padded // tp
-        return full[r * rows : (r + 1) * rows].clone()
-    suffix = name.split(".", 2)[2] if name.startswith("layers.") else name
-    if suffix.startswith("self_attention.query_key_value"):
-        g = cfg.query_groups
-        groups = full.reshape(g, -1, *full.shape[1:])  # (groups, (n/g + 2) d, ...)
-        return groups[r * g // tp : (r + 1) * g // tp].reshape(-1, *full.shape[1:]).clone()
-    if suffix.startswith("mlp.dense_h_to_4h"):
-        if cfg.swiglu:
-            gate, up = full.chunk(2)
-            return torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
-        return full.chunk(tp)[r].clone()
-    if suffix in ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight"):
-        return full.chunk(tp, dim=1)[r].clone()
-    return full.clone()
-
-
-def _stage_keys(cfg: ModelConfig, pp: int, pp_rank: int) -> list[str]:
-    """Names the trainer's stage model holds, from the model itself."""
-    stage = GPTModel(
-        cfg,
-        BuildContext(seed=1),
-        layer_range=stage_layer_range(cfg.num_layers, pp, pp_rank),
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp - 1,
-    )
-    return list(stage.state_dict())
-
-
-def _write_checkpoint(root, model, cfg, tp, pp, iteration=20, tokenizer=None) -> None:
-    full = _unpadded(model, cfg)
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            shard = {
-                "checkpoint_version": 3.0,
-                "iteration": iteration,
-                "consumed_train_samples": 640,
-                "consumed_valid_samples": 32,
-                "model": {
-                    n: _my_split(n, full[n], cfg, tp, tp_rank)
-                    for n in _stage_keys(cfg, pp, pp_rank)
-                },
-                "optimizer": {"optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}},
-                "opt_param_scheduler": {"num_steps": iteration, "max_lr": 1e-3},
-                "rng_state": {"torch": torch.get_rng_state()},
-                "args": _args(cfg, tp, pp, tokenizer),
-            }
-            save_shard(
-                str(root),
-                iteration,
-                shard,
-                tp_rank=tp_rank,
-                pp_rank=pp_rank,
-                pp_size=pp,
-                write=True,
-            )
-    finalize_checkpoint(
-        str(root), iteration, barrier=lambda: None, is_rank0=True, num_shards_expected=tp * pp
-    )
-
-
-def _cli():
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 @pytest.mark.slow  # over a second on 2 cores
@@ -365,8 +279,8 @@ def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
         cfg = dataclasses.replace(cfg, vocab_size=8192)
         tokenizer = {
             "tokenizer_type": "GPT2BPETokenizer",
-            "vocab_file": os.path.join(FIXTURES, "vocab.json"),
-            "merge_file": os.path.join(FIXTURES, "merges.txt"),
+            "vocab_file": os.path.join(MMAP, "vocab.json"),
+            "merge_file": os.path.join(MMAP, "merges.txt"),
         }
     _write_checkpoint(tmp_path / "src", _model(cfg), cfg, tp=1, pp=1, tokenizer=tokenizer)
     state, args = load_full_state(str(tmp_path / "src"))

@@ -15,11 +15,11 @@ from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from tests.distributed import run_distributed
-from tests.test_convert_checkpoint import _cli as _convert_cli
+from tests.helpers.checkpoints import _cli as _convert_cli
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import FIXTURES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "legacy_checkpoint")
+FIXTURE = FIXTURES / "legacy_checkpoint"
 VOCAB = 128
 
 

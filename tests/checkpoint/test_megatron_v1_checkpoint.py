@@ -25,16 +25,16 @@ from megatron.checkpoint.megatron_v1 import _load, import_megatron_v1
 from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.checkpoint.storage import CheckpointError
 from megatron.models.gpt.model import GPTModel
-from tests.distributed import run_distributed
-from tests.test_convert_checkpoint import _cli
-from tests.test_training import _train, data_prefix  # noqa: F401 - data_prefix is a fixture
+from tests.helpers.checkpoints import _cli
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import FIXTURES
+from tests.helpers.training import _train
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron_v1")
 SHARD = os.path.join("iter_0000007", "mp_rank_{:02d}", "model_optim_rng.pt")
 
 
 def _fixture(tp: int) -> str:
-    return os.path.join(FIXTURES, f"tp{tp}")
+    return os.path.join(FIXTURES, "megatron_v1", f"tp{tp}")
 
 
 def _v1_losses(state: dict, args: dict, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +194,7 @@ def test_bad_input_is_named_and_nothing_foreign_is_unpickled(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_trainer_continues_from_an_imported_v115_checkpoint(tmp_path, data_prefix):  # noqa: F811
+def test_trainer_continues_from_an_imported_v115_checkpoint(tmp_path, data_prefix):
     out = str(tmp_path / "ours")
     assert _cli()(["--from-megatron-v1", _fixture(2), "--save", out, "--vocab-size", "128"]) == 0
     argv = [

@@ -25,8 +25,8 @@ from megatron.checkpoint.storage import (
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from tests.distributed import run_distributed
-from tests.test_training import data_prefix, flags  # noqa: F401
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import flags
 
 SWIGLU = "layers.0.mlp.dense_h_to_4h.weight"  # split with stride 2: [gate_r; up_r] per rank
 
@@ -55,7 +55,7 @@ def _train_and_read_own_shard(rank, world, argv, save):
 
 
 @pytest.fixture(scope="module")
-def tp2_checkpoint(data_prefix, tmp_path_factory):  # noqa: F811
+def tp2_checkpoint(data_prefix, tmp_path_factory):
     """A TP=2 checkpoint written by the trainer (SwiGLU, untied head: every kind of split)."""
     save = str(tmp_path_factory.mktemp("tp2") / "ck")
     extra = ["--tensor-model-parallel-size", "2", "--swiglu"]

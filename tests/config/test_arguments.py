@@ -7,19 +7,8 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig
-
-BASE = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "8",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "1000",
-]
+from tests.helpers.paths import FIXTURES, ROOT
+from tests.helpers.training import BASE
 
 
 def test_defaults_are_gpt2_style():
@@ -379,9 +368,7 @@ def _megatron_imports(path) -> set[str]:
 
 
 def test_imports_follow_the_layers():
-    from pathlib import Path
-
-    root = Path(__file__).parent.parent / "megatron"
+    root = ROOT / "megatron"
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).parts
         package = parts[0].removesuffix(".py")
@@ -407,9 +394,40 @@ def test_imports_follow_the_layers():
                 assert f"megatron.inference.{cli} " not in text, f"{path} imports {cli}"
 
 
+def test_tests_mirror_the_package_and_import_no_test_module():
+    """tests/<package>/ for megatron/<package>/ (plus the folders of what sits outside the
+    package); what test modules share lives in tests/helpers/ or a conftest.py."""
+    import ast
+
+    tests = ROOT / "tests"
+    assert not list(tests.glob("test_*.py")), "a test module belongs in the folder it tests"
+    for path in tests.rglob("*.py"):
+        if "fixtures" in path.relative_to(tests).parts:
+            continue
+        assert (path.parent / "__init__.py").exists(), f"{path.parent} needs an __init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("tests."):
+                    last = name.split(".")[-1]
+                    assert not last.startswith("test_") and last != "conftest", (
+                        f"{path} imports {name}: move what it shares to tests/helpers/"
+                    )
+    packages = {p.name for p in (ROOT / "megatron").iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in tests.iterdir() if (p / "__init__.py").exists()}
+    beside = {"helpers", "entry_points", "docs", "gpu"}  # not megatron packages
+    assert folders - beside <= packages, (
+        f"test folders without a package: {folders - beside - packages}"
+    )
+
+
 def test_checkpoints_record_the_architecture_and_old_ones_still_load():
     import dataclasses
-    from pathlib import Path
 
     from megatron.checkpoint.storage import load_shard
     from megatron.config.schema import model_config_from_saved
@@ -421,7 +439,7 @@ def test_checkpoints_record_the_architecture_and_old_ones_still_load():
     switches = {"torch_compile", "attention_backend", "recompute_granularity", "granularity"}
     assert not switches & set(saved), "run-time switches stay out of checkpoints"
     # A checkpoint written before the switches left ModelConfig: they are dropped on load.
-    legacy_dir = Path(__file__).parent / "fixtures" / "legacy_checkpoint"
+    legacy_dir = FIXTURES / "legacy_checkpoint"
     legacy = load_shard(str(legacy_dir), 3, tp_rank=0, pp_rank=0, pp_size=1)["args"]["model"]
     assert {"torch_compile", "recompute_granularity", "masked_softmax_fusion"} <= set(legacy)
     rebuilt = model_config_from_saved(legacy)

@@ -10,8 +10,8 @@ from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import main as preprocess_main
+from tests.helpers.paths import MMAP
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
 
 
@@ -24,7 +24,7 @@ def _cache(tmp_path, layout):
     }[layout]
     for src, dst in zip(("vocab.json", "merges.txt"), names, strict=True):
         (tmp_path / dst).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(FIXTURES / src, tmp_path / dst)
+        shutil.copy(MMAP / src, tmp_path / dst)
     return tmp_path
 
 
@@ -34,8 +34,8 @@ def test_gpt2_resolves_from_the_cache_dir(tmp_path, layout):
     cfg = parse_args([*BASE, "--tokenizer-model-type", "gpt2", "--cache-dir", str(cache)], 1)
     tok = cfg.data.tokenizer
     assert tok.tokenizer_type == "GPT2BPETokenizer"
-    assert Path(tok.vocab_file).read_bytes() == (FIXTURES / "vocab.json").read_bytes()
-    assert Path(tok.merge_file).read_bytes() == (FIXTURES / "merges.txt").read_bytes()
+    assert Path(tok.vocab_file).read_bytes() == (MMAP / "vocab.json").read_bytes()
+    assert Path(tok.merge_file).read_bytes() == (MMAP / "merges.txt").read_bytes()
 
 
 def test_bert_uses_the_given_vocab_file_and_the_right_tokenizer(tmp_path):
@@ -64,7 +64,7 @@ def test_missing_vocab_or_conflicting_type_fails_naming_what_to_pass(tmp_path, c
     ):
         parse_args([*BASE, "--tokenizer-model-type", "bert-large-uncased"], 1)
     with pytest.raises(ConfigError, match=f"looked for {tmp_path}/gpt2-merges.txt"):
-        shutil.copy(FIXTURES / "vocab.json", tmp_path / "gpt2-vocab.json")
+        shutil.copy(MMAP / "vocab.json", tmp_path / "gpt2-vocab.json")
         parse_args([*BASE, "--tokenizer-model-type", "gpt2", "--cache-dir", str(tmp_path)], 1)
     with pytest.raises(
         ConfigError,
@@ -73,14 +73,14 @@ def test_missing_vocab_or_conflicting_type_fails_naming_what_to_pass(tmp_path, c
         parse_args(
             [*BASE, "--tokenizer-model-type", "gpt2", "--tokenizer-type", "BertWordPieceCase"], 1
         )
-    argv = ["--input", str(FIXTURES / "corpus.jsonl"), "--output-prefix", str(tmp_path / "o")]
+    argv = ["--input", str(MMAP / "corpus.jsonl"), "--output-prefix", str(tmp_path / "o")]
     assert preprocess_main([*argv, "--tokenizer-model-type", "gpt2"]) == 2
     assert "--tokenizer-model-type: gpt2: its vocab.json was not found" in capsys.readouterr().err
 
 
 def test_preprocess_with_the_model_type_writes_megatrons_bytes(tmp_path):
     cache = _cache(tmp_path / "cache", "urls")
-    argv = ["--input", str(FIXTURES / "corpus.jsonl"), "--output-prefix", str(tmp_path / "o")]
+    argv = ["--input", str(MMAP / "corpus.jsonl"), "--output-prefix", str(tmp_path / "o")]
     assert (
         preprocess_main(
             [*argv, "--tokenizer-model-type", "gpt2", "--cache-dir", str(cache), "--append-eod"]
@@ -89,5 +89,5 @@ def test_preprocess_with_the_model_type_writes_megatrons_bytes(tmp_path):
     )
     for ext in (".bin", ".idx"):
         ours = (tmp_path / f"o_text_document{ext}").read_bytes()
-        assert ours == (FIXTURES / f"megatron_text_document{ext}").read_bytes()
+        assert ours == (MMAP / f"megatron_text_document{ext}").read_bytes()
     assert len(MMapIndexedDataset(tmp_path / "o_text_document")) == 19

@@ -6,7 +6,6 @@ import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,8 +14,8 @@ from megatron.config.cli import parse_args
 from megatron.config.files import to_yaml
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, MegatronConfig
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 
 FLAGS = [

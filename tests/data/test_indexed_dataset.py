@@ -14,13 +14,13 @@ from megatron.data.indexed_dataset import (
     MMapIndexedDatasetBuilder,
 )
 from megatron.data.merge_datasets import main as merge_main
+from tests.helpers.paths import MMAP
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
-MEGATRON = FIXTURES / "megatron_text_document"
+MEGATRON = MMAP / "megatron_text_document"
 
 
 def _expected_ids():
-    return json.loads((FIXTURES / "expected_ids.json").read_text())["documents"]
+    return json.loads((MMAP / "expected_ids.json").read_text())["documents"]
 
 
 def test_reads_megatron_files():

@@ -20,12 +20,12 @@ from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDatase
 from megatron.data.legacy_indexed_dataset import LegacyIndexedDataset
 from megatron.data.preprocess import main as preprocess_main
 from megatron.data.tokenizers import build_tokenizer
-from tests.distributed import run_distributed
-from tests.test_training import VOCAB, _losses, _train, flags
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import MMAP
+from tests.helpers.training import VOCAB, _losses, _train, flags
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
-TOK = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(FIXTURES / "vocab.json")]
-TOK += ["--merge-file", str(FIXTURES / "merges.txt")]
+TOK = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(MMAP / "vocab.json")]
+TOK += ["--merge-file", str(MMAP / "merges.txt")]
 
 
 def write_tntidx(prefix, docs, code=4, dtype="<i4"):
@@ -101,7 +101,7 @@ def test_data_impl_mismatch_names_the_flag_and_the_value(tmp_path):
     assert "Fix: pass --data-impl lazy (or cached)" in str(err.value)
     with pytest.raises(IndexedDatasetError, match="TNTIDX.*--data-impl infer"):
         MMapIndexedDataset(tmp_path / "t")  # the mmap reader alone says so too
-    mm = FIXTURES / "megatron_text_document"
+    mm = MMAP / "megatron_text_document"
     assert infer_dataset_impl(mm) == "mmap" and infer_dataset_impl(tmp_path / "t") == "lazy"
     with pytest.raises(
         IndexedDatasetError, match="--data-impl cached does not .* pass --data-impl mmap"
@@ -116,7 +116,7 @@ def test_data_impl_mismatch_names_the_flag_and_the_value(tmp_path):
 def test_preprocess_lazy_cached_write_tntidx_and_convert_to_the_mmap_bytes(tmp_path, capsys):
     """preprocess --dataset-impl lazy == cached == our TNTIDX writer on the same ids; the
     converter's output == preprocess --dataset-impl mmap, byte for byte."""
-    corpus = FIXTURES / "corpus.jsonl"
+    corpus = MMAP / "corpus.jsonl"
     for impl in ("mmap", "lazy", "cached"):
         argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / impl), *TOK]
         assert preprocess_main([*argv, "--append-eod", "--dataset-impl", impl]) == 0
@@ -134,7 +134,7 @@ def test_preprocess_lazy_cached_write_tntidx_and_convert_to_the_mmap_bytes(tmp_p
         )
         for ext in (".bin", ".idx"):
             ours = (tmp_path / f"conv{ext}").read_bytes()
-            assert ours == (FIXTURES / f"megatron_text_document{ext}").read_bytes()
+            assert ours == (MMAP / f"megatron_text_document{ext}").read_bytes()
     assert "wrote" in capsys.readouterr().err
 
 
@@ -161,7 +161,7 @@ def test_converter_validates_its_input_naming_the_file(tmp_path, capsys):
         convert_main(
             [
                 "--input",
-                str(FIXTURES / "megatron_text_document"),
+                str(MMAP / "megatron_text_document"),
                 "--output-prefix",
                 str(tmp_path / "o"),
             ]
@@ -195,7 +195,7 @@ def test_keep_newlines_keeps_the_whitespace_after_each_sentence(tmp_path):
 
 def test_mmap_warmup_touches_every_byte(tmp_path):
     write_tntidx(tmp_path / "t", DOCS)
-    mm = FIXTURES / "megatron_text_document"
+    mm = MMAP / "megatron_text_document"
     sizes = {p: Path(p).stat().st_size for p in (f"{mm}.bin", f"{mm}.idx", tmp_path / "t.bin")}
     assert MMapIndexedDataset(mm).warmed_bytes == 0
     assert (

@@ -13,7 +13,7 @@ from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.data import preprocess, vocab_builder
 from megatron.data.loose_json import CorpusError, prepare_loose_json
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 WORDS = "the cat sat on a mat and dog ran to big red sun we see it all day".split()
 

@@ -9,45 +9,19 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import main
 from megatron.data.tokenizers import build_tokenizer
-
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
-ROOT = Path(__file__).parent.parent
-TOK = [
-    "--tokenizer-type",
-    "GPT2BPETokenizer",
-    "--vocab-file",
-    str(FIXTURES / "vocab.json"),
-    "--merge-file",
-    str(FIXTURES / "merges.txt"),
-]
-DOCS = ["Hello world.", "def f(x):\n    return x\n", "分布式训练", "emoji 🚀 ok"]
+from tests.helpers.data import DOCS, TOK, _run
+from tests.helpers.paths import MMAP, ROOT
 
 
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer(
-        "GPT2BPETokenizer", vocab_file=FIXTURES / "vocab.json", merge_file=FIXTURES / "merges.txt"
-    )
-
-
-def _run(tmp_path, inputs, *extra, prefix="out"):
-    return main(
-        [
-            "--input",
-            *map(str, inputs),
-            "--output-prefix",
-            str(tmp_path / prefix),
-            *TOK,
-            "--append-eod",
-            *extra,
-        ]
+        "GPT2BPETokenizer", vocab_file=MMAP / "vocab.json", merge_file=MMAP / "merges.txt"
     )
 
 
@@ -64,12 +38,11 @@ def _expected(tok, texts):
 def test_fixture_corpus_is_byte_identical_to_megatron(tmp_path, workers):
     # A small --chunk-bytes makes the 2-worker run span many chunks; order must be kept.
     assert (
-        _run(tmp_path, [FIXTURES / "corpus.jsonl"], "--workers", workers, "--chunk-bytes", "300")
-        == 0
+        _run(tmp_path, [MMAP / "corpus.jsonl"], "--workers", workers, "--chunk-bytes", "300") == 0
     )
     for ext in (".bin", ".idx"):
         ours = (tmp_path / f"out_text_document{ext}").read_bytes()
-        assert ours == (FIXTURES / f"megatron_text_document{ext}").read_bytes()
+        assert ours == (MMAP / f"megatron_text_document{ext}").read_bytes()
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
@@ -80,7 +53,7 @@ def test_command_line_entry_point(tmp_path):
             sys.executable,
             str(ROOT / "tools" / "preprocess_data.py"),
             "--input",
-            str(FIXTURES / "corpus.jsonl"),
+            str(MMAP / "corpus.jsonl"),
             "--output-prefix",
             str(tmp_path / "cli"),
             *TOK,

@@ -10,7 +10,7 @@ import pytest
 
 from megatron.data import preprocess_tables
 from megatron.progress import Progress
-from tests.test_preprocess import DOCS, _run
+from tests.helpers.data import DOCS, _run
 
 pa = pytest.importorskip("pyarrow", reason="pip install pyarrow (the [data] extra)")
 pq = pytest.importorskip("pyarrow.parquet", reason="pip install pyarrow")

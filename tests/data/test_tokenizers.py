@@ -1,41 +1,29 @@
 """Tokenizers give Megatron-LM's ids; trained tokenizers load back; bad input names its flag."""
 
 import gzip
-import importlib.util
 import json
 import pickle
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from tests.helpers.paths import MMAP, ROOT, load_tool
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
-REPO = Path(__file__).parents[1]
-DOCS = [json.loads(line)["text"] for line in (FIXTURES / "corpus.jsonl").open(encoding="utf-8")]
-EXPECTED = json.loads((FIXTURES / "expected_ids.json").read_text(encoding="utf-8"))
-
-
-def _load_train_tokenizer():
-    spec = importlib.util.spec_from_file_location(
-        "train_tokenizer", REPO / "tools" / "train_tokenizer.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+DOCS = [json.loads(line)["text"] for line in (MMAP / "corpus.jsonl").open(encoding="utf-8")]
+EXPECTED = json.loads((MMAP / "expected_ids.json").read_text(encoding="utf-8"))
 
 
-train_tokenizer = _load_train_tokenizer()
+train_tokenizer = load_tool("train_tokenizer")
 
 
 @pytest.fixture(scope="module")
 def gpt2():
     return build_tokenizer(
         "GPT2BPETokenizer",
-        vocab_file=FIXTURES / "vocab.json",
-        merge_file=FIXTURES / "merges.txt",
+        vocab_file=MMAP / "vocab.json",
+        merge_file=MMAP / "merges.txt",
     )
 
 
@@ -55,7 +43,7 @@ def test_gpt2_bpe_round_trips_and_batches(gpt2):
 
 @pytest.mark.parametrize("form", ["file", "directory"])
 def test_huggingface_tokenizer_json_gives_megatron_ids(form):
-    path = FIXTURES / "tokenizer.json" if form == "file" else FIXTURES
+    path = MMAP / "tokenizer.json" if form == "file" else MMAP
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
     assert (tok.eod, tok.vocab_size) == (0, 8192)
     assert [ids + [tok.eod] for ids in tok.tokenize_batch(DOCS)] == EXPECTED["documents"]
@@ -128,18 +116,18 @@ def _write(tmp_path, name, text):
 
 
 BAD_INPUTS = [
-    ("GPT2BPETokenizer", {"merge_file": FIXTURES / "merges.txt"}, ValueError, "--vocab-file"),
-    ("GPT2BPETokenizer", {"vocab_file": FIXTURES / "vocab.json"}, ValueError, "--merge-file"),
+    ("GPT2BPETokenizer", {"merge_file": MMAP / "merges.txt"}, ValueError, "--vocab-file"),
+    ("GPT2BPETokenizer", {"vocab_file": MMAP / "vocab.json"}, ValueError, "--merge-file"),
     (
         "GPT2BPETokenizer",
-        {"vocab_file": FIXTURES / "vocab.json", "merge_file": "missing/merges.txt"},
+        {"vocab_file": MMAP / "vocab.json", "merge_file": "missing/merges.txt"},
         FileNotFoundError,
         "--merge-file missing/merges.txt does not exist",
     ),
     ("HuggingFaceTokenizer", {}, ValueError, "--tokenizer-model"),
     ("HuggingFaceTokenizer", {"tokenizer_model": "nope"}, FileNotFoundError, "--tokenizer-model"),
     ("SentencePieceTokenizer", {}, ValueError, "--tokenizer-model"),
-    ("BertWordPieceCase", {"vocab_file": FIXTURES}, FileNotFoundError, "is a directory"),
+    ("BertWordPieceCase", {"vocab_file": MMAP}, FileNotFoundError, "is a directory"),
     ("NullTokenizer", {}, ValueError, "--vocab-size"),
     ("NullTokenizer", {"vocab_size": 0}, ValueError, "--vocab-size"),
     ("WhitespaceTokenizer", {}, ValueError, "--vocab-file"),
@@ -161,7 +149,7 @@ def test_unknown_type_lists_every_valid_name():
 
 def test_unreadable_files_name_their_flag(tmp_path, bert_vocab):
     junk = _write(tmp_path, "junk.json", "{not json")
-    merges = FIXTURES / "merges.txt"
+    merges = MMAP / "merges.txt"
     with pytest.raises(ValueError, match="--vocab-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=junk, merge_file=merges)
     with pytest.raises(ValueError, match="--vocab-file"):
@@ -200,7 +188,7 @@ def corpus(tmp_path):
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS), encoding="utf-8")
     txt = tmp_path / "code.txt.gz"
     with gzip.open(txt, "wt", encoding="utf-8") as f:
-        f.write((REPO / "megatron" / "data" / "tokenizers.py").read_text(encoding="utf-8"))
+        f.write((ROOT / "megatron" / "data" / "tokenizers.py").read_text(encoding="utf-8"))
     return [str(jsonl), str(txt)]
 
 
@@ -279,9 +267,9 @@ def test_fast_gpt2_engine_matches_hf_and_falls_back_on_disagreement(monkeypatch)
 
     from megatron.data import fast_bpe
 
-    texts = [json.loads(line)["text"] for line in (FIXTURES / "corpus.jsonl").open()]
+    texts = [json.loads(line)["text"] for line in (MMAP / "corpus.jsonl").open()]
     tok = build_tokenizer(
-        "GPT2BPETokenizer", vocab_file=FIXTURES / "vocab.json", merge_file=FIXTURES / "merges.txt"
+        "GPT2BPETokenizer", vocab_file=MMAP / "vocab.json", merge_file=MMAP / "merges.txt"
     )
     assert tok._fast is not None, "tiktoken is installed with the project"
     flat, lengths = tok._fast.encode_arrays(texts)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from megatron.config import flag_doc
 from megatron.config.cli import build_parser
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _FENCE = re.compile(r"^\s*(```|~~~)")

@@ -14,10 +14,10 @@ import pytest
 
 from megatron.data import preprocess
 from megatron.data.tokenizers import build_tokenizer, is_cjk_char
-from tests.distributed import run_distributed
-from tests.test_tokenizers import train_tokenizer
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import ROOT, load_tool
 
-ROOT = Path(__file__).parent.parent
+train_tokenizer = load_tool("train_tokenizer")
 
 
 def chinese_corpus(path: Path, n_docs: int = 200) -> list[str]:

@@ -31,14 +31,12 @@ from megatron.initialize import shutdown_distributed
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from tests.distributed import free_port, run_distributed
-from tests.test_evaluation import WIKI
-from tests.test_text_generation import checkpoint  # noqa: F401
+from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.paths import MMAP, ROOT
+from tests.helpers.serving import WIKI
 
-ROOT = Path(__file__).parent.parent
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
-TOKENIZER = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(FIXTURES / "vocab.json")]
-TOKENIZER += ["--merge-file", str(FIXTURES / "merges.txt")]
+TOKENIZER = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(MMAP / "vocab.json")]
+TOKENIZER += ["--merge-file", str(MMAP / "merges.txt")]
 SHAPES = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --max-position-embeddings 64"
 LAMBADA = [
     "The quick brown fox jumps over the lazy dog",
@@ -51,7 +49,7 @@ LAMBADA = [
 
 def _tok():
     return build_tokenizer(
-        "GPT2BPETokenizer", vocab_file=FIXTURES / "vocab.json", merge_file=FIXTURES / "merges.txt"
+        "GPT2BPETokenizer", vocab_file=MMAP / "vocab.json", merge_file=MMAP / "merges.txt"
     )
 
 
@@ -69,7 +67,7 @@ def _run(*argv, env=None, stdin=None) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def loaded(checkpoint):  # noqa: F811
+def loaded(checkpoint):
     """The fixture checkpoint as the tools load it (one process, fp32, no process group)."""
     rt = SimpleNamespace(
         state=mpu.single_process_state(), device=torch.device("cpu"), rng_tracker=None
@@ -87,7 +85,7 @@ def data(tmp_path_factory):
     return root
 
 
-def test_generate_samples_gpt2_v1_command_writes_unconditional_json_lines(checkpoint, tmp_path):  # noqa: F811
+def test_generate_samples_gpt2_v1_command_writes_unconditional_json_lines(checkpoint, tmp_path):
     genfile = tmp_path / "unconditional_samples.json"
     _run(
         ROOT / "tools" / "generate_samples_gpt2.py",
@@ -104,7 +102,7 @@ def test_generate_samples_gpt2_v1_command_writes_unconditional_json_lines(checkp
 
 @pytest.mark.slow  # over a second on 2 cores
 def test_unconditional_recompute_file_and_interactive_modes_match_the_library(
-    checkpoint,  # noqa: F811
+    checkpoint,
     loaded,
     data,
     tmp_path,
@@ -148,7 +146,7 @@ def _complete(engine, tok, texts):
 
 
 @pytest.mark.slow  # over a second on 2 cores
-def test_tasks_main_and_run_gpt2_eval_give_tools_evaluate_numbers(checkpoint, loaded, data, capsys):  # noqa: F811
+def test_tasks_main_and_run_gpt2_eval_give_tools_evaluate_numbers(checkpoint, loaded, data, capsys):
     rt, engine, tok = loaded
     wiki = evaluate_wikitext(engine, tok, WIKI, 32, 16, 8)
     loose = evaluate_loose_json(engine, tok, LAMBADA, 16, 16, 2, max_batches=1)
@@ -173,14 +171,14 @@ def test_tasks_main_and_run_gpt2_eval_give_tools_evaluate_numbers(checkpoint, lo
     eval_2019 = ["--model-path", checkpoint, "--batch-size", "2", "--seq-length", "16"]
     eval_2019 += ["--model-parallel-size", "1", *SHAPES.split()[:6]]
     loose_args = ["--data-path", str(data / "lambada.jsonl"), "--overlapping-eval", "16"]
-    loose_args += ["--webtext-eval", "--eval-iters", "1", "--cache-dir", str(FIXTURES)]
+    loose_args += ["--webtext-eval", "--eval-iters", "1", "--cache-dir", str(MMAP)]
     got = last_json(evaluate_cli.gpt2_eval_main([*eval_2019, *loose_args]))
     assert got["ppl"] == pytest.approx(loose["ppl"], rel=1e-6)
     assert got["num_scored"] == loose["num_scored"] == 2 * 16
 
 
 @pytest.mark.slow
-def test_v1_commands_under_torch_distributed_launch_on_tp2(checkpoint, loaded, data):  # noqa: F811
+def test_v1_commands_under_torch_distributed_launch_on_tp2(checkpoint, loaded, data):
     """evaluate_zeroshot_gpt2.sh and generate_text.sh scaled down on 2 processes (TP2), and the
     2019 --cloze-eval."""
     rt, engine, tok = loaded
@@ -212,13 +210,13 @@ def test_v1_commands_under_torch_distributed_launch_on_tp2(checkpoint, loaded, d
     out = _run(
         ROOT / "scripts" / "run_gpt2_eval.py", "--model-path", checkpoint,
         "--data-path", data / "lambada.jsonl", "--cloze-eval", "--strict-lambada",
-        "--batch-size", "16", "--cache-dir", FIXTURES, "--num-layers", "2",
+        "--batch-size", "16", "--cache-dir", MMAP, "--num-layers", "2",
     ).stdout  # fmt: skip
     assert json.loads(out.strip().splitlines()[-1])["ppl"] == pytest.approx(lam["ppl"], rel=1e-6)
 
 
 @pytest.mark.slow  # over a second on 2 cores
-def test_flags_must_agree_with_the_checkpoint_and_process_count(checkpoint, data, capsys):  # noqa: F811
+def test_flags_must_agree_with_the_checkpoint_and_process_count(checkpoint, data, capsys):
     base = ["--task", "LAMBADA", "--valid-data", str(data / "lambada.jsonl"), "--load", checkpoint]
     for extra, named in (
         (["--num-layers", "3"], "--num-layers 3: the checkpoint"),
@@ -247,7 +245,7 @@ def test_flags_must_agree_with_the_checkpoint_and_process_count(checkpoint, data
     assert "--sample-input-file: [Errno 2]" in capsys.readouterr().err
 
 
-def test_fp16_runs_on_cpu_and_stays_close_to_fp32(checkpoint, loaded):  # noqa: F811
+def test_fp16_runs_on_cpu_and_stays_close_to_fp32(checkpoint, loaded):
     _, engine32, tok = loaded
     rt, engine16, _, _ = setup(checkpoint, given={"precision.fp16": True})
     try:

@@ -3,7 +3,6 @@ refused with its reason. The multi-rank checks share one gloo spawn per backend.
 
 import contextlib
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,11 +14,11 @@ from megatron.config.deepspeed_json import build_ds_config
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
 from megatron.training.loop import pretrain, resolve_vocab
-from tests.distributed import run_distributed
-from tests.test_training import _losses, _train, data_prefix, flags  # noqa: F401
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import MMAP
+from tests.helpers.training import _losses, _train, flags
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
-VOCAB_JSON, MERGES = str(FIXTURES / "vocab.json"), str(FIXTURES / "merges.txt")
+VOCAB_JSON, MERGES = str(MMAP / "vocab.json"), str(MMAP / "merges.txt")
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
 BASE += ["--vocab-size", "128", "--train-iters", "4", "--lr", "1e-3"]
 
@@ -303,7 +302,7 @@ def _no_save_checks(rank, world, argv, save_dir) -> dict:
 
 
 @pytest.mark.slow
-def test_native_v1_flags_take_effect_at_dp2_and_tp2(data_prefix, tmp_path):  # noqa: F811
+def test_native_v1_flags_take_effect_at_dp2_and_tp2(data_prefix, tmp_path):
     argv = flags(data_prefix, "--adam-eps", "1e-4")
     for out in run_distributed(_native_worker, 2, argv, str(tmp_path / "ck")):
         ref = out["local"]
@@ -385,7 +384,7 @@ def _ds_no_save_rng(rank, world, argv, save_dir) -> str:
 
 
 @pytest.mark.slow
-def test_deepspeed_v1_flags_reach_the_engine(data_prefix, tmp_path):  # noqa: F811
+def test_deepspeed_v1_flags_reach_the_engine(data_prefix, tmp_path):
     pytest.importorskip("deepspeed")
     argv = flags(data_prefix, "--adam-eps", "1e-4", iters=3)
     ((ref, _, _),) = run_distributed(_train, 1, argv)

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).parent.parent
+from tests.helpers.paths import ROOT
+
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron-mmap"
 PRETRAIN = str(ROOT / "pretrain_gpt2.py")
 
@@ -177,7 +178,7 @@ def test_pretrain_gpt2_sh_one_process(workdir):
 @pytest.mark.slow
 def test_pretrain_gpt2_distributed_sh_with_torch_distributed_launch(workdir):
     gpus_per_node, nnodes, node_rank = 2, 1, 0  # v1.x: GPUS_PER_NODE=8
-    from tests.distributed import free_port
+    from tests.helpers.distributed import free_port
 
     distributed_args = ["--nproc_per_node", str(gpus_per_node), "--nnodes", str(nnodes)]
     distributed_args += ["--node_rank", str(node_rank), "--master_addr", "localhost"]

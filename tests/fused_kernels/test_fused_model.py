@@ -16,7 +16,7 @@ from megatron.fused_kernels import TORCH_OPS, FusedOps, select_ops  # noqa: E402
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 

@@ -1,4 +1,4 @@
-"""The single-process paths on a GPU: `MEGATRON_TEST_DEVICE=cuda pytest tests/test_cuda.py`
+"""The single-process paths on a GPU: `MEGATRON_TEST_DEVICE=cuda pytest tests/gpu/test_cuda.py`
 (bench/gpu_check.sh) runs them on cuda:0; with the default (cpu) the same tests run on the CPU
 where that means something, and the CUDA-only ones (compiled Triton kernels, NCCL) skip saying
 why. Covered: the GPT forward and backward in fp32/bf16/fp16 against a float64 reference, the
@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,11 +32,11 @@ from megatron.inference.generation import SamplingParams, generate
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.training.optimizer import MegatronOptimizer
-from tests.reference_gpt import RefGPT, load_from_megatron
-from tests.test_training import data_prefix, flags  # noqa: F401 - data_prefix is a fixture
+from tests.helpers.checkpoints import _write_checkpoint
+from tests.helpers.paths import MMAP, ROOT
+from tests.helpers.reference_gpt import RefGPT, load_from_megatron
+from tests.helpers.training import flags
 
-ROOT = Path(__file__).parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "megatron-mmap"
 GPT2 = ModelConfig(
     num_layers=2,
     hidden_size=64,
@@ -186,7 +185,6 @@ def test_a_cpu_checkpoint_resumed_on_a_gpu_names_the_rng_flag():
 def test_checkpoint_save_load_and_hf_export_on_the_device(test_device, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the HF export needs transformers")
     from megatron.models.gpt.hf import to_hf
-    from tests.test_convert_checkpoint import _write_checkpoint
 
     model = GPTModel(GPT2, BuildContext(seed=7, device=test_device))
     _write_checkpoint(tmp_path / "ckpt", model, GPT2, tp=1, pp=1)
@@ -232,7 +230,7 @@ def test_evaluation_on_the_device_equals_the_cpu(test_device):
 
     cfg = ModelConfig(**{**GPT2.__dict__, "vocab_size": 8192, "seq_length": 16})
     tok = build_tokenizer(
-        "GPT2BPETokenizer", vocab_file=FIXTURES / "vocab.json", merge_file=FIXTURES / "merges.txt"
+        "GPT2BPETokenizer", vocab_file=MMAP / "vocab.json", merge_file=MMAP / "merges.txt"
     )
     docs = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello world."]
     here = evaluate_loose_json(_engine(cfg, test_device), tok, docs, 16, 8, 2)
@@ -387,7 +385,7 @@ def _pretrain(device, corpus, save, *extra, iters=6, precision=None):
 @pytest.mark.parametrize("backend", ["native", "deepspeed"])
 def test_pretrain_gpt2_one_rank_trains_saves_and_resumes(
     test_device,
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
     backend,
 ):
@@ -409,7 +407,7 @@ def test_pretrain_gpt2_one_rank_trains_saves_and_resumes(
 @pytest.mark.slow
 def test_pretrain_gpt2_fp16_loss_scale_falls_from_its_initial_value(
     test_device,
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
 ):
     needs_cuda(test_device, "fp16 training is for GPUs (the CPU suite covers fp16 on gloo ranks)")

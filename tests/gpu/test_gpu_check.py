@@ -5,14 +5,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron.config.schema import ModelConfig
 from megatron.training.log import model_flops_per_sample
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).parent.parent
 STEPS = ["install", "tests", "kernels", "train", "mfu"]
 
 

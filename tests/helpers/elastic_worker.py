@@ -1,7 +1,7 @@
 """pretrain_gpt2.py for the elastic-restart test: on the first attempt only, rank 1 kills itself
 (SIGKILL, as the OOM killer or a node failure would) in the middle of iteration KILL_AT_ITERATION.
 
-    torchrun --max-restarts 1 ... tests/elastic_worker.py KILL_AT_ITERATION <pretrain flags>
+    torchrun --max-restarts 1 ... tests/helpers/elastic_worker.py KILL_AT_ITERATION <pretrain flags>
 """
 
 import os
@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from megatron.config.cli import parse_args  # noqa: E402
 from megatron.config.rules import validate  # noqa: E402

@@ -1,5 +1,6 @@
-"""Helpers for the server and lm-eval tests: a tiny checkpoint with the fixture tokenizer, its
-TP = 2 twin, and a server started on 127.0.0.1 as real processes (gloo ranks)."""
+"""Helpers for the inference, server and lm-eval tests: a tiny checkpoint with the fixture
+tokenizer (also the `checkpoint` fixture of tests/conftest.py), a wikitext passage, and a server
+started on 127.0.0.1 as real processes (gloo ranks)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from megatron.checkpoint.storage import finalize_checkpoint, save_shard
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from tests.distributed import free_port
+from tests.helpers.distributed import free_port
+from tests.helpers.paths import MMAP, ROOT
 
-ROOT = Path(__file__).parent.parent
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
+# A wikitext-103 passage (its tokenization: spaces around punctuation, " @-@ ").
+WIKI = (
+    " = Robert Boulter = \n \n Robert Boulter is an English film , television and theatre "
+    "actor . He had a guest @-@ starring role on the television series The Bill in 2000 . "
+    "This was followed by a starring role in the play Herons written by Simon Stephens , "
+    "which was performed in 2001 at the Royal Court Theatre . \n"
+)
 CFG = ModelConfig(
     num_layers=2,
     hidden_size=32,
@@ -38,8 +45,8 @@ def make_checkpoint(root: Path, cfg: ModelConfig = CFG, seed: int = 5) -> str:
         "padded_vocab_size": cfg.padded_vocab_size(1),
         "tokenizer": {
             "tokenizer_type": "GPT2BPETokenizer",
-            "vocab_file": str(FIXTURES / "vocab.json"),
-            "merge_file": str(FIXTURES / "merges.txt"),
+            "vocab_file": str(MMAP / "vocab.json"),
+            "merge_file": str(MMAP / "merges.txt"),
             "tokenizer_model": None,
         },
     }

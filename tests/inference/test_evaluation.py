@@ -4,7 +4,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +21,9 @@ from megatron.inference.evaluation import (
 )
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import build_model
-from tests.test_text_generation import checkpoint  # noqa: F401
+from tests.helpers.paths import MMAP, ROOT
+from tests.helpers.serving import WIKI
 
-ROOT = Path(__file__).parent.parent
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
 CFG = ModelConfig(
     num_layers=2,
     hidden_size=32,
@@ -35,18 +33,12 @@ CFG = ModelConfig(
     hidden_dropout=0.0,
     attention_dropout=0.0,
 )
-WIKI = (
-    " = Robert Boulter = \n \n Robert Boulter is an English film , television and theatre "
-    "actor . He had a guest @-@ starring role on the television series The Bill in 2000 . "
-    "This was followed by a starring role in the play Herons written by Simon Stephens , "
-    "which was performed in 2001 at the Royal Court Theatre . \n"
-)
 
 
 @pytest.fixture(scope="module")
 def setup():
     tok = build_tokenizer(
-        "GPT2BPETokenizer", vocab_file=FIXTURES / "vocab.json", merge_file=FIXTURES / "merges.txt"
+        "GPT2BPETokenizer", vocab_file=MMAP / "vocab.json", merge_file=MMAP / "merges.txt"
     )
     chunks = build_model(CFG, BuildContext(seed=7))
     engine = InferenceModel(chunks, mpu.single_process_state(), CFG.vocab_size, CFG.hidden_size)
@@ -143,7 +135,7 @@ def test_lambada_accuracy_matches_the_model_argmax(setup):
 
 
 @pytest.mark.slow
-def test_evaluate_cli_prints_a_final_json_line(checkpoint, tmp_path):  # noqa: F811
+def test_evaluate_cli_prints_a_final_json_line(checkpoint, tmp_path):
     (tmp_path / "wiki.tokens").write_text(WIKI)
     out = subprocess.run(
         [

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import ROOT, convert, make_checkpoint, rank_env
+from tests.helpers.paths import ROOT
+from tests.helpers.serving import convert, make_checkpoint, rank_env
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
 pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate ('.[eval]')")

@@ -14,7 +14,8 @@ import torch
 
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from tests.serving import CFG, FIXTURES, Server, convert, make_checkpoint
+from tests.helpers.paths import MMAP, ROOT
+from tests.helpers.serving import CFG, Server, convert, make_checkpoint
 
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (pip install -e '.[serve]')")
 pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e '.[serve]')")
@@ -27,8 +28,8 @@ def _tokenizer():
     return build_tokenizer(
         "GPT2BPETokenizer",
         vocab_size=CFG.vocab_size,
-        vocab_file=str(FIXTURES / "vocab.json"),
-        merge_file=str(FIXTURES / "merges.txt"),
+        vocab_file=str(MMAP / "vocab.json"),
+        merge_file=str(MMAP / "merges.txt"),
     )
 
 
@@ -199,8 +200,6 @@ def test_queue_is_bounded_skips_cancelled_jobs_and_stops_the_ranks_last():
 def test_training_and_the_inference_tools_import_no_web_framework_or_lm_eval():
     import subprocess
     import sys
-
-    from tests.serving import ROOT
 
     code = (
         "import sys, pretrain_gpt2, megatron.training.loop, megatron.inference.server, "

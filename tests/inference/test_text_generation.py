@@ -8,23 +8,20 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron import mpu
-from megatron.checkpoint.storage import finalize_checkpoint, save_shard
 from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate, generate_greedy
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from tests.distributed import free_port, run_distributed
+from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).parent.parent
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron-mmap"
 CFG = ModelConfig(
     num_layers=4,
     hidden_size=32,
@@ -129,45 +126,6 @@ def test_tp2_and_pp2_generate_and_evaluate_like_one_process():
                 assert value[1] == expected[label][1], key
             else:
                 assert value == expected[label], key
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny GPT with the fixture tokenizer, saved the way the trainer saves it."""
-    root = tmp_path_factory.mktemp("ckpt")
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=64,
-        vocab_size=8192,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    model = GPTModel(cfg, BuildContext(seed=5))
-    args = {
-        "model": cfg.__dict__,
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "padded_vocab_size": cfg.padded_vocab_size(1),  # as the trainer records it
-        "tokenizer": {
-            "tokenizer_type": "GPT2BPETokenizer",
-            "vocab_file": str(FIXTURES / "vocab.json"),
-            "merge_file": str(FIXTURES / "merges.txt"),
-            "tokenizer_model": None,
-        },
-    }
-    save_shard(
-        str(root),
-        7,
-        {"model": model.state_dict(), "args": args, "iteration": 7},
-        tp_rank=0,
-        pp_rank=0,
-        pp_size=1,
-        write=True,
-    )
-    finalize_checkpoint(str(root), 7, barrier=lambda: None, is_rank0=True)
-    return str(root)
 
 
 def _put(port, payload: bytes):

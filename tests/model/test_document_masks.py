@@ -20,9 +20,8 @@ from megatron.model.documents import document_attention_mask
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
 from megatron.training.data import DocumentMasking, collate, document_fields, get_batch
-from tests.distributed import run_distributed
-from tests.test_pipeline import _pp_worker, _ref_worker
-from tests.test_training import _losses, _train, flags
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import _losses, _pp_worker, _ref_worker, _train, flags
 
 EOD = 9
 ALL = DocumentMasking(EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)

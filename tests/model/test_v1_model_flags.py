@@ -22,7 +22,7 @@ from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.model.transformer import KVCache, ParallelAttention, TransformerLayer
 from megatron.models.gpt.model import GPTModel
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 BASE = dict(
     num_layers=4,

@@ -29,8 +29,8 @@ from megatron.mpu.context_parallel import (
 )
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.training.step import lm_loss
-from tests.distributed import run_distributed
-from tests.test_training import _losses, data_prefix, flags  # noqa: F401
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import _losses, _ref_worker, _train, flags, train_run
 
 # ---- the rules ----
 
@@ -315,13 +315,6 @@ def test_context_parallel_model_matches_one_process():
 # ---- the trainer: CP 2 x PP 2 x DP 2 vs one process; a CP 2 checkpoint resumed at CP 1, 4 ----
 
 
-def _ref_worker(rank, world, argv):
-    from tests.test_training import _LAST_MODEL, _train
-
-    history, _, _ = _train(rank, world, argv)
-    return history, {k: v.numpy().copy() for k, v in _LAST_MODEL["model"].state_dict().items()}
-
-
 def _layout(cp: int, pp: int = 2) -> list[str]:
     return ["--context-parallel-size", str(cp), "--pipeline-model-parallel-size", str(pp)]
 
@@ -335,10 +328,8 @@ def _iters(argv: list[str], n: int) -> list[str]:
 def _cp_worker(rank, world, argv, ref_weights, save_dir):
     """CP 2 x PP 2 x DP 2 (distributed optimizer): 6 iterations straight, its weights against
     one process'; 3 iterations saved, resumed at CP 1 (DP 4) and at CP 4 (DP 1) to 6."""
-    from tests.test_training import _LAST_MODEL, _train
-
-    straight, _, _ = _train(rank, world, argv + _layout(2))
-    model = _LAST_MODEL["model"].module
+    result = train_run(rank, world, argv + _layout(2))
+    straight, model = result.history, result.model.module
     assert model.chunks[0].state.cp_size == 2
     for chunk in model.chunks:
         for name, p in chunk.named_parameters():
@@ -366,7 +357,7 @@ _TRAIN_FLAGS = (
 
 @pytest.mark.slow
 def test_context_parallel_training_matches_one_process_and_resumes_at_other_cp(
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
 ):
     """pretrain() at CP 2 x PP 2 x DP 2 with RoPE, GQA and the distributed optimizer (sharded

@@ -11,7 +11,7 @@ from torch import nn
 
 from megatron import mpu
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 DT = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-12}

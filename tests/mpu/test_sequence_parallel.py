@@ -25,8 +25,8 @@ from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
-from tests.distributed import run_distributed
-from tests.test_training import _losses, _resume_worker, _train, data_prefix, flags  # noqa: F401
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import _losses, _ref_worker, _resume_worker, _train, flags, train_run
 
 # ---- the mappings: forward and backward against the math ----
 
@@ -277,32 +277,23 @@ def test_sequence_parallel_mappings_and_model_match_one_process():
 # ---- the trainer: TP2 x PP2 x DP2 (interleaved) with SP vs one process; exact resume ----
 
 
-def _ref_worker(rank, world, argv):
-    from tests.test_training import _LAST_MODEL
-
-    history, _, _ = _train(rank, world, argv)
-    return history, {k: v.numpy().copy() for k, v in _LAST_MODEL["model"].state_dict().items()}
-
-
 def _sp_worker(rank, world, argv, ref_weights, resume_dir):
-    from tests.test_training import _LAST_MODEL
-
-    history, _, _ = _train(rank, world, argv)
-    model = _LAST_MODEL["model"].module
+    result = train_run(rank, world, argv)
+    model = result.model.module
     state = model.chunks[0].state
     assert state.sequence_parallel
     for chunk in model.chunks:
         for name, p in chunk.named_parameters():
             expected = _shard(torch.from_numpy(ref_weights[name]), p, state)
             torch.testing.assert_close(p.detach(), expected, rtol=1e-4, atol=1e-5, msg=name)
-    return history, _resume_worker(rank, world, argv, resume_dir)
+    return result.history, _resume_worker(rank, world, argv, resume_dir)
 
 
 _SP_LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
 @pytest.fixture(scope="module")
-def reference(data_prefix):  # noqa: F811
+def reference(data_prefix):
     """One process, 4 layers: (argv, history, final weights)."""
     argv = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4")
     ((history, weights),) = run_distributed(_ref_worker, 1, argv)

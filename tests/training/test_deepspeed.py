@@ -10,15 +10,15 @@ import pytest
 from megatron.config.cli import parse_args
 from megatron.config.deepspeed_json import build_ds_config
 from megatron.config.schema import ConfigError
-from tests.distributed import run_distributed
-from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import ROOT
+from tests.helpers.training import (
     _CALLS,
-    _LAST_MODEL,
     _losses,
     _poison_third_micro_batch_on_rank1,
     _train,
-    data_prefix,
     flags,
+    train_run,
 )
 
 deepspeed = pytest.importorskip(
@@ -27,7 +27,6 @@ deepspeed = pytest.importorskip(
     "installs it; pip install --no-build-isolation deepspeed)",
 )
 
-ROOT = Path(__file__).parent.parent
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
 BASE = [
     "--num-layers",
@@ -169,13 +168,14 @@ def _ds_worker(rank, world, argv, save_dir):
         _CALLS["n"] = 0
         stage = "0" if "zero0" in name else "1"
         ds = [*argv, "--deepspeed", "--zero-stage", stage, *extra]
-        runs[name] = _train(rank, world, ds, _poison_third_micro_batch_on_rank1)[0]
-        runs[name + " finite"] = all(p.isfinite().all() for p in _LAST_MODEL["model"].parameters())
+        result = train_run(rank, world, ds, _poison_third_micro_batch_on_rank1)
+        runs[name] = result.history
+        runs[name + " finite"] = all(p.isfinite().all() for p in result.model.parameters())
     return runs
 
 
 @pytest.mark.slow
-def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, tmp_path):  # noqa: F811
+def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, tmp_path):
     argv = flags(data_prefix, "--adam-eps", "1e-4")
     ((ref, _, _),) = run_distributed(_train, 1, argv)
     for rank, runs in enumerate(run_distributed(_ds_worker, 2, argv, str(tmp_path / "ck"))):
@@ -194,7 +194,7 @@ def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, t
 
 
 @pytest.mark.slow
-def test_zero1_with_tensor_parallelism(data_prefix):  # noqa: F811
+def test_zero1_with_tensor_parallelism(data_prefix):
     argv = flags(data_prefix, "--adam-eps", "1e-4")
     ((ref, _, _),) = run_distributed(_train, 1, argv)
     ds = argv + ["--deepspeed", "--zero-stage", "1", "--tensor-model-parallel-size", "2"]

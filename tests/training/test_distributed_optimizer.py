@@ -15,17 +15,16 @@ from megatron.models.gpt.model import GPTModel
 from megatron.training import ddp as ddp_module
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_names, shard_pieces
-from tests.distributed import run_distributed
-from tests.test_arguments import BASE
-from tests.test_convert_checkpoint import _cli
-from tests.test_training import (  # noqa: F401 - data_prefix is a fixture
+from tests.helpers.checkpoints import _cli
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import (
     _CALLS,
-    _LAST_MODEL,
+    BASE,
     _losses,
     _poison_third_micro_batch_on_rank1,
     _train,
-    data_prefix,
     flags,
+    train_run,
 )
 
 DISTRIB = ["--use-distributed-optimizer"]
@@ -82,8 +81,8 @@ def _equivalence_worker(rank, world, layouts, save_dir=None, overflow=True):
     for what, argv, extra, tol in layouts:
         runs = []
         for opt in ([], extra):
-            history, _, _ = _train(rank, world, argv + opt)
-            runs.append((history, _snapshot(_LAST_MODEL["model"])))
+            result = train_run(rank, world, argv + opt)
+            runs.append((result.history, _snapshot(result.model)))
         _compare(runs[0][1], runs[1][1], TOL[tol], what)
         out[what] = [runs[0][0], runs[1][0]]
     if save_dir is not None:  # the DP=world reference run, saved at iteration 3
@@ -148,7 +147,7 @@ def _dp4_layouts(base):
 
 
 @pytest.fixture(scope="module")
-def dp4_spawn(data_prefix, tmp_path_factory):  # noqa: F811
+def dp4_spawn(data_prefix, tmp_path_factory):
     """One 4-rank spawn for both tests: the DP=4 layouts (plain vs distributed), the DP=4 run
     saved at iterations 3 and 6, and the fp16 overflow."""
     save_dir = str(tmp_path_factory.mktemp("distopt") / "dp4")
@@ -157,7 +156,7 @@ def dp4_spawn(data_prefix, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, dp4_spawn):  # noqa: F811
+def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, dp4_spawn):
     # Micro batches per rank and step (global 8, micro 2): 1 at DP=4 (2 in the bf16 layout,
     # global 16), 2 at DP=2; the pipeline layouts accumulate over them under no_sync too.
     results, layouts, _ = dp4_spawn
@@ -195,7 +194,7 @@ def _continues(history, straight, first, what):
 
 
 @pytest.mark.slow
-def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, dp4_spawn, tmp_path):  # noqa: F811
+def test_checkpoints_reshard_over_dp_4_to_2_to_1_and_back(data_prefix, dp4_spawn, tmp_path):
     """DP=4 saves at 3; DP=1 and DP=2 resume it; DP=1's iteration 4 resumes at DP=2;
     tools/convert_checkpoint.py turns it into TP=2, which resumes with its optimizer. Each ends
     with the uninterrupted DP=4 losses (rtol 2e-5: sums over DP ranks and micro batches in

@@ -7,14 +7,13 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
-from tests.test_training import data_prefix, flags  # noqa: F401  (fixture)
+from tests.helpers.distributed import free_port
+from tests.helpers.paths import ROOT
+from tests.helpers.training import flags
 
-ROOT = Path(__file__).parent.parent
 _LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ .*\| lm loss: ([0-9.E+-]+) \|")
 
 
@@ -52,7 +51,7 @@ def _torchrun(script_args, cwd, max_restarts=1):
 
 @pytest.mark.slow
 def test_torchrun_restart_after_a_killed_rank_resumes_with_the_same_losses(
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
 ):
     common = ["--distributed-backend", "gloo", "--save-interval", "4"]
@@ -63,7 +62,15 @@ def test_torchrun_restart_after_a_killed_rank_resumes_with_the_same_losses(
     assert straight.returncode == 0, straight.stderr[-3000:]
     ckpt = str(tmp_path / "b")
     restarted, got = _torchrun(
-        [str(ROOT / "tests" / "elastic_worker.py"), "7", *argv, "--save", ckpt, "--load", ckpt],
+        [
+            str(ROOT / "tests" / "helpers" / "elastic_worker.py"),
+            "7",
+            *argv,
+            "--save",
+            ckpt,
+            "--load",
+            ckpt,
+        ],
         tmp_path,
     )
     assert restarted.returncode == 0, restarted.stderr[-3000:]
@@ -76,7 +83,7 @@ def test_torchrun_restart_after_a_killed_rank_resumes_with_the_same_losses(
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_saves_and_the_requeued_job_resumes_exactly(
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
 ):
     """A scheduler's SIGTERM goes to torchrun, which passes it to every rank: with

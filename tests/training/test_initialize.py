@@ -14,7 +14,7 @@ from megatron.initialize import (
     read_launch_env,
 )
 from megatron.mpu import MODEL_PARALLEL_RNG, destroy_model_parallel
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 ARGS = [
     "--num-layers",

@@ -4,7 +4,6 @@ that equals one process; activation checkpointing that changes memory, never the
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig, RecomputeConfig
@@ -12,8 +11,8 @@ from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
 from megatron.pipeline_order import check_message_order, pipeline_actions
-from tests.distributed import run_distributed
-from tests.test_training import _losses, _resume_worker, _train, data_prefix, flags  # noqa: F401
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import _losses, _pp_worker, _ref_worker, flags
 
 
 def _simulate(P, M, V):
@@ -129,42 +128,8 @@ def test_activation_checkpointing_gives_identical_losses_and_grads(granularity, 
         assert torch.equal(g0[name], g1[name]), name
 
 
-def _shard_of(full, param, tp_rank, tp_size):
-    if not mpu.is_tensor_parallel(param) or tp_size == 1:
-        return full
-    return mpu.shard(full, param.partition_dim, tp_rank, tp_size, param.partition_stride)
-
-
-def _pp_worker(rank, world, argv, ref_weights, resume_dir=None):
-    history, _, _ = _train(rank, world, argv)
-    from tests.test_training import _LAST_MODEL  # set by _train in this process
-
-    model = _LAST_MODEL["model"].module
-    st = model.chunks[0].state
-    for chunk in model.chunks:
-        for name, p in chunk.named_parameters():
-            full = torch.from_numpy(ref_weights[name])
-            expected = _shard_of(full, p, st.tp_rank, st.tp_size)
-            torch.testing.assert_close(
-                p.detach(),
-                expected,
-                rtol=1e-4,
-                atol=1e-5,
-                msg=lambda m, n=name: f"final weight {n}: {m}",
-            )
-    tied = model.word_embeddings_weight()
-    if st.pp_size > 1 and tied is not None:  # first and last stage hold equal copies
-        other = tied.detach().clone()
-        dist.broadcast(other, st.embedding_ranks[0], group=st.embedding_group)
-        assert torch.equal(other, tied.detach()), "tied embeddings drifted apart"
-    out = {"history": history}
-    if resume_dir is not None:
-        out["resume"] = _resume_worker(rank, world, argv, resume_dir)
-    return out
-
-
 @pytest.mark.slow
-def test_pipeline_layouts_match_one_process_and_resume_exactly(data_prefix, tmp_path):  # noqa: F811
+def test_pipeline_layouts_match_one_process_and_resume_exactly(data_prefix, tmp_path):
     argv = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4")
     ((ref_history, ref_weights),) = run_distributed(_ref_worker, 1, argv)
     layouts = [
@@ -196,14 +161,6 @@ def test_pipeline_layouts_match_one_process_and_resume_exactly(data_prefix, tmp_
                 for kind, (straight, _, second, final_iter) in out["resume"].items():
                     assert final_iter == 6, kind
                     assert _losses(second) == _losses(straight)[3:], f"{kind}: resume not exact"
-
-
-def _ref_worker(rank, world, argv):
-    history, _, _ = _train(rank, world, argv)
-    from tests.test_training import _LAST_MODEL
-
-    # numpy, not tensors: tensors would travel through shared memory the exiting rank frees
-    return history, {k: v.numpy().copy() for k, v in _LAST_MODEL["model"].state_dict().items()}
 
 
 @pytest.mark.parametrize(

@@ -6,38 +6,20 @@ import json
 import os
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from megatron.training.loop import pretrain
 from megatron.training.timers import Timers
-from tests.distributed import run_distributed
-from tests.test_training import flags
-
-VOCAB = 128
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import counting_corpus, flags, train_quietly
 
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("data") / "toy"
-    rng = np.random.default_rng(0)
-    b = MMapIndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
-    for _ in range(200):
-        start, n = rng.integers(0, VOCAB), rng.integers(5, 60)
-        b.add_document([(start + np.arange(n)) % VOCAB])
-    b.finalize(f"{prefix}.idx")
-    return str(prefix)
-
-
-def _train(rank, world, argv):
-    cfg = parse_args(argv, world_size=world)
-    validate(cfg, "train-gpt")
-    with open(os.devnull, "w") as out:
-        pretrain(cfg, out=out)
+    """200 documents counting by 1."""
+    return counting_corpus(tmp_path_factory.mktemp("data"), documents=200, strided=False)
 
 
 def _range_counts(path) -> Counter:
@@ -54,7 +36,7 @@ def test_trace_per_rank_holds_the_window_and_the_named_ranges(data_prefix, tmp_p
         "--profile", "--profile-step-start", "2", "--profile-step-end", "4",
         "--profile-ranks", "0", "1", "--profile-dir", str(tmp_path / "prof"),
     ]  # fmt: skip
-    run_distributed(_train, 2, argv)
+    run_distributed(train_quietly, 2, argv)
     assert sorted(os.listdir(tmp_path / "prof")) == [
         "rank0.3.pt.trace.json",
         "rank1.3.pt.trace.json",

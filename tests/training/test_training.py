@@ -8,97 +8,25 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from megatron.config.cli import parse_args
-from megatron.config.rules import validate
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.models.gpt.train import forward_step
-from megatron.training.loop import TrainingError, pretrain
-from tests.distributed import run_distributed
-
-ROOT = Path(__file__).parent.parent
-VOCAB = 128
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("data") / "toy"
-    rng = np.random.default_rng(0)
-    b = MMapIndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
-    for _ in range(400):  # counting sequences with random starts and strides: learnable
-        start, stride, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(5, 60)
-        b.add_document([(start + stride * np.arange(n)) % VOCAB])
-    b.finalize(f"{prefix}.idx")
-    return str(prefix)
-
-
-def flags(data_prefix, *extra, iters=6):
-    return [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "16",
-        "--vocab-size",
-        str(VOCAB),
-        "--make-vocab-size-divisible-by",
-        "8",
-        "--hidden-dropout",
-        "0",
-        "--attention-dropout",
-        "0",
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "8",
-        "--train-iters",
-        str(iters),
-        "--lr-decay-iters",
-        "12",
-        "--lr",
-        "3e-3",
-        "--lr-warmup-iters",
-        "2",
-        "--data-path",
-        data_prefix,
-        "--split",
-        "90,10,0",
-        "--eval-interval",
-        "100",
-        "--eval-iters",
-        "1",
-        "--num-workers",
-        "0",
-        "--log-interval",
-        "1",
-        "--seed",
-        "7",
-        *extra,
-    ]
-
-
-_LAST_MODEL = {}  # the last run's trained model in this process (for weight checks)
-
-
-def _train(rank, world, argv, hook=None):
-    cfg = parse_args(argv, world_size=world)
-    validate(cfg, "train-gpt")
-    step = forward_step if hook is None else hook
-    result = pretrain(cfg, forward_step_func=step, out=open(os.devnull, "w"))
-    _LAST_MODEL["model"] = result.model
-    return result.history, result.exit_reason, result.iteration
-
-
-def _losses(history):
-    return [h["lm_loss"] for h in history]
+from megatron.training.loop import TrainingError
+from tests.helpers.checkpoints import _damage
+from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.paths import ROOT
+from tests.helpers.training import (
+    _CALLS,
+    _losses,
+    _poison_third_micro_batch_on_rank1,
+    _resume_worker,
+    _train,
+    flags,
+)
 
 
 @pytest.mark.slow
@@ -125,24 +53,6 @@ def test_tp_dp_layouts_log_the_same_losses_as_one_process(data_prefix):
             np.testing.assert_allclose(
                 [h["grad_norm"] for h in history], [h["grad_norm"] for h in ref], rtol=1e-4
             )
-
-
-_CALLS = {"n": 0}
-
-
-def _poison_third_micro_batch_on_rank1(data_iterator, model):
-    """Rank 1's third micro batch returns an infinite (fp16) or NaN (fp32) loss."""
-    output, loss_func = forward_step(data_iterator, model)
-    _CALLS["n"] += 1
-    if torch.distributed.get_rank() != 1 or _CALLS["n"] != 3:
-        return output, loss_func
-    bad = float("inf") if next(model.parameters()).dtype == torch.float16 else float("nan")
-
-    def poisoned(out):
-        loss = loss_func(out)[0] * bad
-        return loss, {"lm loss": loss.detach()}
-
-    return output, poisoned
 
 
 def _poison_rank1(kind: str, every: bool, data_iterator, model):
@@ -240,28 +150,6 @@ def test_too_many_skipped_steps_exit_non_zero_with_the_message(monkeypatch, caps
     assert "error: 50 iterations in a row were skipped" in capsys.readouterr().err
 
 
-def with_dropout(argv):
-    """The same flags with --hidden-dropout and --attention-dropout 0.1 (both 0 in `flags`)."""
-    out = list(argv)
-    for name in ("--hidden-dropout", "--attention-dropout"):
-        out[out.index(name) + 1] = "0.1"
-    return out
-
-
-def _resume_worker(rank, world, argv, save_dir):
-    """Straight 6 iterations vs 3 + save + resume + 3, without and with dropout (one spawn)."""
-    runs = {}
-    for kind, variant in (("no dropout", argv), ("dropout", with_dropout(argv))):
-        d = f"{save_dir}/{kind.replace(' ', '_')}"
-        straight = _train(rank, world, variant + ["--save", f"{d}/a", "--save-interval", "3"])
-        first = _train(
-            rank, world, [a if a != "6" else "3" for a in variant] + ["--save", f"{d}/b"]
-        )
-        second = _train(rank, world, variant + ["--load", f"{d}/b", "--save", f"{d}/b"])
-        runs[kind] = (straight[0], first[0], second[0], second[2])
-    return runs
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", [(1, []), (4, ["--tensor-model-parallel-size", "2"])])
 def test_resume_gives_bit_identical_losses(data_prefix, tmp_path, world, extra):
@@ -288,7 +176,6 @@ def _damaged_resume_worker(rank, world, argv, save_dir):
     import warnings
 
     from megatron.checkpoint.storage import shard_path
-    from tests.test_checkpointing import _damage
 
     first = _train(rank, world, [a if a != "6" else "4" for a in argv] + ["--save", save_dir])
     resumed = {}
@@ -438,8 +325,6 @@ def test_both_backends_implement_the_one_contract():
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(data_prefix, tmp_path):
     """Promise 7/13: rank 1 is SIGSTOPped mid-run; rank 0 exits non-zero within
     --distributed-timeout-minutes (0.1 = 6 s) plus a bounded margin, naming rank 1."""
-    from tests.distributed import free_port
-
     argv = flags(data_prefix, "--distributed-timeout-minutes", "0.1", "--log-interval", "1")
     argv[argv.index("--train-iters") + 1] = "100000"
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

@@ -14,11 +14,15 @@ from megatron.config import rules_logging
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
-from tests.distributed import run_distributed
-from tests.test_profiling import _train, data_prefix  # noqa: F401 (a fixture)
-from tests.test_training import flags
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import ROOT
+from tests.helpers.training import counting_corpus, flags, train_quietly
 
-ROOT = Path(__file__).parent.parent
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    """200 documents counting by 1 (the corpus of test_profiling.py)."""
+    return counting_corpus(tmp_path_factory.mktemp("data"), documents=200, strided=False)
 
 
 def _wandb_records(path: str):
@@ -60,7 +64,7 @@ def _tensorboard_scalars(directory: str) -> dict[tuple[str, int], float]:
 
 @pytest.mark.slow
 def test_offline_run_logs_the_tensorboard_scalars_and_the_config(
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
     monkeypatch,
 ):
@@ -72,7 +76,7 @@ def test_offline_run_logs_the_tensorboard_scalars_and_the_config(
         "--wandb-project", "megatron-test", "--wandb-exp-name", "toy",
         "--wandb-save-dir", str(tmp_path / "wb"),
     ]  # fmt: skip
-    run_distributed(_train, 1, argv)
+    run_distributed(train_quietly, 1, argv)
     (run_file,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     logged, config, name = {}, {}, None
     for r in _wandb_records(run_file):

@@ -13,7 +13,7 @@ from megatron.models.bert.evaluate import vocab_parallel_argmax
 from megatron.models.bert.hf import bert_to_hf, hf_bert_config, hf_to_bert
 from megatron.models.bert.model import BertModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 # vocab 100 pads to 104 / 112 at TP 1 / 2: the padding differs, the model must not.
 CFG = ModelConfig(

@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from tests.distributed import run_distributed
+from tests.helpers.checkpoints import _cli as _convert_cli
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]
 CJK = "天地人山水火木金土日月"
 
@@ -51,7 +52,7 @@ def bert_data(tmp_path_factory):
             [*common, *extra, "--output-prefix", str(d / "c"), "--workers", "1"],
             check=True,
             capture_output=True,
-            env={**os.environ, "PYTHONPATH": ROOT},
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
     return str(d / "c_text_sentence"), str(d / "c_text_document"), vocab
 
@@ -130,7 +131,7 @@ def _cli(*argv):
         [sys.executable, f"{ROOT}/pretrain_bert.py", *argv],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
     )
 
@@ -158,7 +159,7 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
         [sys.executable, f"{ROOT}/tools/evaluate_bert.py", *v115, *paths, "--data-path", sentence],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert scored.returncode == 0, scored.stderr[-2000:]
     metrics = dict(part.split(": ") for part in scored.stdout.strip().splitlines()[-1].split(" | "))
@@ -170,7 +171,7 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
         [sys.executable, f"{ROOT}/pretrain_gpt2.py", *v115, *paths, "--mask-prob", "0.2"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert gpt.returncode == 1 and "pretrain_bert.py" in gpt.stderr, gpt.stderr[-2000:]
 
@@ -184,15 +185,6 @@ def test_deepspeed_zero1_dp2_equals_one_process(bert_data):
             np.testing.assert_allclose(_losses(out, key), _losses(ref, key), rtol=2e-5)
 
 
-def _convert_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert", f"{ROOT}/tools/convert_checkpoint.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool.main
-
-
 def _check_conversions(ckpt, tmp_path):
     """Reshard to TP2 x PP2 and back, export to BertForPreTraining (same logits), import."""
     import torch
@@ -201,7 +193,7 @@ def _check_conversions(ckpt, tmp_path):
     from megatron.checkpoint.resharding import load_checkpoint, model_config
     from megatron.models.bert.model import BertModel
 
-    convert = _convert_tool()
+    convert = _convert_cli()
     original = load_checkpoint(ckpt)
     assert original.args["model_family"] == "bert"
     split = str(tmp_path / "tp2pp2")

@@ -12,8 +12,8 @@ from megatron.model.context import BuildContext
 from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from tests.distributed import run_distributed
-from tests.reference_gpt import RefGPT, load_from_megatron
+from tests.helpers.distributed import run_distributed
+from tests.helpers.reference_gpt import RefGPT, load_from_megatron
 
 # vocab 100 pads to 104 / 112 / 128 at TP 1 / 2 / 4: the padding differs, the model must not.
 BASE = dict(
