@@ -14,7 +14,6 @@ from megatron.checkpoint.resharding import (
     model_layout,
     partition_record,
     save_resharded,
-    split_rule,
 )
 from megatron.checkpoint.storage import (
     finalize_checkpoint,
@@ -31,15 +30,38 @@ from tests.helpers.training import flags
 SWIGLU = "layers.0.mlp.dense_h_to_4h.weight"  # split with stride 2: [gate_r; up_r] per rank
 
 
-def _attributes(model) -> dict:
-    """Name -> (partition_dim, partition_stride) or None, straight from the parameters."""
-    return {
-        name: (p.partition_dim, p.partition_stride)
-        if getattr(p, "tensor_model_parallel", False)
-        else None
-        for chunk in model.module.chunks
-        for name, p in chunk.named_parameters()
-    }
+def _hand_written_record(num_layers: int, untied: bool) -> dict:
+    """How TP splits each tensor of a GPT (learned positions, LayerNorm, biases, SwiGLU), written
+    from the layer docs and not from the code that records it: the vocab-parallel embedding and
+    head and the column-parallel QKV and h->4h split their rows (dim 0); the row-parallel dense
+    and 4h->h their columns (dim 1); SwiGLU's h->4h holds [gate; up], and each rank holds its
+    rows of both halves (stride 2); norms, positions and the row-parallel biases are whole."""
+    record = {"embedding.word_embeddings.weight": (0, 1)}
+    record["embedding.position_embeddings.weight"] = None
+    for i in range(num_layers):
+        layer = f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            record |= {f"{layer}{norm}.weight": None, f"{layer}{norm}.bias": None}
+        for kind in ("weight", "bias"):
+            record[f"{layer}self_attention.query_key_value.{kind}"] = (0, 1)
+            record[f"{layer}mlp.dense_h_to_4h.{kind}"] = (0, 2)
+        record[f"{layer}self_attention.dense.weight"] = (1, 1)
+        record[f"{layer}self_attention.dense.bias"] = None
+        record[f"{layer}mlp.dense_4h_to_h.weight"] = (1, 1)
+        record[f"{layer}mlp.dense_4h_to_h.bias"] = None
+    record |= {"head.final_layernorm.weight": None, "head.final_layernorm.bias": None}
+    if untied:
+        record["head.output_layer.weight"] = (0, 1)
+    return record
+
+
+def _by_hand(full: torch.Tensor, rule, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s piece of `full` under `rule` (dim, stride), cut here with chunk/cat."""
+    if rule is None:
+        return full
+    dim, stride = rule
+    parts = full.chunk(stride, dim)  # stride 2: [gate; up], each cut in tp pieces
+    return torch.cat([part.chunk(tp, dim)[rank] for part in parts], dim)
 
 
 def _train_and_read_own_shard(rank, world, argv, save):
@@ -49,9 +71,10 @@ def _train_and_read_own_shard(rank, world, argv, save):
 
     cfg = parse_args(argv, world_size=world)
     validate(cfg, "train-gpt")
-    result = pretrain(cfg, out=open(os.devnull, "w"))
+    with open(os.devnull, "w") as out:
+        result = pretrain(cfg, out=out)
     shard = load_shard(save, result.iteration, tp_rank=rank, pp_rank=0, pp_size=1)
-    return shard["partition"], _attributes(result.model), sorted(shard["model"])
+    return shard["partition"], {n: tuple(t.shape) for n, t in shard["model"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +90,22 @@ def tp2_checkpoint(data_prefix, tmp_path_factory):
 
 @pytest.mark.slow
 def test_trainer_shards_record_the_parameters_partition(tp2_checkpoint):
+    """The record is the hand-written one, and each shard's shapes show that split: half the
+    TP = 1 model's size along the recorded dim, the full shape where nothing is split."""
     _, per_rank = tp2_checkpoint
-    for rank, (record, attributes, names) in enumerate(per_rank):
-        assert record == attributes, f"rank {rank}"
-        assert sorted(record) == names, "every tensor of the shard is recorded"
-        assert record[SWIGLU] == (0, 2) and record["head.output_layer.weight"] == (0, 1)
-        assert record["layers.0.self_attention.dense.weight"] == (1, 1)
-        assert record["layers.0.self_attention.dense.bias"] is None
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    cfg = dataclasses.replace(cfg, vocab_size=128, make_vocab_size_divisible_by=8, swiglu=True)
+    cfg = dataclasses.replace(cfg, untie_embeddings_and_output_weights=True)
+    full = {n: tuple(t.shape) for n, t in GPTModel(cfg).state_dict().items()}
+    expected = _hand_written_record(num_layers=2, untied=True)
+    for rank, (record, shapes) in enumerate(per_rank):
+        assert record == expected, f"rank {rank}"
+        assert set(shapes) == set(full) == set(record), "every tensor of the shard is recorded"
+        for name, shape in shapes.items():
+            want = list(full[name])
+            if record[name] is not None:
+                want[record[name][0]] //= 2
+            assert shape == tuple(want), f"rank {rank} {name}: {shape}, full {full[name]}"
 
 
 def _rewrite(src: str, dst: str, edit) -> None:
@@ -134,9 +166,18 @@ def test_converted_shards_record_the_model_rules_and_reload(tmp_path):
     args = {"model": dataclasses.asdict(cfg), "tensor_model_parallel_size": 1}
     args |= {"pipeline_model_parallel_size": 1, "padded_vocab_size": 72}
     save_resharded(state, args, str(tmp_path / "tp2"), 2, 1, 5, quiet=True)
-    shard = load_shard(str(tmp_path / "tp2"), 5, tp_rank=1, pp_rank=0, pp_size=1)
-    assert shard["partition"] == {n: split_rule(n, cfg) for n in shard["model"]}
-    assert shard["partition"] == partition_record(model)
+    expected = _hand_written_record(num_layers=2, untied=False)
+    padded = dict(state)  # the vocab rows zero-padded for TP = 2, as the shards hold them
+    vocab = state["embedding.word_embeddings.weight"]
+    pad = vocab.new_zeros(cfg.padded_vocab_size(2) - 70, vocab.shape[1])
+    padded["embedding.word_embeddings.weight"] = torch.cat([vocab, pad])
+    for rank in range(2):
+        shard = load_shard(str(tmp_path / "tp2"), 5, tp_rank=rank, pp_rank=0, pp_size=1)
+        assert shard["partition"] == expected, f"rank {rank}"
+        assert set(shard["model"]) == set(expected)
+        for name, rule in expected.items():  # the split the shards actually hold
+            piece = _by_hand(padded[name], rule, 2, rank)
+            assert torch.equal(shard["model"][name], piece), f"rank {rank} {name}"
     back = load_checkpoint(str(tmp_path / "tp2")).state
     assert all(torch.equal(back[n], t) for n, t in state.items())
 

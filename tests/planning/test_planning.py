@@ -27,6 +27,7 @@ from megatron.planning.memory import (
     stage_params,
 )
 from megatron.planning.timing import Hardware, step_time
+from tests.helpers.pipeline import simulate
 
 GPT_1_3B = ModelConfig(
     num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=1024, vocab_size=50304
@@ -156,8 +157,25 @@ def test_a_layout_that_does_not_fit_is_rejected_and_timing_terms_are_printed():
     best, _ = best_plan(cfg, fits)
     assert best.fits and best.memory.total <= 32 * GiB
     assert set(best.time) >= {"compute", "tp_comm", "bubble", "pp_p2p", "dp_comm", "recompute"}
-    t = step_time(cfg.model, Layout(1, 4, 2, 1, 256), Training(), Hardware())
-    assert t["bubble"] == pytest.approx((t["compute"] + t["launch"] + t["tp_comm"]) * 3 / 256)
+
+
+@pytest.mark.parametrize(
+    "P,M,V", [(2, 4, 1), (3, 5, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (2, 6, 3)]
+)
+def test_the_bubble_is_the_idle_time_of_the_schedule_run_as_a_timeline(P, M, V):
+    """The planner's bubble against the schedule itself (megatron.pipeline_order) run with a
+    backward twice the forward: the time a stage waits = the step's span - its own work."""
+    lay = Layout(1, P, 1, 1, M, vp=V if V > 1 else None)
+    quiet = Hardware(latency_s=0.0, layer_overhead_s=0.0)  # compute is all a stage does
+    t = step_time(GPT_1_3B, lay, Training(), quiet)
+    run = simulate(P, M, V)
+    assert t["bubble"] == pytest.approx(t["compute"] * (run.makespan - run.busy) / run.busy)
+    # With TP the all-reduces and launches run inside each forward and backward: they wait too.
+    lay = dataclasses.replace(lay, tp=2)
+    t = step_time(GPT_1_3B, lay, Training(), Hardware())
+    busy = t["compute"] + t["launch"] + t["tp_comm"]
+    assert t["launch"] > 0 and t["tp_comm"] > 0
+    assert t["bubble"] == pytest.approx(busy * (run.makespan - run.busy) / run.busy)
 
 
 def test_bad_input_names_the_smallest_fix():

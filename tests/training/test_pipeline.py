@@ -12,41 +12,8 @@ from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
 from megatron.pipeline_order import check_message_order, pipeline_actions
 from tests.helpers.distributed import run_distributed
+from tests.helpers.pipeline import simulate
 from tests.helpers.training import _losses, _pp_worker, _ref_worker, flags
-
-
-def _simulate(P, M, V):
-    """Run every stage's action list with async sends and blocking receives; return the most
-    forwards alive on each stage. Raises on a deadlock."""
-    todo = {s: list(pipeline_actions(P, s, M, V)) for s in range(P)}
-    sent, alive, peak = set(), [0] * P, [0] * P
-    while any(todo.values()):
-        progressed = False
-        for s in range(P):
-            while todo[s]:
-                kind, c, mb = todo[s][0]
-                v = c * P + s
-                need = (
-                    ("F", v, mb)
-                    if kind == "F" and v > 0
-                    else ("B", v, mb)
-                    if kind == "B" and v < P * V - 1
-                    else None
-                )
-                if need is not None and need not in sent:
-                    break
-                todo[s].pop(0)
-                progressed = True
-                if kind == "F":
-                    sent.add(("F", v + 1, mb))
-                    alive[s] += 1
-                    peak[s] = max(peak[s], alive[s])
-                else:
-                    sent.add(("B", v - 1, mb))
-                    alive[s] -= 1
-        if not progressed:
-            raise AssertionError(f"deadlock: P={P} V={V} M={M}")
-    return peak
 
 
 @pytest.mark.parametrize(
@@ -67,7 +34,7 @@ def test_schedules_are_complete_deadlock_free_and_ordered(P, V, Ms):
                 ("F", c, mb) for c in range(V) for mb in range(M)
             )
             assert len(actions) == 2 * M * V
-        peak = _simulate(P, M, V)
+        peak = simulate(P, M, V).peak
         if V == 1:  # 1F1B: stage s keeps at most P - s micro batches of activations
             assert all(peak[s] <= min(P - s, M) for s in range(P)), peak
         check_message_order(P, M, V)
