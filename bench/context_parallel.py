@@ -32,8 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config.schema import ModelConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.memory import SavedActivations  # noqa: E402
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu import context_parallel as cpm  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron.planning.memory import (  # noqa: E402
@@ -44,7 +45,7 @@ from megatron.planning.memory import (  # noqa: E402
     stage_activation_peak,
 )
 from megatron.planning.timing import Hardware, cp_ring_seconds, layer_forward_flops  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -98,7 +99,7 @@ def _alone(state, cfg: ModelConfig, messages: int) -> float:
 
 def _one(state, seq: int, repeats: int) -> dict:
     cfg = dataclasses.replace(MODEL, seq_length=seq)
-    model = GPTModel(cfg, state, seed=1)
+    model = GPTModel(cfg, BuildContext(state, seed=1))
     g = torch.Generator().manual_seed(seq)
     text = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
     tokens, labels = (

@@ -7,10 +7,18 @@ A stopped or dead process stops bumping it, while ranks that are merely blocked 
 keep beating (the thread runs while the main thread waits in C++ with the GIL released). When a
 collective fails, the rank that saw the failure reads every counter twice, a few beats apart, and
 names the ranks whose counter did not move.
+
+The same thread notices a store that is gone. Under torchrun the store lives in the launcher's
+agent; a scheduler that SIGKILLs the agent leaves the ranks (in their own session) training on
+their own, orphans holding GPUs. After a few failed beats in a row the heartbeat marks the store
+`lost`: the trainer stops at its next iteration boundary with that message, and if this process
+is still running a while later the thread ends it (exit 1) itself.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -18,6 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _KEY = "megatron/heartbeat/"
+_FAILED_BEATS = 3  # failed writes in a row (retried every second) before the store counts as lost
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -35,6 +44,7 @@ class Heartbeat:
     def __init__(self, store, rank: int, world_size: int, timeout_s: float):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval = beat_interval(timeout_s)
+        self.lost: str | None = None  # why the store is gone, once it is
         self._stop = threading.Event()
         self.store.set(f"{_KEY}{rank}", "0")
         self._thread = threading.Thread(target=self._run, name="megatron-heartbeat", daemon=True)
@@ -49,13 +59,22 @@ class Heartbeat:
         return cls(store, dist.get_rank(), dist.get_world_size(), timeout_s)
 
     def _run(self) -> None:
-        n = 0
-        while not self._stop.wait(self.interval):
+        n, failed, wait = 0, 0, self.interval
+        while not self._stop.wait(wait):
             n += 1
             try:
                 self.store.set(f"{_KEY}{self.rank}", str(n))
-            except Exception:  # the store is gone: silent_ranks() reports that instead
-                return
+                failed, wait = 0, self.interval
+            except Exception as e:  # a dead store fails at once (connection reset/refused)
+                failed, wait = failed + 1, min(self.interval, 1.0)
+                if failed >= _FAILED_BEATS:
+                    self.lost = _lost_message(self.rank, e)
+                    break
+        if self.lost is not None and not self._stop.wait(max(3 * self.interval, 10.0)):
+            # The main thread did not reach an iteration boundary (stuck in a step, a data
+            # read, a server loop): end the process rather than leave it orphaned.
+            print(f"error: {self.lost}", file=sys.stderr, flush=True)
+            os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -79,11 +98,25 @@ class Heartbeat:
             time.sleep(3 * self.interval)
             after = self._read()
         except Exception as e:  # rank 0's process (or the launcher) hosts the store
-            return (
-                f"the c10d store at MASTER_ADDR:MASTER_PORT (hosted by rank 0 or the launcher) "
-                f"does not answer ({type(e).__name__}); rank 0 has probably stopped or died"
-            )
+            return f"{_store_gone()} ({type(e).__name__})"
         return [r for r in range(self.world_size) if r != self.rank and after[r] <= before[r]]
+
+
+def _store_gone() -> str:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return "the launcher's c10d store (torchrun's agent) is gone: the launcher was killed"
+    return (
+        "the c10d store at MASTER_ADDR:MASTER_PORT (hosted by rank 0) is gone: rank 0 has "
+        "stopped or died"
+    )
+
+
+def _lost_message(rank: int, error: BaseException) -> str:
+    return (
+        f"rank {rank} lost the job: {_store_gone()} ({type(error).__name__} on "
+        f"{_FAILED_BEATS} heartbeat writes in a row), so this rank stops instead of training "
+        "orphaned. Fix: relaunch the job; it resumes from the last checkpoint with --load"
+    )
 
 
 def explain_collective_failure(
@@ -92,6 +125,8 @@ def explain_collective_failure(
     """A message naming the rank(s) that stopped answering, or None if every rank still beats."""
     if heartbeat is None:
         return None
+    if heartbeat.lost:
+        return heartbeat.lost
     silent = heartbeat.silent_ranks()
     if not silent:
         return None

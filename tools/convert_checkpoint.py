@@ -6,10 +6,11 @@
     python tools/convert_checkpoint.py --from-hf hf_model --save ckpt \\
         --target-tensor-model-parallel-size 2
     python tools/convert_checkpoint.py --from-megatron-v1 v1_ckpt --save ckpt --vocab-size 50257
-One CPU process, no torch.distributed; the whole model is held in memory once. RNG states are
-not converted, nor the plain optimizer's: resume with --no-load-optim --no-load-rng, or
---finetune. The state of --use-distributed-optimizer (saved per parameter) is converted with
-the weights: resume with --use-distributed-optimizer --no-load-rng, at any DP size.
+One CPU process, no torch.distributed. Resharding needs no offline step (--load of a checkpoint
+saved at another layout reshards on load); this tool does the same offline, with the same code,
+one target shard in memory at a time: the optimizer state of either kind is converted with the
+weights (as the distributed optimizer's, which both optimizers load at any DP size); the RNG
+states are not (resume with --no-load-rng). Hugging Face export holds the whole model once.
 """
 
 import argparse
@@ -113,28 +114,23 @@ def _copy_tokenizer(tok: dict, save_dir: str) -> dict:
 
 
 def _reshard(a) -> int:
-    loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
-    cfg = model_config(loaded.args)
-    tp = a.target_tensor_model_parallel_size or loaded.tp
-    pp = a.target_pipeline_model_parallel_size or loaded.pp
-    vp = a.target_num_layers_per_virtual_pipeline_stage
-    validate_layout(cfg, tp, pp, vp)
-    save_resharded(
-        loaded.state,
-        loaded.args,
+    from megatron.checkpoint.convert_layout import convert_layout
+
+    done = convert_layout(
+        a.load,
         a.save,
-        tp,
-        pp,
-        loaded.iteration,
-        meta=loaded.meta,
-        vp_layers=vp,
-        optimizer=loaded.optimizer,
-        progress=Progress("writing shards", unit="shard"),
+        a.target_tensor_model_parallel_size,
+        a.target_pipeline_model_parallel_size,
+        a.target_num_layers_per_virtual_pipeline_stage,
+        a.iteration,
+        Progress("writing shards", unit="shard"),
     )
+    print(done["note"], file=sys.stderr)
+    saved = done["saved"]
     print(
-        f"converted iteration {loaded.iteration} of {a.load} (TP={loaded.tp} x PP={loaded.pp}, "
-        f"padded vocab {loaded.args['padded_vocab_size']}) to {a.save} (TP={tp} x PP={pp}, "
-        f"padded vocab {cfg.padded_vocab_size(tp)})"
+        f"converted iteration {done['iteration']} of {a.load} (TP={saved.tp} x PP={saved.pp}, "
+        f"padded vocab {done['padded_from']}) to {a.save} (TP={done['tp']} x PP={done['pp']}, "
+        f"padded vocab {done['padded_to']})"
     )
     return 0
 

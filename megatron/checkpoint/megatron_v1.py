@@ -20,7 +20,8 @@ What differs from our layout and is converted:
   the losses are v1's exactly (tested against v1.1.5's own model code).
 
 The pickles are read with torch.load(weights_only=True), allowing beyond tensors, containers and
-torch dtypes only argparse.Namespace and numpy arrays; objects of v1's own classes (its fp16 loss
+torch dtypes only argparse.Namespace and numpy arrays (an exact list of numpy's reconstructors
+and dtypes; no module named in the file is imported); objects of v1's own classes (its fp16 loss
 scaler, in the optimizer state) become inert placeholders, since only the weights are imported;
 any other class is refused before loading, naming the file and the class.
 """
@@ -48,19 +49,32 @@ class _Placeholder:
     """Stands in for an object of a class this project does not have (v1's loss scaler)."""
 
 
-# The globals (beyond tensors, containers and torch dtypes) a v1.x checkpoint may name.
-_NUMPY = {"_reconstruct", "scalar", "ndarray", "dtype"}
+def _numpy_globals() -> dict[str, object]:
+    """The exact numpy globals a pickled array or dtype names, under numpy 1.x (numpy.core) and
+    2.x (numpy._core) spellings, resolved from numpy's own attributes: no module is imported by
+    a name read from the file (importing a crafted one, numpy.f2py.__main__, ran its CLI)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None)
+    multiarray = core.multiarray if core is not None else np.core.multiarray  # numpy < 2
+    out = {"numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
+    for package in ("numpy.core", "numpy._core"):
+        out[f"{package}.multiarray._reconstruct"] = multiarray._reconstruct
+        out[f"{package}.multiarray.scalar"] = multiarray.scalar
+    # numpy >= 1.25 builds a dtype as its class (numpy.dtypes.Float32DType, ...)
+    for name, cls in vars(getattr(np, "dtypes", object)).items():
+        if name.endswith("DType") and isinstance(cls, type):
+            out[f"numpy.dtypes.{name}"] = cls
+    return out
 
 
-def _allowed(qualified: str):
+def _allowed(qualified: str, numpy_globals: dict[str, object]):
     """What torch.load(weights_only=True) may resolve `qualified` to, or None (refused)."""
-    import importlib
-
     module, _, name = qualified.rpartition(".")
     if qualified == "argparse.Namespace":
         return argparse.Namespace
-    if module.split(".")[0] == "numpy" and (name in _NUMPY or name.endswith("DType")):
-        return (getattr(importlib.import_module(module), name), qualified)
+    if qualified in numpy_globals:
+        return (numpy_globals[qualified], qualified)
     if module.split(".")[0] in _V1_PACKAGES:  # only weights are imported: an inert stand-in
         return (type(name, (_Placeholder,), {}), qualified)
     return None
@@ -70,9 +84,10 @@ def _load(path: str) -> dict:
     """torch.load(weights_only=True) of a v1.x file, allowing only the globals it needs."""
     try:
         needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        numpy_globals = _numpy_globals() if any(q.startswith("numpy.") for q in needed) else {}
         allowed = []
         for qualified in needed:
-            found = _allowed(qualified)
+            found = _allowed(qualified, numpy_globals)
             if found is None:
                 raise CheckpointError(
                     f"{path}: holds an object of {qualified}, which a Megatron-LM v1.x checkpoint "
@@ -80,11 +95,10 @@ def _load(path: str) -> dict:
                     "argparse.Namespace and numpy arrays are read)"
                 )
             allowed.append(found)
-            if qualified == "numpy.dtype":  # a dtype is built as its class (numpy.dtypes.*DType)
-                import numpy as np
-
-                dtypes = vars(getattr(np, "dtypes", np))  # numpy < 1.25 has no such classes
-                allowed += [c for n, c in dtypes.items() if n.endswith("DType")]
+            if qualified == "numpy.dtype":  # the dtype classes it is built as
+                allowed += [
+                    (c, q) for q, c in numpy_globals.items() if q.startswith("numpy.dtypes")
+                ]
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except CheckpointError:

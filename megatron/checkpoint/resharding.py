@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.reshard_load import SavedLayout, find_shard_layout
 from megatron.checkpoint.storage import (
     CheckpointError,
     checkpoint_dir,
@@ -86,7 +86,6 @@ _CARRIED = (
     "consumed_valid_samples",
     "opt_param_scheduler",
 )
-_RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?")
 
 Rule = tuple[int, int] | None  # (partition dim, stride), or None: every TP rank holds it all
 
@@ -237,21 +236,6 @@ class LoadedCheckpoint:
     optimizer: dict | None = None
 
 
-def _find_layout(root: str, iteration: int) -> tuple[int, int]:
-    directory = checkpoint_dir(root, iteration)
-    ranks = []
-    for name in os.listdir(directory):
-        match = _RANK_DIR.fullmatch(name)
-        if match and os.path.isdir(os.path.join(directory, name)):
-            ranks.append((int(match.group(1)), int(match.group(2) or 0)))
-    if not ranks:
-        raise CheckpointError(
-            f"{directory} holds no mp_rank_*/model_optim_rng.pt shards (DeepSpeed engine "
-            "checkpoints are not supported by the converter)"
-        )
-    return max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1
-
-
 def _merge_tp(name: str, pieces: list[torch.Tensor], rule: Rule) -> torch.Tensor:
     if rule is not None:
         return unshard(pieces, rule[0], rule[1])
@@ -303,7 +287,7 @@ def load_checkpoint(load_dir: str, iteration: int | None = None, progress=None) 
     it = resolve_load_iteration(load_dir, iteration=iteration)
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint")
-    tp, pp = _find_layout(load_dir, it)
+    tp, pp = find_shard_layout(load_dir, it)
     directory = checkpoint_dir(load_dir, it)
     full: dict[str, torch.Tensor] = {}
     args = meta = optimizer = None
@@ -371,6 +355,69 @@ def _local_tensor(
     return shard(full, rule[0], tp_rank, tp, rule[1]).contiguous()
 
 
+def write_layout(
+    args: dict,
+    save_dir: str,
+    tp: int,
+    pp: int,
+    iteration: int,
+    rank_state,
+    meta: dict | None = None,
+    vp_layers: int | None = None,
+    progress=None,
+) -> bool:
+    """Write a complete TP x PP checkpoint whose ranks' tensors `rank_state(names, tp_rank,
+    padded vocab)` gives: (model state, optimizer state {key: {name: tensor}} or None, the
+    shared optimizer entry or None). The shards record their partition and the layout; the
+    optimizer state is written as the distributed optimizer's, DP rank 0 of 1. True if it was.
+    """
+    cfg, family = model_config(args), model_family(args)
+    padded = cfg.padded_vocab_size(tp)
+    new_args = copy.deepcopy(args)
+    new_args.update(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=padded
+    )
+    meta = meta or {}
+    rules = model_layout(cfg, family)[1]
+    with_optimizer = False
+    for pp_rank in range(pp):
+        names = stage_names(cfg, pp, pp_rank, vp_layers, family)
+        for tp_rank in range(tp):
+            model, local, shared = rank_state(names, tp_rank, padded)
+            shard_state = {
+                "checkpoint_version": meta.get("checkpoint_version", 3.0),
+                "iteration": iteration,
+                "consumed_train_samples": meta.get("consumed_train_samples", 0),
+                "consumed_valid_samples": meta.get("consumed_valid_samples", 0),
+                "model": model,
+                "partition": {n: rules[n] for n in names},
+                "args": new_args,
+            }
+            if "opt_param_scheduler" in meta:
+                shard_state["opt_param_scheduler"] = meta["opt_param_scheduler"]
+            where = {"tp_rank": tp_rank, "pp_rank": pp_rank, "pp_size": pp}
+            if local is not None:
+                optimizer_state.write_rank_state(save_dir, iteration, local, **where)
+                shard_state["optimizer"] = shared
+                with_optimizer = True
+            save_shard(save_dir, iteration, shard_state, write=True, **where)
+            if progress:
+                progress(pp_rank * tp + tp_rank + 1, tp * pp)
+    files = tp * pp * (2 if with_optimizer else 1)
+    vp = (cfg.num_layers // pp) // vp_layers if vp_layers else None
+    kind = "distributed" if with_optimizer else None
+    layout = SavedLayout(tp, pp, vp, dp=1, cp=1, optimizer=kind)
+    finalize_checkpoint(
+        save_dir,
+        iteration,
+        barrier=lambda: None,
+        is_rank0=True,
+        num_shards_expected=files,
+        layout_record=layout.record(),
+    )
+    return with_optimizer
+
+
 def save_resharded(
     full_state: dict[str, torch.Tensor],
     args: dict,
@@ -401,58 +448,23 @@ def save_resharded(
     target = checkpoint_dir(save_dir, iteration)
     if os.path.exists(target):
         raise ValueError(f"--save {save_dir}: {target} already exists; pick an empty directory")
-    padded = cfg.padded_vocab_size(tp)
-    new_args = copy.deepcopy(args)
-    new_args.update(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, padded_vocab_size=padded
-    )
-    meta = meta or {}
     rules = model_layout(cfg, family)[1]
-    for pp_rank in range(pp):
-        names = stage_names(cfg, pp, pp_rank, vp_layers, family)
-        partition = {n: rules[n] for n in names}
-        for tp_rank in range(tp):
-            model = {
-                n: _local_tensor(n, full_state[n], rules[n], tp, tp_rank, padded) for n in names
+
+    def rank_state(names: list[str], tp_rank: int, padded: int):
+        model = {n: _local_tensor(n, full_state[n], rules[n], tp, tp_rank, padded) for n in names}
+        if optimizer is None:
+            return model, None, None
+        local = {
+            key: {
+                n: _local_tensor(n, full[n], rules[n], tp, tp_rank, padded)
+                for n in names
+                if n in full
             }
-            shard_state = {
-                "checkpoint_version": meta.get("checkpoint_version", 3.0),
-                "iteration": iteration,
-                "consumed_train_samples": meta.get("consumed_train_samples", 0),
-                "consumed_valid_samples": meta.get("consumed_valid_samples", 0),
-                "model": model,
-                "partition": partition,
-                "args": new_args,
-            }
-            if "opt_param_scheduler" in meta:
-                shard_state["opt_param_scheduler"] = meta["opt_param_scheduler"]
-            where = {"tp_rank": tp_rank, "pp_rank": pp_rank, "pp_size": pp}
-            if optimizer is not None:
-                local = {
-                    key: {
-                        n: _local_tensor(n, full[n], rules[n], tp, tp_rank, padded)
-                        for n in names
-                        if n in full
-                    }
-                    for key, full in optimizer["full"].items()
-                }
-                local["step"] = {n: t for n, t in optimizer["step"].items() if n in names}
-                optimizer_state.write_rank_state(save_dir, iteration, local, **where)
-                shard_state["optimizer"] = optimizer["shared"]
-            save_shard(
-                save_dir,
-                iteration,
-                shard_state,
-                tp_rank=tp_rank,
-                pp_rank=pp_rank,
-                pp_size=pp,
-                write=True,
-            )
-            if progress:
-                progress(pp_rank * tp + tp_rank + 1, tp * pp)
-    files = tp * pp * (2 if optimizer is not None else 1)
-    finalize_checkpoint(
-        save_dir, iteration, barrier=lambda: None, is_rank0=True, num_shards_expected=files
-    )
+            for key, full in optimizer["full"].items()
+        }
+        local["step"] = {n: t for n, t in optimizer["step"].items() if n in names}
+        return model, local, optimizer["shared"]
+
+    write_layout(args, save_dir, tp, pp, iteration, rank_state, meta, vp_layers, progress)
     if not quiet:
         print(KEPT_OPTIMIZER_NOTE if optimizer else DROPPED_STATE_NOTE, file=sys.stderr)

@@ -280,8 +280,13 @@ def finalize_checkpoint(
     layout: str = "megatron",
     agree: Callable[[str | None], Sequence[str | None]] | None = None,
     error: BaseException | None = None,
+    layout_record: dict | None = None,
 ) -> None:
     """Commit `iteration` on every rank: barrier, marker, pointer, keep-last-K, barrier.
+
+    `layout_record` (the parallel layout the shards were written at, with its format version:
+    megatron.checkpoint.reshard_load) is stored in the marker, where a loader at another
+    layout reads it before any shard.
 
     `agree(message or None)` gathers every rank's outcome (an all-gather, so also a barrier):
     with it, both barriers become agreements. A rank whose own write failed (`error`, e.g. a
@@ -313,14 +318,19 @@ def finalize_checkpoint(
     err = None
     try:
         if is_rank0:
-            _mark_complete(root, iteration, num_shards_expected, retain_last, layout)
+            _mark_complete(root, iteration, num_shards_expected, retain_last, layout, layout_record)
     except (CheckpointError, OSError) as e:
         err = e
     settle(err)  # no rank moves on (or loads) before the pointer has moved
 
 
 def _mark_complete(
-    root: str, iteration: int, num_shards_expected: int | None, retain_last: int | None, layout
+    root: str,
+    iteration: int,
+    num_shards_expected: int | None,
+    retain_last: int | None,
+    layout,
+    layout_record: dict | None = None,
 ) -> None:
     """Rank 0's part of finalize_checkpoint: check the shards, write the marker and pointer."""
     directory = checkpoint_dir(root, iteration)
@@ -335,7 +345,10 @@ def _mark_complete(
         )
     # Checksums of what is on disk now, after every rank's fsync: later damage shows up.
     crcs = {rel: file_crc32(os.path.join(directory, rel)) for rel in shards}
-    marker = json.dumps({"iteration": iteration, "shards": shards, "crc32": crcs}, indent=1)
+    entries = {"iteration": iteration, "shards": shards, "crc32": crcs}
+    if layout_record is not None:
+        entries["layout"] = layout_record
+    marker = json.dumps(entries, indent=1)
     # Rank 0 alone writes the marker and the pointer: dead saves' temps of them can go.
     _remove_dead_temps(_marker_path(root, iteration))
     _atomic_write(_marker_path(root, iteration), lambda f: f.write(marker.encode()))
@@ -577,18 +590,38 @@ def _verify_shard(root: str, iteration: int, path: str) -> None:
         )
 
 
-def verify_checkpoint_files(root: str, iteration: int) -> None:
-    """Check every file the marker of `iteration` lists against its size and CRC-32; for
-    layouts whose files another library unpickles (DeepSpeed's), before it does."""
+def marker_files(root: str, iteration: int) -> list[str]:
+    """The files (relative to the iteration's directory) its marker lists, sorted; [] for a
+    checkpoint without a marker (a converter's `release/`)."""
     directory = checkpoint_dir(root, iteration)
     try:
-        files = sorted((_read_marker(directory) or {}).get("shards", {}))
+        return sorted((_read_marker(directory) or {}).get("shards", {}))
     except (OSError, ValueError, AttributeError) as e:
         raise ShardIntegrityError(
             f"{os.path.join(directory, MARKER_NAME)} is unreadable: {e}"
         ) from e
-    for rel in files:
-        _verify_shard(root, iteration, os.path.join(directory, rel))
+
+
+def marker_layout(root: str, iteration: int) -> dict | None:
+    """The layout record the marker of `iteration` holds (None: a marker from before layout
+    records, or none at all)."""
+    try:
+        record = (_read_marker(checkpoint_dir(root, iteration)) or {}).get("layout")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ShardIntegrityError(f"{checkpoint_dir(root, iteration)} marker: {e}") from e
+    return record if isinstance(record, dict) else None
+
+
+def verify_checkpoint_files(
+    root: str, iteration: int, select: Callable[[int, str], bool] | None = None
+) -> None:
+    """Check every file the marker of `iteration` lists (or those `select(index, relative
+    path)` picks: ranks share the work) against its size and CRC-32; for layouts whose files
+    another library unpickles (DeepSpeed's), before it does."""
+    directory = checkpoint_dir(root, iteration)
+    for i, rel in enumerate(marker_files(root, iteration)):
+        if select is None or select(i, rel):
+            _verify_shard(root, iteration, os.path.join(directory, rel))
 
 
 def load_shard(
@@ -601,10 +634,12 @@ def load_shard(
     map_location: str | torch.device = "cpu",
     name: str = SHARD_NAME,
     mmap: bool = False,
+    verify: bool = True,
 ) -> dict:
     """This rank's shard (or its file `name`), verified against its marker's checksum, then
     unpickled with weights_only=True (tensors, containers, primitives); `mmap`: tensors stay
-    in the page cache until read."""
+    in the page cache until read (only the slices used are ever read from disk); `verify=False`
+    where another rank checked the file already (verify_checkpoint_files shared out)."""
     path = shard_path(root, iteration, tp_rank, pp_rank, pp_size, name)
     if not os.path.isfile(path):
         directory = checkpoint_dir(root, iteration)
@@ -614,7 +649,8 @@ def load_shard(
             f"{pp_size}); {directory} holds {present or 'no shards'}. The "
             "TP/PP sizes probably differ from those the checkpoint was saved with."
         )
-    _verify_shard(root, iteration, path)
+    if verify:
+        _verify_shard(root, iteration, path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:

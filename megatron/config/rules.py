@@ -496,6 +496,14 @@ def _validate_training(cfg: MegatronConfig) -> None:
         )
     if c.save_interval is not None and c.save is None:
         _fail("--save-interval", "given without --save", "pass --save DIR")
+    if c.async_save and c.save is None:
+        _fail("--async-save", "given without --save", "pass --save DIR")
+    if c.async_save and cfg.deepspeed.enabled:
+        _fail(
+            "--async-save",
+            "--deepspeed's engine writes its own checkpoints, synchronously",
+            "drop --async-save (or --deepspeed)",
+        )
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
     validate_vocab(cfg)

@@ -14,7 +14,8 @@ change the weights (kernels, recompute) are sections of their own and are never 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -570,8 +571,14 @@ def _blend_error(flag: str, problem: str, fix: str) -> None:
     raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
 
 
-def parse_blend(paths: Sequence[str], flag: str = "--data-path") -> list[tuple[float, str]]:
-    """`PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> [(normalized weight, prefix)]."""
+def parse_blend(
+    paths: Sequence[str], flag: str = "--data-path", on_merge: Callable[[str], None] | None = None
+) -> list[tuple[float, str]]:
+    """`PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> [(normalized weight, prefix)].
+
+    A prefix listed twice (an old way to up-weight a corpus) becomes one entry with the summed
+    weight: two entries would share one cached sample order, so every sample came twice, back
+    to back in the same batch. `on_merge(message)` hears about each merge."""
     if not paths:
         return []
     if len(paths) == 1:
@@ -591,10 +598,26 @@ def parse_blend(paths: Sequence[str], flag: str = "--data-path") -> list[tuple[f
         if weight < 0:
             _blend_error(flag, f"negative weight {weight}", "use weights >= 0")
         pairs.append((weight, prefix))
+    pairs = _merge_repeated_prefixes(pairs, flag, on_merge)
     total = sum(w for w, _ in pairs)
     if total <= 0:
         _blend_error(flag, "the weights sum to 0", "give at least one dataset a positive weight")
     return [(w / total, p) for w, p in pairs]
+
+
+def _merge_repeated_prefixes(pairs, flag: str, on_merge) -> list[tuple[float, str]]:
+    merged: dict[str, list] = {}  # normalized path -> [summed weight, prefix as given, count]
+    for weight, prefix in pairs:
+        entry = merged.setdefault(os.path.normpath(os.path.abspath(prefix)), [0.0, prefix, 0])
+        entry[0] += weight
+        entry[2] += 1
+    for weight, prefix, count in merged.values():
+        if count > 1 and on_merge is not None:
+            on_merge(
+                f"{flag}: {prefix} is listed {count} times; merged into one entry with the "
+                f"summed weight {weight:g}, so its samples are not drawn twice in one order"
+            )
+    return [(w, p) for w, p, _ in merged.values()]
 
 
 def split_weights(split: str) -> list[float]:

@@ -151,6 +151,12 @@ class CheckpointConfig(Section):
     )
     finetune: bool = setting(False, "load weights only and start from iteration 0")
     save_retain_last: int | None = setting(None, "keep only the newest K complete checkpoints")
+    async_save: bool = setting(
+        False,
+        "write checkpoints on a background thread (Megatron-core's flag): training waits only "
+        "for a host copy of the state; the same files, marker and pointer as a synchronous "
+        "save, committed at a later step (at most one save in flight; exit waits for it)",
+    )
 
 
 @dataclass(frozen=True)

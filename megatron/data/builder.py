@@ -83,6 +83,10 @@ def _cache_dir_of(ds: GPTDataset) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(ds.indexed.prefix)), "index-cache")
 
 
+def _print_warning(message: str) -> None:
+    print(f"warning: {message}", flush=True)
+
+
 def build_train_valid_test_datasets(
     data: DataConfig,
     num_samples: tuple[int, int, int],
@@ -102,9 +106,10 @@ def build_train_valid_test_datasets(
         "is_builder": is_builder,
         "barrier": barrier,
     }
+    log = _print_warning if is_builder else None
     if data.data_path:
         return _blend(
-            parse_blend(data.data_path),
+            parse_blend(data.data_path, on_merge=log),
             split_weights(data.split),
             list(num_samples),
             seq_length,
@@ -122,7 +127,7 @@ def build_train_valid_test_datasets(
         only = [1.0 if i == s else 0.0 for i in range(3)]
         wanted = [num_samples[s] if i == s else 0 for i in range(3)]
         out.append(
-            _blend(parse_blend(paths, flag), only, wanted, seq_length, seed, common)[s]
+            _blend(parse_blend(paths, flag, log), only, wanted, seq_length, seed, common)[s]
             if paths
             else None
         )

@@ -42,7 +42,12 @@ from megatron.data.preprocess_inputs import (
     read_chunks,
     split_sentences,
 )
-from megatron.data.preprocess_outputs import DATASET_IMPLS, Outputs, token_dtype
+from megatron.data.preprocess_outputs import (
+    DATASET_IMPLS,
+    Outputs,
+    OutputWriteError,
+    token_dtype,
+)
 from megatron.data.tokenizers import build_tokenizer
 from megatron.progress import Progress, is_terminal
 
@@ -473,6 +478,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except WorkerDied as e:
+    except (WorkerDied, OutputWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ names; int32 tokens, as v1.x's IndexedDatasetBuilder always wrote), for v1.x too
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 
@@ -21,6 +22,24 @@ DATASET_IMPLS = ("mmap", "lazy", "cached")
 def token_dtype(dataset_impl: str, vocab_size: int | None) -> np.dtype:
     """The dtype of the written tokens (v1.x's make_builder rule)."""
     return np.dtype(best_dtype(vocab_size) if dataset_impl == "mmap" else np.int32)
+
+
+class OutputWriteError(RuntimeError):
+    """Writing an output failed (disk full, quota, EIO); the message names the file and the
+    free space there. Nothing is left under the final names."""
+
+
+def _write_error(path: str, error: OSError) -> OutputWriteError:
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free on {directory}"
+    except OSError as e:
+        free = f"free space on {directory} unknown ({e.strerror or e})"
+    reason = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+    return OutputWriteError(
+        f"cannot write {path}: {reason}; {free}. Nothing was written under the final names; "
+        "free space or pass another --output-prefix, then run again"
+    )
 
 
 class Outputs:
@@ -39,11 +58,17 @@ class Outputs:
     def add(self, result) -> None:
         """Append a ChunkResult (preprocess.py): every key's documents of one chunk."""
         for k, r in result.per_key.items():
-            self.builders[k].add_batch(r.tokens, r.seq_lengths, r.seqs_per_doc)
+            try:
+                self.builders[k].add_batch(r.tokens, r.seq_lengths, r.seqs_per_doc)
+            except OSError as e:
+                raise _write_error(f"{self.final[k]}.bin", e) from e
 
     def commit(self) -> list[str]:
         for k, p in self.final.items():
-            self.builders[k].finalize(f"{p}.idx{self.tag}")
+            try:
+                self.builders[k].finalize(f"{p}.idx{self.tag}")
+            except OSError as e:
+                raise _write_error(f"{p}.idx", e) from e
             os.replace(f"{p}.bin{self.tag}", f"{p}.bin")
             os.replace(f"{p}.idx{self.tag}", f"{p}.idx")
         return list(self.final.values())

@@ -58,8 +58,11 @@ class Scheduler:
         while True:
             op, args, future = self.jobs.get()
             if op == "stop":
-                self.leader.stop()
-                future.set_result(None)
+                try:
+                    self.leader.stop()
+                    future.set_result(None)
+                except Exception as e:  # noqa: BLE001 - a rank is gone: say so, do not hang
+                    future.set_exception(e)
                 return
             if not future.set_running_or_notify_cancel():
                 continue  # the client hung up before its turn: no rank runs it

@@ -16,10 +16,14 @@ caller, the others log it and wait for the next one).
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron.inference.engine import broadcast_json
 from megatron.inference.generation import SamplingParams, generate
@@ -170,3 +174,76 @@ def follow(model: Model, device, rank: int) -> None:
             OPS[cmd["op"]](model, cmd["args"])
         except Exception as e:  # noqa: BLE001 - one request must not end the server
             print(f"[rank {rank}] {cmd['op']} failed: {e!r}", file=sys.stderr)
+
+
+# --- stopping: a signal to any rank stops every rank, rank 0 first ---------------------------
+# torchrun sends SIGTERM to every rank's process group at once. A follower killed by it in the
+# middle of a broadcast made rank 0's stop broadcast fail ("Connection closed by peer") and
+# rank 0 hung until torchrun's SIGKILL. So no rank dies of the signal: a follower writes it to
+# the c10d store, rank 0 (which also stops on its own signal) sees the key, stops taking
+# requests, finishes the running one and sends "stop"; every rank then exits 0.
+_STOP_KEY = "megatron/serve/stop"
+STOP_POLL_S = 0.2
+
+
+def _store():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+class StopSignals:
+    """SIGTERM / SIGINT, caught from the start (a signal during loading waits its turn) and
+    seen by a thread at once, even while the main thread is inside a collective: the signal's
+    C handler writes to the wakeup fd this thread reads."""
+
+    def __init__(self):
+        self.received = threading.Event()
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)  # a Python handler: the wakeup fd is written
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._wake, args=(read_fd,), daemon=True).start()
+
+    def _wake(self, read_fd: int) -> None:
+        while True:
+            signum = os.read(read_fd, 1)[0]
+            if signum in (signal.SIGINT, signal.SIGTERM):
+                self.received.set()
+
+    def relay_to_rank0(self, rank: int) -> None:
+        """A follower: once signalled, ask rank 0 (through the c10d store) to stop the server;
+        this rank goes on following until rank 0 sends "stop"."""
+        store = _store()
+
+        def relay() -> None:
+            self.received.wait()
+            print(f"[rank {rank}] signalled: asking rank 0 to stop the server", file=sys.stderr)
+            try:
+                store.set(_STOP_KEY, str(rank))
+            except Exception as e:  # noqa: BLE001 - rank 0 is gone; follow() fails on its own
+                print(f"[rank {rank}] could not reach rank 0 ({e!r})", file=sys.stderr)
+
+        if store is not None:
+            threading.Thread(target=relay, name="stop-relay", daemon=True).start()
+
+    def watch(self, on_stop) -> threading.Event:
+        """Rank 0: on_stop(rank) once this process or a follower is signalled; set the returned
+        event to end the watch."""
+        done, store = threading.Event(), _store()
+
+        def watch() -> None:
+            while not done.wait(STOP_POLL_S):
+                if self.received.is_set():
+                    on_stop(0)
+                    return
+                try:
+                    if store is not None and store.check([_STOP_KEY]):
+                        on_stop(int(store.get(_STOP_KEY)))
+                        return
+                except Exception:  # noqa: BLE001 - the store is gone: the heartbeat reports it
+                    return
+
+        threading.Thread(target=watch, name="stop-watch", daemon=True).start()
+        return done

@@ -7,23 +7,24 @@
 Rank 0 binds 127.0.0.1 (unless --host says otherwise) and runs the FastAPI app of http_app on
 uvicorn; it validates each request (400 naming the field; 413 over the body limit; 503 with
 Retry-After when the queue is full) and hands valid ones, one at a time, to every rank
-(ops.Leader); the other ranks run them in step (ops.follow). SIGTERM / SIGINT: the server
-stops taking requests, finishes the running one and stops the other ranks; all exit 0.
+(ops.Leader); the other ranks run them in step (ops.follow). SIGTERM / SIGINT to any
+rank (torchrun sends it to all at once): the server stops taking requests, finishes the running
+one and stops the other ranks; all exit 0 (ops.relay_stop_signals).
 FastAPI and uvicorn are imported only when serving starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
+import sys
 
 from megatron.inference.megatron_api import (  # noqa: F401 - this module's API before the split
     BadRequest,
     params_of,
     parse_request,
 )
-from megatron.inference.ops import Leader, Model, follow
+from megatron.inference.ops import Leader, Model, StopSignals, follow
 from megatron.inference.session import add_checkpoint_args, run_tool, setup
 
 LISTEN_BACKLOG = 1024  # pending TCP connections: a burst of clients is queued, never reset
@@ -41,8 +42,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model: Model, leader: Leader, sock: socket.socket, name: str) -> None:
-    """Rank 0: answer HTTP on `sock` until SIGINT / SIGTERM, then stop the other ranks."""
+def serve(
+    model: Model, leader: Leader, sock: socket.socket, name: str, stops: StopSignals, banner: str
+) -> None:
+    """Rank 0: print `banner`, answer HTTP on `sock` until a SIGINT / SIGTERM to any rank, then
+    stop the other ranks."""
     import uvicorn
 
     from megatron.inference.http_app import Scheduler, build_app
@@ -52,13 +56,21 @@ def serve(model: Model, leader: Leader, sock: socket.socket, name: str) -> None:
     config = uvicorn.Config(
         app, log_level="warning", timeout_graceful_shutdown=5, backlog=LISTEN_BACKLOG
     )
+    server = uvicorn.Server(config)
+
+    def stop(rank: int) -> None:
+        if rank:
+            print(f"rank {rank} got a signal: stopping the server", file=sys.stderr, flush=True)
+        server.should_exit = True  # uvicorn's loop checks it on every tick
+
     # uvicorn shuts down gracefully on SIGINT / SIGTERM and then raises the signal again for
-    # the handler found before it: a no-op one, so the other ranks are stopped below.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+    # the handler found before it: StopSignals' no-op one, so the other ranks are stopped below.
+    watch = stops.watch(stop)
+    print(banner, flush=True)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
+        watch.set()
         scheduler.close()
 
 
@@ -77,9 +89,11 @@ def main(argv=None) -> int:
 
         if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
             raise ValueError("serving needs fastapi and uvicorn: pip install -e '.[serve]'")
+        stops = StopSignals()
         rt, engine, tokenizer, iteration = setup(args.load, args.pipeline_model_parallel_size)
         model = Model(engine, tokenizer)
         if rt.state.rank != 0:
+            stops.relay_to_rank0(rt.state.rank)
             follow(model, rt.device, rt.state.rank)
             return
         leader = Leader(model, rt.device)
@@ -88,11 +102,10 @@ def main(argv=None) -> int:
         except OSError:
             leader.stop()
             raise
-        print(
+        banner = (
             f"serving checkpoint iteration {iteration} on http://{args.host}:"
-            f"{sock.getsockname()[1]} (PUT /api, POST /v1/completions, GET /health)",
-            flush=True,
+            f"{sock.getsockname()[1]} (PUT /api, POST /v1/completions, GET /health)"
         )
-        serve(model, leader, sock, args.model_name)
+        serve(model, leader, sock, args.model_name, stops, banner)
 
     return run_tool(body)

@@ -70,6 +70,11 @@ class TrainerBackend(abc.ABC):
     def save(self, state: TrainState) -> None:
         """Write a complete, crash-safe checkpoint of `state.iteration` to --save."""
 
+    def wait_for_save(self) -> None:
+        """Block until a checkpoint still being written (--async-save) is committed; backends
+        that only save synchronously have none, and return at once."""
+        return None
+
     @abc.abstractmethod
     def load(self) -> TrainState:
         """Restore from --load (megatron.training.state.resume); a fresh start without one."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
@@ -95,6 +96,15 @@ def collate(documents: DocumentMasking | None, samples: list[dict]) -> dict[str,
     return batch
 
 
+def _worker_ignores_sigterm(worker_id: int) -> None:
+    """A launcher's SIGTERM goes to the whole process group (torchrun kills with killpg), so it
+    reaches the loader workers too. With --exit-signal-handler the rank's main process owns it:
+    a worker killed by it would make the main process raise "DataLoader worker ... is killed
+    by signal" (from its SIGCHLD handler, even inside torch.save) instead of saving. The
+    workers still stop with their rank: at its exit, or by their watchdog when it dies."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=None):
     if dataset is None:
         return None
@@ -107,6 +117,7 @@ def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=
         num_workers=cfg.training.num_workers,
         pin_memory=rt.device.type == "cuda",
         persistent_workers=cfg.training.num_workers > 0,
+        worker_init_fn=_worker_ignores_sigterm if cfg.training.exit_signal_handler else None,
         collate_fn=functools.partial(collate, documents) if documents is not None else None,
         # Its own generator: iter(loader) draws a worker base seed, and from the global torch
         # generator that would shift the dropout stream. A resume restores that generator from
@@ -183,6 +194,25 @@ def build_data_iterators(
         _loader(train, consumed_train, cfg, rt, documents),
         _loader(valid, consumed_valid, cfg, rt, documents),
         _loader(test, 0, cfg, rt, documents),
+    )
+
+
+def validation_off(cfg: MegatronConfig, valid_iter) -> str | None:
+    """Why validation cannot run although --eval-iters asks for it (None when it runs or is not
+    asked for). Megatron-LM skips it silently then (do_valid is false); we say so at start."""
+    eval_iters = cfg.training.eval_iters
+    if valid_iter is not None or not eval_iters:
+        return None
+    d = cfg.data
+    if d.data_path or (d.loose_json.train_data and not d.loose_json.valid_data):
+        why = f"--split {d.split} leaves the validation split no documents"
+        fix = "give validation a share of --split (e.g. 969,30,1)"
+    else:
+        why = "no validation data is given (--valid-data-path or --valid-data)"
+        fix = "pass --valid-data-path"
+    return (
+        f"validation is off: {why}, so --eval-iters {eval_iters} has nothing to read and no "
+        f"validation loss will be logged. Fix: {fix}, or pass --eval-iters 0 to turn it off"
     )
 
 

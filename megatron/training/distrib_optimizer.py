@@ -259,6 +259,13 @@ def _plain_order(module) -> list:
     return [p for g in param_groups(module) for p in g["params"]]
 
 
+def plain_parameter_names(module) -> list[str]:
+    """The names of the plain optimizer's parameters, by position (what its checkpoint records
+    so that its state can be resharded by name)."""
+    names = parameter_names(module)
+    return [names[id(p)] for p in _plain_order(module)]
+
+
 def plain_to_distributed(saved: dict, module) -> tuple[dict, list[dict]]:
     """A plain MegatronOptimizer state dict as (shared part, [one shard]) of this optimizer:
     each parameter's state as one range covering it whole."""

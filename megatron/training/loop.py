@@ -24,7 +24,7 @@ from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.models.registry import DEFAULT_FAMILY, ModelSpec, get_spec
 from megatron.training.backend import StepResult, TrainerBackend
-from megatron.training.data import DocumentMasking, build_data_iterators
+from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
 from megatron.training.log import (
     build_metrics_sinks,
     iteration_line,
@@ -34,6 +34,7 @@ from megatron.training.log import (
     validation_line,
 )
 from megatron.training.microbatches import MicroBatchCalculator
+from megatron.training.preflight import check_save_dir
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
@@ -113,6 +114,7 @@ def pretrain(
     unchanged); `forward_step_func` replaces the family's (tests wrap it)."""
     family = family or get_spec(DEFAULT_FAMILY)
     cfg = validate(cfg, family.purpose)
+    check_save_dir(cfg.checkpoint.save)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)
@@ -130,9 +132,13 @@ def pretrain(
             documents,
             family.datasets_provider,
         )
+        no_validation = validation_off(cfg, iters[1])
+        if no_validation and rt.state.rank == 0:
+            print(f"warning: {no_validation}", file=out, flush=True)
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.metrics)
         result = loop.run(state, *iters)
+        backend.wait_for_save()  # an --async-save in flight: committed before we return
         if hasattr(backend.model, "finish_param_sync"):  # an --overlap-param-gather in flight
             backend.model.finish_param_sync()
         result.model = backend.model
@@ -253,6 +259,8 @@ class _TrainLoop:
         window = _Window()
         while not self._done(state):
             gbs = self._iteration(state, train_iter, window, result)
+            if self.rt.heartbeat is not None and self.rt.heartbeat.lost:
+                raise TrainingError(self.rt.heartbeat.lost)
             if state.iteration % cfg.logging.log_interval == 0:
                 self._log(state, gbs, window)
                 window = _Window()

@@ -23,8 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.async_save import AsyncSaver
+from megatron.checkpoint.reshard_load import SavedLayout, read_layout
 from megatron.checkpoint.resharding import partition_record
 from megatron.checkpoint.storage import (
     DISTRIB_OPTIM_NAME,
@@ -36,10 +39,12 @@ from megatron.checkpoint.storage import (
     rng_state_dict,
     save_shard,
     set_rng_state,
+    verify_checkpoint_files,
 )
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
-from megatron.training.distrib_optimizer import distributed_to_plain
+from megatron.training import reshard
+from megatron.training.distrib_optimizer import distributed_to_plain, plain_parameter_names
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
@@ -185,28 +190,55 @@ def resume(
     )
 
 
+def current_layout(cfg: MegatronConfig, rt: Runtime, optimizer) -> SavedLayout:
+    """The layout this run writes (and reads) its shards at."""
+    st = rt.state
+    kind = "distributed" if hasattr(optimizer, "shard_state_dict") else "plain"
+    return SavedLayout(
+        tp=st.tp_size,
+        pp=st.pp_size,
+        vp=st.virtual_pp_size,
+        dp=st.dp_size,
+        cp=st.cp_size,
+        optimizer=None if cfg.checkpoint.no_save_optim else kind,
+    )
+
+
 def save_training_state(
-    cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler, state: TrainState
+    cfg: MegatronConfig,
+    rt: Runtime,
+    model,
+    optimizer,
+    scheduler,
+    state: TrainState,
+    saver: AsyncSaver | None = None,
 ) -> None:
-    """The native backend's checkpoint: one shard per TP x PP rank, written by DP rank 0."""
+    """The native backend's checkpoint: one shard per TP x PP rank, written by DP rank 0.
+
+    With `saver` (--async-save) the state is staged to host memory here and written in the
+    background; the commit follows at a later step (AsyncSaver.poll / wait)."""
     st = rt.state
     shard = {
         "checkpoint_version": CHECKPOINT_VERSION,
         **checkpoint_entries(cfg, rt, state),
         "model": model.state_dict(),
-        "partition": partition_record(model),  # how each tensor is split, for converters
+        "partition": partition_record(model),  # how each tensor is split, for resharding
     }
-    if not cfg.checkpoint.no_save_optim:
-        shard["optimizer"] = optimizer.state_dict()
-        shard["opt_param_scheduler"] = scheduler.state_dict()
-    where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
-    root, it = cfg.checkpoint.save, state.iteration
     sharded = getattr(optimizer, "shard_state_dict", None)  # the distributed optimizer's
     if cfg.checkpoint.no_save_optim:
         sharded = None
+    else:
+        shard["optimizer"] = optimizer.state_dict()
+        shard["opt_param_scheduler"] = scheduler.state_dict()
+        if sharded is None:  # the plain optimizer keys its state by position: name them
+            shard["optimizer"]["param_names"] = plain_parameter_names(model.module)
     optim_shard = sharded() if sharded is not None else None
-    error = None
-    try:
+    if saver is not None:
+        shard, optim_shard = saver.stage(shard, "model"), saver.stage(optim_shard, "optim")
+    where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
+    root, it = cfg.checkpoint.save, state.iteration
+
+    def write() -> None:
         # Weights are replicated over DP x CP (CP splits the sequence, not the weights), so
         # the shard is the same at every CP size; the distributed optimizer's are per DP x CP.
         if st.dp_cp_rank == 0:  # a re-save of this iteration at a smaller DP leaves no extras
@@ -215,10 +247,31 @@ def save_training_state(
         if optim_shard is not None:
             name = DISTRIB_OPTIM_NAME.format(dp_rank=st.dp_cp_rank)
             save_shard(root, it, optim_shard, write=True, name=name, **where)
+
+    files_per_rank = 1 + (st.dp_cp_size if sharded is not None else 0)
+    record = current_layout(cfg, rt, optimizer).record()
+
+    def finish(error: BaseException | None) -> None:
+        expected = st.tp_size * st.pp_size * files_per_rank
+        commit(cfg, rt, it, error, num_shards_expected=expected, layout_record=record)
+
+    if saver is not None:
+        saver.start(it, write, finish)
+        return
+    error = None
+    try:
+        write()
     except (CheckpointError, OSError) as e:  # every rank hears of it in commit
         error = e
-    files_per_rank = 1 + (st.dp_cp_size if sharded is not None else 0)
-    commit(cfg, rt, it, error, num_shards_expected=st.tp_size * st.pp_size * files_per_rank)
+    finish(error)
+
+
+def all_ranks_true(flag: bool, device) -> bool:
+    """Whether `flag` holds on every rank (one scalar all-reduce; every rank must call it)."""
+    t = torch.tensor([float(flag)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
@@ -236,15 +289,26 @@ def load_training_state(
     cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler
 ) -> TrainState:
     """The native backend's resume: this rank's shard (the newest whose shards pass their
-    checksums on every rank) into model, optimizer and scheduler."""
+    checksums on every rank) into model, optimizer and scheduler. A checkpoint saved at
+    another TP x PP (x virtual pipeline) layout is resharded on the way in (see
+    megatron.training.reshard); one saved at another DP size only re-cuts the distributed
+    optimizer's ranges."""
     c, st = cfg.checkpoint, rt.state
-
+    with_optim = not (c.finetune or c.no_load_optim)
+    here = current_layout(cfg, rt, optimizer)
     where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
 
-    def read(iteration: int) -> dict:
+    def read(iteration: int):
+        saved_layout = read_layout(c.load, iteration)
+        if not saved_layout.same_shards(here):
+            # Each rank checks its share of the files; the ranks agree before any is read.
+            verify_checkpoint_files(
+                c.load, iteration, select=lambda i, _: i % st.world_size == st.rank
+            )
+            return saved_layout
         shard = load_shard(c.load, iteration, map_location=rt.device, **where)
         saved = shard.get("optimizer") or {}
-        if saved.get("distributed") and not (c.finetune or c.no_load_optim):
+        if saved.get("distributed") and with_optim:
             # Every saved DP rank's ranges of this TP x PP position (memory-mapped: only the
             # ranges this rank owns now are read), whatever DP size wrote them.
             shard["distrib_optim"] = [
@@ -255,16 +319,46 @@ def load_training_state(
             ]
         return shard
 
-    def restore(iteration: int, shard: dict) -> dict:
+    def restore(iteration: int, value) -> dict:
+        if isinstance(value, SavedLayout):
+            return restore_resharded(iteration, value)
+        shard = value
         _check_shapes(shard, cfg, c.load)
+        if list(shard["model"]) != list(model.state_dict()):  # other model chunks (no record)
+            return restore_resharded(iteration, read_layout(c.load, iteration))
         model.load_state_dict(shard["model"])
-        if c.finetune or c.no_load_optim:
+        if not with_optim:
             optimizer.reload_model_params()
         _require(shard, c, iteration)
-        if not (c.finetune or c.no_load_optim):
-            _load_optimizer(optimizer, model, shard)
+        if with_optim:
+            load_optimizer(optimizer, model, shard)
             scheduler.load_state_dict(shard["opt_param_scheduler"])
+        saved = read_layout(c.load, iteration)
+        if saved.dp is not None and saved != here:  # DP, CP or the optimizer kind changed
+            what = ["same model shards"]
+            if with_optim and (saved.dp, saved.cp) != (here.dp, here.cp):
+                what.append("optimizer state re-cut over DP")
+            reshard.announce(rt, iteration, saved, here, what)
         return shard
+
+    def restore_resharded(iteration: int, saved: SavedLayout) -> dict:
+        shards, entries = reshard.open_checkpoint(cfg, c.load, iteration, saved)
+        _check_shapes(entries, cfg, c.load)  # a named error before any tensor is cut
+        _require(entries, c, iteration)
+        optim = with_optim and "optimizer" in entries
+        state, optim_state = reshard.read_resharded(cfg, rt, model, shards, optim)
+        model.load_state_dict(state)
+        if optim:
+            load_optimizer(optimizer, model, optim_state)
+            scheduler.load_state_dict(entries["opt_param_scheduler"])
+        else:
+            optimizer.reload_model_params()
+        what = ["weights"] + (["optimizer state"] if optim else [])
+        if "rng_state" in entries and not c.no_load_rng:
+            entries["rng_state"] = reshard.reseeded_rng_state(cfg, rt, iteration)
+            what.append("RNG streams re-seeded from --seed and the iteration")
+        reshard.announce(rt, iteration, saved, here, what)
+        return entries
 
     return resume(cfg, rt, read, restore, agree=_gather)
 
@@ -291,7 +385,7 @@ def _require(shard: dict, c, iteration: int, keys=tuple(_OPTIONAL)) -> None:
         )
 
 
-def _load_optimizer(optimizer, model, shard: dict) -> None:
+def load_optimizer(optimizer, model, shard: dict) -> None:
     """Either optimizer from either kind of checkpoint: the distributed one's state (shared
     part + every saved DP rank's ranges) reassembles per parameter for any DP size, or for the
     plain optimizer; the plain one's (keyed by position) is cut into ranges."""

@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.async_save import AsyncSaver
 from megatron.config.lr_schedule import schedule_steps
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
@@ -33,7 +34,12 @@ from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
-from megatron.training.state import TrainState, load_training_state, save_training_state
+from megatron.training.state import (
+    TrainState,
+    all_ranks_true,
+    load_training_state,
+    save_training_state,
+)
 from megatron.training.timers import Timers
 
 
@@ -222,12 +228,15 @@ class NativeBackend(TrainerBackend):
             cfg, rt, model_provider
         )
         self.schedule = _schedule(cfg, rt)
+        self.saver = AsyncSaver(rt.device) if cfg.checkpoint.async_save else None
 
     @property
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale
 
     def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> StepResult:
+        if self.saver is not None and self.saver.pending:  # an --async-save to commit?
+            self.saver.poll(lambda mine: all_ranks_true(mine, self.rt.device))
         return train_step(
             self.forward_step,
             data_iterator,
@@ -252,7 +261,15 @@ class NativeBackend(TrainerBackend):
         )
 
     def save(self, state: TrainState) -> None:
-        save_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler, state)
+        if self.saver is not None:
+            self.saver.wait()  # at most one save in flight
+        save_training_state(
+            self.cfg, self.rt, self.model, self.optimizer, self.scheduler, state, self.saver
+        )
+
+    def wait_for_save(self) -> None:
+        if self.saver is not None:
+            self.saver.wait()
 
     def load(self) -> TrainState:
         return load_training_state(self.cfg, self.rt, self.model, self.optimizer, self.scheduler)

@@ -41,7 +41,7 @@ from megatron.checkpoint.storage import (
     shard_path,
     tracker_path,
 )
-from tests.helpers.checkpoints import _damage
+from tests.helpers.checkpoints import _damage, _FullDisk
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.training import _train, flags
@@ -444,25 +444,6 @@ def test_ranks_fall_back_or_fail_together(tmp_path):
 
 
 # ---------------------------------------------------------------------------- disk full
-
-
-class _FullDisk:
-    """A file opened for writing on a full disk: every write fails with ENOSPC."""
-
-    def __init__(self, f):
-        self._f = f
-
-    def write(self, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
 
 
 def _assert_previous_checkpoint_intact(root) -> None:

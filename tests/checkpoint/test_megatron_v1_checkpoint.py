@@ -193,6 +193,36 @@ def test_bad_input_is_named_and_nothing_foreign_is_unpickled(tmp_path, capsys):
     assert "is it a v1.x checkpoint?" in capsys.readouterr().err
 
 
+def test_a_numpy_module_named_by_the_file_is_never_imported(tmp_path, capsys):
+    """The allowlist took any numpy.* module the pickle named and imported it: a file naming
+    numpy.f2py.__main__ ran f2py's command line, and the import "succeeded" writing nothing.
+    Only exact numpy globals are allowed now; the file is refused naming the global."""
+    name = "numpy.f2py.__main__"
+    fake = types.ModuleType(name)  # stands in while pickling, so the real one never loads
+
+    def scalar():  # the name of one of numpy's reconstructors, in another module
+        raise AssertionError("unreachable")
+
+    scalar.__module__, scalar.__qualname__ = name, "scalar"
+    fake.scalar = scalar
+
+    class Crafted:
+        def __reduce__(self):
+            return (scalar, ())
+
+    with mock.patch.dict(sys.modules, {name: fake}):
+        root = _rewrite(1, tmp_path / "crafted", lambda shard: {**shard, "extra": Crafted()})
+    assert name not in sys.modules
+    with pytest.raises(CheckpointError, match=f"holds an object of {name}.scalar"):
+        import_megatron_v1(root, vocab_size=128)
+    assert name not in sys.modules, "the module the file names was imported"
+    cli = _cli()(
+        ["--from-megatron-v1", root, "--save", str(tmp_path / "out"), "--vocab-size", "128"]
+    )
+    assert cli == 1 and f"holds an object of {name}.scalar" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and name not in sys.modules
+
+
 @pytest.mark.slow
 def test_trainer_continues_from_an_imported_v115_checkpoint(tmp_path, data_prefix):
     out = str(tmp_path / "ours")

@@ -239,3 +239,37 @@ def test_builder_warns_when_the_dtype_cannot_hold_the_vocab(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert build("unsigned")[0] is not None
+
+
+def test_a_prefix_listed_twice_is_one_entry_with_the_summed_weight(tmp_path, capsys):
+    """`--data-path 0.5 X 0.5 X` (an old way to up-weight a corpus) shared one cached order
+    between both entries, so every sample came twice, back to back in the same batch."""
+    _make_dataset(tmp_path / "x", num_docs=200, seed=1)
+    _make_dataset(tmp_path / "y", num_docs=200, seed=2)
+    x, y, cache = str(tmp_path / "x"), str(tmp_path / "y"), str(tmp_path / "cache")
+
+    def train(*data_path):
+        data = DataConfig(data_path=data_path, split="1,0,0", data_cache_path=cache)
+        ds = build_train_valid_test_datasets(data, (40, 0, 0), 16, 1234)[0]
+        return [tuple(ds[i]["text"].tolist()) for i in range(len(ds))]
+
+    twice = train("0.5", x, "0.5", x)
+    assert len(set(twice)) == len(twice), "a sample repeats"
+    assert twice == train(x)  # the same as listing it once
+    assert "x is listed 2 times; merged into one entry with the summed weight 1" in (
+        capsys.readouterr().out
+    )
+    # with another corpus: X's weights add up (0.2 + 0.4 = 0.6 against Y's 0.4)
+    mixed = build_train_valid_test_datasets(
+        DataConfig(
+            data_path=("0.2", x, "0.4", y, "0.4", f"{tmp_path}/./x"),
+            split="1,0,0",
+            data_cache_path=cache,
+        ),
+        (40, 0, 0),
+        16,
+        1234,
+    )[0]
+    assert [round(w, 6) for w in mixed.weights] == [0.6, 0.4]
+    drawn = [tuple(mixed[i]["text"].tolist()) for i in range(len(mixed))]
+    assert len(set(drawn)) == len(drawn)

@@ -1,5 +1,6 @@
 """tools/preprocess_data.py: Megatron's bytes, every input kind, every bad record kind."""
 
+import errno
 import gzip
 import json
 import os
@@ -230,3 +231,24 @@ def test_a_killed_worker_fails_the_run_within_seconds_naming_it(tmp_path):
     assert f"(pid {victim}) was killed by SIGKILL" in err and "tokenizer worker" in err, err
     assert "done:" not in err
     assert os.listdir(out_dir) == [], "nothing under the final names, no temp files either"
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_the_free_space(tmp_path, capsys, monkeypatch):
+    """ENOSPC while writing the .bin (the default --workers): a one-line error naming the output
+    file and the free space, as checkpoint saves give, and nothing left behind (before: a raw
+    OSError traceback)."""
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(MMapIndexedDatasetBuilder, "add_batch", full)
+    (tmp_path / "in").mkdir()
+    corpus = tmp_path / "in" / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    assert _run(tmp_path, [corpus]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    want = f"error: cannot write {tmp_path}/out_text_document.bin: [Errno 28] No space left"
+    assert err[-1].startswith(want) and " MiB free on " in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]

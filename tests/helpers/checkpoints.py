@@ -3,19 +3,28 @@
 `_write_checkpoint` splits a TP = 1 model's weights into TP x PP shards by this file's own split
 rules (written from the layer docs, not with mpu.shard; tests/checkpoint/test_convert_checkpoint.py
 checks them against mpu.shard and the model's per-stage state dicts) and writes them with
-save_shard, as the trainer's ranks would. `_damage` breaks a torch.save file in place."""
+save_shard, as the trainer's ranks would. `_damage` breaks a torch.save file in place,
+`_FullDisk` fails every write, `_checkpoint_at` copies one iteration of a run."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import shutil
 import struct
 import zipfile
 from pathlib import Path
 
 import torch
 
-from megatron.checkpoint.storage import finalize_checkpoint, save_shard
+from megatron.checkpoint.storage import (
+    checkpoint_dir,
+    finalize_checkpoint,
+    save_shard,
+    tracker_path,
+    write_text_atomic,
+)
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.stages import stage_layer_range
@@ -146,3 +155,29 @@ def _damage(path, where: str) -> None:
     else:
         start, _ = _member_data(path, "data.pkl")
         _overwrite(path, start + 28, b"\x85" * 4)
+
+
+def _checkpoint_at(src: str, iteration: int, dst) -> str:
+    """A copy of `src` whose pointer names `iteration` (resume from the middle of a run)."""
+    shutil.copytree(checkpoint_dir(src, iteration), checkpoint_dir(str(dst), iteration))
+    write_text_atomic(tracker_path(str(dst)), f"{iteration}\n")
+    return str(dst)
+
+
+class _FullDisk:
+    """A file opened for writing on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()

@@ -4,6 +4,7 @@ layouts-against-one-process workers that several test modules share."""
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import torch
@@ -119,6 +120,13 @@ def _poison_third_micro_batch_on_rank1(data_iterator, model):
         return loss, {"lm loss": loss.detach()}
 
     return output, poisoned
+
+
+def _sigterm_on_rank1_iteration3(data_iterator, model):
+    _CALLS["n"] += 1
+    if torch.distributed.get_rank() == 1 and _CALLS["n"] == 5:  # 2 micro batches per step
+        os.kill(os.getpid(), signal.SIGTERM)
+    return forward_step(data_iterator, model)
 
 
 def _resume_worker(rank, world, argv, save_dir):

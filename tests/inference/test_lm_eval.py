@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.serving import convert, make_checkpoint, rank_env
 
@@ -73,7 +74,7 @@ def _env(root: Path) -> dict:
 
 
 def _run(cmd: list[str], root: Path, world: int = 1, timeout: int = 180) -> None:
-    master = __import__("tests.distributed", fromlist=["free_port"]).free_port()
+    master = free_port()
     procs = [
         subprocess.Popen(
             cmd,

@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
-from megatron.model import GPTModel
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer
+from megatron.models.gpt.model import GPTModel
+from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import (
     RingAttention,
     chunk_ids,
@@ -28,7 +31,6 @@ from megatron.mpu.context_parallel import (
     context_parallel_unslice,
 )
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.training.step import lm_loss
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import _losses, _ref_worker, _train, flags, train_run
 
@@ -222,6 +224,12 @@ def _tracker(state):
     return set_random_seeds(5, state, "cpu")
 
 
+def _gpt(cfg, state, recompute=None, tracker=None):
+    """The GPT of `cfg` on this rank's grid (seed 5), recompute applied after building."""
+    model = GPTModel(cfg, BuildContext(state, seed=5, rng_tracker=tracker))
+    return parallelize(model, state, recompute)
+
+
 def _shard(full, param, state):
     if not mpu.is_tensor_parallel(param):
         return full
@@ -232,9 +240,9 @@ def _shard(full, param, state):
 
 def _check_model_equivalence(state, variants) -> None:
     for name, (cfg, recompute) in variants.items():
-        ref = GPTModel(cfg, mpu.single_process_state(), seed=5, recompute=recompute)
+        ref = _gpt(cfg, mpu.single_process_state(), recompute)
         ref_losses, ref_grads = _train_steps(ref, ref.state, 3)
-        model = GPTModel(cfg, state, seed=5, rng_tracker=_tracker(state), recompute=recompute)
+        model = _gpt(cfg, state, recompute, _tracker(state))
         losses, grads = _train_steps(model, state, 3)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
         full = dict(ref.named_parameters())
@@ -260,7 +268,7 @@ def _check_dropout_under_recompute(state) -> None:
     selective recompute give the same losses and gradients bit for bit (masks replayed, the
     ring's backward redrawing its blocks' masks from the forward's generator state)."""
     cfg = dataclasses.replace(_LLAMA, hidden_dropout=0.2, attention_dropout=0.2)
-    layer = TransformerLayer(cfg, state, _tracker(state))
+    layer = TransformerLayer(cfg, BuildContext(state, rng_tracker=_tracker(state)))
     mask = (layer._dropout(torch.ones(2, 8, 32)) == 0).contiguous()
     masks = [torch.empty_like(mask) for _ in range(state.cp_size)]
     dist.all_gather(masks, mask, group=state.cp_group)
@@ -268,16 +276,14 @@ def _check_dropout_under_recompute(state) -> None:
     runs = []
     for recompute in (None, _FULL, _SELECTIVE):
         torch.manual_seed(3 + 10_000 * state.cp_rank)
-        model = GPTModel(cfg, state, seed=5, rng_tracker=_tracker(state), recompute=recompute)
+        model = _gpt(cfg, state, recompute, _tracker(state))
         runs.append(_train_steps(model, state, 2))
     (l0, g0), *others = runs
     for losses, grads in others:
         assert losses == l0, "recompute changed the losses under dropout with CP"
         for n in g0:
             assert torch.equal(g0[n], grads[n]), n
-    no_dropout, _ = _train_steps(
-        GPTModel(_LLAMA, state, seed=5, rng_tracker=_tracker(state)), state, 2
-    )
+    no_dropout, _ = _train_steps(_gpt(_LLAMA, state, tracker=_tracker(state)), state, 2)
     assert no_dropout != l0, "dropout 0.2 must change the losses"
 
 

@@ -2,20 +2,17 @@
 and TP2 x PP2 x DP2 in fp32/bf16/fp16; an fp16 overflow skips on every rank together; its
 checkpoints resume at another DP size (4 -> 2, 4 -> 1, 1 -> 2) with the uninterrupted losses."""
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 
-from megatron.checkpoint.storage import checkpoint_dir, tracker_path, write_text_atomic
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig
 from megatron.models.gpt.model import GPTModel
 from megatron.training import ddp as ddp_module
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_names, shard_pieces
-from tests.helpers.checkpoints import _cli
+from tests.helpers.checkpoints import _checkpoint_at, _cli
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
     _CALLS,
@@ -172,13 +169,6 @@ def test_distributed_optimizer_equals_plain_at_dp4_and_tp2_pp2_dp2(data_prefix, 
     ]
     results = run_distributed(_equivalence_worker, 8, tp2pp2dp2, None, False)
     _check_equivalence(results, tp2pp2dp2, overflow=False)
-
-
-def _checkpoint_at(src: str, iteration: int, dst) -> str:
-    """A copy of `src` whose pointer names `iteration` (resume from the middle of a run)."""
-    shutil.copytree(checkpoint_dir(src, iteration), checkpoint_dir(str(dst), iteration))
-    write_text_atomic(tracker_path(str(dst)), f"{iteration}\n")
-    return str(dst)
 
 
 def _resume_worker(rank, world, argv, runs):

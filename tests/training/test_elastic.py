@@ -7,6 +7,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +119,99 @@ def test_sigterm_to_torchrun_saves_and_the_requeued_job_resumes_exactly(
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     got = {**_losses("".join(seen) + out), **got}
     assert sorted(got) == list(range(1, 41)) and got == want
+
+
+def _default_workers(argv):
+    """The flags without the tests' --num-workers 0: a user's run has the default 2 workers."""
+    i = argv.index("--num-workers")
+    return argv[:i] + argv[i + 2 :]
+
+
+def _ranks_of(launcher_pid: int) -> list[int]:
+    """The pids whose parent is the launcher (Linux /proc)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == launcher_pid:
+            out.append(int(d))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_with_default_loader_workers_lands_in_saves_and_still_saves(
+    data_prefix,
+    tmp_path,
+):
+    """torchrun sends SIGTERM to each rank's whole process group, loader workers included. A
+    worker killed by it made its rank raise "DataLoader worker ... is killed by signal" (even
+    inside torch.save): no checkpoint, torchrun SIGKILLed the other rank 30 s later. Saving
+    every iteration puts the signal in or near a save."""
+    argv = flags(data_prefix, "--distributed-backend", "gloo", "--exit-signal-handler", iters=200)
+    argv = [*_default_workers(argv), "--save-interval", "1", "--save", str(tmp_path / "ck")]
+    run = subprocess.Popen(
+        _command([str(ROOT / "pretrain_gpt2.py"), *argv], 0),
+        cwd=tmp_path,
+        env=_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in run.stdout:
+        if " iteration        5/" in line:
+            sent = time.monotonic()
+            run.send_signal(signal.SIGTERM)
+            break
+    out, err = run.communicate(timeout=60)
+    stop_s = time.monotonic() - sent
+    rank_errors = [x for x in err.splitlines() if x.startswith("[rank") and "Error" in x]
+    assert not rank_errors and "killed by signal" not in err, err[-3000:]
+    saved = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())
+    assert f" exiting on SIGTERM at iteration {saved} (saving first)" in out, err[-3000:]
+    assert f" saved checkpoint at iteration {saved} " in out
+    assert stop_s < 15, f"{stop_s:.1f} s to stop (torchrun SIGKILLs the ranks after 30 s)"
+
+
+@pytest.mark.slow
+def test_ranks_stop_with_a_named_error_when_the_launcher_is_killed(
+    data_prefix,
+    tmp_path,
+):
+    """SIGKILL of torchrun's agent (a scheduler's hard kill) left the ranks, in their own
+    session, training to the end; they now notice the lost store within seconds and stop."""
+    argv = flags(data_prefix, "--distributed-backend", "gloo", iters=5000)
+    argv[argv.index("--lr-decay-iters") + 1] = "5000"
+    launcher = subprocess.Popen(
+        _command([str(ROOT / "pretrain_gpt2.py"), *_default_workers(argv)], 0),
+        cwd=tmp_path,
+        env=_ENV,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "stderr.txt", "w"),
+        text=True,
+    )
+    for line in launcher.stdout:
+        if " iteration        3/" in line:
+            break
+    ranks = _ranks_of(launcher.pid)
+    assert len(ranks) == 2
+    threading.Thread(target=launcher.stdout.read, daemon=True).start()  # the ranks write on
+    killed = time.monotonic()
+    launcher.kill()
+    launcher.wait()
+    while any(map(_running, ranks)) and time.monotonic() - killed < 40:
+        time.sleep(0.2)
+    stop_s = time.monotonic() - killed
+    for pid in filter(_running, ranks):
+        os.kill(pid, signal.SIGKILL)
+    assert stop_s < 25, f"ranks still training {stop_s:.0f} s after the launcher was killed"
+    err = (tmp_path / "stderr.txt").read_text()
+    assert "lost the job: the launcher's c10d store (torchrun's agent) is gone" in err

@@ -24,6 +24,7 @@ from tests.helpers.training import (
     _losses,
     _poison_third_micro_batch_on_rank1,
     _resume_worker,
+    _sigterm_on_rank1_iteration3,
     _train,
     flags,
 )
@@ -142,7 +143,7 @@ def test_overflow_and_nan_on_one_rank_skip_the_step_everywhere(data_prefix):
 def test_too_many_skipped_steps_exit_non_zero_with_the_message(monkeypatch, capsys):
     import pretrain_gpt2
 
-    def diverging(cfg):
+    def diverging(cfg, **kwargs):
         raise TrainingError("50 iterations in a row were skipped (inf/NaN gradients or loss)")
 
     monkeypatch.setattr(pretrain_gpt2, "pretrain", diverging)
@@ -217,13 +218,6 @@ def test_resume_survives_damaged_and_never_committed_checkpoints(data_prefix, tm
     assert any(
         "only incomplete checkpoints ['iter_0000002', 'iter_0000004']" in m for m in messages
     )
-
-
-def _sigterm_on_rank1_iteration3(data_iterator, model):
-    _CALLS["n"] += 1
-    if torch.distributed.get_rank() == 1 and _CALLS["n"] == 5:  # 2 micro batches per step
-        os.kill(os.getpid(), signal.SIGTERM)
-    return forward_step(data_iterator, model)
 
 
 def _sigterm_worker(rank, world, argv):
@@ -361,3 +355,52 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(data_prefix, t
     assert "rank 1 stopped answering" in err, err[-3000:]
     assert "rank 0 gave up waiting" in err and "--distributed-timeout-minutes 0.1" in err
     assert elapsed < 6 + 20, f"took {elapsed:.1f} s, more than the 6 s timeout + 20 s margin"
+
+
+@pytest.mark.slow
+def test_empty_validation_split_warns_and_a_bad_save_dir_is_one_named_line(data_prefix, tmp_path):
+    """Default --num-workers. `--split 100,0,0 --eval-iters 2` used to train without ever
+    validating, silently (as Megatron-LM does); --save naming a file failed with a traceback
+    (FileExistsError) after the model and data were built."""
+    argv = flags(data_prefix, iters=2)
+    del argv[argv.index("--num-workers") : argv.index("--num-workers") + 2]
+    argv[argv.index("--split") + 1] = "100,0,0"
+    argv[argv.index("--eval-iters") + 1] = "2"
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    warning = (
+        "warning: validation is off: --split 100,0,0 leaves the validation split no documents, "
+        "so --eval-iters 2 has nothing to read"
+    )
+    assert run.stdout.count(warning) == 1, run.stdout
+    (tmp_path / "a-file").write_text("not a directory")
+    for save, problem in (("a-file", "is an existing file"), ("a-file/ck", "cannot write there")):
+        bad = subprocess.run(
+            [*cmd, "--save", save], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+        assert bad.stderr.strip().splitlines()[-1].startswith(f"error: --save {save}: {problem}")
+
+
+def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatch):
+    """A read-only --save directory: a named error at start, not a traceback at the first save
+    (root writes through chmod, so there the refusal of the write is simulated)."""
+    from megatron.checkpoint.storage import CheckpointError
+    from megatron.training import preflight
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:
+
+        def refuse(*args, dir, **kwargs):
+            raise PermissionError(13, "Permission denied", os.path.join(dir, ".write-test-x"))
+
+        monkeypatch.setattr(preflight.tempfile, "NamedTemporaryFile", refuse)
+    with pytest.raises(CheckpointError, match=f"--save {ro}: cannot write there .Permission"):
+        preflight.check_save_dir(str(ro))
+    monkeypatch.undo()
+    preflight.check_save_dir(str(tmp_path / "new" / "dir"))  # created, writable: no error
+    assert (tmp_path / "new" / "dir").is_dir() and not list((tmp_path / "new" / "dir").iterdir())
