@@ -37,7 +37,7 @@ setup(
             "pytest-xdist",  # make test: two workers, one test file each at a time
             "ruff",
             "sentencepiece",
-            "transformers",  # checks HF exports (tests/test_convert_checkpoint.py)
+            "transformers",  # checks HF exports (tests/checkpoint/test_convert_checkpoint.py)
             "safetensors",  # HF weight files (megatron/models/gpt/hf.py)
             "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
             *SERVE,

@@ -45,7 +45,7 @@ from megatron.planning.memory import (  # noqa: E402
     stage_activation_peak,
 )
 from megatron.planning.timing import Hardware, cp_ring_seconds, layer_forward_flops  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 MODEL = ModelConfig(
     num_layers=2,

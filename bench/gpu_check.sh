@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command (docs/gpu.md): on one CUDA GPU with no network,
 #   1 install   the wheels it needs from a local folder ($WHEELS, default shared/wheels)
-#   2 tests     the CUDA test suite (MEGATRON_TEST_DEVICE=cuda pytest tests/test_cuda.py)
+#   2 tests     the CUDA test suite (MEGATRON_TEST_DEVICE=cuda pytest tests/gpu/test_cuda.py)
 #   3 kernels   bench/kernels.py: Triton kernels vs torch eager and torch.compile
 #   4 train     GPT-2 small (12 x 768, seq 1024) in bf16 on the demo corpus, pretrain_gpt2.py
 #   5 mfu       bench/mfu.py: ours vs Megatron-core vs Hugging Face GPT-2, bf16
@@ -206,11 +206,11 @@ do_tests() {
     if [ "$SMOKE" = 1 ]; then
         # A few of the module's CPU tests and its CUDA-only skips: the whole module runs on the
         # CPU in `make test` anyway; here the step itself (pytest, its report) is exercised.
-        $PY -m pytest tests/test_cuda.py -rs -m "not slow" -p no:cacheprovider \
+        $PY -m pytest tests/gpu/test_cuda.py -rs -m "not slow" -p no:cacheprovider \
             -k "tp_layers or rng_state or triton or whole_gpt"
     else
         # -v: the test list with each result, for the record (the report of issue 25)
-        MEGATRON_TEST_DEVICE=cuda $PY -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider \
+        MEGATRON_TEST_DEVICE=cuda $PY -m pytest tests/gpu/test_cuda.py -v -rs -p no:cacheprovider \
             --junitxml "$OUT/tests.xml"
     fi
     local rc=$?

@@ -38,7 +38,7 @@ from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
 from megatron.training.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.training.optimizer import MegatronOptimizer  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 MODELS = {
     "GPT L24 h1024 (345M)": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),

@@ -31,7 +31,7 @@ from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SHAPE = (1, 4, 8)
 

@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     parser.add_argument("--load", metavar="JSON", help="predict for saved measurements, no runs")
     args = parser.parse_args(argv)
     from megatron.planning.memory import Layout
-    from tests.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     cfg = base_config()
     layouts = select_layouts(cfg, args.quick, args.all)

@@ -6,6 +6,9 @@ import subprocess
 import pytest
 import torch
 
+from tests.helpers.serving import make_checkpoint
+from tests.helpers.training import counting_corpus
+
 # The kernel tests set TRITON_INTERPRET=1 when pytest imports them (it must precede importing
 # triton). Collection imports every module first, so the variable would stay set for the whole
 # run: module-scoped fixtures (which run before any function-scoped one) would spawn ranks that
@@ -35,11 +38,27 @@ def _triton_interpreter_only_for_kernel_tests(request, monkeypatch):
     yield
 
 
+# --- shared fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    """The toy counting corpus of tests/helpers/training.py (its `flags` train on it)."""
+    return counting_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny GPT with the fixture tokenizer, saved the way the trainer saves it."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
 # --- `slow`, applied automatically -------------------------------------------------------------
 # A test is slow when it (or a fixture it uses) can reach code that starts another process: the
 # gloo rank spawner, subprocess, multiprocessing. Found by walking the names each test function
-# refers to, through the helpers defined in tests/, so nobody has to remember the marker; the
-# guard below fails a test the walk missed, so `make test-fast` stays free of process starts.
+# refers to, through the helpers defined in tests/ (tests/helpers/ and the conftest.py files
+# included: every module named tests.*), so nobody has to remember the marker; the guard below
+# fails a test the walk missed, so `make test-fast` stays free of process starts.
 
 _SPAWN_MODULES = {"subprocess", "multiprocessing", "torch.multiprocessing"}
 _SPAWN_NAMES = {"Popen", "check_output", "check_call", "run_distributed", "start_processes"}
@@ -115,7 +134,8 @@ def _fast_tests_start_no_process(request, monkeypatch):
 
 
 def _requested_device() -> torch.device:
-    """MEGATRON_TEST_DEVICE (cpu | cuda | cuda:N; default cpu): where tests/test_cuda.py runs."""
+    """MEGATRON_TEST_DEVICE (cpu | cuda | cuda:N; default cpu): where tests/gpu/test_cuda.py
+    runs."""
     name = os.environ.get("MEGATRON_TEST_DEVICE", "cpu")
     try:
         device = torch.device(name)
@@ -135,5 +155,5 @@ def _requested_device() -> torch.device:
 
 @pytest.fixture(scope="session")
 def test_device() -> torch.device:
-    """The device of tests/test_cuda.py (MEGATRON_TEST_DEVICE, default cpu)."""
+    """The device of tests/gpu/test_cuda.py (MEGATRON_TEST_DEVICE, default cpu)."""
     return _requested_device()

@@ -3,7 +3,7 @@ section, with its flag, aliases, default, choices and help, then the refused v1.
 
     python -m megatron.config.flag_doc > docs/flags.md
 
-tests/test_docs.py regenerates it and fails, naming this command, when the file is stale.
+tests/docs/test_docs.py regenerates it and fails, naming this command, when the file is stale.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _HEADER = f"""\
 
 Generated from the declarations in `megatron/config/` (`setting(default, help, *aliases)`);
 do not edit by hand. Regenerate with `{COMMAND}`
-(`tests/test_docs.py` fails when this file is stale).
+(`tests/docs/test_docs.py` fails when this file is stale).
 
 Every flag below is also a run-config key: the **key** column is what a `-c FILE` (YAML or JSON,
 nested by section) and `-o section.key=value` take, and what `--print-config` prints. Precedence,

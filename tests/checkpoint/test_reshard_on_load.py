@@ -1,0 +1,243 @@
+"""Resume straight from --load on another layout, optimizer moments included, with the
+uninterrupted run's losses: TP2xPP2 -> TP1xPP4, TP2 -> TP4 (distributed optimizer), plain
+optimizer -> distributed optimizer (TP2xPP2 -> TP1xPP2xDP2), PP2 interleaved -> PP2 plain; an
+--async-save run's checkpoints load to the sync run's state; bad input gets named errors and
+overwrites nothing. (DP4 -> DP2 with the distributed optimizer: test_distributed_optimizer.)
+Two 4-rank spawns in all: one for the uninterrupted runs, one for every resume."""
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.checkpoint import resharding as R
+from megatron.checkpoint.reshard_load import (
+    LayoutVersionError,
+    RankTarget,
+    SavedShards,
+    read_layout,
+    read_rank_state,
+)
+from megatron.checkpoint.storage import MARKER_NAME, CheckpointError, checkpoint_dir, load_shard
+from megatron.config.schema import ModelConfig
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel
+from megatron.models.registry import vocab_sized_names
+from megatron.mpu import single_process_state
+from tests.helpers.checkpoints import _checkpoint_at
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import _losses, _train, flags
+
+DISTRIB = ["--use-distributed-optimizer"]
+TP = "--tensor-model-parallel-size"
+PP = "--pipeline-model-parallel-size"
+VP = "--num-layers-per-virtual-pipeline-stage"
+# Source layouts (4 ranks, saved at iterations 3 and 6) -> the layouts that resume them.
+SOURCES = {
+    "tp2pp2": [TP, "2", PP, "2"],
+    "tp2dp2-distributed": [TP, "2", *DISTRIB],
+    "pp2-interleaved-dp2": [PP, "2", VP, "1"],
+}
+RESUMES = {
+    "TP2xPP2 -> TP1xPP4": ("tp2pp2", [PP, "4"]),
+    "TP2xPP2 plain -> TP1xPP2xDP2 distributed": ("tp2pp2", [PP, "2", *DISTRIB]),
+    "TP2 -> TP4, distributed": ("tp2dp2-distributed", [TP, "4", *DISTRIB]),
+    "PP2 interleaved -> PP2 plain": ("pp2-interleaved-dp2", [PP, "2"]),
+}
+
+
+def _base(prefix):
+    return flags(prefix, "--num-layers", "4", "--adam-eps", "1e-4", iters=6)
+
+
+def _straight_worker(rank, world, base, root):
+    """Every source layout straight to 6, saving at 3 and 6; the TP2xPP2 one again with
+    --async-save."""
+    out = {}
+    for name, extra in SOURCES.items():
+        save = ["--save", os.path.join(root, name), "--save-interval", "3"]
+        out[name] = _train(rank, world, [*base, *extra, *save])[0]
+    save = ["--save", os.path.join(root, "tp2pp2-async"), "--save-interval", "3", "--async-save"]
+    out["tp2pp2-async"] = _train(rank, world, [*base, *SOURCES["tp2pp2"], *save])[0]
+    return out
+
+
+def _resume_worker(rank, world, base, runs, bad):
+    out = {
+        what: _train(rank, world, [*base, *extra, "--load", load])[0] for what, load, extra in runs
+    }
+    for what, load, extra in bad:  # each must fail with a named CheckpointError
+        try:
+            _train(rank, world, [*base, *extra, "--load", load, "--save", load])
+        except CheckpointError as e:
+            out[what] = f"{type(e).__name__}: {e}"
+        else:
+            out[what] = "no error"
+    return out
+
+
+def _tree_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _tree_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _tree_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _digest(root) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.slow
+def test_resume_on_a_new_layout_continues_the_uninterrupted_run(data_prefix, tmp_path):
+    base = _base(data_prefix)
+    root = str(tmp_path / "straight")
+    straight = run_distributed(_straight_worker, 4, base, root, timeout=600)[-1]
+
+    # --async-save wrote what the synchronous save writes: the same state, shard for shard.
+    for it in (3, 6):
+        sync, async_ = (os.path.join(root, n) for n in ("tp2pp2", "tp2pp2-async"))
+        for tp in range(2):
+            for pp in range(2):
+                where = {"tp_rank": tp, "pp_rank": pp, "pp_size": 2}
+                _tree_equal(load_shard(sync, it, **where), load_shard(async_, it, **where))
+    assert _losses(straight["tp2pp2-async"]) == _losses(straight["tp2pp2"])
+
+    at3 = {n: _checkpoint_at(os.path.join(root, n), 3, tmp_path / f"{n}-at3") for n in SOURCES}
+    runs = [(what, at3[src], extra) for what, (src, extra) in RESUMES.items()]
+    # Bad input: a newer layout record; a model of another shape (TP4, so it reshards).
+    future = _checkpoint_at(os.path.join(root, "tp2pp2"), 3, tmp_path / "future")
+    marker = Path(checkpoint_dir(future, 3)) / MARKER_NAME
+    record = json.loads(marker.read_text())
+    record["layout"]["version"] = 99
+    marker.write_text(json.dumps(record))
+    wide = [TP, "4", "--hidden-size", "64"]
+    bad = [("future", future, [PP, "4"]), ("shape", at3["tp2pp2"], wide)]
+    before = {load: _digest(load) for _, load, _ in bad}
+    results = run_distributed(_resume_worker, 4, base, runs, bad, timeout=600)
+    last = results[-1]
+    for what, (src, _) in RESUMES.items():
+        history = last[what]
+        assert [h["iteration"] for h in history] == [4, 5, 6], what
+        # fp32; TP/PP changes sum in another order: a few ulps apart.
+        np.testing.assert_allclose(
+            _losses(history), _losses(straight[src])[3:], rtol=2e-5, err_msg=what
+        )
+    for rank, out in enumerate(results):
+        assert "records checkpoint layout version 99" in out["future"], (rank, out["future"])
+        assert "written by a newer version" in out["future"]
+        assert "hidden_size=32" in out["shape"] and "64" in out["shape"], (rank, out["shape"])
+    for _, load, _ in bad:
+        assert _digest(load) == before[load], f"{load} was changed by a failed resume"
+
+
+# ----------------------------------------------------------------------- the planner, in-process
+
+
+def _full_state(cfg: ModelConfig) -> dict:
+    torch.manual_seed(0)
+    model = GPTModel(cfg, BuildContext(single_process_state()))
+    full = {n: t.clone() for n, t in model.state_dict().items()}
+    for name in vocab_sized_names():
+        if name in full:
+            full[name] = full[name][: cfg.vocab_size]
+    return full
+
+
+@pytest.fixture(scope="module")
+def saved_tp2_pp2(tmp_path_factory):
+    """A TP2 x PP2 checkpoint of a SwiGLU GPT (stride-2 split) with its full state."""
+    cfg = ModelConfig(
+        num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, swiglu=True
+    )
+    full = _full_state(cfg)
+    args = {
+        "model": dataclasses.asdict(cfg),
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "padded_vocab_size": cfg.padded_vocab_size(1),
+    }
+    root = str(tmp_path_factory.mktemp("planner") / "tp2pp2")
+    R.save_resharded(full, args, root, 2, 2, 5, quiet=True)
+    return cfg, full, root
+
+
+def _target(cfg, full, tp, pp, pp_rank, tp_rank):
+    rules = R.model_layout(cfg)[1]
+    padded = cfg.padded_vocab_size(tp)
+    names = R.stage_names(cfg, pp, pp_rank)
+    expected = {n: R._local_tensor(n, full[n], rules[n], tp, tp_rank, padded) for n in names}
+    shapes = {n: tuple(t.shape) for n, t in expected.items()}
+    rules = {n: rules[n] for n in names}
+    vocab = frozenset(vocab_sized_names())
+    return RankTarget(shapes, rules, tp, tp_rank, cfg.vocab_size, vocab), expected
+
+
+@pytest.mark.parametrize("tp,pp", [(4, 1), (1, 4), (1, 1), (2, 2)])
+def test_each_rank_reads_exactly_its_slices(saved_tp2_pp2, tp, pp):
+    cfg, full, root = saved_tp2_pp2
+    layout = read_layout(root, 5)
+    assert (layout.tp, layout.pp, layout.recorded) == (2, 2, True)
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            shards = SavedShards(root, 5, layout, lambda n: R.split_rule(n, cfg))
+            target, expected = _target(cfg, full, tp, pp, pp_rank, tp_rank)
+            got, optimizer = read_rank_state(shards, target, with_optimizer=True)
+            assert optimizer is None  # the converter wrote no optimizer state
+            for name, tensor in expected.items():
+                assert torch.equal(got[name], tensor), (tp, pp, tp_rank, name)
+            # A TP4 rank reads the data of one saved TP rank; a TP1 rank both. A PP4 stage
+            # reads only the saved stage that held its layers (the last one also the tied
+            # word embedding, from the first saved stage).
+            assert {k for k, _ in shards.read} == ({tp_rank * 2 // tp} if tp > 1 else {0, 1})
+            if pp == 4:
+                tied = {0} if pp_rank == 3 else set()
+                assert {p for _, p in shards.read} == {pp_rank // 2} | tied, shards.read
+
+
+def test_missing_shard_and_other_model_shape_are_named(saved_tp2_pp2, tmp_path):
+    cfg, full, root = saved_tp2_pp2
+    layout = read_layout(root, 5)
+    shards = SavedShards(root, 5, layout, lambda n: R.split_rule(n, cfg))
+    wide = dataclasses.replace(cfg, hidden_size=64)
+    target, _ = _target(wide, _full_state(wide), 1, 1, 0, 0)
+    with pytest.raises(CheckpointError, match="the model shape differs from the checkpoint's"):
+        read_rank_state(shards, target, with_optimizer=False)
+    root = str(tmp_path / "copy")
+    shutil.copytree(saved_tp2_pp2[2], root)
+    os.remove(os.path.join(checkpoint_dir(root, 5), "mp_rank_01_001", "model_optim_rng.pt"))
+    shards = SavedShards(root, 5, layout, lambda n: R.split_rule(n, cfg))
+    target, _ = _target(cfg, full, 1, 1, 0, 0)
+    with pytest.raises(CheckpointError, match="missing checkpoint shard .*mp_rank_01_001"):
+        read_rank_state(shards, target, with_optimizer=False)
+
+
+def test_a_layout_record_from_a_newer_version_is_refused(saved_tp2_pp2, tmp_path):
+    _, _, root = saved_tp2_pp2
+    marker = Path(checkpoint_dir(root, 5)) / MARKER_NAME
+    record = json.loads(marker.read_text())
+    record["layout"]["version"] = 2
+    original = marker.read_text()
+    try:
+        marker.write_text(json.dumps(record))
+        with pytest.raises(LayoutVersionError, match="layout version 2, but this code reads"):
+            read_layout(root, 5)
+    finally:
+        marker.write_text(original)

@@ -1,0 +1,418 @@
+"""The single-process paths on a GPU: `MEGATRON_TEST_DEVICE=cuda pytest tests/gpu/test_cuda.py`
+(bench/gpu_check.sh) runs them on cuda:0; with the default (cpu) the same tests run on the CPU
+where that means something, and the CUDA-only ones (compiled Triton kernels, NCCL) skip saying
+why. Covered: the GPT forward and backward in fp32/bf16/fp16 against a float64 reference, the
+TP layers at TP = 1, fp16 loss scaling, checkpoint save and load with the device RNG, generation
+with the KV cache, evaluation, export to Hugging Face, every Triton kernel compiled against its
+torch reference, the whole GPT through the kernels, and one-rank runs of pretrain_gpt2.py (NCCL
+on a GPU) with and without --deepspeed, resumed from their checkpoint.
+
+Do not run this module in one pytest process with the kernel tests of the CPU suite on a GPU:
+they set TRITON_INTERPRET=1 when imported, and kernels defined then stay interpreted.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron import mpu
+from megatron.checkpoint.resharding import load_full_state
+from megatron.checkpoint.storage import rng_state_dict, set_rng_state
+from megatron.config.schema import KernelConfig, ModelConfig, OptimizerConfig
+from megatron.fused_kernels import TORCH_OPS, select_ops
+from megatron.inference.engine import InferenceModel
+from megatron.inference.evaluation import evaluate_loose_json
+from megatron.inference.generation import SamplingParams, generate
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel, build_model
+from megatron.training.optimizer import MegatronOptimizer
+from tests.helpers.checkpoints import _write_checkpoint
+from tests.helpers.paths import MMAP, ROOT
+from tests.helpers.reference_gpt import RefGPT, load_from_megatron
+from tests.helpers.training import flags
+
+GPT2 = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=32,
+    vocab_size=100,
+    make_vocab_size_divisible_by=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+LLAMA = ModelConfig(
+    **{
+        **GPT2.__dict__,
+        "position_embedding_type": "rope",
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "num_query_groups": 2,
+        "add_bias_linear": False,
+    }
+)
+VARIANTS = {"gpt2": GPT2, "llama": LLAMA}
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "head.output_layer.weight")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Max error relative to the largest reference value: the rounding of each precision over two
+# layers (fp32: accumulation order; half: a few units of 2^-11 (fp16) or 2^-8 (bf16) per op).
+TOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+def needs_cuda(device: torch.device, why: str) -> None:
+    if device.type != "cuda":
+        pytest.skip(f"CUDA only: {why} (MEGATRON_TEST_DEVICE=cuda runs it)")
+
+
+def assert_close_rel(actual, expected, tol, what):
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    assert torch.isfinite(actual).all(), f"{what}: not finite"
+    err = (actual - expected).abs().max()
+    scale = expected.abs().max().clamp_min(1e-6)
+    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol:g} x {scale:.3g}"
+
+
+def batch(cfg, device, n=3):
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab_size, (n, cfg.seq_length), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (n, cfg.seq_length), generator=g)
+    return tokens.to(device), labels.to(device)
+
+
+# --- the model in each precision --------------------------------------------------------------
+
+
+@pytest.mark.slow  # over a second on 2 cores
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("precision", list(DTYPES))
+def test_gpt_forward_backward_matches_float64_reference(test_device, variant, precision):
+    cfg, dtype = VARIANTS[variant], DTYPES[precision]
+    model = GPTModel(cfg, BuildContext(seed=3, device=test_device, dtype=dtype))
+    ref = RefGPT(cfg).double()
+    load_from_megatron(ref, model)
+    tokens, labels = batch(cfg, test_device)
+    logits = model(tokens)
+    assert logits.device == tokens.device and logits.dtype == dtype
+    assert torch.isinf(logits[..., cfg.vocab_size :]).all(), "padding logits must be masked"
+    ref_loss = ref(tokens.cpu(), labels.cpu())
+    assert_close_rel(logits[..., : cfg.vocab_size], ref(tokens.cpu()), TOL[dtype], "logits")
+    loss = model(tokens, labels=labels)
+    assert_close_rel(loss, ref_loss, TOL[dtype], "per-token loss")
+    loss.float().mean().backward()
+    ref_loss.mean().backward()
+    assert_close_rel(
+        model.embedding.word_embeddings.weight.grad[: cfg.vocab_size],
+        ref.wte.weight.grad,
+        4 * TOL[dtype],
+        "embedding grad",
+    )
+    assert_close_rel(
+        model.layers["0"].self_attention.dense.weight.grad,
+        ref.blocks[0].o.weight.grad,
+        4 * TOL[dtype],
+        "attention output grad",
+    )
+
+
+def test_tp_layers_at_tp1_are_plain_linear_and_embedding(test_device):
+    col = mpu.ColumnParallelLinear(16, 24, device=test_device)
+    row = mpu.RowParallelLinear(24, 16, device=test_device)
+    emb = mpu.VocabParallelEmbedding(50, 16, device=test_device)
+    tokens = torch.randint(0, 50, (2, 5), device=test_device)
+    x = emb(tokens)
+    torch.testing.assert_close(x, F.embedding(tokens, emb.weight))
+    y = row(col(x))
+    expected = F.linear(F.linear(x, col.weight, col.bias), row.weight, row.bias)
+    torch.testing.assert_close(y, expected)
+    y.sum().backward()
+    assert all(p.grad is not None and p.grad.device == x.device for p in col.parameters())
+
+
+# --- loss scaling, checkpoint state ---------------------------------------------------------
+
+
+@pytest.mark.slow  # over a second on 2 cores
+def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(test_device):
+    model = GPTModel(GPT2, BuildContext(seed=3, device=test_device, dtype=torch.half))
+    opt = MegatronOptimizer(
+        model,
+        OptimizerConfig(lr=1e-3, initial_loss_scale=2.0**16, hysteresis=1),
+        params_dtype=torch.half,
+        state=mpu.single_process_state(),
+        clip_grad=1.0,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    tokens, labels = batch(GPT2, test_device)
+    for p in model.parameters():
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    opt.scale_loss(model(tokens, labels=labels).float().mean()).backward()
+    for p in model.parameters():
+        p.main_grad.add_(p.grad.float())
+    next(model.parameters()).main_grad[0] = float("inf")
+    updated, norm = opt.step()
+    assert not updated and norm is None and opt.loss_scale == 2.0**15
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    for p in model.parameters():
+        p.main_grad.zero_().add_(p.grad.float())
+    updated, norm = opt.step()
+    assert updated and norm is not None and opt.loss_scale == 2.0**15
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_rng_state_round_trips_on_the_device(test_device):
+    state = rng_state_dict(test_device)
+    assert (state["cuda"] is not None) == (test_device.type == "cuda")
+    first = torch.rand(4, device=test_device)
+    set_rng_state(state, test_device)
+    torch.testing.assert_close(torch.rand(4, device=test_device), first, rtol=0, atol=0)
+
+
+def test_a_cpu_checkpoint_resumed_on_a_gpu_names_the_rng_flag():
+    from megatron.checkpoint.storage import CheckpointError
+
+    saved_on_cpu = rng_state_dict("cpu")
+    with pytest.raises(CheckpointError, match="--no-load-rng"):
+        set_rng_state(saved_on_cpu, torch.device("cuda", 0))  # refused before touching CUDA
+
+
+@pytest.mark.slow  # over a second on 2 cores
+def test_checkpoint_save_load_and_hf_export_on_the_device(test_device, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the HF export needs transformers")
+    from megatron.models.gpt.hf import to_hf
+
+    model = GPTModel(GPT2, BuildContext(seed=7, device=test_device))
+    _write_checkpoint(tmp_path / "ckpt", model, GPT2, tp=1, pp=1)
+    state, args = load_full_state(str(tmp_path / "ckpt"))
+    loaded = build_model(GPT2, BuildContext(seed=0))
+    pad = GPT2.padded_vocab_size(1) - GPT2.vocab_size  # the full state holds the real vocab
+    state_padded = {k: F.pad(v, (0, 0, 0, pad)) if k in VOCAB_ROWS else v for k, v in state.items()}
+    loaded.load_state_dict(state_padded, strict=True)
+    loaded = loaded.to(test_device)
+    tokens, _ = batch(GPT2, test_device)
+    with torch.no_grad():
+        ours = model(tokens)[..., : GPT2.vocab_size]
+        torch.testing.assert_close(loaded(tokens)[..., : GPT2.vocab_size], ours)
+        assert to_hf(state, args, str(tmp_path / "hf")) == "gpt2"
+        hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+        hf = hf.to(test_device).eval()
+        torch.testing.assert_close(hf(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+
+
+# --- inference --------------------------------------------------------------------------------
+
+
+def _engine(cfg, device, dtype=torch.float32):
+    state = mpu.single_process_state()
+    chunks = build_model(cfg, BuildContext(state, seed=3, device=device, dtype=dtype))
+    return InferenceModel(chunks, state, cfg.vocab_size, cfg.hidden_size)
+
+
+@pytest.mark.slow  # over a second on 2 cores
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kv_cache_generation_equals_recomputing_the_prefix(test_device, variant):
+    engine = _engine(VARIANTS[variant], test_device)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+    for params in (SamplingParams(8, greedy=True), SamplingParams(8, top_p=0.9, seed=4)):
+        cached = generate(engine, prompts, params, use_cache=True)
+        assert cached == generate(engine, prompts, params, use_cache=False)
+        assert [len(c) - len(p) for c, p in zip(cached, prompts, strict=True)] == [8] * 3
+
+
+@pytest.mark.slow  # over a second on 2 cores
+def test_evaluation_on_the_device_equals_the_cpu(test_device):
+    from megatron.data.tokenizers import build_tokenizer
+
+    cfg = ModelConfig(**{**GPT2.__dict__, "vocab_size": 8192, "seq_length": 16})
+    tok = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=MMAP / "vocab.json", merge_file=MMAP / "merges.txt"
+    )
+    docs = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello world."]
+    here = evaluate_loose_json(_engine(cfg, test_device), tok, docs, 16, 8, 2)
+    cpu = evaluate_loose_json(_engine(cfg, torch.device("cpu")), tok, docs, 16, 8, 2)
+    assert here["num_scored"] == cpu["num_scored"] > 0
+    assert here["loss"] == pytest.approx(cpu["loss"], rel=1e-4)
+
+
+# --- Triton kernels, compiled -----------------------------------------------------------------
+
+
+def _kernel_modules():
+    from megatron.fused_kernels import (
+        triton_activations,
+        triton_cross_entropy,
+        triton_norms,
+        triton_softmax,
+    )
+
+    return triton_softmax, triton_norms, triton_activations, triton_cross_entropy
+
+
+def test_triton_kernels_are_compiled_not_interpreted(test_device):
+    needs_cuda(test_device, "Triton compiles for a GPU; on the CPU test_fused_kernels.py runs "
+               "the same kernels in Triton's interpreter")  # fmt: skip
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    assert os.environ.get("TRITON_INTERPRET") != "1", "TRITON_INTERPRET=1 is set"
+    kernels = {
+        f"{m.__name__}.{name}": v
+        for m in _kernel_modules()
+        for name, v in vars(m).items()
+        if isinstance(v, (JITFunction, InterpretedFunction))
+    }
+    assert len(kernels) >= 4, kernels
+    interpreted = [k for k, v in kernels.items() if isinstance(v, InterpretedFunction)]
+    assert not interpreted, f"defined under TRITON_INTERPRET=1: {interpreted}"
+
+
+def _kernel_cases(device, dtype):
+    sm, norms, acts, ce = _kernel_modules()
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    rows, hidden, vocab = 64, 1000, 5000  # rows over one block, ragged last block
+    x, res, w, b = r(rows, hidden), r(rows, hidden), r(hidden), r(hidden)
+    target = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    return {
+        "causal softmax": (
+            lambda s: sm.scaled_upper_triang_masked_softmax(s, 0.125),
+            lambda s: sm.torch_scaled_upper_triang_masked_softmax(s, 0.125),
+            [r(2, 3, 300, 300)],
+        ),
+        "add + LayerNorm": (
+            lambda *a: norms.fused_add_layer_norm(*a, 1e-5),
+            lambda *a: norms.torch_add_layer_norm(*a, 1e-5),
+            [x, res, w, b],
+        ),
+        "add + RMSNorm": (
+            lambda *a: norms.fused_add_rms_norm(*a, 1e-5),
+            lambda *a: norms.torch_add_rms_norm(*a, 1e-5),
+            [x, res, w],
+        ),
+        "bias + GeLU": (acts.bias_gelu, acts.torch_bias_gelu, [x, b]),
+        "SwiGLU": (acts.swiglu, acts.torch_swiglu, [r(rows, 2 * hidden)]),
+        "cross-entropy": (
+            lambda lg: ce.vocab_parallel_cross_entropy_fused(lg, target),
+            lambda lg: mpu.vocab_parallel_cross_entropy(lg.float(), target),
+            [r(rows, vocab)],
+        ),
+    }
+
+
+def _run(fn, inputs, upstream=None):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    if upstream is None:
+        g = torch.Generator().manual_seed(1)
+        upstream = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
+    torch.autograd.backward(outs, upstream)
+    return outs, [t.grad for t in leaves], upstream
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_compiled_triton_kernels_match_their_torch_references(test_device, precision):
+    needs_cuda(test_device, "compiled Triton kernels (the CPU interpreter: test_fused_kernels.py)")
+    pytest.importorskip("triton", reason="Triton is not installed")
+    dtype = DTYPES[precision]
+    for name, (kernel, reference, inputs) in _kernel_cases(test_device, dtype).items():
+        outs, grads, upstream = _run(kernel, inputs)
+        wide = [t.double() for t in inputs]
+        ref_outs, ref_grads, _ = _run(reference, wide, [u.double() for u in upstream])
+        for i, (o, ro) in enumerate(zip(outs, ref_outs, strict=True)):
+            assert o.dtype == (torch.float32 if name == "cross-entropy" else dtype), name
+            assert_close_rel(o, ro, TOL[dtype] / 2, f"{name} output {i} ({precision})")
+        for i, (gr, rg) in enumerate(zip(grads, ref_grads, strict=True)):
+            assert_close_rel(gr, rg, TOL[dtype] / 2, f"{name} grad of input {i} ({precision})")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_whole_gpt_through_the_compiled_kernels(test_device, variant):
+    needs_cuda(test_device, "compiled Triton kernels (the CPU interpreter: test_fused_model.py)")
+    pytest.importorskip("triton", reason="Triton is not installed")
+    cfg = VARIANTS[variant]
+    fused = select_ops(
+        KernelConfig(attention_backend="fused", cross_entropy_loss_fusion=True), test_device
+    )
+    picked = (fused.softmax, fused.add_norm, fused.bias_gelu, fused.swiglu, fused.cross_entropy)
+    assert picked == ("triton",) * 5, fused.describe()
+    tokens, labels = batch(cfg, test_device)
+    results = []
+    for ops in (TORCH_OPS, fused):
+        model = GPTModel(cfg, BuildContext(seed=3, device=test_device, ops=ops))
+        loss = model(tokens, labels=labels)
+        loss.mean().backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        results.append((loss.detach(), grads))
+    (loss0, grads0), (loss1, grads1) = results
+    assert_close_rel(loss1, loss0, 1e-4, "loss")
+    for name in grads0:
+        assert_close_rel(grads1[name], grads0[name], 1e-3, f"grad of {name}")
+
+
+# --- pretrain_gpt2.py, one rank ---------------------------------------------------------------
+
+
+_LAUNCHER = ("TRITON_INTERPRET", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _pretrain(device, corpus, save, *extra, iters=6, precision=None):
+    """pretrain_gpt2.py as a user starts it on one device: NCCL and bf16 on a GPU, gloo and
+    fp32 on the CPU; (stdout, the logged losses)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    precision = precision or (["--bf16"] if device.type == "cuda" else [])
+    argv = flags(corpus, *precision, "--distributed-backend", backend, *extra, iters=iters)
+    cmd = [sys.executable, "pretrain_gpt2.py", *argv, "--save", str(save), "--save-interval", "3"]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER}
+    env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0) if device.type == "cuda" else ""
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr}"
+    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", done.stdout)]
+    assert losses and all(map(lambda v: v == v and v < 1e4, losses)), done.stdout[-2000:]
+    return done.stdout, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native", "deepspeed"])
+def test_pretrain_gpt2_one_rank_trains_saves_and_resumes(
+    test_device,
+    data_prefix,
+    tmp_path,
+    backend,
+):
+    extra = []
+    if backend == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("DeepSpeed is not installed (bench/gpu_check.sh installs it)")
+        extra = ["--deepspeed", "--zero-stage", "1"]
+    out, losses = _pretrain(test_device, data_prefix, tmp_path / "ck", *extra, iters=6)
+    assert losses[-1] < losses[0], "the toy corpus is learnable: the loss must fall"
+    if test_device.type == "cuda":
+        assert "MFU:" in out and "tokens per second:" in out
+    # Resume from iteration 6 for 2 more: the checkpoint (weights, optimizer, device RNG) loads.
+    load = ["--load", str(tmp_path / "ck")]
+    out, more = _pretrain(test_device, data_prefix, tmp_path / "ck", *extra, *load, iters=8)
+    assert re.search(r"iteration\s+7/\s*8", out) and len(more) == 2, out[-2000:]
+
+
+@pytest.mark.slow
+def test_pretrain_gpt2_fp16_loss_scale_falls_from_its_initial_value(
+    test_device,
+    data_prefix,
+    tmp_path,
+):
+    needs_cuda(test_device, "fp16 training is for GPUs (the CPU suite covers fp16 on gloo ranks)")
+    scale = ["--initial-loss-scale", str(2.0**40), "--hysteresis", "1"]
+    out, _ = _pretrain(test_device, data_prefix, tmp_path / "ck", *scale, precision=["--fp16"])
+    scales = [float(x) for x in re.findall(r"loss scale: ([0-9.]+)", out)]
+    skipped = [int(x) for x in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
+    assert scales[-1] < 2.0**40 and sum(skipped) >= 1, out[-2000:]

@@ -1,0 +1,82 @@
+"""bench/gpu_check.sh --smoke: every step of the GPU check runs on the CPU at tiny sizes, so
+wrong imports, flags, shapes or tables are found here and not in a half hour on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.config.schema import ModelConfig
+from megatron.training.log import model_flops_per_sample
+from tests.helpers.paths import ROOT
+
+STEPS = ["install", "tests", "kernels", "train", "mfu"]
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
+    out = tmp_path / "gpu_check"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    table = done.stdout.split("gpu_check summary")[-1].splitlines()
+    rows = {line.split()[0]: line.split(None, 3) for line in table[2:] if line[:1].isalpha()}
+    rows.pop("total", None)
+    assert list(rows) == STEPS, done.stdout[-3000:]
+    for name, (_, status, seconds, *headline) in rows.items():
+        assert status in ("ok", "skipped"), f"{name}: {status} {headline}"
+        assert int(seconds) >= 0 and headline, name
+        assert (out / f"{name}.log").exists()
+    assert rows["tests"][1] == "ok" and "passed" in rows["tests"][3]
+    assert "failed" not in rows["tests"][3]
+    assert rows["kernels"][3].startswith("slowest kernel")
+    assert rows["train"][3].startswith("loss ") and "tokens/s" in rows["train"][3]
+
+    mfu = json.loads((out / "mfu.json").read_text())
+    systems = {r["system"]: r for r in mfu["rows"]}
+    assert set(systems) == {"ours", "mcore", "hf"}
+    for name in ("ours", "hf"):
+        r = systems[name]
+        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu_989"] > 0, r
+        assert r["params"] == systems["ours"]["params"]
+    if rows["install"][1] == "ok":  # megatron-core installed: its model built, same size
+        assert "forward needs CUDA" in systems["mcore"]["skipped"]
+        assert f"{systems['ours']['params']:,} parameters equal ours" in systems["mcore"]["skipped"]
+    else:
+        assert "registry could not be reached" in rows["install"][3]
+
+
+@pytest.mark.parametrize("swiglu, groups", [(False, None), (True, 2)])
+def test_mfu_counts_megatrons_model_flops(swiglu, groups):
+    """bench/mfu.py's count is Megatron-LM's: the trainer's (which counts the whole s^2 attention
+    core) less the half that the causal mask skips; GPT-2 small by hand."""
+    from bench.mfu import megatron_flops_per_sample
+
+    cfg = ModelConfig(
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        seq_length=1024,
+        vocab_size=50257,
+        swiglu=swiglu,
+        num_query_groups=groups,
+    )
+    s, q = 1024, 768
+    assert megatron_flops_per_sample(cfg, s) == pytest.approx(
+        model_flops_per_sample(cfg, s) - 3 * 2 * 12 * s * s * q, rel=1e-12
+    )
+    if not swiglu:  # 6 FLOPs per token per matmul weight (QKV, proj, MLP, logits) + attention
+        matmul_params = 12 * (4 * 768 * 768 + 8 * 768 * 768) + 768 * 50304
+        assert megatron_flops_per_sample(cfg, s) == pytest.approx(
+            6 * s * matmul_params + 6 * 12 * s * s * q, rel=1e-12
+        )

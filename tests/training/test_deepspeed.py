@@ -1,0 +1,204 @@
+"""--deepspeed: ZeRO 1/2/3, the pipeline engine and DeepSpeed recompute against our own path;
+engine checkpoints that resume exactly; the JSON and the flags never disagree silently."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron.config.cli import parse_args
+from megatron.config.deepspeed_json import build_ds_config
+from megatron.config.schema import ConfigError
+from tests.helpers.distributed import run_distributed
+from tests.helpers.paths import ROOT
+from tests.helpers.training import (
+    _CALLS,
+    _losses,
+    _poison_third_micro_batch_on_rank1,
+    _train,
+    flags,
+    train_run,
+)
+
+deepspeed = pytest.importorskip(
+    "deepspeed",
+    reason="DeepSpeed is not installed (make test "
+    "installs it; pip install --no-build-isolation deepspeed)",
+)
+
+CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--vocab-size",
+    "128",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+]
+
+
+def _precision_flags(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    return [f"--{p}" for p in ("fp16", "bf16") if data.get(p, {}).get("enabled")]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_each_shipped_config_is_valid_for_deepspeed(path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = parse_args(
+        [
+            *BASE,
+            "--deepspeed",
+            "--deepspeed_config",
+            str(path),
+            "--global-batch-size",
+            "8",
+            *_precision_flags(path),
+        ],
+        world_size=1,
+    )
+    ds = build_ds_config(cfg)
+    assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 8
+    parsed = DeepSpeedConfig(ds, mpu=None)  # DeepSpeed's own checks (one process, no dist)
+    assert parsed.zero_optimization_stage == ds["zero_optimization"]["stage"]
+
+
+def _ds_cfg(tmp_path, json_body, *extra, world=2):
+    path = tmp_path / "ds.json"
+    path.write_text(json_body)
+    return parse_args(
+        [*BASE, "--deepspeed", "--deepspeed_config", str(path), *extra], world_size=world
+    )
+
+
+@pytest.mark.parametrize(
+    "body,extra,message",
+    [
+        (
+            '{"train_micro_batch_size_per_gpu": 4}',
+            ["--micro-batch-size", "2"],
+            "train_micro_batch_size_per_gpu=4 in the DeepSpeed JSON contradicts --micro-batch-size",
+        ),
+        (
+            '{"train_batch_size": 64}',
+            ["--global-batch-size", "8"],
+            "contradicts --global-batch-size",
+        ),
+        ('{"gradient_clipping": 0.5}', [], "contradicts --clip-grad"),
+        ('{"fp16": {"enabled": true}}', [], "fp16.enabled=True in the DeepSpeed JSON contradicts"),
+        (
+            '{"zero_optimization": {"stage": 2}}',
+            ["--pipeline-model-parallel-size", "2"],
+            "DeepSpeed's pipeline engine does not support ZeRO-2/3",
+        ),
+        ('{"optimizer": {"type": "Lamb"}}', [], "'optimizer' in the DeepSpeed JSON"),
+        ('{"optimizer": {"params": {"lr": 0.5}}}', [], "optimizer.params.lr=0.5 in the"),
+        ('{"zero_optimization": {"stage": 0}}', ["--cpu-optimizer"], "needs ZeRO stage 1"),
+        ('{"zero_optimization": {\n  "stage": 1,,\n}}', [], "ds.json:2: invalid JSON"),
+        (
+            "{}",
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "4",
+            ],
+            "no interleaved schedule",
+        ),
+    ],
+)
+def test_contradictions_between_json_and_flags_fail_fast(tmp_path, body, extra, message):
+    with pytest.raises(ConfigError) as err:
+        build_ds_config(_ds_cfg(tmp_path, body, *extra))
+    assert message in str(err.value)
+
+
+def test_classic_zero_flags_override_the_json_and_fill_it(tmp_path):
+    cfg = _ds_cfg(
+        tmp_path,
+        '{"zero_optimization": {"stage": 1}}',
+        "--zero-stage",
+        "2",
+        "--zero-reduce-bucket-size",
+        "1000",
+        "--cpu-optimizer",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--checkpoint-activations",
+        "--partition-activations",
+    )
+    ds = build_ds_config(cfg)
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 2 and zero["reduce_bucket_size"] == 1000
+    assert zero["offload_optimizer"]["device"] == "cpu"
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (2, 4)
+    assert ds["activation_checkpointing"]["partition_activations"] is True
+
+
+def _ds_worker(rank, world, argv, save_dir):
+    runs = {}
+    for stage in (1, 2, 3):
+        runs[f"zero{stage}"] = _train(
+            rank, world, argv + ["--deepspeed", "--zero-stage", str(stage)]
+        )[0]
+    ds = argv + ["--deepspeed", "--zero-stage", "1"]
+    runs["recompute"] = _train(rank, world, ds + ["--checkpoint-activations"])[0]
+    six = [a if a != "6" else "3" for a in ds]
+    _train(rank, world, six + ["--save", save_dir])
+    runs["resumed"] = _train(rank, world, ds + ["--load", save_dir])[0]
+    runs["pipe"] = _train(
+        rank,
+        world,
+        argv + ["--deepspeed", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
+    )[0]
+    # Promise 5 in every precision: rank 1's 3rd micro batch (iteration 2) has a NaN loss.
+    for name, extra in (("nan fp32 zero0", []), ("nan bf16 zero1", ["--bf16"])):
+        _CALLS["n"] = 0
+        stage = "0" if "zero0" in name else "1"
+        ds = [*argv, "--deepspeed", "--zero-stage", stage, *extra]
+        result = train_run(rank, world, ds, _poison_third_micro_batch_on_rank1)
+        runs[name] = result.history
+        runs[name + " finite"] = all(p.isfinite().all() for p in result.model.parameters())
+    return runs
+
+
+@pytest.mark.slow
+def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, tmp_path):
+    argv = flags(data_prefix, "--adam-eps", "1e-4")
+    ((ref, _, _),) = run_distributed(_train, 1, argv)
+    for rank, runs in enumerate(run_distributed(_ds_worker, 2, argv, str(tmp_path / "ck"))):
+        for name in ("zero1", "zero2", "zero3", "recompute", "pipe"):
+            np.testing.assert_allclose(
+                _losses(runs[name]), _losses(ref), rtol=2e-5, err_msg=f"{name} rank {rank}"
+            )
+        assert _losses(runs["resumed"]) == _losses(runs["zero1"])[3:], "engine resume is exact"
+        for name in ("nan fp32 zero0", "nan bf16 zero1"):
+            history = runs[name]
+            assert [h["updated"] for h in history] == [True, False, True, True, True, True], name
+            assert history[1]["grad_norm"] is None and runs[name + " finite"], name
+            assert all(np.isfinite(_losses(history)[2:])), name
+    marker = tmp_path / "ck" / "iter_0000003" / "complete"
+    assert marker.exists() and (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.slow
+def test_zero1_with_tensor_parallelism(data_prefix):
+    argv = flags(data_prefix, "--adam-eps", "1e-4")
+    ((ref, _, _),) = run_distributed(_train, 1, argv)
+    ds = argv + ["--deepspeed", "--zero-stage", "1", "--tensor-model-parallel-size", "2"]
+    for rank, (history, _, _) in enumerate(run_distributed(_train, 4, ds)):
+        np.testing.assert_allclose(
+            _losses(history), _losses(ref), rtol=2e-5, err_msg=f"rank {rank}"
+        )
