@@ -47,6 +47,8 @@ def build_context(cfg: MegatronConfig, rt: Runtime, device=None) -> BuildContext
         dtype=cfg.precision.params_dtype,
         rng_tracker=rt.rng_tracker,
         ops=select_ops(cfg.kernels, rt.device),
+        moe_dispatcher=cfg.parallel.moe_token_dispatcher_type,
+        moe_grouped_gemm=cfg.kernels.moe_grouped_gemm,
     )
 
 
