@@ -72,7 +72,7 @@ def parameter_names(module) -> dict[int, str]:
 def shard_pieces(ddp: DistributedDataParallel) -> list[_Piece]:
     """The pieces of parameters in this DP rank's shard of every bucket, in buffer order."""
     names = parameter_names(ddp.module)
-    bucket_shards = [b.shard(ddp.dp_rank, ddp.dp_size) for b in ddp.buckets]
+    bucket_shards = [b.shard(b.rank, b.size) for b in ddp.buckets]
     pieces = []
     for p, start, end in ddp.param_ranges:
         for s_lo, s_hi in bucket_shards:
