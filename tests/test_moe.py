@@ -12,8 +12,16 @@ import torch.nn.functional as F
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, model_config_from_saved
 from megatron.model.context import BuildContext
-from megatron.model.moe import MoELayer, capacity_keep, padded_bmm, route, set_moe_loss_scale
+from megatron.model.moe import (
+    MoELayer,
+    capacity_keep,
+    moe_step_stats,
+    padded_bmm,
+    route,
+    set_moe_loss_scale,
+)
 from megatron.models.gpt.model import GPTModel
+from megatron.training.log import model_flops_per_sample
 
 BASE = dict(
     num_layers=2,
@@ -251,3 +259,25 @@ def test_good_moe_flags_parse(monkeypatch):
     )
     assert cfg.model.num_experts == 8 and cfg.parallel.expert_model_parallel_size == 2
     assert cfg.kernels.moe_grouped_gemm and cfg.parallel.moe_token_dispatcher_type == "allgather"
+
+
+def test_flops_count_the_active_parameters():
+    """Top-2 of 8 experts of width 32 cost what a dense MLP of width 64 costs, plus the router."""
+    moe = _cfg(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+    dense = _cfg(num_experts=None, ffn_hidden_size=64)
+    s, h = 8, 32
+    router = 3 * moe.num_layers * 2 * s * h * 8
+    assert model_flops_per_sample(moe, s) - model_flops_per_sample(dense, s) == router
+
+
+def test_step_stats_report_the_losses_and_the_load():
+    model = GPTModel(_cfg(moe_aux_loss_coeff=0.1))
+    model.train()
+    tokens = torch.randint(0, 64, (2, 8))
+    for _ in range(2):  # two micro batches
+        model(tokens, labels=tokens).mean().backward()
+    aux = model.layers["0"].mlp.stats.values[0] + model.layers["1"].mlp.stats.values[0]
+    stats = moe_step_stats(model, model.state, 2)
+    torch.testing.assert_close(stats["load balancing loss"], aux / 2)
+    assert stats["z loss"] == 0 and stats["expert load max/mean"] >= 1.0
+    assert model.layers["0"].mlp.stats.values is None  # read once

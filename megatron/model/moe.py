@@ -372,3 +372,42 @@ def set_moe_loss_scale(model: nn.Module, scale: float) -> None:
     loss by (1 / micro batches, times the fp16 loss scale)."""
     for _, layer in moe_layers(model):
         layer.loss_grad_scale = float(scale)
+
+
+def moe_step_stats(model: nn.Module, state, num_layers: int) -> dict[str, torch.Tensor]:
+    """The MoE statistics of the step just run, the same on every rank ({} without MoE): the
+    load-balancing and z losses (each summed over the MoE layers, per micro batch) and the
+    mean over layers of max / mean tokens per expert. One all-reduce over all ranks; resets.
+
+    A layer's numbers are counted once per replica: on TP rank 0, or, with sequence
+    parallelism, on every TP rank (each routed its own tokens; their loss shares add up)."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    experts = layers[0][1].stats.num_experts
+    table = torch.zeros(num_layers, 3 + experts)  # [aux, z, micro batches, tokens per expert]
+    split = state.sequence_parallel
+    for name, layer in layers:
+        values = layer.stats.values
+        layer.stats.reset()
+        if values is None or not (split or state.tp_rank == 0):
+            continue
+        number = int(name.split("layers.")[-1].split(".")[0])
+        values = values.detach().to("cpu", torch.float32)
+        if split and state.tp_rank != 0:
+            values[2] = 0  # one micro-batch count per replica
+        table[number] += values
+    device = next(model.parameters()).device
+    table = table.to(device)
+    if state.world_size > 1:  # every rank of the job
+        dist.all_reduce(table)
+    used = table[:, 2] > 0
+    table = table[used]
+    per_micro = table[:, :2] / table[:, 2:3]  # (layers, [aux, z])
+    load = table[:, 3:]
+    balance = (load.max(1).values / load.mean(1).clamp(min=1e-9)).mean()
+    return {
+        "load balancing loss": per_micro[:, 0].sum(),
+        "z loss": per_micro[:, 1].sum(),
+        "expert load max/mean": balance,
+    }

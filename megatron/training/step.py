@@ -18,7 +18,7 @@ from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
-from megatron.model.moe import set_moe_loss_scale
+from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.parallelize import parallelize
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
@@ -202,7 +202,14 @@ def train_step(
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch
     result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
     others = other_losses(forward_step_func, stats, rt)
+    others.update(moe_step_stats(model, rt.state, _num_layers(model)))  # {} without MoE
     return {**result, "other_losses": others} if others else result
+
+
+def _num_layers(model) -> int:
+    chunk = getattr(model, "module", model)
+    chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
+    return chunk.cfg.num_layers
 
 
 @torch.no_grad()
