@@ -29,6 +29,7 @@ from megatron.training.schedules import get_forward_backward_func
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
 from tests.distributed import run_distributed
+from tests.test_training import data_prefix  # noqa: F401 - a fixture
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -205,3 +206,47 @@ def test_expert_parallel_layouts_match_one_process():
         assert set(report) == {layout[0] for layout in LAYOUTS}
     # the capacity layout really dropped assignments: its losses differ from dropless EP = 2
     assert results[0]["ep2-capacity"] != results[0]["ep2"]
+
+
+def _resume_worker(rank, world, argv, save_dir):
+    """For the plain and the distributed optimizer: 4 steps at EP = 2 saving at step 2, then
+    steps 3-4 resumed at EP = 1 and at EP = 2 from that checkpoint."""
+    import torch.distributed as dist
+
+    from tests.test_distributed_optimizer import _checkpoint_at
+    from tests.test_training import _train
+
+    out = {}
+    for optim in ([], ["--use-distributed-optimizer"]):
+        d = f"{save_dir}/{'distributed' if optim else 'plain'}"
+        ep2 = ["--expert-model-parallel-size", "2"]
+        save = ["--save", d, "--save-interval", "2"]
+        straight, _, _ = _train(rank, world, argv + optim + ep2 + save)
+        if rank == 0:
+            _checkpoint_at(d, 2, f"{d}_at2")
+        dist.barrier()
+        resumed = {}
+        for ep in (1, 2):
+            load = ["--load", f"{d}_at2"] + (ep2 if ep == 2 else [])
+            resumed[ep] = _train(rank, world, argv + optim + load)[0]
+        out[bool(optim)] = (straight, resumed)
+    return out
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(tmp_path, data_prefix):  # noqa: F811
+    from tests.test_training import _losses, flags
+
+    moe = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]
+    argv = flags(data_prefix, *moe, iters=4)
+    for rank_out in run_distributed(_resume_worker, 2, argv, str(tmp_path), timeout=600):
+        for distributed, (straight, resumed) in rank_out.items():
+            for ep, history in resumed.items():
+                assert [h["iteration"] for h in history] == [3, 4]
+                torch.testing.assert_close(
+                    torch.tensor(_losses(history)),
+                    torch.tensor(_losses(straight)[2:]),
+                    rtol=1e-5,
+                    atol=0,
+                    msg=lambda m, e=ep, d=distributed: f"EP {e} distributed {d}: {m}",
+                )

@@ -25,6 +25,12 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from megatron.checkpoint.experts import (
+    gather_experts,
+    gather_optimizer_experts,
+    local_experts,
+    local_optimizer_experts,
+)
 from megatron.checkpoint.resharding import partition_record
 from megatron.checkpoint.storage import (
     DISTRIB_OPTIM_NAME,
@@ -39,7 +45,7 @@ from megatron.checkpoint.storage import (
 )
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
-from megatron.training.distrib_optimizer import distributed_to_plain
+from megatron.training.distrib_optimizer import _plain_order, distributed_to_plain
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
@@ -193,11 +199,15 @@ def save_training_state(
     shard = {
         "checkpoint_version": CHECKPOINT_VERSION,
         **checkpoint_entries(cfg, rt, state),
-        "model": model.state_dict(),
+        # MoE: every expert, all-gathered over EP (megatron.checkpoint.experts)
+        "model": gather_experts(model.state_dict(), model, st),
         "partition": partition_record(model),  # how each tensor is split, for converters
     }
     if not cfg.checkpoint.no_save_optim:
         shard["optimizer"] = optimizer.state_dict()
+        if not hasattr(optimizer, "shard_state_dict"):  # the plain one: moments of all experts
+            order = _plain_order(model.module)
+            shard["optimizer"] = gather_optimizer_experts(shard["optimizer"], model, order, st)
         shard["opt_param_scheduler"] = scheduler.state_dict()
     where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
     root, it = cfg.checkpoint.save, state.iteration
@@ -257,7 +267,7 @@ def load_training_state(
 
     def restore(iteration: int, shard: dict) -> dict:
         _check_shapes(shard, cfg, c.load)
-        model.load_state_dict(shard["model"])
+        model.load_state_dict(local_experts(shard["model"], model, st))  # this EP rank's
         if c.finetune or c.no_load_optim:
             optimizer.reload_model_params()
         _require(shard, c, iteration)
@@ -297,10 +307,16 @@ def _load_optimizer(optimizer, model, shard: dict) -> None:
     plain optimizer; the plain one's (keyed by position) is cut into ranges."""
     saved = shard["optimizer"]
     distributed = hasattr(optimizer, "shard_state_dict")
+    st = optimizer.state
     if saved.get("distributed") and distributed:
         optimizer.load_state_dict(saved, shard["distrib_optim"])
     elif saved.get("distributed"):
-        plain = distributed_to_plain(saved, shard["distrib_optim"], model.module, optimizer.masters)
+        plain = distributed_to_plain(
+            saved, shard["distrib_optim"], model.module, optimizer.masters, state=st
+        )
         optimizer.load_state_dict(plain)
-    else:
-        optimizer.load_state_dict(saved)  # the distributed one converts a plain state itself
+    elif distributed:
+        optimizer.load_state_dict(saved)  # converts a plain state itself (experts whole)
+    else:  # this EP rank's experts of the saved moments and masters
+        order = _plain_order(model.module)
+        optimizer.load_state_dict(local_optimizer_experts(saved, model, order, st))
