@@ -118,6 +118,7 @@ def _my_split(name: str, full: torch.Tensor, cfg: ModelConfig, tp: int, r: int) 
         g = cfg.query_groups
         groups = full.reshape(g, -1, *full.shape[1:])  # (groups, (n/g + 2) d, ...)
         return groups[r * g // tp : (r + 1) * g // tp].reshape(-1, *full.shape[1:]).clone()
+    suffix = suffix.replace("mlp.shared_expert.", "mlp.")  # an MoE shared expert: an MLP
     if suffix.startswith("mlp.dense_h_to_4h"):
         if cfg.swiglu:
             gate, up = full.chunk(2)
