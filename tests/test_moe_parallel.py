@@ -224,6 +224,7 @@ def _resume_worker(rank, world, argv, save_dir):
         straight, _, _ = _train(rank, world, argv + optim + ep2 + save)
         if rank == 0:
             _checkpoint_at(d, 2, f"{d}_at2")
+            out[f"generated {bool(optim)}"] = _generate_from(f"{d}_at2")
         dist.barrier()
         resumed = {}
         for ep in (1, 2):
@@ -233,6 +234,23 @@ def _resume_worker(rank, world, argv, save_dir):
     return out
 
 
+def _generate_from(load: str) -> list[list[int]]:
+    """The inference tools' loading (one process, EP = 1) of an EP = 2 checkpoint: greedy
+    continuations, with the KV cache and without."""
+    from megatron.inference.engine import InferenceModel
+    from megatron.inference.generation import SamplingParams, generate
+    from megatron.inference.loading import load_model_for_inference
+
+    rt = Runtime(state=mpu.single_process_state(), device=torch.device("cpu"), rng_tracker=None)
+    chunks, _, cfg, iteration = load_model_for_inference(load, rt)
+    assert iteration == 2 and cfg.num_experts == 4
+    engine = InferenceModel(chunks, rt.state, cfg.vocab_size, cfg.hidden_size)
+    prompts, params = [[1, 2, 3], [7, 8]], SamplingParams(6, greedy=True)
+    cached = generate(engine, prompts, params, use_cache=True)
+    assert cached == generate(engine, prompts, params, use_cache=False)
+    return cached
+
+
 @pytest.mark.slow
 def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(tmp_path, data_prefix):  # noqa: F811
     from tests.test_training import _losses, flags
@@ -240,6 +258,8 @@ def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(tmp_path, data_prefix
     moe = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]
     argv = flags(data_prefix, *moe, iters=4)
     for rank_out in run_distributed(_resume_worker, 2, argv, str(tmp_path), timeout=600):
+        for key in [k for k in rank_out if isinstance(k, str)]:
+            assert all(len(row) > 3 for row in rank_out.pop(key))  # generated from EP = 2
         for distributed, (straight, resumed) in rank_out.items():
             for ep, history in resumed.items():
                 assert [h["iteration"] for h in history] == [3, 4]
