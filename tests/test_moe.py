@@ -281,3 +281,54 @@ def test_step_stats_report_the_losses_and_the_load():
     torch.testing.assert_close(stats["load balancing loss"], aux / 2)
     assert stats["z loss"] == 0 and stats["expert load max/mean"] >= 1.0
     assert model.layers["0"].mlp.stats.values is None  # read once
+
+
+# ---- the planner ----
+
+
+def test_planner_counts_expert_parameters_and_shards_their_state_over_dp_over_ep():
+    from megatron.planning.memory import (
+        Training,
+        model_state_bytes,
+        stage_expert_params,
+        stage_params,
+    )
+
+    for kw in ({}, {"swiglu": True, "moe_shared_expert_intermediate_size": 16}):
+        cfg = _cfg(moe_layer_freq=2, moe_ffn_hidden_size=24, **kw)
+        model = GPTModel(cfg)
+        total = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert_parallel", 0))
+        assert stage_params(cfg, 1, 1, 0) == total
+        assert stage_expert_params(cfg, 1, 0, 1) == experts
+        assert stage_params(cfg, 1, 1, 0, ep=2) == total - experts // 2
+    # distributed optimizer at DP 4, EP 2: dense state / 4, expert state / 2
+    t = Training(dtype_bytes=4, sharding="distributed")
+    assert (
+        model_state_bytes(1000, 4, t, experts=400, ep=2)["optimizer"] == 600 * 8 // 4 + 400 * 8 // 2
+    )
+
+
+def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
+    from megatron.config.schema import MegatronConfig, OptimizerConfig, TrainingConfig
+    from megatron.planning.enumerate import Search, layouts, plans
+    from megatron.planning.memory import Layout, Training
+    from megatron.planning.timing import Hardware, step_time
+
+    cfg = MegatronConfig(
+        model=ModelConfig(
+            num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, num_experts=8
+        ),
+        training=TrainingConfig(global_batch_size=64),
+        optimizer=OptimizerConfig(lr=1e-4),
+    )
+    search = Search(8, 80, micro_batches=(1,), recompute=(None,), context_parallel=(1,))
+    found, _ = layouts(cfg, search)
+    assert {x.ep for x in found} == {1, 2, 4, 8}
+    assert all(x.dp % x.ep == 0 for x in found)
+    ranked = plans(cfg, search)
+    assert ranked and all("ep_comm" in p.time for p in ranked)
+    t, hw = Training(), Hardware()
+    one = step_time(cfg.model, Layout(1, 1, 8, 1, 8), t, hw)
+    two = step_time(cfg.model, Layout(1, 1, 8, 1, 8, ep=2), t, hw)
+    assert one["ep_comm"] == 0 < two["ep_comm"] and two["dp_comm"] < one["dp_comm"]
