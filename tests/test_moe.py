@@ -225,6 +225,8 @@ BAD = [
     (["--num-experts", "4", "--context-parallel-size", "2"], "--num-experts"),
     (["--num-experts", "4", "--DDP-impl", "torch"], "--num-experts"),
     (["--num-experts", "0"], "--num-experts"),
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm"),
+    (["--moe-token-dispatcher-type", "allgather"], "--moe-token-dispatcher-type"),
     (
         [
             "--num-experts",
@@ -277,7 +279,7 @@ def test_step_stats_report_the_losses_and_the_load():
     for _ in range(2):  # two micro batches
         model(tokens, labels=tokens).mean().backward()
     aux = model.layers["0"].mlp.stats.values[0] + model.layers["1"].mlp.stats.values[0]
-    stats = moe_step_stats(model, model.state, 2)
+    stats = moe_step_stats(model, model.state, model.cfg)
     torch.testing.assert_close(stats["load balancing loss"], aux / 2)
     assert stats["z loss"] == 0 and stats["expert load max/mean"] >= 1.0
     assert model.layers["0"].mlp.stats.values is None  # read once

@@ -50,7 +50,8 @@ MICRO, BATCH, STEPS = 2, 2, 2  # micro batches per DP rank, samples per micro ba
 # (name, TP, PP, EP, sequence parallel, dispatcher, distributed optimizer, model changes)
 LAYOUTS = [
     ("ep2", 1, 1, 2, False, "alltoall", False, {}),
-    ("ep4-allgather", 1, 1, 4, False, "allgather", False, {}),
+    ("ep4", 1, 1, 4, False, "alltoall", False, {}),
+    ("ep2-allgather", 1, 1, 2, False, "allgather", False, {"moe_router_topk": 1}),
     (
         "ep2-capacity",
         1,
@@ -63,6 +64,17 @@ LAYOUTS = [
     ),
     ("ep2-tp2-sp", 2, 1, 2, True, "alltoall", False, {"moe_shared_expert_intermediate_size": 16}),
     ("ep2-pp2-recompute", 1, 2, 2, False, "alltoall", False, {"swiglu": True, "recompute": True}),
+    # interleaved 1F1B, MoE on layers 0 and 2 only: stage 1 has no MoE layer at all
+    (
+        "ep2-pp2-interleaved",
+        1,
+        2,
+        2,
+        False,
+        "alltoall",
+        False,
+        {"num_layers": 4, "moe_layer_freq": 2, "vp": 2},
+    ),
     ("ep2-distopt", 1, 1, 2, False, "alltoall", True, {"moe_grouped_gemm": True}),
 ]
 
@@ -153,13 +165,13 @@ def _worker(rank, world):
     report = {}
     for name, tp, pp, ep, sp, dispatcher, distributed, layout_changes in LAYOUTS:
         changes = dict(layout_changes)
-        run = {k: changes.pop(k) for k in ("moe_grouped_gemm", "recompute") if k in changes}
+        run = {k: changes.pop(k) for k in ("moe_grouped_gemm", "recompute", "vp") if k in changes}
         model_changes = changes
         cfg = dataclasses.replace(MODEL, **model_changes)
         dp = world // (tp * pp)
         ref = _train(cfg, mpu.single_process_state(), dispatcher, {}, False, range(dp * MICRO))
         state = initialize_model_parallel(
-            tp, pp, sequence_parallel=sp, expert_model_parallel_size=ep
+            tp, pp, run.get("vp"), sequence_parallel=sp, expert_model_parallel_size=ep
         )
         try:
             mine = range(state.dp_rank * MICRO, (state.dp_rank + 1) * MICRO)

@@ -70,6 +70,16 @@ def validate_moe(cfg: MegatronConfig) -> None:
             "add --num-experts (a multiple of the EP size) or drop the flag",
         )
     if not m.moe:
+        for flag, given in (
+            ("--moe-grouped-gemm", cfg.kernels.moe_grouped_gemm),
+            ("--moe-token-dispatcher-type", par.moe_token_dispatcher_type != "alltoall"),
+        ):
+            if given:
+                _fail(
+                    flag,
+                    "given without --num-experts (no experts to compute)",
+                    "add --num-experts E or drop it",
+                )
         return
     if m.num_experts % ep:
         _fail(

@@ -374,20 +374,19 @@ def set_moe_loss_scale(model: nn.Module, scale: float) -> None:
         layer.loss_grad_scale = float(scale)
 
 
-def moe_step_stats(model: nn.Module, state, num_layers: int) -> dict[str, torch.Tensor]:
+def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The MoE statistics of the step just run, the same on every rank ({} without MoE): the
     load-balancing and z losses (each summed over the MoE layers, per micro batch) and the
-    mean over layers of max / mean tokens per expert. One all-reduce over all ranks; resets.
+    mean over layers of max / mean tokens per expert. One all-reduce over all ranks (also those
+    whose pipeline stage has no MoE layer); resets.
 
     A layer's numbers are counted once per replica: on TP rank 0, or, with sequence
     parallelism, on every TP rank (each routed its own tokens; their loss shares add up)."""
-    layers = moe_layers(model)
-    if not layers:
+    if not cfg.moe:
         return {}
-    experts = layers[0][1].stats.num_experts
-    table = torch.zeros(num_layers, 3 + experts)  # [aux, z, micro batches, tokens per expert]
+    table = torch.zeros(cfg.num_layers, 3 + cfg.num_experts)  # [aux, z, micro batches, load]
     split = state.sequence_parallel
-    for name, layer in layers:
+    for name, layer in moe_layers(model):
         values = layer.stats.values
         layer.stats.reset()
         if values is None or not (split or state.tp_rank == 0):

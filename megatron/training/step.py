@@ -202,14 +202,14 @@ def train_step(
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch
     result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
     others = other_losses(forward_step_func, stats, rt)
-    others.update(moe_step_stats(model, rt.state, _num_layers(model)))  # {} without MoE
+    others.update(moe_step_stats(model, rt.state, _model_config(model)))  # {} without MoE
     return {**result, "other_losses": others} if others else result
 
 
-def _num_layers(model) -> int:
+def _model_config(model):
     chunk = getattr(model, "module", model)
     chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
-    return chunk.cfg.num_layers
+    return chunk.cfg
 
 
 @torch.no_grad()
