@@ -10,9 +10,8 @@ import torch
 
 from megatron.checkpoint.resharding import load_full_state, model_config, save_resharded
 from megatron.checkpoint.storage import load_shard
-from megatron.config.schema import ModelConfig
 from tests.test_convert_checkpoint import (
-    _COMMON,
+    VARIANTS,
     _logits,
     _model,
     _tokens,
@@ -20,24 +19,14 @@ from tests.test_convert_checkpoint import (
     _write_checkpoint,
 )
 
-_LLAMA = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-    num_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=24,
-)
+# The Llama variant of the conversion tests (RoPE, RMSNorm, SwiGLU, GQA 8 / 4, untied, no
+# biases) with 4 experts of width 24, top-2.
+_MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24)
 MOE = {
-    "mixtral": ModelConfig(**_LLAMA, **_COMMON),
-    "qwen2_moe": ModelConfig(
-        **_LLAMA,
-        **{**_COMMON, "num_layers": 4},
+    "mixtral": dataclasses.replace(VARIANTS["llama"], **_MOE),
+    "qwen2_moe": dataclasses.replace(
+        VARIANTS["llama"],
+        **_MOE,
         ffn_hidden_size=40,  # the dense layers' MLP
         moe_layer_freq=2,
         moe_router_pre_softmax=True,
@@ -91,11 +80,11 @@ def test_moe_imports_read_what_transformers_writes(tmp_path, arch):
     cfg = MOE[arch]
     common = dict(
         vocab_size=cfg.vocab_size,
-        hidden_size=32,
+        hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.query_groups,
+        max_position_embeddings=cfg.seq_length,
         rms_norm_eps=1e-5,
         num_experts_per_tok=2,
         tie_word_embeddings=False,
@@ -120,7 +109,8 @@ def test_moe_imports_read_what_transformers_writes(tmp_path, arch):
     hf.save_pretrained(str(tmp_path / "hf"))
     state, args = from_hf(str(tmp_path / "hf"))
     ours_cfg = model_config(args)
-    assert dataclasses.replace(ours_cfg, init_method_std=0.02).num_experts == 4
+    assert ours_cfg.num_experts == 4 and ours_cfg.moe_layers == cfg.moe_layers
+    assert ours_cfg.moe_router_pre_softmax == (arch == "qwen2_moe")
     save_resharded(state, args, str(tmp_path / "ck"), 1, 1, 0, quiet=True)
     ours = _model(ours_cfg, seed=11)
     ours.load_state_dict(
