@@ -334,3 +334,19 @@ def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
     one = step_time(cfg.model, Layout(1, 1, 8, 1, 8), t, hw)
     two = step_time(cfg.model, Layout(1, 1, 8, 1, 8, ep=2), t, hw)
     assert one["ep_comm"] == 0 < two["ep_comm"] and two["dp_comm"] < one["dp_comm"]
+
+
+def test_expert_init_is_the_same_at_any_ep_size():
+    """Experts are drawn on the whole (E, ...) tensors and sliced: EP rank 1 of 2 holds experts
+    2-3 of the one-process model; expert biases start at zero."""
+    from megatron.mpu import single_process_state
+
+    cfg = _cfg()
+    whole = _layer(cfg).experts
+    state = dataclasses.replace(single_process_state(), ep_size=2, ep_rank=1)
+    half = GPTModel(cfg, BuildContext(state=state)).layers["0"].mlp.experts
+    assert half.weight1.shape[0] == 2
+    torch.testing.assert_close(half.weight1, whole.weight1[2:], rtol=0, atol=0)
+    torch.testing.assert_close(half.weight2, whole.weight2[2:], rtol=0, atol=0)
+    assert whole.bias1.abs().sum() == 0 and whole.bias2.abs().sum() == 0
+    assert not torch.equal(whole.weight1[0], whole.weight1[1])

@@ -1,6 +1,7 @@
 """Expert parallelism against one process: loss, gradients and updated weights of an MoE GPT
 trained two steps at EP = 2 (and 4), EP x TP with sequence parallelism, EP x PP, the allgather
-dispatcher, capacity-limited routing and the distributed optimizer, all in ONE 4-rank spawn.
+dispatcher, capacity-limited routing and the distributed optimizer; then an EP = 2 checkpoint
+resumed at EP = 1 and 2 and loaded by the inference tools: all in ONE 4-rank spawn.
 
 Each rank also trains the single-process model on every micro batch of the global batch (the
 reference), so the comparison needs no second spawn. Data-parallel rank d runs micro batches
@@ -211,9 +212,24 @@ def _worker(rank, world):
     return report
 
 
+def _spawned(rank, world, argv, save_dir):
+    """Everything multi-rank of this file in one 4-rank spawn (a spawn costs seconds)."""
+    return {"layouts": _worker(rank, world), "resume": _resume_worker(rank, world, argv, save_dir)}
+
+
+@pytest.fixture(scope="module")
+def spawn(data_prefix, tmp_path_factory):  # noqa: F811
+    from tests.test_training import flags
+
+    moe = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]
+    argv = flags(data_prefix, *moe, iters=4)
+    save_dir = str(tmp_path_factory.mktemp("moe_checkpoints"))
+    return run_distributed(_spawned, 4, argv, save_dir, timeout=900)
+
+
 @pytest.mark.slow
-def test_expert_parallel_layouts_match_one_process():
-    results = run_distributed(_worker, 4, timeout=600)
+def test_expert_parallel_layouts_match_one_process(spawn):
+    results = [out["layouts"] for out in spawn]
     for report in results:
         assert set(report) == {layout[0] for layout in LAYOUTS}
     # the capacity layout really dropped assignments: its losses differ from dropless EP = 2
@@ -221,8 +237,8 @@ def test_expert_parallel_layouts_match_one_process():
 
 
 def _resume_worker(rank, world, argv, save_dir):
-    """For the plain and the distributed optimizer: 4 steps at EP = 2 saving at step 2, then
-    steps 3-4 resumed at EP = 1 and at EP = 2 from that checkpoint."""
+    """For the plain and the distributed optimizer: 4 steps at DP 4 with EP = 2 saving at step
+    2, then steps 3-4 resumed at EP = 1 and at EP = 2 from that checkpoint."""
     import torch.distributed as dist
 
     from tests.test_distributed_optimizer import _checkpoint_at
@@ -264,12 +280,10 @@ def _generate_from(load: str) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(tmp_path, data_prefix):  # noqa: F811
-    from tests.test_training import _losses, flags
+def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(spawn):
+    from tests.test_training import _losses
 
-    moe = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]
-    argv = flags(data_prefix, *moe, iters=4)
-    for rank_out in run_distributed(_resume_worker, 2, argv, str(tmp_path), timeout=600):
+    for rank_out in [out["resume"] for out in spawn]:
         for key in [k for k in rank_out if isinstance(k, str)]:
             assert all(len(row) > 3 for row in rank_out.pop(key))  # generated from EP = 2
         for distributed, (straight, resumed) in rank_out.items():

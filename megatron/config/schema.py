@@ -67,9 +67,8 @@ TOKENIZER_TYPES = (
 
 
 @dataclass(frozen=True)
-class ModelConfig(MoESettings):
-    """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints. The
-    mixture-of-experts fields (--num-experts, ...) are declared in megatron.config.schema_moe."""
+class _DenseModelFields(Section):
+    """The dense model's fields of ModelConfig (declared first, so they lead in --help)."""
 
     num_layers: int = setting(2, "transformer layers", min=1)
     hidden_size: int = setting(64, "model width h", min=1)
@@ -186,6 +185,13 @@ class ModelConfig(MoESettings):
             raise ConfigError("the vocabulary size is unknown: pass --vocab-size or a tokenizer")
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelConfig(MoESettings, _DenseModelFields):
+    """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints. The
+    mixture-of-experts fields (--num-experts, ...) follow, declared in
+    megatron.config.schema_moe."""
 
 
 def model_config_from_saved(saved: dict) -> ModelConfig:

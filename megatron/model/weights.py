@@ -68,7 +68,7 @@ def init_weights(
         full = torch.empty(_full_shape(param, state), dtype=torch.float32)
         if local_name in norm_params:
             full.fill_(1.0 if name.endswith("weight") else 0.0)
-        elif name.rsplit(".", 1)[-1].startswith("bias"):  # bias, or the experts' bias1/bias2
+        elif name.endswith(("bias", "experts.bias1", "experts.bias2")):  # MoE experts' too
             full.zero_()
         else:
             std = scaled_std if name.endswith(_SCALED_INIT_SUFFIXES) else cfg.init_method_std
