@@ -36,7 +36,9 @@ from torch import nn
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.mpu.mappings import (
+    all_gather_rows,
     all_to_all,
+    exchange_counts,
     gather_from_expert_region,
     reduce_scatter_to_expert_region,
 )
@@ -313,9 +315,7 @@ class MoELayer(nn.Module):
         counts = torch.bincount(ids, minlength=e)  # (E,) this rank's assignments per expert
         sent = tokens[slots // k]  # (N, h) sorted by expert, hence by destination EP rank
         if ep > 1:  # received[j, l]: tokens EP rank j sends to my local expert l
-            received = torch.empty_like(counts)
-            dist.all_to_all_single(received, counts, group=group)
-            received = received.view(ep, -1)
+            received = exchange_counts(counts, group)  # (EP, E / EP)
             in_splits = counts.view(ep, -1).sum(1).tolist()
             out_splits = received.sum(1).tolist()
             arrived = all_to_all(sent, group, out_splits, in_splits)  # (source, expert) order
@@ -333,7 +333,7 @@ class MoELayer(nn.Module):
         t, k = experts.shape
         group, local = self.state.ep_group, self.experts.local
         everyone = gather_from_expert_region(tokens, group)  # (EP T, h)
-        ids = _gather_plain(torch.where(keep, experts, -1), group).reshape(-1)  # (EP T k)
+        ids = all_gather_rows(torch.where(keep, experts, -1), group).reshape(-1)  # (EP T k)
         first = self.state.ep_rank * local
         mine = torch.nonzero((ids >= first) & (ids < first + local)).squeeze(1)
         order = torch.argsort(ids[mine], stable=True)
@@ -355,12 +355,6 @@ def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     block_start = torch.cumsum(sizes, 0) - sizes
     which = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)
     return blocks[which] + within - block_start[which]
-
-
-def _gather_plain(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

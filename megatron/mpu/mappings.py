@@ -235,6 +235,15 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, input_splits, output_splits), None, None, None
 
 
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """(p x n,) counts, slice j for rank j -> (p, n): row j what rank j sent here (no autograd;
+    the split sizes of the all-to-all that follows)."""
+    size = group_size(group)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received.view(size, -1)
+
+
 def all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
     """(sum(input_splits), ...) -> (sum(output_splits), ...): the token exchange of the MoE
     alltoall dispatcher (identity for a group of one)."""
@@ -282,6 +291,11 @@ class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_rows(grad, ctx.group), None
+
+
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x stacked along dim 0 in rank order (no autograd: routing decisions)."""
+    return x if group_size(group) == 1 else _gather_rows(x, group)
 
 
 def gather_from_expert_region(x: torch.Tensor, group) -> torch.Tensor:
