@@ -350,3 +350,24 @@ def test_expert_init_is_the_same_at_any_ep_size():
     torch.testing.assert_close(half.weight2, whole.weight2[2:], rtol=0, atol=0)
     assert whole.bias1.abs().sum() == 0 and whole.bias2.abs().sum() == 0
     assert not torch.equal(whole.weight1[0], whole.weight1[1])
+
+
+@pytest.mark.slow  # compiles
+def test_bias_dropout_fusion_runs_moe_layers_unchanged():
+    """The fused residual add gets no MLP bias from an MoE layer (its output is complete)."""
+    from megatron.config.schema import KernelConfig
+    from megatron.fused_kernels import select_ops
+
+    cfg = _cfg(moe_shared_expert_intermediate_size=16, moe_aux_loss_coeff=0.01)
+    tokens = torch.randint(0, 64, (2, 8))
+    ops = select_ops(KernelConfig(bias_dropout_fusion=True), torch.device("cpu"))
+    runs = []
+    for fused in (False, True):
+        model = GPTModel(cfg, BuildContext(ops=ops) if fused else BuildContext())
+        model.train()
+        loss = model(tokens, labels=tokens).mean()
+        loss.backward()
+        runs.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
