@@ -22,9 +22,9 @@ Mixture of experts (--num-experts E, top-k, expert width f): an MoE layer holds 
 (E h), its shared expert (split over TP) and E / EP experts (not split over TP); their
 gradients and optimizer state shard over the DP x CP / EP ranks holding the same experts. Its
 activations replace the MLP's by the dispatch buffers of the T = s b / t (SP) or s b tokens a
-rank routes: D T k (5 h + f1 + f) bytes (the permuted tokens sent and received, the experts'
-inner activations, their outputs there and back, the weighted combine) and the fp32 router
-scores 12 T E.
+rank routes, per (token, expert) slot D (3 h + 2 f) with GeLU experts, D (3 h + 4 f) with
+SwiGLU (the permuted tokens, the experts' inner activations, their outputs, the combine's
+input; + D h with EP > 1, the received copy), and the fp32 router scores 12 T E.
 
 Context parallelism (CP ranks per sequence) gives each rank s / CP tokens: every activation
 term above is taken at s / CP, and the attention core is the ring's (mpu/context_parallel.py):
@@ -241,7 +241,8 @@ def layer_activation_bytes(
     inside = D * s * b * width // tp
     if moe:  # the tokens this rank routes: its s / t with SP, all s otherwise
         tokens, k, f = s * b // sp, m.moe_router_topk, m.expert_ffn_size
-        inside += D * tokens * k * (5 * h + (mlp - 1) * f) + 12 * tokens * m.num_experts
+        per_slot = (3 + (lay.ep > 1)) * h + 2 * (mlp - 1) * f
+        inside += D * tokens * k * per_slot + 12 * tokens * m.num_experts
     return outside + inside + (_attention_core_bytes(m, lay, t, dev) if core else 0)
 
 
