@@ -238,9 +238,11 @@ def test_expert_parallel_layouts_match_one_process(spawn):
 
 def _resume_worker(rank, world, argv, save_dir):
     """For the plain and the distributed optimizer: 4 steps at DP 4 with EP = 2 saving at step
-    2, then steps 3-4 resumed at EP = 1 and at EP = 2 from that checkpoint."""
+    2, then steps 3-4 resumed at EP = 1 and at EP = 2 from that checkpoint (and, with the
+    distributed optimizer, from it converted to PP 2 by tools/convert_checkpoint.py)."""
     import torch.distributed as dist
 
+    from tests.test_convert_checkpoint import _cli
     from tests.test_distributed_optimizer import _checkpoint_at
     from tests.test_training import _train
 
@@ -250,14 +252,20 @@ def _resume_worker(rank, world, argv, save_dir):
         ep2 = ["--expert-model-parallel-size", "2"]
         save = ["--save", d, "--save-interval", "2"]
         straight, _, _ = _train(rank, world, argv + optim + ep2 + save)
+        pp2 = ["--target-pipeline-model-parallel-size", "2"]
         if rank == 0:
             _checkpoint_at(d, 2, f"{d}_at2")
             out[f"generated {bool(optim)}"] = _generate_from(f"{d}_at2")
+            if optim:  # tools/convert_checkpoint.py to PP 2 keeps the distributed state
+                assert _cli()(["--load", f"{d}_at2", "--save", f"{d}_pp2", *pp2]) == 0
         dist.barrier()
         resumed = {}
         for ep in (1, 2):
             load = ["--load", f"{d}_at2"] + (ep2 if ep == 2 else [])
             resumed[ep] = _train(rank, world, argv + optim + load)[0]
+        if optim:  # the converted checkpoint, at PP 2 x DP 2 (EP 1)
+            pp = ["--load", f"{d}_pp2", "--no-load-rng", "--pipeline-model-parallel-size", "2"]
+            resumed["converted to PP 2"] = _train(rank, world, argv + optim + pp)[0]
         out[bool(optim)] = (straight, resumed)
     return out
 

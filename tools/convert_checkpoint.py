@@ -10,6 +10,8 @@ One CPU process, no torch.distributed; the whole model is held in memory once. R
 not converted, nor the plain optimizer's: resume with --no-load-optim --no-load-rng, or
 --finetune. The state of --use-distributed-optimizer (saved per parameter) is converted with
 the weights: resume with --use-distributed-optimizer --no-load-rng, at any DP size.
+MoE checkpoints hold every expert whole (docs/moe.md): they convert like dense ones and resume
+at any --expert-model-parallel-size, so there is no EP to convert.
 """
 
 import argparse
