@@ -376,19 +376,11 @@ def test_bias_dropout_fusion_runs_moe_layers_unchanged():
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("width", [64, 256])
 def test_planner_activation_memory_matches_the_built_moe_model(swiglu, width):
-    from megatron.model.memory import SavedActivations
-    from megatron.planning.memory import Device, Layout, Training, stage_activation_peak
+    from tests.test_planning import saved_and_predicted_activations
 
     cfg = ModelConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
         num_experts=4, moe_ffn_hidden_size=width, swiglu=swiglu,
     )  # fmt: skip
-    model = GPTModel(cfg, BuildContext(seed=1))
-    model.train()
-    tokens = torch.randint(0, 256, (2, 33))
-    with SavedActivations(exclude=model.parameters()) as saved:
-        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
-    lay = Layout(1, 1, 1, micro_batch=2, num_micro_batches=1)
-    cpu = Device(mask_bytes=4, flash_attention=False)
-    predicted = stage_activation_peak(cfg, lay, Training(dtype_bytes=4), cpu, 0)["activations"]
-    assert abs(predicted - saved.bytes) / saved.bytes < 0.01
+    measured, predicted = saved_and_predicted_activations(cfg)
+    assert abs(predicted - measured) / measured < 0.01
