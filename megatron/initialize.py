@@ -148,6 +148,7 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
         timeout=timeout,
         sequence_parallel=cfg.parallel.sequence_parallel,
         context_parallel_size=cfg.parallel.context_parallel_size,
+        expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
     heartbeat = Heartbeat.start_default(timeout.total_seconds())

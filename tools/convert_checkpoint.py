@@ -11,6 +11,8 @@ saved at another layout reshards on load); this tool does the same offline, with
 one target shard in memory at a time: the optimizer state of either kind is converted with the
 weights (as the distributed optimizer's, which both optimizers load at any DP size); the RNG
 states are not (resume with --no-load-rng). Hugging Face export holds the whole model once.
+MoE checkpoints hold every expert whole (docs/moe.md): they convert like dense ones and resume
+at any --expert-model-parallel-size, so there is no EP to convert.
 """
 
 import argparse

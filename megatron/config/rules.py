@@ -22,6 +22,7 @@ from megatron.config.compat_v1 import V1_DEFAULT_TOKENIZER, validate_compat
 from megatron.config.deepspeed_json import build_ds_config, with_ds_json
 from megatron.config.lr_schedule import schedule_steps
 from megatron.config.rules_logging import validate_logging
+from megatron.config.rules_moe import validate_moe
 from megatron.config.schema import (
     ConfigError,
     DataConfig,
@@ -189,6 +190,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
             "launch a multiple of TP x PP processes or change the parallel sizes",
         )
     validate_model(m, tp)
+    validate_moe(cfg)
     _validate_context_parallel(cfg)
     _validate_sequence_parallel(cfg)
     if m.num_layers % pp:
@@ -617,6 +619,12 @@ def _validate_bert(cfg: MegatronConfig) -> None:
         )
     if cfg.model.untie_embeddings_and_output_weights:
         _fail("--untie-embeddings-and-output-weights", "BERT ties its MLM output", "drop it")
+    if cfg.model.moe:
+        _fail(
+            "--num-experts",
+            "mixture of experts is trained, logged and converted for the GPT only",
+            "drop it, or pretrain an MoE GPT with pretrain_gpt2.py",
+        )
     if cfg.data.uses_documents:
         _fail(
             "--reset-position-ids/--reset-attention-mask/--eod-mask-loss",

@@ -23,6 +23,7 @@ from megatron.config.declare import ConfigError, Section, setting
 from megatron.config.pretrained_vocab import PRETRAINED, find_files
 from megatron.config.pretrained_vocab import problem as pretrained_problem
 from megatron.config.schema_corpora import LooseJsonConfig
+from megatron.config.schema_moe import MoESettings
 from megatron.config.schema_run import (
     CheckpointConfig,
     DeepSpeedConfig,
@@ -67,8 +68,8 @@ TOKENIZER_TYPES = (
 
 
 @dataclass(frozen=True)
-class ModelConfig(Section):
-    """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints."""
+class _DenseModelFields(Section):
+    """The dense model's fields of ModelConfig (declared first, so they lead in --help)."""
 
     num_layers: int = setting(2, "transformer layers", min=1)
     hidden_size: int = setting(64, "model width h", min=1)
@@ -187,6 +188,13 @@ class ModelConfig(Section):
         return -(-self.vocab_size // multiple) * multiple
 
 
+@dataclass(frozen=True)
+class ModelConfig(MoESettings, _DenseModelFields):
+    """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints. The
+    mixture-of-experts fields (--num-experts, ...) follow, declared in
+    megatron.config.schema_moe."""
+
+
 def model_config_from_saved(saved: dict) -> ModelConfig:
     """The ModelConfig of a checkpoint's args["model"]. Keys that are not (or no longer)
     ModelConfig fields are dropped: checkpoints from before the run-time switches moved out
@@ -250,6 +258,11 @@ class KernelConfig(Section):
         False, "Triton vocab-parallel cross-entropy without fp32 logits"
     )
     torch_compile: bool = setting(False, "torch.compile each transformer layer")
+    moe_grouped_gemm: bool = setting(
+        False,
+        "MoE: each layer's experts as one grouped matmul (torch._grouped_mm where it runs, else "
+        "a batched matmul over the groups padded to the largest); default: a loop over experts",
+    )
     attention_softmax_in_fp32: bool = setting(
         False,
         "with fp16/bf16, attention probabilities from an fp32 softmax for every backend "
@@ -335,6 +348,19 @@ class ParallelConfig(Section):
         "chunks, CP rank r holding chunks r and 2 CP - 1 - r, and attention passes keys and "
         "values round the CP group (ring attention); needs --seq-length divisible by 2 x CP",
         min=1,
+    )
+    expert_model_parallel_size: int = setting(
+        1,
+        "expert-parallel ranks (EP), carved from the data-parallel ones: each holds E / EP "
+        "experts of every MoE layer and tokens go to them by all-to-all; expert gradients are "
+        "averaged over the DP / EP ranks holding the same experts",
+        min=1,
+    )
+    moe_token_dispatcher_type: str = setting(
+        "alltoall",
+        "how tokens reach their experts' EP rank: alltoall (each token sent where it goes), or "
+        "allgather (every token gathered on every EP rank, outputs reduce-scattered back)",
+        choices=("alltoall", "allgather"),
     )
     num_layers_per_virtual_pipeline_stage: int | None = setting(
         None, "layers per model chunk for the interleaved pipeline schedule", min=1

@@ -28,6 +28,8 @@ class BuildContext:
     dtype: torch.dtype = torch.float32
     rng_tracker: RNGStatesTracker | None = None  # TP-rank dropout streams (None: default RNG)
     ops: FusedOps = TORCH_OPS  # kernel choices (megatron.fused_kernels.select_ops)
+    moe_dispatcher: str = "alltoall"  # --moe-token-dispatcher-type (expert parallelism)
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm: experts as one grouped matmul
 
     def __post_init__(self):
         if self.ops is None:  # "no kernel choice": plain torch

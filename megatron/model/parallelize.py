@@ -21,6 +21,7 @@ from collections.abc import Callable
 from torch import nn
 
 from megatron.config.schema import RecomputeConfig
+from megatron.model.moe import MoELayer
 from megatron.model.recompute import LayerRecompute
 from megatron.model.transformer import NORM_TYPES, ParallelAttention, TransformerLayer
 from megatron.mpu import ParallelState, mark_sequence_parallel
@@ -47,14 +48,19 @@ def parallelize(
 
 
 def apply_sequence_parallel(model: nn.Module, state: ParallelState) -> None:
-    """--sequence-parallel: mark norm weights and biases and the learned position table (the
-    row-parallel biases mark themselves when built with the sequence-parallel layout)."""
+    """--sequence-parallel: mark norm weights and biases, the learned position table and the
+    MoE routers, experts and shared-expert gates (the row-parallel biases mark themselves when
+    built with the sequence-parallel layout)."""
     if not state.sequence_parallel:
         return
     for module in model.modules():
         if isinstance(module, NORM_TYPES):
             for param in module.parameters(recurse=False):
                 mark_sequence_parallel(param)
+        if isinstance(module, MoELayer):  # replicated over TP, routing this rank's tokens
+            for part in (module.router, module.experts, module.shared_expert_gate):
+                for param in part.parameters() if part is not None else ():
+                    mark_sequence_parallel(param)
     for name, param in model.named_parameters():
         if name == POSITION_TABLE or name.endswith("." + POSITION_TABLE):
             mark_sequence_parallel(param)

@@ -20,6 +20,7 @@ from torch import nn
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.masks import CAUSAL, AttentionMask, MaskType
+from megatron.model.moe import MoELayer
 from megatron.mpu import (
     ColumnParallelLinear,
     ParallelState,
@@ -328,7 +329,9 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
         self.self_attention = ParallelAttention(cfg, ctx, layer_number)
         self.post_attention_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
-        self.mlp = ParallelMLP(cfg, ctx)
+        # --num-experts: a router and experts instead of the MLP (every --moe-layer-freq-th)
+        moe = cfg.is_moe_layer(layer_number - 1)
+        self.mlp = MoELayer(cfg, ctx) if moe else ParallelMLP(cfg, ctx)
 
     def forward(
         self,
@@ -350,7 +353,8 @@ class TransformerLayer(nn.Module):
                 x = self._fused(attn, attn_bias, x)
                 y = self.post_attention_layernorm(x)
             out = self.mlp(y)
-            return self._fused(out, self.mlp.dense_4h_to_h.bias, y if self.post_ln_residual else x)
+            bias = None if isinstance(self.mlp, MoELayer) else self.mlp.dense_4h_to_h.bias
+            return self._fused(out, bias, y if self.post_ln_residual else x)
         if self.ops.add_norm == "triton":  # residual add + norm in one kernel
             y, x = self._add_norm(self._dropout(attn), x)
             return (y if self.post_ln_residual else x) + self._dropout(self.mlp(y))

@@ -18,7 +18,12 @@ from megatron.model.transformer import NORM_TYPES
 from megatron.mpu import ParallelState, copy_full_into_param
 
 # Output projections of residual branches get std / sqrt(2 x num_layers) (GPT-2's scaled init).
-_SCALED_INIT_SUFFIXES = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+_SCALED_INIT_SUFFIXES = (
+    "self_attention.dense.weight",
+    "mlp.dense_4h_to_h.weight",
+    "mlp.experts.weight2",
+    "mlp.shared_expert.dense_4h_to_h.weight",
+)
 # The vocab-sized weights: their rows past the real vocab are padding (see padded_vocab_size).
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHTS = "head.output_layer.weight"
@@ -29,10 +34,12 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
-def _full_shape(param: torch.Tensor, tp_size: int) -> list[int]:
+def _full_shape(param: torch.Tensor, state: ParallelState) -> list[int]:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
+        shape[param.partition_dim] *= state.tp_size
+    if getattr(param, "expert_parallel", False):  # MoE experts: dim 0 split over EP
+        shape[0] *= state.ep_size
     return shape
 
 
@@ -58,14 +65,17 @@ def init_weights(
     scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
     for local_name, param in model.named_parameters():
         name = prefix + local_name
-        full = torch.empty(_full_shape(param, state.tp_size), dtype=torch.float32)
+        full = torch.empty(_full_shape(param, state), dtype=torch.float32)
         if local_name in norm_params:
             full.fill_(1.0 if name.endswith("weight") else 0.0)
-        elif name.endswith("bias"):
+        elif name.endswith(("bias", "experts.bias1", "experts.bias2")):  # MoE experts' too
             full.zero_()
         else:
             std = scaled_std if name.endswith(_SCALED_INIT_SUFFIXES) else cfg.init_method_std
             rows = cfg.vocab_size if name in (WORD_EMBEDDINGS, OUTPUT_WEIGHTS) else full.shape[0]
             full.zero_()
             full[:rows].normal_(0.0, std, generator=_generator(seed, name))
-        copy_full_into_param(param, full, state.tp_group)
+        if getattr(param, "expert_parallel", False):  # this EP rank's experts
+            param.copy_(full.chunk(state.ep_size)[state.ep_rank])
+        else:
+            copy_full_into_param(param, full, state.tp_group)

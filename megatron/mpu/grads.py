@@ -3,7 +3,9 @@
 A parameter split over TP contributes its shard on every TP rank; a replicated one (norm weights,
 row-parallel biases, position embeddings) is counted on TP rank 0 only, and a parameter marked
 `shared` (the last stage's copy of a tied embedding) is not counted at all, so every weight
-enters the norm exactly once. Partial sums are then all-reduced over the model-parallel group.
+enters the norm exactly once. Partial sums are then all-reduced over the model-parallel group;
+those of MoE experts (`expert_parallel`, different experts on each rank of the EP group) over
+the EP group first.
 
 With sequence parallelism, the gradients of the replicated parameters that saw only a slice of
 the tokens are summed over TP first (`all_reduce_sequence_parallel_grads`).
@@ -38,22 +40,36 @@ def grad_norm(
     tp_rank: int = 0,
     model_parallel_group=None,
     norm_type: float = 2.0,
+    expert_group=None,
 ) -> torch.Tensor:
-    """The norm of all gradients of the whole model (float32 scalar, same on every MP rank)."""
+    """The norm of all gradients of the whole model (float32 scalar, same on every MP rank).
+    `expert_group`: the EP group, over which the `expert_parallel` gradients differ."""
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad.detach() for p in params if counts_once(p, tp_rank)]
     device = params[0].grad.device if params else torch.device("cpu")
-    if norm_type == math.inf:
-        local = [g.abs().max().to(_acc(g)) for g in grads]
-        total = torch.stack(local).max() if local else torch.zeros((), device=device)
-        if group_size(model_parallel_group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
-        return total
-    local = [torch.linalg.vector_norm(g, norm_type, dtype=_acc(g)) ** norm_type for g in grads]
-    total = torch.stack(local).sum() if local else torch.zeros((), device=device)
+    inf = norm_type == math.inf
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    totals = []
+    for experts in (False, True):
+        grads = [
+            p.grad.detach()
+            for p in params
+            if counts_once(p, tp_rank) and getattr(p, "expert_parallel", False) == experts
+        ]
+        if inf:
+            local = [g.abs().max().to(_acc(g)) for g in grads]
+            part = torch.stack(local).max() if local else torch.zeros((), device=device)
+        else:
+            local = [
+                torch.linalg.vector_norm(g, norm_type, dtype=_acc(g)) ** norm_type for g in grads
+            ]
+            part = torch.stack(local).sum() if local else torch.zeros((), device=device)
+        if experts and group_size(expert_group) > 1:
+            dist.all_reduce(part, op=op, group=expert_group)
+        totals.append(part)
+    total = torch.stack(totals).max() if inf else torch.stack(totals).sum()
     if group_size(model_parallel_group) > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
-    return total ** (1.0 / norm_type)
+        dist.all_reduce(total, op=op, group=model_parallel_group)
+    return total if inf else total ** (1.0 / norm_type)
 
 
 def all_reduce_sequence_parallel_grads(
@@ -103,6 +119,7 @@ def clip_grad_norm(
     tp_rank: int = 0,
     model_parallel_group=None,
     norm_type: float = 2.0,
+    expert_group=None,
 ) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / norm); returns the norm before clipping.
 
@@ -112,7 +129,11 @@ def clip_grad_norm(
     """
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(
-        params, tp_rank=tp_rank, model_parallel_group=model_parallel_group, norm_type=norm_type
+        params,
+        tp_rank=tp_rank,
+        model_parallel_group=model_parallel_group,
+        norm_type=norm_type,
+        expert_group=expert_group,
     )
     if max_norm > 0 and params:
         coef = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)

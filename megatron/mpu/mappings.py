@@ -203,3 +203,106 @@ def gather_from_sequence_parallel_region(
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+# ---- expert parallelism: tokens (n, h) exchanged along dim 0 over the EP group ----
+
+
+def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(
+        out,
+        x.contiguous(),
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=group,
+    )
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rows [sum(input_splits[:j]), +input_splits[j]) go to EP rank j, and rank j's
+    rows for this rank arrive in rank order (output_splits). Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, ctx.group, input_splits, output_splits), None, None, None
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """(p x n,) counts, slice j for rank j -> (p, n): row j what rank j sent here (no autograd;
+    the split sizes of the all-to-all that follows)."""
+    size = group_size(group)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received.view(size, -1)
+
+
+def all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
+    """(sum(input_splits), ...) -> (sum(output_splits), ...): the token exchange of the MoE
+    alltoall dispatcher (identity for a group of one)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))
+
+
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    chunks = [c.contiguous() for c in torch.chunk(x, group_size(group), dim=0)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: all-gather of dim 0 (equal sizes, rank order). Backward: reduce-scatter (each
+    rank's gradient of the gathered rows is a partial sum over the experts it holds)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Forward: sum over the group, each rank keeping its 1/p of dim 0. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad, ctx.group), None
+
+
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x stacked along dim 0 in rank order (no autograd: routing decisions)."""
+    return x if group_size(group) == 1 else _gather_rows(x, group)
+
+
+def gather_from_expert_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Every EP rank's tokens on every EP rank (the MoE allgather dispatcher)."""
+    return x if group_size(group) == 1 else _GatherRows.apply(x, group)
+
+
+def reduce_scatter_to_expert_region(x: torch.Tensor, group) -> torch.Tensor:
+    """The experts' partial outputs of all EP ranks' tokens, summed, back to their owners."""
+    return x if group_size(group) == 1 else _ReduceScatterRows.apply(x, group)

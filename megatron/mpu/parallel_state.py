@@ -5,6 +5,11 @@ share a node and its fast links), then context parallelism (CP: each rank holds 
 chunks of every sequence), then DP, then PP, as in Megatron-core. Parameters are replicated over
 DP and CP, so their gradients are reduced over the combined DP x CP group. `None` as a group
 means "no group": a single process needs no torch.distributed at all.
+
+Expert parallelism (EP, mixture of experts) is carved from the DP axis as in Megatron-core: DP
+index d = e' x EP + e, so EP consecutive DP ranks (EP group, index e) hold different experts and
+the DP / EP ranks with the same e (the expert-data-parallel group, spanning CP too) hold the
+same experts and average their gradients.
 """
 
 from __future__ import annotations
@@ -47,6 +52,21 @@ class ParallelState:
     cp_ranks: tuple[int, ...] = (0,)
     cp_group: object | None = None
     dp_cp_group: object | None = None  # DP x CP: every rank holding a replica of these weights
+    # --expert-model-parallel-size: EP consecutive DP ranks split the experts of each MoE layer
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_ranks: tuple[int, ...] = (0,)
+    ep_group: object | None = None
+    expert_dp_group: object | None = None  # (DP / EP) x CP ranks holding the same experts
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_cp_size // self.ep_size
+
+    @property
+    def expert_data_group(self):
+        """The group expert gradients are averaged over: DP x CP without expert parallelism."""
+        return self.expert_dp_group if self.ep_size > 1 else self.dp_cp_group
 
     @property
     def dp_cp_size(self) -> int:
@@ -133,6 +153,19 @@ def _groups_along(grid: np.ndarray, axis: str) -> list[tuple[int, ...]]:
     return [tuple(int(r) for r in g) for g in moved.reshape(-1, per_group)]
 
 
+def _expert_groups(grid: np.ndarray, ep: int) -> dict[str, list[tuple[int, ...]]]:
+    """EP and expert-data-parallel groups: the [PP, DP, CP, TP] grid's DP axis viewed as
+    [DP / EP, EP] (EP fastest); "ep" spans EP, "expert_dp" spans DP / EP and CP."""
+    pp, dp, cp, tp = grid.shape
+    view = grid.reshape(pp, dp // ep, ep, cp, tp)  # [PP, DP / EP, EP, CP, TP]
+    ep_groups = np.moveaxis(view, 2, -1).reshape(-1, ep)
+    edp = np.moveaxis(view, (1, 3), (-2, -1)).reshape(-1, (dp // ep) * cp)
+    return {
+        "ep": [tuple(int(r) for r in g) for g in ep_groups],
+        "expert_dp": [tuple(int(r) for r in g) for g in edp],
+    }
+
+
 def _embedding_ranks(pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
     return (pp_ranks[0],) if len(pp_ranks) == 1 else (pp_ranks[0], pp_ranks[-1])
 
@@ -144,6 +177,7 @@ def initialize_model_parallel(
     timeout: timedelta | None = None,
     sequence_parallel: bool = False,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> ParallelState:
     """Build every process group from the rank grid; all ranks must call this together.
 
@@ -175,6 +209,17 @@ def initialize_model_parallel(
         if rank in ranks:
             emb_ranks = e
             emb_group = group if rank in e else None
+    ep = expert_model_parallel_size
+    if grid.shape[1] % ep:
+        raise ValueError(
+            f"expert-parallel size {ep} does not divide the data-parallel size {grid.shape[1]}"
+        )
+    if ep > 1:
+        for axis, groups in _expert_groups(grid, ep).items():
+            for ranks in groups:
+                group = dist.new_group(list(ranks), timeout=timeout)
+                if rank in ranks:
+                    mine[axis] = (ranks, group)
     pp_idx, dp_idx, cp_idx, tp_idx = (int(i[0]) for i in np.nonzero(grid == rank))
     return ParallelState(
         rank=rank,
@@ -201,6 +246,11 @@ def initialize_model_parallel(
         cp_ranks=mine["cp"][0],
         cp_group=mine["cp"][1],
         dp_cp_group=mine["dp_cp"][1],
+        ep_size=ep,
+        ep_rank=dp_idx % ep,
+        ep_ranks=mine["ep"][0] if ep > 1 else (rank,),
+        ep_group=mine["ep"][1] if ep > 1 else None,
+        expert_dp_group=mine["expert_dp"][1] if ep > 1 else None,
     )
 
 
@@ -215,6 +265,8 @@ def destroy_model_parallel(state: ParallelState) -> None:
         state.embedding_group,
         state.cp_group,
         state.dp_cp_group,
+        state.ep_group,
+        state.expert_dp_group,
     ):
         if group is not None and id(group) not in seen:
             seen.add(id(group))

@@ -35,6 +35,7 @@ class Search:
     tensor_parallel: tuple[int, ...] | None = None  # default: every divisor of the world size
     pipeline_parallel: tuple[int, ...] | None = None
     context_parallel: tuple[int, ...] | None = None  # default: every divisor of world / (TP PP)
+    expert_parallel: tuple[int, ...] | None = None  # MoE; default: every divisor of DP and E
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ def candidate(cfg: MegatronConfig, world: int, lay: Layout) -> MegatronConfig:
         num_layers_per_virtual_pipeline_stage=vlayers,
         sequence_parallel=lay.sequence_parallel,
         context_parallel_size=lay.cp,
+        expert_model_parallel_size=lay.ep,
         world_size=world,
     )
     return cfg.replace(
@@ -132,9 +134,13 @@ def _layouts_of(m, s: Search, gbs: int, tp: int, pp: int, cp: int):
         vps += [v for v in _divisors(m.num_layers // pp) if v > 1]
     per_rank = gbs // dp if gbs % dp == 0 else 0
     mbs = s.micro_batches or [b for b in _divisors(per_rank) if b <= 16] or [1]
-    for vp, b, rc, sp in itertools.product(vps, mbs, s.recompute, s.sequence_parallel):
+    eps = [1]
+    if m.moe:  # expert parallelism within DP: a divisor of DP and of the expert count
+        eps = [e for e in _divisors(dp) if m.num_experts % e == 0]
+        eps = [e for e in eps if not s.expert_parallel or e in s.expert_parallel] or [1]
+    for vp, b, rc, sp, ep in itertools.product(vps, mbs, s.recompute, s.sequence_parallel, eps):
         if not (sp and tp == 1):
-            yield Layout(tp, pp, dp, b, max(1, gbs // (b * dp)), vp, rc, sp, cp)
+            yield Layout(tp, pp, dp, b, max(1, gbs // (b * dp)), vp, rc, sp, cp, ep)
 
 
 def layouts(cfg: MegatronConfig, s: Search) -> tuple[list[Layout], Counter]:

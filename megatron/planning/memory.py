@@ -18,6 +18,14 @@ tokens, u = s b h elements (Korthikanti et al. 2022, Megatron's 34 s b h + 5 a s
                             attention dropout); 4 a s b / t (the log-sum-exp) for flash SDPA
     norm statistics         2 norms x 2 x 4 s b bytes; / t with SP
 
+Mixture of experts (--num-experts E, top-k, expert width f): an MoE layer holds the router
+(E h), its shared expert (split over TP) and E / EP experts (not split over TP); their
+gradients and optimizer state shard over the DP x CP / EP ranks holding the same experts. Its
+activations replace the MLP's by the dispatch buffers of the T = s b / t (SP) or s b tokens a
+rank routes, per (token, expert) slot D (3 h + 2 f) with GeLU experts, D (3 h + 4 f) with
+SwiGLU (the permuted tokens, the experts' inner activations, their outputs, the combine's
+input; + D h with EP > 1, the received copy), and the fp32 router scores 12 T E.
+
 Context parallelism (CP ranks per sequence) gives each rank s / CP tokens: every activation
 term above is taken at s / CP, and the attention core is the ring's (mpu/context_parallel.py):
 the query copy and the log-sum-exp, D a s b d / t + 4 a s b / t at s / CP (in half precision
@@ -56,13 +64,15 @@ class Layout:
     recompute: str | None = None  # None, "selective", "full"
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel ranks per sequence
+    ep: int = 1  # expert-parallel ranks (MoE), carved from DP
 
     def describe(self) -> str:
         v = f" V{self.vp}" if self.vp else ""
         sp = " SP" if self.sequence_parallel else ""
         rc = f" rc={self.recompute}" if self.recompute else ""
         cp = f" CP{self.cp}" if self.cp > 1 else ""
-        return f"TP{self.tp}{cp} PP{self.pp}{v} DP{self.dp} mb{self.micro_batch}{sp}{rc}"
+        ep = f" EP{self.ep}" if self.ep > 1 else ""
+        return f"TP{self.tp}{cp} PP{self.pp}{v} DP{self.dp}{ep} mb{self.micro_batch}{sp}{rc}"
 
 
 @dataclass(frozen=True)
@@ -111,21 +121,50 @@ def norm_params(m: ModelConfig) -> int:
     return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
 
 
-def layer_params(m: ModelConfig, tp: int) -> int:
-    """Weights of one transformer layer on one TP rank (row-parallel biases are replicated)."""
+def mlp_params(m: ModelConfig, ffn: int, tp: int) -> int:
+    """An MLP of inner width `ffn` split over `tp` ranks (its output bias replicated)."""
+    h, bias, ffn = m.hidden_size, int(m.add_bias_linear), ffn // tp
+    fc1 = ffn * (2 if m.swiglu else 1)
+    return h * fc1 + fc1 * bias + ffn * h + h * bias
+
+
+def layer_params(m: ModelConfig, tp: int, moe: bool = False) -> int:
+    """Weights of one transformer layer on one TP rank (row-parallel biases are replicated);
+    `moe`: an MoE layer's, its experts excepted (expert_params)."""
     h, hd, bias = m.hidden_size, m.head_dim, int(m.add_bias_linear)
     qkv = (m.num_attention_heads + 2 * m.query_groups) * hd // tp
     ctx = m.num_attention_heads * hd // tp
-    ffn = m.ffn_size // tp
-    fc1 = ffn * (2 if m.swiglu else 1)
-    linear = h * qkv + qkv * bias + ctx * h + h * bias + h * fc1 + fc1 * bias + ffn * h + h * bias
-    return linear + 2 * norm_params(m)
+    attention = h * qkv + qkv * bias + ctx * h + h * bias + 2 * norm_params(m)
+    if not moe:
+        return attention + mlp_params(m, m.ffn_size, tp)
+    shared = m.moe_shared_expert_intermediate_size
+    gate = h if m.moe_shared_expert_gate else 0
+    return attention + m.num_experts * h + (mlp_params(m, shared, tp) + gate if shared else 0)
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
-    """Weights on a rank of pipeline stage `stage` (its V chunks together)."""
+def expert_params(m: ModelConfig, ep: int) -> int:
+    """The experts of one MoE layer on one EP rank (replicated over TP)."""
+    return m.num_experts // ep * mlp_params(m, m.expert_ffn_size, 1)
+
+
+def stage_moe_layers(m: ModelConfig, pp: int, stage: int) -> int:
+    """MoE layers of pipeline stage `stage` (its contiguous L / P layers)."""
+    n = m.num_layers // pp
+    return sum(m.is_moe_layer(i) for i in range(stage * n, (stage + 1) * n))
+
+
+def stage_expert_params(m: ModelConfig, pp: int, stage: int, ep: int) -> int:
+    """Expert weights on a rank of stage `stage` (sharded over DP x CP / EP, not DP)."""
+    return stage_moe_layers(m, pp, stage) * expert_params(m, ep) if m.moe else 0
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Weights on a rank of pipeline stage `stage` (its V chunks together), experts included."""
     words = m.padded_vocab_size(tp) * m.hidden_size // tp
-    n = m.num_layers // pp * layer_params(m, tp)
+    moe = stage_moe_layers(m, pp, stage)
+    n = (m.num_layers // pp - moe) * layer_params(m, tp)
+    n += moe * layer_params(m, tp, moe=True) if moe else 0
+    n += stage_expert_params(m, pp, stage, ep)
     if stage == 0:
         n += words + (
             m.max_positions * m.hidden_size if m.position_embedding_type == "learned" else 0
@@ -137,18 +176,28 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     return n
 
 
-def model_state_bytes(params: int, dp: int, t: Training) -> dict[str, int]:
-    """Weights, fp32 gradient buffer and optimizer state of `params` parameters."""
+def model_state_bytes(
+    params: int, dp: int, t: Training, experts: int = 0, ep: int = 1
+) -> dict[str, int]:
+    """Weights, fp32 gradient buffer and optimizer state of `params` parameters, of which
+    `experts` are MoE experts, sharded over the dp / ep ranks holding the same experts."""
     half = t.dtype_bytes < 4
     if t.optimizer == "adam":
         opt = 12 if half else 8
     else:
         opt = (4 if half else 0) + (4 if t.sgd_momentum else 0)
     shard = {"none": 0, "distributed": 1, "zero2": 2, "zero3": 3}[t.sharding]
+    dense, edp = params - experts, max(1, dp // ep)
+
+    def sharded(per: int, level: int) -> int:
+        return dense * per // (dp if shard >= level else 1) + experts * per // (
+            edp if shard >= level else 1
+        )
+
     return {
-        "parameters": params * t.dtype_bytes // (dp if shard >= 3 else 1),
-        "gradients": params * 4 // (dp if shard >= 2 else 1),
-        "optimizer": params * opt // (dp if shard >= 1 else 1),
+        "parameters": sharded(t.dtype_bytes, 3),
+        "gradients": sharded(4, 2),
+        "optimizer": sharded(opt, 1),
     }
 
 
@@ -173,18 +222,27 @@ def _attention_core_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device)
 
 
 def layer_activation_bytes(
-    m: ModelConfig, lay: Layout, t: Training, dev: Device, *, core: bool = True
+    m: ModelConfig, lay: Layout, t: Training, dev: Device, *, core: bool = True, moe=False
 ) -> int:
     """Bytes one layer keeps for backward for one micro batch (no full recompute); `core`:
-    whether the attention core's are kept (False under selective recompute)."""
+    whether the attention core's are kept (False under selective recompute); `moe`: an MoE
+    layer's (dispatch buffers instead of the MLP's)."""
     s, b, h, D, tp = m.seq_length, lay.micro_batch, m.hidden_size, t.dtype_bytes, lay.tp
     sp = tp if lay.sequence_parallel else 1
     masks = 2 * dev.mask_bytes if m.hidden_dropout > 0 else 0
     outside = (4 * D + masks) * s * b * h // sp + 2 * 2 * 4 * s * b // sp
     hd = m.head_dim
     width = (m.num_attention_heads + 2 * m.query_groups) * hd + m.num_attention_heads * hd
-    width += (3 if m.swiglu else 2) * m.ffn_size
+    mlp = 3 if m.swiglu else 2
+    if moe:
+        width += mlp * (m.moe_shared_expert_intermediate_size or 0)
+    else:
+        width += mlp * m.ffn_size
     inside = D * s * b * width // tp
+    if moe:  # the tokens this rank routes: its s / t with SP, all s otherwise
+        tokens, k, f = s * b // sp, m.moe_router_topk, m.expert_ffn_size
+        per_slot = (3 + (lay.ep > 1)) * h + 2 * (mlp - 1) * f
+        inside += D * tokens * k * per_slot + 12 * tokens * m.num_experts
     return outside + inside + (_attention_core_bytes(m, lay, t, dev) if core else 0)
 
 
@@ -217,7 +275,11 @@ def chunk_activation_bytes(
     """(kept until backward, extra working set while its backward runs) for one micro batch of
     one model chunk of L / (P V) layers; `first` / `last`: the first / last virtual stage."""
     n = m.num_layers // (lay.pp * (lay.vp or 1))
-    full = layer_activation_bytes(m, lay, t, dev, core=lay.recompute != "selective")
+    core = lay.recompute != "selective"
+    full = layer_activation_bytes(m, lay, t, dev, core=core)
+    if m.moe:  # the mean over the chunk's layers, MoE ones at the model's proportion
+        moe = layer_activation_bytes(m, lay, t, dev, core=core, moe=True)
+        full = (full * (m.num_layers - m.moe_layers) + moe * m.moe_layers) // m.num_layers
     kept, working = n * full, 0
     if lay.recompute == "full":
         k = min(t.recompute_num_layers, n)
@@ -271,7 +333,9 @@ def stage_memory(
     m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
 ) -> dict[str, int]:
     """Every term of one pipeline stage's rank, in bytes."""
-    terms = model_state_bytes(stage_params(m, lay.tp, lay.pp, stage), lay.dp * lay.cp, t)
+    params = stage_params(m, lay.tp, lay.pp, stage, lay.ep)
+    experts = stage_expert_params(m, lay.pp, stage, lay.ep)
+    terms = model_state_bytes(params, lay.dp * lay.cp, t, experts, lay.ep)
     terms.update(stage_activation_peak(per_rank_sequence(m, lay), lay, t, dev, stage))
     terms["overhead"] = dev.overhead_bytes
     return terms

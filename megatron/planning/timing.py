@@ -15,9 +15,15 @@
                 blocks forward, CP - 1 K/V and CP fp32 dK/dV blocks backward (b s / CP x
                 2 g d / t each); each step's message is hidden behind the attention of the
                 block in hand, only the excess counts (cp_ring_seconds has the whole volume)
+    ep_comm     MoE: per MoE layer and micro batch, the token dispatch and combine all-to-alls
+                (2 forward, 2 backward, 2 more with full recompute) of the T k h x D bytes a
+                rank routes, (EP-1)/EP of them leaving the rank (over the DP links)
     launch      M x layers x a fixed cost per layer forward + backward (kernel launches,
                 framework overhead): what makes tiny micro batches slow
     optimizer   reading and writing weights, gradients and Adam state (memory-bound)
+
+An MoE layer counts its active weights (router, k experts, shared expert): balanced, every EP
+rank computes T k tokens' experts; without SP each TP rank routes (and computes) every token.
 
 With CP every rank computes 1 / CP of each layer (s / CP tokens; a causal-balanced 1 / CP of
 the attention core), its TP and pipeline messages are 1 / CP as large, and the gradient
@@ -31,7 +37,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
-from megatron.planning.memory import Layout, Training, layer_params, norm_params, stage_params
+from megatron.planning.memory import (
+    Layout,
+    Training,
+    layer_params,
+    mlp_params,
+    norm_params,
+    stage_expert_params,
+    stage_params,
+)
 
 
 @dataclass(frozen=True)
@@ -55,11 +69,39 @@ class Hardware:
 
 def layer_forward_flops(m: ModelConfig, micro_batch: int) -> tuple[float, float]:
     """(matmul FLOPs, attention-core FLOPs) of one layer's forward on one micro batch (all TP
-    ranks together)."""
+    ranks together); with MoE the mean over the layers of their active weights."""
     tokens = micro_batch * m.seq_length
     weights = layer_params(m, 1) - 2 * norm_params(m)  # the matmul weights (biases ~ 0)
+    if m.moe:
+        active = layer_params(m, 1, moe=True) - 2 * norm_params(m) + expert_flops_weights(m)
+        weights = (weights * (m.num_layers - m.moe_layers) + active * m.moe_layers) / m.num_layers
     core = 4 * micro_batch * m.seq_length**2 * m.num_attention_heads * m.head_dim
     return 2.0 * tokens * weights, float(core)
+
+
+def expert_flops_weights(m: ModelConfig) -> int:
+    """The expert weights one token goes through in an MoE layer (k experts)."""
+    return m.moe_router_topk * mlp_params(m, m.expert_ffn_size, 1)
+
+
+def moe_seconds(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[str, float]:
+    """Per micro batch on one stage: "redundant" (the expert compute TP ranks repeat without
+    SP: they all route every token) and "all_to_all" (dispatch + combine, forward + backward)."""
+    P = lay.pp
+    moe_layers = max(m.moe_layers * 1.0 / P, 0.0) if m.moe else 0.0
+    if not moe_layers:
+        return {"redundant": 0.0, "all_to_all": 0.0}
+    tokens = lay.micro_batch * m.seq_length / lay.cp
+    sp = lay.tp if lay.sequence_parallel else 1
+    expert = 2.0 * tokens * expert_flops_weights(m)  # forward FLOPs of one layer's experts
+    redundant = 0.0 if sp > 1 else 3 * expert * (1 - 1 / lay.tp) / hw.flops_per_s
+    ep = lay.ep
+    calls = 6 if lay.recompute == "full" else 4
+    ranks = lay.tp * lay.cp * ep  # EP ranks are TP x CP apart in the grid
+    gbps = hw.intra_node_gbps if ranks <= hw.gpus_per_node else hw.inter_node_gbps
+    volume = t.dtype_bytes * tokens / sp * m.moe_router_topk * m.hidden_size * (ep - 1) / ep
+    a2a = 0.0 if ep == 1 else calls * (volume / (gbps * 1e9) + hw.latency_s)
+    return {"redundant": moe_layers * redundant, "all_to_all": moe_layers * a2a}
 
 
 def model_flops(m: ModelConfig, global_batch: int) -> float:
@@ -109,14 +151,19 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
     cp_comm = M * layers * cp_ring_seconds(m, lay, t, hw)["exposed"]
     if lay.recompute == "full":  # the recomputed forward rings K/V once more
         cp_comm *= 4 / 3
-    bubble = (compute + recompute + launch + tp_comm + cp_comm) * (P - 1) / (V * M)
+    moe = moe_seconds(m, lay, t, hw)
+    compute += M * moe["redundant"]
+    ep_comm = M * moe["all_to_all"]
+    bubble = (compute + recompute + launch + tp_comm + cp_comm + ep_comm) * (P - 1) / (V * M)
     ranks = tp * cp * lay.dp * P
     p2p_gbps = hw.intra_node_gbps if ranks <= hw.gpus_per_node else hw.inter_node_gbps
     sp = tp if lay.sequence_parallel else 1
     pp_p2p = 0.0 if P == 1 else 2 * V * M * (act / sp / (p2p_gbps * 1e9) + hw.latency_s)
-    params = max(stage_params(m, tp, P, s) for s in {0, P - 1})
+    params = max(stage_params(m, tp, P, s, lay.ep) for s in {0, P - 1})
+    experts = max(stage_expert_params(m, P, s, lay.ep) for s in {0, P - 1})
     dp_gbps = hw.intra_node_gbps if tp * cp * lay.dp <= hw.gpus_per_node else hw.inter_node_gbps
-    dp_full = _ring(4.0 * params, lay.dp * cp, dp_gbps, hw.latency_s)
+    dp_full = _ring(4.0 * (params - experts), lay.dp * cp, dp_gbps, hw.latency_s)
+    dp_full += _ring(4.0 * experts, lay.dp * cp // lay.ep, dp_gbps, hw.latency_s)
     hidden = (compute + recompute) / M * 2 / 3  # the last micro batch's backward
     optimizer = params * (t.dtype_bytes + 4 + 24) / (hw.memory_gbps * 1e9)
     return {
@@ -125,6 +172,7 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
         "launch": launch,
         "tp_comm": tp_comm,
         "cp_comm": cp_comm,
+        "ep_comm": ep_comm,
         "bubble": bubble,
         "pp_p2p": pp_p2p,
         "dp_comm": max(0.0, dp_full - hidden),

@@ -15,6 +15,12 @@ parameters then live in one buffer of the same layout (each `.data` a view into 
 shards each rank updates are all-gathered in place, bucket by bucket (`start_param_sync`;
 with `overlap_param_gather` the next forward waits per module for the buckets it uses).
 
+Mixture of experts (`expert_group`): the parameters marked `expert_parallel` differ between the
+EP ranks of a DP group, so they get buckets of their own, reduced over the expert-data-parallel
+group (the DP / EP ranks holding the same experts; sharded over it by the distributed
+optimizer). Each rank's expert gradient already sums the tokens of its whole EP group, so
+every bucket is divided by the full DP size: both end as the global batch's average.
+
 `--allreduce-dtype params` (fp16/bf16 weights) casts each bucket to the weights' dtype for the
 all-reduce only (half the traffic); accumulation stays fp32. `--DDP-impl torch` wraps the model
 chunk in torch.nn.parallel.DistributedDataParallel instead (TorchDistributedDataParallel), with
@@ -43,6 +49,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class _Bucket:
     start: int
     end: int
+    group: object | None = None  # reduced over: DP (x CP), or expert-DP for expert buckets
+    size: int = 1  # ranks in `group`
+    rank: int = 0  # this rank's index in `group`
     params: list = field(default_factory=list)
     ready: int = 0
     handle: object | None = None
@@ -69,14 +78,17 @@ class DistributedDataParallel(nn.Module):
         overlap_param_gather: bool = False,
         own_bucket: tuple[torch.Tensor, ...] = (),
         reduce_dtype: torch.dtype | None = None,
+        expert_group=None,
     ):
         """`own_bucket`: parameters that get a bucket of their own (with the distributed
-        optimizer: the tied embedding, so that the first and last stage shard it alike)."""
+        optimizer: the tied embedding, so that the first and last stage shard it alike).
+        `expert_group`: the group of the `expert_parallel` parameters' buckets (None: dp_group)."""
         super().__init__()
         self.reduce_dtype = reduce_dtype or grad_dtype
         self.module = module
         self.dp_group, self.dp_size = dp_group, group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
+        self.expert_group = expert_group if expert_group is not None else dp_group
         self.overlap = overlap_grad_reduce and self.dp_size > 1
         self.distributed = use_distributed_optimizer
         self.sync_enabled = True
@@ -100,9 +112,13 @@ class DistributedDataParallel(nn.Module):
         for p in reversed(params):
             alone = id(p) in own and self.distributed
             full = self.buckets and offset - self.buckets[-1].start >= bucket_size
-            if not self.buckets or full or alone or previous_alone:
+            group = self.expert_group if getattr(p, "expert_parallel", False) else self.dp_group
+            other_group = self.buckets and self.buckets[-1].group is not group
+            if not self.buckets or full or alone or previous_alone or other_group:
                 offset = self._close_bucket(offset)
-                self.buckets.append(_Bucket(offset, offset))
+                self.buckets.append(
+                    _Bucket(offset, offset, group, group_size(group), group_rank(group))
+                )
             bucket = self.buckets[-1]
             self.param_ranges.append((p, offset, offset + p.numel()))
             offset += p.numel()
@@ -113,10 +129,11 @@ class DistributedDataParallel(nn.Module):
         return self._close_bucket(offset)
 
     def _close_bucket(self, offset: int) -> int:
-        """Pad the last bucket to a multiple of DP x _SHARD_ALIGN (distributed optimizer)."""
+        """Pad the last bucket to a multiple of its group's size x _SHARD_ALIGN (distributed
+        optimizer)."""
         if not self.distributed or not self.buckets:
             return offset
-        unit = self.dp_size * _SHARD_ALIGN
+        unit = self.buckets[-1].size * _SHARD_ALIGN
         self.buckets[-1].end = -(-offset // unit) * unit
         return self.buckets[-1].end
 
@@ -149,15 +166,17 @@ class DistributedDataParallel(nn.Module):
             return
         view = self.grad_buffer[bucket.start : bucket.end]
         view.div_(self.dp_size)  # sum of averages = the average over the global batch
-        if self.distributed:  # in place: this rank's shard of the bucket gets the average
-            start, end = bucket.shard(self.dp_rank, self.dp_size)
+        if bucket.size == 1:  # experts at EP = DP: nothing to reduce
+            pass
+        elif self.distributed:  # in place: this rank's shard of the bucket gets the average
+            start, end = bucket.shard(bucket.rank, bucket.size)
             shard = self.grad_buffer[start:end]
-            bucket.handle = _reduce_scatter(shard, view, group=self.dp_group, async_op=True)
+            bucket.handle = _reduce_scatter(shard, view, group=bucket.group, async_op=True)
         else:
             if self.reduce_dtype != view.dtype:
                 bucket.reduced = view.to(self.reduce_dtype)  # copied back in finish_grad_sync
                 view = bucket.reduced
-            bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=True)
+            bucket.handle = dist.all_reduce(view, group=bucket.group, async_op=True)
         bucket.launched = True
 
     @contextlib.contextmanager
@@ -187,10 +206,12 @@ class DistributedDataParallel(nn.Module):
         if not self.distributed or self.dp_size == 1:
             return
         for bucket in reversed(self.buckets):
-            start, end = bucket.shard(self.dp_rank, self.dp_size)
+            if bucket.size == 1:
+                continue
+            start, end = bucket.shard(bucket.rank, bucket.size)
             whole = self.param_buffer[bucket.start : bucket.end]
             bucket.gather = _all_gather(
-                whole, self.param_buffer[start:end], group=self.dp_group, async_op=True
+                whole, self.param_buffer[start:end], group=bucket.group, async_op=True
             )
         if not overlap:
             self.finish_param_sync()

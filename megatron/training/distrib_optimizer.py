@@ -19,16 +19,19 @@ One step, on every DP rank r:
 Checkpoints (megatron.training.state): the shard of each DP rank is saved by that rank as
 {parameter name: (flat start, end) in the parameter, and the state tensors of that range}, so a
 run at another DP size (or another bucket size) reassembles each of its ranges from whichever
-saved ranges overlap it (`load_shards`).
+saved ranges overlap it (`load_shards`). The ranges of an MoE expert tensor count in the whole
+tensor of all E experts (megatron.checkpoint.experts), so any EP size finds its experts' ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.experts import expert_offset
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState
 from megatron.mpu.grads import counts_once
@@ -72,7 +75,7 @@ def parameter_names(module) -> dict[int, str]:
 def shard_pieces(ddp: DistributedDataParallel) -> list[_Piece]:
     """The pieces of parameters in this DP rank's shard of every bucket, in buffer order."""
     names = parameter_names(ddp.module)
-    bucket_shards = [b.shard(ddp.dp_rank, ddp.dp_size) for b in ddp.buckets]
+    bucket_shards = [b.shard(b.rank, b.size) for b in ddp.buckets]
     pieces = []
     for p, start, end in ddp.param_ranges:
         for s_lo, s_hi in bucket_shards:
@@ -185,7 +188,8 @@ class DistributedOptimizer(MegatronOptimizer):
         the fp32 main weight of half models (fp32 models keep theirs in the model shard)."""
         pieces = {}
         for pc, main in self._pairs():
-            entry = {"range": (pc.lo, pc.hi), **self.optimizer.state.get(main, {})}
+            off = expert_offset(pc.param, self.state)  # experts: ranges in the whole tensor
+            entry = {"range": (pc.lo + off, pc.hi + off), **self.optimizer.state.get(main, {})}
             if self.half:
                 entry["main"] = main.detach()
             pieces[pc.name] = entry
@@ -204,7 +208,9 @@ class DistributedOptimizer(MegatronOptimizer):
             self.scaler.load_state_dict(sd["grad_scaler"])
         saved_ranges = _index_ranges(shards)
         for pc, main in self._pairs():
-            restored = _assemble(pc, saved_ranges.get(pc.name, []))
+            off = expert_offset(pc.param, self.state)
+            whole = dataclasses.replace(pc, lo=pc.lo + off, hi=pc.hi + off)
+            restored = _assemble(whole, saved_ranges.get(pc.name, []))
             if "main" in restored:
                 main.copy_(restored.pop("main"))
             elif self.half:  # saved before this param had a main: take the weights
@@ -273,7 +279,8 @@ def plain_to_distributed(saved: dict, module) -> tuple[dict, list[dict]]:
     mains = saved.get("fp32_from_fp16_params")
     pieces = {}
     for i, p in enumerate(_plain_order(module)):
-        entry = {"range": (0, p.numel())}
+        saved = [v for v in torch_sd["state"].get(i, {}).values() if v.ndim]
+        entry = {"range": (0, saved[0].numel() if saved else p.numel())}  # experts: all E
         for key, value in torch_sd["state"].get(i, {}).items():
             entry[key] = value.reshape(-1) if value.ndim else value
         if mains is not None:
@@ -285,9 +292,10 @@ def plain_to_distributed(saved: dict, module) -> tuple[dict, list[dict]]:
     return shared, [{"pieces": pieces}]
 
 
-def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool) -> dict:
+def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool, state=None) -> dict:
     """The distributed optimizer's checkpoint (any DP size) as a MegatronOptimizer state dict
-    for `module`: each parameter's ranges reassembled, keyed by position as torch keys it."""
+    for `module`: each parameter's ranges reassembled, keyed by position as torch keys it.
+    `state`: this rank's place (with EP > 1, its experts' ranges are taken)."""
     names, index = parameter_names(module), _index_ranges(shards)
     saved_groups = {g.get("wd_mult"): g for g in sd["param_groups"]}
     state, mains, groups, i = {}, [], [], 0
@@ -295,7 +303,8 @@ def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool) -> di
         hyper = {k: v for k, v in saved_groups.get(group["wd_mult"], {}).items()}
         groups.append({**hyper, "wd_mult": group["wd_mult"], "params": []})
         for p in group["params"]:
-            piece = _Piece(names[id(p)], p, 0, p.numel(), 0, 0)
+            off = expert_offset(p, state) if state is not None else 0
+            piece = _Piece(names[id(p)], p, off, off + p.numel(), 0, 0)
             restored = _assemble(piece, index.get(piece.name, []))
             main = restored.pop("main", None)
             if half:

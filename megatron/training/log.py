@@ -26,17 +26,25 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     """Matmul FLOPs to train on one sample: 3x the forward (4x with full recompute).
 
     Per layer forward: QKV 2sh(h + 2 g d), scores and weighted sum 2 x 2s^2 h, output 2sh^2,
-    MLP 2sh f x (3 with SwiGLU, else 2); plus the logits 2shV.
+    MLP 2sh f x (3 with SwiGLU, else 2); plus the logits 2shV. An MoE layer (--num-experts)
+    counts its active parameters: the router 2shE, k experts of width f_e and the shared one.
     """
-    h, d, f = m.hidden_size, m.head_dim, m.ffn_size
+    h, d = m.hidden_size, m.head_dim
     attn_out = m.num_attention_heads * d
-    per_layer = (
+    attention = (
         2 * seq * h * (attn_out + 2 * m.query_groups * d)
         + 4 * seq * seq * attn_out
         + 2 * seq * attn_out * h
-        + 2 * seq * h * f * (3 if m.swiglu else 2)
     )
-    forward = m.num_layers * per_layer + 2 * seq * h * m.padded_vocab_size(1)
+
+    def mlp(width: int) -> int:
+        return 2 * seq * h * width * (3 if m.swiglu else 2)
+
+    dense = m.num_layers - m.moe_layers
+    moe = 2 * seq * h * (m.num_experts or 0) + m.moe_router_topk * mlp(m.expert_ffn_size)
+    moe += mlp(m.moe_shared_expert_intermediate_size or 0)
+    layers = m.num_layers * attention + dense * mlp(m.ffn_size) + m.moe_layers * moe
+    forward = layers + 2 * seq * h * m.padded_vocab_size(1)
     return (4 if recompute else 3) * forward
 
 

@@ -393,6 +393,8 @@ class _TrainLoop:
                 "tokens-per-second": tokens_per_s,
                 "tflops-per-device": tflops,
                 "memory-mib": memory_mib(self.rt.device),
+                # beside the LM loss: e.g. BERT's NSP loss, MoE's aux loss and expert load
+                **{name.replace(" ", "-"): v for name, v in read["others"].items()},
             },
             state.iteration,
             state.consumed_train_samples,

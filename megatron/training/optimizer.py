@@ -115,7 +115,13 @@ def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
         return torch.optim.AdamW(groups, foreach=True, **kw)
 
 
-_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+_PARALLEL_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "expert_parallel",
+)
 
 
 def _with_parallel_attrs(new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -235,6 +241,7 @@ class MegatronOptimizer:
             self.clip_grad,
             tp_rank=self.state.tp_rank,
             model_parallel_group=self.state.mp_group,
+            expert_group=self.state.ep_group,
         )
         found_inf, norm = read_skip_and_norm(flag, norm)  # the step's one host read
         if self.scaler is not None:

@@ -27,6 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint.async_save import AsyncSaver
+from megatron.checkpoint.experts import (
+    expert_parameters,
+    gather_experts,
+    gather_optimizer_experts,
+    local_experts,
+    local_optimizer_experts,
+)
 from megatron.checkpoint.reshard_load import SavedLayout, read_layout
 from megatron.checkpoint.resharding import partition_record
 from megatron.checkpoint.storage import (
@@ -44,7 +51,11 @@ from megatron.checkpoint.storage import (
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
 from megatron.training import reshard
-from megatron.training.distrib_optimizer import distributed_to_plain, plain_parameter_names
+from megatron.training.distrib_optimizer import (
+    _plain_order,
+    distributed_to_plain,
+    plain_parameter_names,
+)
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
@@ -221,7 +232,8 @@ def save_training_state(
     shard = {
         "checkpoint_version": CHECKPOINT_VERSION,
         **checkpoint_entries(cfg, rt, state),
-        "model": model.state_dict(),
+        # MoE: every expert, all-gathered over EP (megatron.checkpoint.experts)
+        "model": gather_experts(model.state_dict(), model, st),
         "partition": partition_record(model),  # how each tensor is split, for resharding
     }
     sharded = getattr(optimizer, "shard_state_dict", None)  # the distributed optimizer's
@@ -230,7 +242,9 @@ def save_training_state(
     else:
         shard["optimizer"] = optimizer.state_dict()
         shard["opt_param_scheduler"] = scheduler.state_dict()
-        if sharded is None:  # the plain optimizer keys its state by position: name them
+        if sharded is None:  # the plain one: moments of all experts, named by position
+            order = _plain_order(model.module)
+            shard["optimizer"] = gather_optimizer_experts(shard["optimizer"], model, order, st)
             shard["optimizer"]["param_names"] = plain_parameter_names(model.module)
     optim_shard = sharded() if sharded is not None else None
     if saver is not None:
@@ -326,7 +340,7 @@ def load_training_state(
         _check_shapes(shard, cfg, c.load)
         if list(shard["model"]) != list(model.state_dict()):  # other model chunks (no record)
             return restore_resharded(iteration, read_layout(c.load, iteration))
-        model.load_state_dict(shard["model"])
+        model.load_state_dict(local_experts(shard["model"], model, st))  # this EP rank's
         if not with_optim:
             optimizer.reload_model_params()
         _require(shard, c, iteration)
@@ -342,6 +356,15 @@ def load_training_state(
         return shard
 
     def restore_resharded(iteration: int, saved: SavedLayout) -> dict:
+        if st.ep_size > 1 and expert_parameters(model):
+            raise CheckpointError(
+                f"{c.load} iteration {iteration} was saved at TP{saved.tp} x PP{saved.pp}; "
+                f"this run is TP{st.tp_size} x PP{st.pp_size} with --expert-model-parallel-size "
+                f"{st.ep_size}, and resharding on load does not cut experts over EP yet. Fix: "
+                "resume once at --expert-model-parallel-size 1 (any EP resumes from the "
+                "checkpoint it then saves), or convert it first with tools/convert_checkpoint.py "
+                "--target-tensor-model-parallel-size / --target-pipeline-model-parallel-size"
+            )
         shards, entries = reshard.open_checkpoint(cfg, c.load, iteration, saved)
         _check_shapes(entries, cfg, c.load)  # a named error before any tensor is cut
         _require(entries, c, iteration)
@@ -391,10 +414,16 @@ def load_optimizer(optimizer, model, shard: dict) -> None:
     plain optimizer; the plain one's (keyed by position) is cut into ranges."""
     saved = shard["optimizer"]
     distributed = hasattr(optimizer, "shard_state_dict")
+    st = optimizer.state
     if saved.get("distributed") and distributed:
         optimizer.load_state_dict(saved, shard["distrib_optim"])
     elif saved.get("distributed"):
-        plain = distributed_to_plain(saved, shard["distrib_optim"], model.module, optimizer.masters)
+        plain = distributed_to_plain(
+            saved, shard["distrib_optim"], model.module, optimizer.masters, state=st
+        )
         optimizer.load_state_dict(plain)
-    else:
-        optimizer.load_state_dict(saved)  # the distributed one converts a plain state itself
+    elif distributed:
+        optimizer.load_state_dict(saved)  # converts a plain state itself (experts whole)
+    else:  # this EP rank's experts of the saved moments and masters
+        order = _plain_order(model.module)
+        optimizer.load_state_dict(local_optimizer_experts(saved, model, order, st))

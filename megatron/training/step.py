@@ -19,6 +19,7 @@ from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
+from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.parallelize import parallelize
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
@@ -53,6 +54,8 @@ def build_context(cfg: MegatronConfig, rt: Runtime, device=None) -> BuildContext
         dtype=cfg.precision.params_dtype,
         rng_tracker=rt.rng_tracker,
         ops=select_ops(cfg.kernels, rt.device),
+        moe_dispatcher=cfg.parallel.moe_token_dispatcher_type,
+        moe_grouped_gemm=cfg.kernels.moe_grouped_gemm,
     )
 
 
@@ -90,6 +93,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
         # first and last stage must shard the tied embedding alike (see sync_embedding_grads)
         own_bucket=(tied,) if tied is not None else (),
+        # MoE experts: averaged over the DP / EP ranks holding the same experts
+        expert_group=rt.state.expert_data_group,
     )
     kw = {"params_dtype": dtype, "state": rt.state, "clip_grad": cfg.training.clip_grad}
     if distributed:
@@ -174,6 +179,8 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
     model.zero_grad_buffer()
+    # MoE aux / z losses get the LM loss's gradient scale (1 / micro batches x loss scale)
+    set_moe_loss_scale(model, float(optimizer.scale_loss(torch.ones(()))) / num_micro_batches)
     schedule = schedule or forward_backward_no_pipelining
     stats = schedule(
         forward_step_func,
@@ -201,7 +208,14 @@ def train_step(
         scheduler.step()  # by its default_increment: 1 iteration, or the global batch
     result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
     others = other_losses(forward_step_func, stats, rt)
+    others.update(moe_step_stats(model, rt.state, _model_config(model)))  # {} without MoE
     return {**result, "other_losses": others} if others else result
+
+
+def _model_config(model):
+    chunk = getattr(model, "module", model)
+    chunk = chunk[0] if hasattr(chunk, "chunks") else chunk
+    return chunk.cfg
 
 
 @torch.no_grad()

@@ -30,69 +30,23 @@ from megatron.checkpoint.storage import (
     resolve_load_iteration,
     tracker_path,
 )
-from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, build_model
 from tests.helpers.checkpoints import (
+    VARIANTS,
     VOCAB,
     _args,
     _cli,
+    _logits,
+    _model,
     _my_split,
     _stage_keys,
+    _tokens,
     _unpadded,
     _write_checkpoint,
 )
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import MMAP, ROOT
-
-_COMMON = dict(
-    num_layers=4,
-    seq_length=16,
-    vocab_size=70,  # padded: 72 at TP=1, 80 at TP=2, 96 at TP=4 (divisible by 8)
-    make_vocab_size_divisible_by=8,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-VARIANTS = {
-    # GPT-2: learned positions, LayerNorm, GeLU, biases, tied embeddings.
-    "gpt2": ModelConfig(hidden_size=32, num_attention_heads=4, **_COMMON),
-    # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (8 heads, 4 groups), untied, no biases.
-    "llama": ModelConfig(
-        hidden_size=64,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=96,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        add_bias_linear=False,
-        untie_embeddings_and_output_weights=True,
-        **_COMMON,
-    ),
-}
-
-
-def _model(cfg: ModelConfig, seed: int = 7) -> GPTModel:
-    """A model whose biases and norm weights are not 0 and 1, so their mapping is tested too."""
-    model = GPTModel(cfg, BuildContext(seed=seed, dtype=torch.float32)).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-            if name in VOCAB:
-                p[cfg.vocab_size :] = 0.0  # padding rows stay zero, as at init
-    return model
-
-
-def _tokens(cfg: ModelConfig) -> torch.Tensor:
-    return torch.randint(
-        0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(5)
-    )
-
-
-@torch.no_grad()
-def _logits(model: GPTModel, cfg: ModelConfig) -> torch.Tensor:
-    return model(_tokens(cfg))[..., : cfg.vocab_size]
 
 
 @pytest.mark.slow  # over a second on 2 cores

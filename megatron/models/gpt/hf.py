@@ -4,6 +4,7 @@ Two architectures match our GPT exactly (same logits in fp32):
   GPT2LMHeadModel   learned positions, LayerNorm, exact GeLU ("gelu") or with --openai-gelu
                     GPT-2's own tanh GeLU ("gelu_new"), biases, one KV head per head
   LlamaForCausalLM  RoPE (rotate-half, as ours), RMSNorm, SwiGLU; any GQA, biases optional
+With --num-experts, MixtralForCausalLM or Qwen2MoeForCausalLM (megatron.models.gpt.hf_moe).
 Shared layers (--num-unique-layers) are written out once per layer; --apply-query-key-layer-
 scaling changes no logits. --apply-residual-connection-post-layernorm has no HF twin, and
 other flag combinations raise ValueError. Files written: config.json, model.safetensors,
@@ -24,6 +25,15 @@ import torch
 from megatron.checkpoint.resharding import POSITION_EMBEDDINGS, check_full_state, model_config
 from megatron.config.schema import ModelConfig
 from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
+from megatron.models.gpt.hf_moe import (
+    moe_architecture,
+    moe_config,
+    moe_hf_config,
+    moe_state,
+    moe_tensors,
+)
+
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")
 
 GPT2_EOD = "<|endoftext|>"
 HF_EOD_TOKENS = (GPT2_EOD, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -42,13 +52,17 @@ _LLAMA_NEEDS = {
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama': the HF architecture computing exactly what our model computes."""
+    """'gpt2', 'llama', 'mixtral' or 'qwen2_moe': the HF architecture computing exactly what
+    our model computes."""
     if cfg.apply_residual_connection_post_layernorm:
         raise ValueError(
             "--apply-residual-connection-post-layernorm: no Hugging Face GPT architecture "
             "takes its residuals after the layer norm (GPT-2 and Llama are pre-norm), so no "
             "export would compute this model's logits"
         )
+    if cfg.moe:
+        llama = [flag for f, (v, flag) in _LLAMA_NEEDS.items() if getattr(cfg, f) != v]
+        return moe_architecture(cfg, llama)
     gpt2 = [flag for f, (v, flag) in _GPT2_NEEDS.items() if getattr(cfg, f) != v]
     if cfg.query_groups != cfg.num_attention_heads:
         gpt2.append("no --num-query-groups (GPT-2 has one key/value head per query head)")
@@ -166,6 +180,8 @@ def _llama_tensors(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             out[f"{o}self_attn.q_proj.{param}"] = q
             out[f"{o}self_attn.k_proj.{param}"] = k
             out[f"{o}self_attn.v_proj.{param}"] = v
+            if f"{p}mlp.dense_h_to_4h.{param}" not in state:  # an MoE layer (hf_moe.py)
+                continue
             gate_up = state[f"{p}mlp.dense_h_to_4h.{param}"]  # [gate; up]
             out[f"{o}mlp.gate_proj.{param}"] = gate_up[:ffn]
             out[f"{o}mlp.up_proj.{param}"] = gate_up[ffn:]
@@ -183,9 +199,13 @@ def _llama_state(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         for param in params:
             q, k, v = (hf.pop(f"{o}self_attn.{x}_proj.{param}") for x in "qkv")
             state[f"{p}self_attention.query_key_value.{param}"] = join_qkv(q, k, v, cfg)
+            if cfg.is_moe_layer(i):  # its experts: hf_moe.py
+                continue
             gate, up = (hf.pop(f"{o}mlp.{x}_proj.{param}") for x in ("gate", "up"))
             state[f"{p}mlp.dense_h_to_4h.{param}"] = torch.cat([gate, up])
         for ours, theirs in _LLAMA_LAYER:
+            if ours.startswith("mlp.") and cfg.is_moe_layer(i):
+                continue
             if ours.endswith("weight") or cfg.add_bias_linear:
                 state[p + ours] = hf.pop(o + theirs)
     state["head.final_layernorm.weight"] = hf.pop("model.norm.weight")
@@ -331,7 +351,7 @@ def _hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, eod: int | None)
             "reorder_and_upcast_attn": False,
             **common,
         }
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
@@ -352,6 +372,7 @@ def _hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, eod: int | None)
         "pretraining_tp": 1,
         **common,
     }
+    return moe_hf_config(cfg, arch, llama) if arch in MOE_ARCHITECTURES else llama
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -366,7 +387,8 @@ def to_hf(
     out_dir: str,
     tokenizer_files: list[str] | None = None,
 ) -> str:
-    """Write `out_dir` for `transformers` `from_pretrained`; returns 'gpt2' or 'llama'.
+    """Write `out_dir` for `transformers` `from_pretrained`; returns the architecture
+    (hf_architecture).
 
     `tokenizer_files` (vocab.json + merges.txt, a tokenizer.json, or a SentencePiece .model)
     default to the files recorded in the checkpoint's args, where they still exist.
@@ -376,7 +398,12 @@ def to_hf(
     cfg = model_config(args)
     arch = hf_architecture(cfg)
     check_full_state(full_state, cfg, "the state to export")
-    tensors = _gpt2_tensors(full_state, cfg) if arch == "gpt2" else _llama_tensors(full_state, cfg)
+    if arch == "gpt2":
+        tensors = _gpt2_tensors(full_state, cfg)
+    else:
+        tensors = _llama_tensors(full_state, cfg)
+        if arch in MOE_ARCHITECTURES:
+            tensors.update(moe_tensors(full_state, cfg, arch))
     os.makedirs(out_dir, exist_ok=True)
     eod = export_tokenizer(args.get("tokenizer") or {}, out_dir, tokenizer_files, cfg)
     dtype = full_state[WORD_EMBEDDINGS].dtype
@@ -469,16 +496,22 @@ def _llama_config(hf: dict) -> dict:
 
 
 def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(full state, checkpoint args at TP = PP = 1) of a GPT-2 or Llama directory, offline."""
+    """(full state, checkpoint args at TP = PP = 1) of a GPT-2, Llama, Mixtral or Qwen2-MoE
+    directory, offline."""
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--from-hf {hf_dir}: no config.json there (not a Hugging Face model)")
     with open(config_path, encoding="utf-8") as f:
         hf_cfg = json.load(f)
     kind = hf_cfg.get("model_type")
-    if kind not in ("gpt2", "llama"):
-        raise ValueError(f"--from-hf {hf_dir}: model_type {kind!r} is not supported (gpt2, llama)")
+    if kind not in ("gpt2", "llama", *MOE_ARCHITECTURES):
+        raise ValueError(
+            f"--from-hf {hf_dir}: model_type {kind!r} is not supported (gpt2, llama, "
+            "mixtral, qwen2_moe)"
+        )
     fields = _gpt2_config(hf_cfg) if kind == "gpt2" else _llama_config(hf_cfg)
+    if kind in MOE_ARCHITECTURES:
+        fields.update(moe_config(hf_cfg))
     # transformers' default is tied for both, when the key is absent.
     tied = hf_cfg.get("tie_word_embeddings", True)
     cfg = ModelConfig(
@@ -495,7 +528,8 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
         state = _gpt2_state(hf, cfg)
     else:
         ignored = ("rotary_emb.inv_freq",)
-        state = _llama_state(hf, cfg)
+        moe = moe_state(hf, cfg, kind) if kind in MOE_ARCHITECTURES else {}
+        state = {**_llama_state(hf, cfg), **moe}
     if tied:
         hf.pop("lm_head.weight", None)  # a tied head may be saved too; it is the embedding
     left = [n for n in hf if not n.endswith(ignored)]

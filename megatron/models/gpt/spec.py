@@ -10,7 +10,9 @@ from megatron.models.registry import ModelSpec
 
 def _hf_export(full_state, args, out_dir, tokenizer_files=None) -> str:
     arch = hf.to_hf(full_state, args, out_dir, tokenizer_files=tokenizer_files)
-    return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
+    names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+    names.update(mixtral="MixtralForCausalLM", qwen2_moe="Qwen2MoeForCausalLM")
+    return names[arch]
 
 
 def _deepspeed_pipeline(cfg, rt, checkpoint_fn):
@@ -31,7 +33,7 @@ SPEC = ModelSpec(
     deepspeed_pipeline=_deepspeed_pipeline,
     hf_export=_hf_export,
     hf_import=lambda hf_dir, hf_config: hf.from_hf(hf_dir),
-    hf_model_types=("gpt2", "llama"),
+    hf_model_types=("gpt2", "llama", "mixtral", "qwen2_moe"),
     causal_lm=True,
     purpose="train-gpt",
 )

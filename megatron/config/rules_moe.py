@@ -1,0 +1,125 @@
+"""Rules of mixture of experts (--num-experts & co.) and expert parallelism (--expert-model-
+parallel-size); each setting's own limits are declared on it (megatron.config.schema_moe)."""
+
+from __future__ import annotations
+
+from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
+
+
+def _fail(flag: str, problem: str, fix: str) -> None:
+    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
+
+
+def validate_moe_model(m: ModelConfig, tp: int = 1) -> None:
+    """The MoE settings among themselves (what a checkpoint's model needs at any layout)."""
+    if not m.moe:
+        changed = [
+            flag
+            for flag, given in (
+                ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size is not None),
+                ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size),
+                ("--moe-expert-capacity-factor", m.moe_expert_capacity_factor is not None),
+                ("--moe-aux-loss-coeff", m.moe_aux_loss_coeff > 0),
+                ("--moe-z-loss-coeff", m.moe_z_loss_coeff is not None),
+            )
+            if given
+        ]
+        if changed:
+            _fail(
+                changed[0],
+                "given without --num-experts (the model has no experts)",
+                "add --num-experts E or drop it",
+            )
+        return
+    if m.moe_router_topk > m.num_experts:
+        _fail(
+            "--moe-router-topk",
+            f"{m.moe_router_topk} experts per token but only --num-experts {m.num_experts}",
+            f"use a top-k of at most {m.num_experts} (or more experts)",
+        )
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        _fail(
+            "--moe-router-pre-softmax",
+            "given with --moe-router-score-function sigmoid",
+            "drop --moe-router-pre-softmax or use the softmax score function",
+        )
+    shared = m.moe_shared_expert_intermediate_size
+    if m.moe_shared_expert_gate and shared is None:
+        _fail(
+            "--moe-shared-expert-gate",
+            "gates the shared expert, which is off",
+            "add --moe-shared-expert-intermediate-size N or drop the gate",
+        )
+    if shared is not None and shared % tp:
+        _fail(
+            "--moe-shared-expert-intermediate-size",
+            f"{shared} cannot be split over --tensor-model-parallel-size {tp}",
+            "use a multiple of the tensor-parallel size",
+        )
+
+
+def validate_moe(cfg: MegatronConfig) -> None:
+    """MoE and expert parallelism against the layout and the other features of the run."""
+    m, par = cfg.model, cfg.parallel
+    ep, dp = par.expert_model_parallel_size, par.data_parallel_size
+    validate_moe_model(m, par.tensor_model_parallel_size)
+    if ep > 1 and not m.moe:
+        _fail(
+            "--expert-model-parallel-size",
+            f"{ep} given without --num-experts (the model has no experts to split)",
+            "add --num-experts (a multiple of the EP size) or drop the flag",
+        )
+    if not m.moe:
+        for flag, given in (
+            ("--moe-grouped-gemm", cfg.kernels.moe_grouped_gemm),
+            ("--moe-token-dispatcher-type", par.moe_token_dispatcher_type != "alltoall"),
+        ):
+            if given:
+                _fail(
+                    flag,
+                    "given without --num-experts (no experts to compute)",
+                    "add --num-experts E or drop it",
+                )
+        return
+    if m.num_experts % ep:
+        _fail(
+            "--num-experts",
+            f"{m.num_experts} experts cannot be split over --expert-model-parallel-size {ep}",
+            f"use a multiple of {ep} experts, or an EP size that divides {m.num_experts}",
+        )
+    if dp % ep:
+        _fail(
+            "--expert-model-parallel-size",
+            f"{ep} does not divide the data-parallel size {dp} (world {par.world_size} / "
+            f"(TP x CP x PP)); expert-parallel ranks are carved from the data-parallel ones",
+            f"use an EP size dividing {dp}, or launch a multiple of "
+            f"{ep * par.tensor_model_parallel_size * par.pipeline_model_parallel_size} processes",
+        )
+    refused = (
+        (
+            "--deepspeed",
+            cfg.deepspeed.enabled,
+            "DeepSpeed's engine would reduce every expert's gradient over all of DP and knows "
+            "no expert-parallel group",
+            "drop --deepspeed (the native backend's --use-distributed-optimizer shards the "
+            "optimizer states, experts over the expert-data-parallel group)",
+        ),
+        (
+            "--context-parallel-size",
+            par.context_parallel_size > 1,
+            "the router's load-balancing statistics are not yet gathered over the CP ranks "
+            "of a sequence",
+            "drop --context-parallel-size (use TP with --sequence-parallel for long sequences)",
+        ),
+        (
+            "--DDP-impl torch",
+            cfg.distributed.ddp_impl == "torch",
+            "torch DDP averages every gradient over DP (experts too) and fails on experts a "
+            "micro batch never reached",
+            "use --DDP-impl local (the default), which reduces expert gradients over the "
+            "expert-data-parallel group",
+        ),
+    )
+    for other, given, why, fix in refused:
+        if given:
+            _fail("--num-experts", f"given with {other}: {why}", fix)

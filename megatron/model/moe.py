@@ -1,0 +1,406 @@
+"""Mixture of experts: a top-k router and E expert MLPs in place of a layer's MLP.
+
+    y = shared(x) + sum_{e in topk(x)} p_e(x) expert_e(x)
+
+Tokens are the rows of x (b, s, h) -> (T, h). The router's logits x W_r^T (T, E) and every
+score are fp32. Each expert is the model's MLP (GeLU, or SwiGLU with [gate; up] in one weight),
+its weights stacked over experts: weight1 (E, h, F1), weight2 (E, F, h).
+
+Expert parallelism (`state.ep_size` EP > 1): EP rank e holds experts [e E/EP, (e+1) E/EP) (the
+stacked weights' dim 0 is split over the EP group, `expert_parallel`). The alltoall dispatcher
+sends each (token, expert) assignment to the rank of its expert and the outputs back (forward:
+two all-to-alls; backward: the two reverse ones); the allgather dispatcher gathers every EP
+rank's tokens on every rank and reduce-scatters the outputs. Experts are not split over TP:
+they are replicated over the TP group (Megatron-core's expert-tensor-parallel size 1); with
+--sequence-parallel each TP rank routes its own s / TP tokens and the expert and router
+gradients are summed over TP like the norms' (`sequence_parallel` marks, model/parallelize.py).
+
+Load balancing (switch transformer): aux = coeff E / (k T^2) sum_e count_e sum_t p_te over the
+micro batch's T tokens (seq_aux_loss: per sequence, averaged), z = coeff mean_t lse(logits_t)^2.
+They reach backward without passing through the model's output: `_AttachLoss` gives them the
+gradient `loss_grad_scale` (1 / micro batches x the fp16 loss scale, set by the trainer
+through `set_moe_loss_scale`), as the LM loss gets. Their values and the tokens per expert are
+recorded in backward (once per micro batch, also under activation recompute) in `MoEStats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config.schema import ModelConfig
+from megatron.model.context import BuildContext
+from megatron.mpu.mappings import (
+    all_gather_rows,
+    all_to_all,
+    exchange_counts,
+    gather_from_expert_region,
+    reduce_scatter_to_expert_region,
+)
+from megatron.mpu.utils import divide, group_size
+
+
+class MoEStats:
+    """What one MoE layer saw since the last read: summed aux and z losses (each with its
+    coefficient), micro batches, and tokens routed per expert (this rank's, dropped ones
+    excluded). Recorded in backward, read and reset by training/log.py."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.values: torch.Tensor | None = None  # [aux, z, micro batches, tokens per expert...]
+
+    def add(self, aux: torch.Tensor, z: torch.Tensor, counts: torch.Tensor) -> None:
+        one = torch.ones((), device=counts.device)
+        row = torch.cat([torch.stack([aux.float(), z.float(), one]), counts.float()])
+        self.values = row if self.values is None else self.values + row
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Forward: y = x. Backward: x gets y's gradient, `loss` gets `scale` (the gradient the
+    LM loss gets from the trainer's scaling), so d loss / d weights joins the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale, stats, record):
+        ctx.scale, ctx.stats, ctx.record = scale, stats, record
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.stats is not None:
+            ctx.stats.add(*ctx.record)
+        loss_grad = torch.full((), ctx.scale, dtype=torch.float32, device=grad.device)
+        return grad, loss_grad, None, None, None
+
+
+def route(logits: torch.Tensor, m: ModelConfig):
+    """fp32 logits (T, E) -> (probs (T, k), experts (T, k), scores (T, E) for the aux loss)."""
+    k = m.moe_router_topk
+    if m.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        probs, experts = scores.topk(k, dim=-1)
+        if k > 1:
+            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+        return probs, experts, scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    scores = torch.softmax(logits, dim=-1)
+    if m.moe_router_pre_softmax:  # softmax over all E, then the top k as they are
+        probs, experts = scores.topk(k, dim=-1)
+    else:  # the top k logits, then a softmax over them
+        top, experts = logits.topk(k, dim=-1)
+        probs = torch.softmax(top, dim=-1)
+    return probs, experts, scores
+
+
+def capacity_keep(probs, experts, num_experts: int, factor: float, policy: str) -> torch.Tensor:
+    """(T, k) booleans: the assignments an expert keeps with capacity ceil(T k / E x factor):
+    its highest-probability ones (probs) or its first tokens (position)."""
+    t, k = experts.shape
+    capacity = math.ceil(t * k / num_experts * factor)
+    routed = torch.zeros(t, num_experts, dtype=torch.bool, device=experts.device)
+    routed.scatter_(1, experts, True)
+    if capacity >= t:
+        return torch.ones_like(experts, dtype=torch.bool)
+    if policy == "probs":
+        rank_by = torch.zeros(t, num_experts, device=probs.device).scatter(1, experts, probs)
+    else:  # earlier tokens first
+        position = torch.arange(t, 0, -1, device=experts.device, dtype=torch.float32)
+        rank_by = position.unsqueeze(1).expand(t, num_experts)
+    rank_by = rank_by.masked_fill(~routed, -1.0)
+    kept = rank_by.topk(capacity, dim=0).indices  # (capacity, E)
+    keep = torch.zeros_like(routed).scatter_(0, kept, True) & routed
+    return keep.gather(1, experts)
+
+
+class Router(nn.Module):
+    """x (T, h) -> (probs (T, k), experts (T, k), kept (T, k), aux loss, z loss, tokens per
+    expert (E,)): the top-k routing of T tokens, dropped assignments' probabilities zeroed."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
+        super().__init__()
+        self.cfg, self.state = cfg, ctx.state
+        shape = (cfg.num_experts, cfg.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape, device=ctx.device, dtype=ctx.dtype))
+
+    def forward(self, x: torch.Tensor, batch: int):
+        m = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # (T, E) in fp32
+        probs, experts, scores = route(logits, m)
+        if m.moe_expert_capacity_factor is not None:
+            keep = capacity_keep(
+                probs, experts, m.num_experts, m.moe_expert_capacity_factor, m.moe_token_drop_policy
+            )
+            probs = probs * keep
+        else:
+            keep = torch.ones_like(experts, dtype=torch.bool)
+        counts = torch.bincount(experts[keep], minlength=m.num_experts)
+        aux, z = self._balance_loss(scores, experts, batch), self._z_loss(logits)
+        return probs, experts, keep, aux, z, counts
+
+    def _split_tokens(self) -> int:
+        """How many TP ranks share this micro batch's tokens (TP under sequence parallelism)."""
+        return self.state.tp_size if self.state.sequence_parallel else 1
+
+    def _over_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """A statistic summed over the TP ranks that hold other tokens (sequence parallel)."""
+        if self._split_tokens() > 1:
+            t = t.clone()
+            dist.all_reduce(t, group=self.state.tp_group)
+        return t
+
+    def _balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, batch: int):
+        """This rank's share of coeff E / (k T^2) sum_e count_e sum_t p_te: the counts are the
+        whole micro batch's (summed over TP under sequence parallelism), the probabilities this
+        rank's, so the shares add up to the loss and its gradient."""
+        m, e, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
+        kind = m.moe_router_load_balancing_type
+        if kind == "none" or m.moe_aux_loss_coeff == 0:
+            return scores.new_zeros(())
+        groups = batch if kind == "seq_aux_loss" else 1  # per sequence, or the whole micro batch
+        chosen = torch.zeros_like(scores).scatter_(1, experts, 1.0)  # (T, E) routing map
+        counts = self._over_tokens(chosen.view(groups, -1, e).sum(1).detach())  # (groups, E)
+        tokens = scores.size(0) // groups * self._split_tokens()  # per group, all TP ranks
+        prob_sums = scores.view(groups, -1, e).sum(1)  # (groups, E), this rank's tokens
+        per_group = (counts * prob_sums).sum(-1) * (e / (k * tokens * tokens))
+        return m.moe_aux_loss_coeff * per_group.mean()
+
+    def _z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        coeff = self.cfg.moe_z_loss_coeff
+        if not coeff:
+            return logits.new_zeros(())
+        total = logits.size(0) * self._split_tokens()
+        return coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
+
+
+class Experts(nn.Module):
+    """This EP rank's E / EP experts: tokens (N, h) sorted by expert, `counts` per expert ->
+    (N, h). `grouped`: one grouped matmul per projection (torch._grouped_mm where the shapes
+    allow it, else a batched matmul over the groups padded to the largest); else a loop."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, grouped: bool):
+        super().__init__()
+        self.local = divide(cfg.num_experts, ctx.state.ep_size)
+        h, f = cfg.hidden_size, cfg.expert_ffn_size
+        self.swiglu, self.grouped, self.ops = cfg.swiglu, grouped, ctx.ops
+        self.gelu_approx = "tanh" if cfg.openai_gelu else "none"
+        f1 = 2 * f if cfg.swiglu else f  # SwiGLU: [gate; up]
+        kw = {"device": ctx.device, "dtype": ctx.dtype}
+        self.weight1 = nn.Parameter(torch.empty(self.local, h, f1, **kw))
+        self.weight2 = nn.Parameter(torch.empty(self.local, f, h, **kw))
+        self.bias1 = self.bias2 = None
+        if cfg.add_bias_linear:
+            self.bias1 = nn.Parameter(torch.empty(self.local, f1, **kw))
+            self.bias2 = nn.Parameter(torch.empty(self.local, h, **kw))
+        for p in self.parameters():
+            p.expert_parallel = True  # dim 0 split over the EP group
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if not self.grouped:
+            outs = [self._mlp(t, e) for e, t in enumerate(torch.split(x, counts))]
+            return torch.cat(outs) if outs else x
+        y = grouped_matmul(x, self.weight1, counts)
+        y = self._activation(_add_bias(y, self.bias1, counts))
+        return _add_bias(grouped_matmul(y, self.weight2, counts), self.bias2, counts)
+
+    def _mlp(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        y = x @ self.weight1[e]
+        y = self._activation(y if self.bias1 is None else y + self.bias1[e])
+        y = y @ self.weight2[e]
+        return y if self.bias2 is None else y + self.bias2[e]
+
+    def _activation(self, y: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.ops.swiglu_act(y)  # [gate; up] -> silu(gate) * up
+        return F.gelu(y, approximate=self.gelu_approx)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
+    if bias is None:
+        return y
+    sizes = torch.tensor(counts, device=y.device)
+    return y + bias.repeat_interleave(sizes, dim=0, output_size=y.size(0))
+
+
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm needs row strides that are multiples of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    size = x.element_size()
+    return (x.size(1) * size) % 16 == 0 and (w.size(2) * size) % 16 == 0
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of x in groups of `counts`, group g times w[g]: (N, a) x (G, a, c) -> (N, c)."""
+    if x.size(0) == 0:  # no tokens reached these experts
+        return x.new_zeros(0, w.size(2))
+    if _grouped_mm_fits(x, w):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(x.contiguous(), w, offs=offsets)
+        if y.requires_grad:  # its backward needs a dense gradient
+            y.register_hook(lambda g: g.contiguous())
+        return y
+    return padded_bmm(x, w, counts)
+
+
+def padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The grouped product as one bmm: groups padded with zero rows to the largest."""
+    groups, longest = len(counts), max(counts)
+    sizes = torch.tensor(counts, device=x.device)
+    group_of = torch.repeat_interleave(torch.arange(groups, device=x.device), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    slot = group_of * longest + torch.arange(x.size(0), device=x.device) - starts[group_of]
+    padded = x.new_zeros(groups * longest, x.size(1)).index_copy(0, slot, x)
+    y = torch.bmm(padded.view(groups, longest, -1), w)  # (G, longest, c)
+    return y.reshape(groups * longest, -1)[slot]
+
+
+class MoELayer(nn.Module):
+    """Router + experts (+ shared expert) in place of ParallelMLP: (b, s, h) -> (b, s, h)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
+        super().__init__()
+        from megatron.model.transformer import ParallelMLP  # transformer.py imports this file
+
+        self.cfg, self.state = cfg, ctx.state
+        self.dispatcher = ctx.moe_dispatcher
+        self.router = Router(cfg, ctx)
+        self.experts = Experts(cfg, ctx, ctx.moe_grouped_gemm)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            shared = dataclasses.replace(
+                cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size
+            )
+            self.shared_expert = ParallelMLP(shared, ctx)
+            self.shared_expert.defer_bias = False  # its output is complete
+            if cfg.moe_shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(
+                    cfg.hidden_size, 1, bias=False, device=ctx.device, dtype=ctx.dtype
+                )
+        self.loss_grad_scale = 1.0  # set_moe_loss_scale
+        self.stats = MoEStats(cfg.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)  # (T, h)
+        probs, experts, keep, aux, z, counts = self.router(tokens, b)
+        if self.dispatcher == "allgather" and group_size(self.state.ep_group) > 1:
+            per_slot = self._allgather(tokens, experts, keep)
+        else:
+            per_slot = self._alltoall(tokens, experts, keep)
+        out = (per_slot * probs.unsqueeze(-1).to(per_slot.dtype)).sum(1).view(b, s, h)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        if self.training and out.requires_grad:  # the losses' gradient, the stats in backward
+            record = (aux.detach(), z.detach(), counts)
+            out = _AttachLoss.apply(out, aux + z, self.loss_grad_scale, self.stats, record)
+        return out
+
+    def _alltoall(self, tokens, experts, keep) -> torch.Tensor:
+        """(T, h) -> (T, k, h): each kept assignment's expert output (zeros where dropped)."""
+        t, k = experts.shape
+        e, ep, group = self.cfg.num_experts, self.state.ep_size, self.state.ep_group
+        slots = torch.nonzero(keep.reshape(-1)).squeeze(1)  # kept assignments, token-major
+        ids = experts.reshape(-1)[slots]
+        order = torch.argsort(ids, stable=True)
+        slots, ids = slots[order], ids[order]
+        counts = torch.bincount(ids, minlength=e)  # (E,) this rank's assignments per expert
+        sent = tokens[slots // k]  # (N, h) sorted by expert, hence by destination EP rank
+        if ep > 1:  # received[j, l]: tokens EP rank j sends to my local expert l
+            received = exchange_counts(counts, group)  # (EP, E / EP)
+            in_splits = counts.view(ep, -1).sum(1).tolist()
+            out_splits = received.sum(1).tolist()
+            arrived = all_to_all(sent, group, out_splits, in_splits)  # (source, expert) order
+            by_expert = _source_major_to_expert_major(received)
+            y = self.experts(arrived[by_expert], received.sum(0).tolist())
+            back = torch.argsort(by_expert)  # expert-major -> source-major again
+            y = all_to_all(y[back], group, in_splits, out_splits)
+        else:
+            y = self.experts(sent, counts.tolist())
+        per_slot = y.new_zeros(t * k, y.size(-1)).index_copy(0, slots, y)
+        return per_slot.view(t, k, -1)
+
+    def _allgather(self, tokens, experts, keep) -> torch.Tensor:
+        """Every EP rank's tokens here; this rank's experts' outputs reduce-scattered back."""
+        t, k = experts.shape
+        group, local = self.state.ep_group, self.experts.local
+        everyone = gather_from_expert_region(tokens, group)  # (EP T, h)
+        ids = all_gather_rows(torch.where(keep, experts, -1), group).reshape(-1)  # (EP T k)
+        first = self.state.ep_rank * local
+        mine = torch.nonzero((ids >= first) & (ids < first + local)).squeeze(1)
+        order = torch.argsort(ids[mine], stable=True)
+        slots, ids = mine[order], ids[mine][order] - first
+        counts = torch.bincount(ids, minlength=local).tolist()
+        y = self.experts(everyone[slots // k], counts)
+        per_slot = y.new_zeros(everyone.size(0) * k, y.size(-1)).index_copy(0, slots, y)
+        return reduce_scatter_to_expert_region(per_slot.view(-1, k, y.size(-1)), group)
+
+
+def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
+    """received (EP, L) counts of rows ordered (source rank, expert) -> the row order that
+    sorts them by (expert, source rank)."""
+    flat = received.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # where block (j, l) starts
+    blocks = starts.view(received.shape).t().reshape(-1)  # (l, j) order
+    sizes = received.t().reshape(-1)
+    within = torch.arange(int(sizes.sum()), device=received.device)
+    block_start = torch.cumsum(sizes, 0) - sizes
+    which = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)
+    return blocks[which] + within - block_start[which]
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def set_moe_loss_scale(model: nn.Module, scale: float) -> None:
+    """The gradient the aux and z losses get in backward: what the trainer multiplies the LM
+    loss by (1 / micro batches, times the fp16 loss scale)."""
+    for _, layer in moe_layers(model):
+        layer.loss_grad_scale = float(scale)
+
+
+def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The MoE statistics of the step just run, the same on every rank ({} without MoE): the
+    load-balancing and z losses (each summed over the MoE layers, per micro batch) and the
+    mean over layers of max / mean tokens per expert. One all-reduce over all ranks (also those
+    whose pipeline stage has no MoE layer); resets.
+
+    A layer's numbers are counted once per replica: on TP rank 0, or, with sequence
+    parallelism, on every TP rank (each routed its own tokens; their loss shares add up)."""
+    if not cfg.moe:
+        return {}
+    table = torch.zeros(cfg.num_layers, 3 + cfg.num_experts)  # [aux, z, micro batches, load]
+    split = state.sequence_parallel
+    for name, layer in moe_layers(model):
+        values = layer.stats.values
+        layer.stats.reset()
+        if values is None or not (split or state.tp_rank == 0):
+            continue
+        number = int(name.split("layers.")[-1].split(".")[0])
+        values = values.detach().to("cpu", torch.float32)
+        if split and state.tp_rank != 0:
+            values[2] = 0  # one micro-batch count per replica
+        table[number] += values
+    device = next(model.parameters()).device
+    table = table.to(device)
+    if state.world_size > 1:  # every rank of the job
+        dist.all_reduce(table)
+    used = table[:, 2] > 0
+    table = table[used]
+    per_micro = table[:, :2] / table[:, 2:3]  # (layers, [aux, z])
+    load = table[:, 3:]
+    balance = (load.max(1).values / load.mean(1).clamp(min=1e-9)).mean()
+    return {
+        "load balancing loss": per_micro[:, 0].sum(),
+        "z loss": per_micro[:, 1].sum(),
+        "expert load max/mean": balance,
+    }
