@@ -267,6 +267,9 @@ def test_attention_mask_types_say_what_they_carry():
     # A padding mask of all-real tokens is not causal: the first query sees the last key.
     cfg = ModelConfig(**BASE)
     layer = TransformerLayer(cfg, BuildContext(dtype=DT)).eval()
+    with torch.no_grad():  # a bare layer's weights are uninitialized memory: the model inits them
+        for p in layer.parameters():
+            p.normal_(0.0, 0.05)
     x = torch.randn(2, 5, cfg.hidden_size, dtype=DT)
     full = layer(x, None, None, AttentionMask.padding(torch.ones(2, 5)))
     causal = layer(x, None, None, CAUSAL)
