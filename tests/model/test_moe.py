@@ -263,6 +263,26 @@ def test_good_moe_flags_parse(monkeypatch):
     assert cfg.kernels.moe_grouped_gemm and cfg.parallel.moe_token_dispatcher_type == "allgather"
 
 
+def test_moe_size_and_z_loss_flags_reach_the_built_model(monkeypatch):
+    """--moe-ffn-hidden-size, --moe-shared-expert-intermediate-size and --moe-z-loss-coeff from
+    the command line: the expert and shared-expert widths of the model and its z loss."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = parse_args(
+        ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"]
+        + ["--seq-length", "8", "--vocab-size", "64", "--micro-batch-size", "1"]
+        + ["--train-iters", "1", "--num-experts", "2", "--moe-router-topk", "1"]
+        + ["--moe-ffn-hidden-size", "24", "--moe-shared-expert-intermediate-size", "40"]
+        + ["--moe-z-loss-coeff", "0.25"]
+    )
+    layer = _layer(cfg.model)
+    assert tuple(layer.experts.weight2.shape) == (2, 24, 32)  # (experts, width, hidden)
+    assert layer.shared_expert.dense_4h_to_h.weight.shape[1] == 40
+    logits = torch.tensor([[3.0, -1.0]])
+    torch.testing.assert_close(
+        layer.router._z_loss(logits), 0.25 * torch.logsumexp(logits, -1).square().mean()
+    )
+
+
 def test_flops_count_the_active_parameters():
     """Top-2 of 8 experts of width 32 cost what a dense MLP of width 64 costs, plus the router."""
     moe = _cfg(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
