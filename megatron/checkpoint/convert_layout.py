@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from megatron.checkpoint.reading import resolve_load_iteration, verify_checkpoint_files
 from megatron.checkpoint.reshard_load import RankTarget, SavedShards, read_layout, read_rank_state
 from megatron.checkpoint.resharding import (
     _CARRIED,
@@ -21,12 +22,7 @@ from megatron.checkpoint.resharding import (
     validate_layout,
     write_layout,
 )
-from megatron.checkpoint.storage import (
-    CheckpointError,
-    checkpoint_dir,
-    resolve_load_iteration,
-    verify_checkpoint_files,
-)
+from megatron.checkpoint.storage import CheckpointError, checkpoint_dir
 from megatron.models.registry import vocab_sized_names
 
 CONVERTED_NOTE = (

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpoint.storage import DISTRIB_OPTIM_NAME, CheckpointError, load_shard, save_shard
+from megatron.checkpoint.reading import load_shard
+from megatron.checkpoint.storage import DISTRIB_OPTIM_NAME, CheckpointError, save_shard
 
 
 def is_distributed(shard: dict) -> bool:

@@ -34,13 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.checkpoint.reading import load_shard, marker_layout
 from megatron.checkpoint.storage import (
     DISTRIB_OPTIM_NAME,
     SHARD_NAME,
     CheckpointError,
     checkpoint_dir,
-    load_shard,
-    marker_layout,
 )
 from megatron.mpu.utils import shard
 

@@ -30,13 +30,12 @@ import torch
 from torch import nn
 
 from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.reading import load_shard, resolve_load_iteration
 from megatron.checkpoint.reshard_load import SavedLayout, find_shard_layout
 from megatron.checkpoint.storage import (
     CheckpointError,
     checkpoint_dir,
     finalize_checkpoint,
-    load_shard,
-    resolve_load_iteration,
     save_shard,
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.checkpoint.storage import CheckpointError, load_shard, resolve_load_iteration
+from megatron.checkpoint.reading import load_shard, resolve_load_iteration
+from megatron.checkpoint.storage import CheckpointError
 from megatron.config.schema import KernelConfig, TokenizerConfig, model_config_from_saved
 from megatron.data.tokenizers import build_tokenizer
 from megatron.fused_kernels import TORCH_OPS, select_ops

@@ -21,7 +21,7 @@ from megatron.checkpoint.reshard_load import (
     read_rank_state,
 )
 from megatron.checkpoint.resharding import partition_record, split_rule
-from megatron.checkpoint.storage import rng_state_dict
+from megatron.checkpoint.rng_state import rng_state_dict
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, set_random_seeds
 from megatron.models.registry import vocab_sized_names

@@ -34,19 +34,16 @@ from megatron.checkpoint.experts import (
     local_experts,
     local_optimizer_experts,
 )
+from megatron.checkpoint.reading import load_newest_intact, load_shard, verify_checkpoint_files
 from megatron.checkpoint.reshard_load import SavedLayout, read_layout
 from megatron.checkpoint.resharding import partition_record
+from megatron.checkpoint.rng_state import rng_state_dict, set_rng_state
 from megatron.checkpoint.storage import (
     DISTRIB_OPTIM_NAME,
     CheckpointError,
     finalize_checkpoint,
-    load_newest_intact,
-    load_shard,
     remove_stale_optimizer_shards,
-    rng_state_dict,
     save_shard,
-    set_rng_state,
-    verify_checkpoint_files,
 )
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier

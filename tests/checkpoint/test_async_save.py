@@ -18,15 +18,8 @@ import torch
 
 import megatron.checkpoint.storage as storage
 from megatron.checkpoint.async_save import AsyncSaver
-from megatron.checkpoint.storage import (
-    MARKER_NAME,
-    SHARD_NAME,
-    CheckpointError,
-    checkpoint_dir,
-    load_shard,
-    read_tracker,
-    resolve_load_iteration,
-)
+from megatron.checkpoint.reading import load_shard, read_tracker, resolve_load_iteration
+from megatron.checkpoint.storage import MARKER_NAME, SHARD_NAME, CheckpointError, checkpoint_dir
 from megatron.models.gpt.train import forward_step as _forward_step
 from tests.helpers.checkpoints import _FullDisk
 from tests.helpers.distributed import free_port, run_distributed

@@ -22,6 +22,13 @@ import pytest
 import torch
 
 import megatron.checkpoint.storage as storage
+from megatron.checkpoint.reading import (
+    load_newest_intact,
+    load_shard,
+    read_tracker,
+    resolve_load_iteration,
+)
+from megatron.checkpoint.rng_state import rng_state_dict, set_rng_state
 from megatron.checkpoint.storage import (
     MARKER_NAME,
     SHARD_NAME,
@@ -31,13 +38,7 @@ from megatron.checkpoint.storage import (
     checkpoint_dir,
     file_crc32,
     finalize_checkpoint,
-    load_newest_intact,
-    load_shard,
-    read_tracker,
-    resolve_load_iteration,
-    rng_state_dict,
     save_shard,
-    set_rng_state,
     shard_path,
     tracker_path,
 )

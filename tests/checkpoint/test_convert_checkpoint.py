@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron import mpu
+from megatron.checkpoint.reading import load_shard, resolve_load_iteration
 from megatron.checkpoint.resharding import (
     load_checkpoint,
     load_full_state,
@@ -25,11 +26,7 @@ from megatron.checkpoint.resharding import (
     split_rule,
     stage_names,
 )
-from megatron.checkpoint.storage import (
-    load_shard,
-    resolve_load_iteration,
-    tracker_path,
-)
+from megatron.checkpoint.storage import tracker_path
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, build_model
 from tests.helpers.checkpoints import (

@@ -9,18 +9,14 @@ import os
 import pytest
 import torch
 
+from megatron.checkpoint.reading import load_shard, resolve_load_iteration
 from megatron.checkpoint.resharding import (
     load_checkpoint,
     model_layout,
     partition_record,
     save_resharded,
 )
-from megatron.checkpoint.storage import (
-    finalize_checkpoint,
-    load_shard,
-    resolve_load_iteration,
-    save_shard,
-)
+from megatron.checkpoint.storage import finalize_checkpoint, save_shard
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel

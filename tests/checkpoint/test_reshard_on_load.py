@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron.checkpoint import resharding as R
+from megatron.checkpoint.reading import load_shard
 from megatron.checkpoint.reshard_load import (
     LayoutVersionError,
     RankTarget,
@@ -24,7 +25,7 @@ from megatron.checkpoint.reshard_load import (
     read_layout,
     read_rank_state,
 )
-from megatron.checkpoint.storage import MARKER_NAME, CheckpointError, checkpoint_dir, load_shard
+from megatron.checkpoint.storage import MARKER_NAME, CheckpointError, checkpoint_dir
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel

@@ -429,7 +429,7 @@ def test_tests_mirror_the_package_and_import_no_test_module():
 def test_checkpoints_record_the_architecture_and_old_ones_still_load():
     import dataclasses
 
-    from megatron.checkpoint.storage import load_shard
+    from megatron.checkpoint.reading import load_shard
     from megatron.config.schema import model_config_from_saved
     from megatron.training.state import checkpoint_args
 

@@ -284,7 +284,8 @@ def _native_worker(rank, world, argv, save_dir):
 
 
 def _no_save_checks(rank, world, argv, save_dir) -> dict:
-    from megatron.checkpoint.storage import CheckpointError, load_shard
+    from megatron.checkpoint.reading import load_shard
+    from megatron.checkpoint.storage import CheckpointError
 
     short = [a if a != "6" else "2" for a in argv]
     _run(rank, world, short + ["--save", save_dir, "--no-save-optim", "--no-save-rng"])

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from megatron import mpu
 from megatron.checkpoint.resharding import load_full_state
-from megatron.checkpoint.storage import rng_state_dict, set_rng_state
+from megatron.checkpoint.rng_state import rng_state_dict, set_rng_state
 from megatron.config.schema import KernelConfig, ModelConfig, OptimizerConfig
 from megatron.fused_kernels import TORCH_OPS, select_ops
 from megatron.inference.engine import InferenceModel

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from megatron.checkpoint.storage import CheckpointError, checkpoint_dir, verify_checkpoint_files
+from megatron.checkpoint.reading import verify_checkpoint_files
+from megatron.checkpoint.storage import CheckpointError, checkpoint_dir
 from megatron.config.schema import MegatronConfig
 from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed

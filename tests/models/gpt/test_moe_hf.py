@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from megatron.checkpoint.reading import load_shard
 from megatron.checkpoint.resharding import load_full_state, model_config, save_resharded
-from megatron.checkpoint.storage import load_shard
 from tests.helpers.checkpoints import (
     VARIANTS,
     _logits,
