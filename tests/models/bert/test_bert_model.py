@@ -1,5 +1,6 @@
-"""BertModel: equal to transformers' BertForPreTraining at TP = 1 (post-LN), the same model at
-TP = 1 and 2, padding that changes nothing, and the HF conversion both ways."""
+"""BertModel: equal to its transformers twin at TP = 1 (post-LN: BertForPreTraining; pre-LN:
+MegatronBertForPreTraining; *ForMaskedLM without the binary head), the same model at TP = 1
+and 2, padding that changes nothing, and the HF weight mapping both ways."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ from megatron import mpu
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.bert.evaluate import vocab_parallel_argmax
-from megatron.models.bert.hf import bert_to_hf, hf_bert_config, hf_to_bert
+from megatron.models.bert.hf import bert_to_hf, hf_architecture, hf_bert_config, hf_to_bert
 from megatron.models.bert.model import BertModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
@@ -42,40 +43,95 @@ def _batch(cfg=CFG, b=3):
     return tokens, types.contiguous(), pad, labels
 
 
-def _hf_model(model):
-    from transformers import BertForPreTraining
+def _cfg(post_ln: bool) -> ModelConfig:
+    return dataclasses.replace(CFG, apply_residual_connection_post_layernorm=post_ln)
 
-    hf = BertForPreTraining(hf_bert_config(CFG)).to(DT).eval()
-    missing, unexpected = hf.load_state_dict(bert_to_hf(model.state_dict(), CFG), strict=False)
+
+def _model(cfg, seed, binary_head=True):
+    """A float64 BertModel whose norms and biases are not their init (1 and 0), so that a norm
+    or bias mapped to the wrong place changes the logits; the padding vocab rows stay zero."""
+    model = BertModel(cfg, BuildContext(seed=seed, dtype=DT), binary_head=binary_head).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                rows = cfg.vocab_size if name == "head.lm_bias" else None
+                p[:rows] += 0.1 * torch.randn(p[:rows].shape, generator=g, dtype=DT)
+    return model
+
+
+def _hf_model(model, cfg, binary_head=True):
+    import transformers
+
+    arch = hf_architecture(cfg, binary_head)
+    assert arch.startswith("Bert" if cfg.apply_residual_connection_post_layernorm else "Megatron")
+    hf = getattr(transformers, arch)(hf_bert_config(cfg)).to(DT).eval()
+    missing, unexpected = hf.load_state_dict(bert_to_hf(model.state_dict(), cfg), strict=False)
     assert not unexpected and not [k for k in missing if "position_ids" not in k], missing
     return hf
 
 
+TWINS = [  # (post-LN?, binary head?)
+    pytest.param(True, True, id="post-LN-BertForPreTraining"),
+    pytest.param(False, True, id="pre-LN-MegatronBertForPreTraining"),
+    pytest.param(False, False, id="pre-LN-no-binary-head-MegatronBertForMaskedLM"),
+    pytest.param(True, False, id="post-LN-no-binary-head-BertForMaskedLM"),
+]
+
+
 @pytest.mark.slow  # over a second on 2 cores
-def test_tp1_bert_equals_transformers_bert_for_pretraining():
-    model = BertModel(CFG, BuildContext(seed=3, dtype=DT)).eval()
+@pytest.mark.parametrize("post_ln, binary_head", TWINS)
+def test_tp1_bert_equals_its_transformers_twin(post_ln, binary_head):
+    cfg = _cfg(post_ln)
+    model = _model(cfg, 3, binary_head)
     tokens, types, pad, _ = _batch()
-    logits, nsp = model(tokens, pad, types)
+    with torch.no_grad():
+        logits, nsp = model(tokens, pad, types)
+        out = _hf_model(model, cfg, binary_head)(
+            input_ids=tokens, token_type_ids=types, attention_mask=pad
+        )
     assert torch.isinf(logits[..., CFG.vocab_size :]).all(), "padding logits must be masked"
-    out = _hf_model(model)(input_ids=tokens, token_type_ids=types, attention_mask=pad)
     real = pad.bool()  # HF's outputs at padding positions are also defined, but compare real ones
+    hf_logits = out.prediction_logits if binary_head else out.logits
     torch.testing.assert_close(
-        logits[..., : CFG.vocab_size][real], out.prediction_logits[real], rtol=1e-9, atol=1e-9
+        logits[..., : CFG.vocab_size][real], hf_logits[real], rtol=1e-9, atol=1e-9
     )
-    torch.testing.assert_close(nsp, out.seq_relationship_logits, rtol=1e-9, atol=1e-9)
+    if binary_head:
+        torch.testing.assert_close(nsp, out.seq_relationship_logits, rtol=1e-9, atol=1e-9)
+    else:
+        assert nsp is None and not hasattr(out, "seq_relationship_logits")
 
 
 @pytest.mark.slow  # over a second on 2 cores
-def test_hf_import_gives_back_the_same_weights_and_pre_ln_is_refused():
-    model = BertModel(CFG, BuildContext(seed=5, dtype=DT))
+@pytest.mark.parametrize("post_ln, binary_head", TWINS)
+def test_hf_import_gives_back_the_same_weights(post_ln, binary_head):
+    cfg = _cfg(post_ln)
+    model = _model(cfg, 5, binary_head)
     sd = model.state_dict()
-    back = hf_to_bert(_hf_model(model).state_dict(), CFG, CFG.padded_vocab_size(1))
+    back = hf_to_bert(
+        _hf_model(model, cfg, binary_head).state_dict(), cfg, CFG.padded_vocab_size(1)
+    )
     assert set(back) == set(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
-    pre_ln = dataclasses.replace(CFG, apply_residual_connection_post_layernorm=False)
-    with pytest.raises(ValueError, match="apply-residual-connection-post-layernorm"):
-        bert_to_hf(sd, pre_ln)
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        ({"num_query_groups": 2}, "--num-query-groups"),
+        ({"kv_channels": 4}, "--kv-channels"),
+        ({"swiglu": True}, "--swiglu"),
+        ({"normalization": "RMSNorm"}, "--normalization LayerNorm"),
+        ({"position_embedding_type": "rope"}, "--position-embedding-type learned"),
+        ({"add_bias_linear": False}, "--disable-bias-linear"),
+        ({"num_unique_layers": 1}, "--num-unique-layers"),
+    ],
+)
+def test_what_no_twin_expresses_is_refused_by_flag(change, flag):
+    for post_ln, twin in ((True, "BertForPreTraining"), (False, "MegatronBertForPreTraining")):
+        with pytest.raises(ValueError, match=f"{twin} would need .*{flag}"):
+            hf_architecture(dataclasses.replace(_cfg(post_ln), **change))
 
 
 @pytest.mark.slow  # over a second on 2 cores
