@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", metavar="DIR", help="our checkpoint directory to read (any TP x PP)")
     src.add_argument(
-        "--from-hf", metavar="DIR", help="Hugging Face GPT-2 or Llama directory to import"
+        "--from-hf",
+        metavar="DIR",
+        help="Hugging Face directory to import: GPT-2, Llama, Mixtral, Qwen2-MoE, or a BERT "
+        "((MegatronBert|Bert)For(PreTraining|MaskedLM))",
     )
     src.add_argument(
         "--from-megatron-v1",

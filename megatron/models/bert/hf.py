@@ -1,13 +1,23 @@
-"""BertModel <-> Hugging Face BertForPreTraining, on full (TP = 1, merged) state dicts.
+"""BertModel <-> Hugging Face, on full (TP = 1, merged) state dicts.
 
-The original BERT is post-LN, so only a model built with
---apply-residual-connection-post-layernorm has an HF twin. Its norms are ours renamed
-(models/bert/model.py): embeddings.LayerNorm = layers.0.input_layernorm; layer l's
-attention.output.LayerNorm = layers.l.post_attention_layernorm; layer l's output.LayerNorm =
-layers.(l+1).input_layernorm, or head.final_layernorm for the last layer.
+The layer order picks the twin, which computes exactly what our model computes:
+  pre-LN (the default, Megatron's BERT)    MegatronBertForPreTraining  (model_type megatron-bert)
+  post-LN (--apply-residual-connection-post-layernorm, the original BERT)
+                                           BertForPreTraining          (model_type bert)
+A BERT trained with --bert-no-binary-head has no pooler and no NSP head: it is written as the
+twin's *ForMaskedLM, whose names are the same less bert.pooler and cls.seq_relationship.
+
+Norms. Pre-LN: MegatronBert has no embedding norm; layer l's attention.ln is our
+layers.l.input_layernorm, its ln (before the MLP) our post_attention_layernorm, and encoder.ln our
+head.final_layernorm. Post-LN: ours are BERT's renamed (models/bert/model.py):
+embeddings.LayerNorm = layers.0.input_layernorm; layer l's attention.output.LayerNorm =
+layers.l.post_attention_layernorm; layer l's output.LayerNorm = layers.(l+1).input_layernorm, or
+head.final_layernorm for the last layer.
 
 query_key_value rows are per head [q_i, k_i, v_i] (one query per key/value group), so
-W_qkv.view(n, 3, d, h)[:, j] stacks the heads of q (j = 0), k (1) or v (2).
+W_qkv.view(n, 3, d, h)[:, j] stacks the heads of q (j = 0), k (1) or v (2). The MLM decoder is
+tied to the word embedding and its bias to cls.predictions.bias (our head.lm_bias); HF's vocab is
+the real one, so the padding rows of ours are dropped on export and zero on import.
 """
 
 from __future__ import annotations
@@ -16,9 +26,20 @@ import torch
 
 from megatron.config.schema import ModelConfig, model_config_from_saved
 
+_TWINS = {  # post-LN? -> (model_type, with the NSP head, without it)
+    True: ("bert", "BertForPreTraining", "BertForMaskedLM"),
+    False: ("megatron-bert", "MegatronBertForPreTraining", "MegatronBertForMaskedLM"),
+}
+MODEL_TYPES = tuple(twin[0] for twin in _TWINS.values())
+_GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # HF act -> --openai-gelu
+_HF_NEEDS = {  # config.json key -> (transformers' default, the values our BERT can run)
+    "hidden_act": ("gelu", tuple(_GELU)),
+    "type_vocab_size": (2, (2,)),
+    "position_embedding_type": ("absolute", ("absolute",)),
+    "is_decoder": (False, (False,)),
+}
 _LAYER = {  # ours (under layers.{l}.) -> HF (under bert.encoder.layer.{l}.), besides qkv / norms
     "self_attention.dense": "attention.output.dense",
-    "post_attention_layernorm": "attention.output.LayerNorm",
     "mlp.dense_h_to_4h": "intermediate.dense",
     "mlp.dense_4h_to_h": "output.dense",
 }
@@ -33,28 +54,41 @@ _EMB = {
     "embedding.position_embeddings.weight": "bert.embeddings.position_embeddings.weight",
     "embedding.tokentype_embeddings.weight": "bert.embeddings.token_type_embeddings.weight",
 }
+_NSP = ("bert.pooler.dense.weight", "cls.seq_relationship.weight")
 
 
-def check_convertible(cfg: ModelConfig) -> None:
+def hf_architecture(cfg: ModelConfig, binary_head: bool = True) -> str:
+    """The transformers class that computes what this BERT computes (ValueError if none)."""
     problems = []
-    if not cfg.apply_residual_connection_post_layernorm:
-        problems.append("pre-LN layers (train with --apply-residual-connection-post-layernorm)")
-    if cfg.normalization != "LayerNorm" or cfg.swiglu or not cfg.add_bias_linear:
-        problems.append("only LayerNorm, GeLU and linear biases")
-    if cfg.position_embedding_type != "learned" or cfg.query_groups != cfg.num_attention_heads:
-        problems.append("only learned positions and one key/value head per query head")
+    if cfg.normalization != "LayerNorm":
+        problems.append("--normalization LayerNorm")
+    if cfg.swiglu:
+        problems.append("no --swiglu (GeLU MLP)")
+    if not cfg.add_bias_linear:
+        problems.append("no --disable-bias-linear")
+    if cfg.position_embedding_type != "learned":
+        problems.append("--position-embedding-type learned")
+    if cfg.query_groups != cfg.num_attention_heads:
+        problems.append("no --num-query-groups (one key/value head per query head)")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        problems.append("no --kv-channels (heads x head size = hidden size)")
     if cfg.num_unique_layers not in (None, cfg.num_layers):
-        problems.append("no shared layers (--num-unique-layers)")
+        problems.append("no --num-unique-layers (no shared layers)")
+    _, with_nsp, without = _TWINS[cfg.apply_residual_connection_post_layernorm]
     if problems:
         raise ValueError(
-            "this BERT has no Hugging Face BertForPreTraining twin: " + "; ".join(problems)
+            f"this BERT has no Hugging Face twin: {with_nsp} would need " + "; ".join(problems)
         )
+    return with_nsp if binary_head else without
 
 
-def hf_bert_config(cfg: ModelConfig, binary_head: bool = True):
-    from transformers import BertConfig
+def hf_bert_config(cfg: ModelConfig):
+    """The transformers config (BertConfig or MegatronBertConfig) of this BERT's twin."""
+    import transformers
 
-    return BertConfig(
+    post_ln = cfg.apply_residual_connection_post_layernorm
+    config_class = transformers.BertConfig if post_ln else transformers.MegatronBertConfig
+    return config_class(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
@@ -72,14 +106,19 @@ def hf_bert_config(cfg: ModelConfig, binary_head: bool = True):
 
 def _norm_names(cfg: ModelConfig) -> dict[str, str]:
     """Our norm module -> HF's (see the module docstring)."""
+    layer = "bert.encoder.layer"
+    if not cfg.apply_residual_connection_post_layernorm:
+        names = {"head.final_layernorm": "bert.encoder.ln"}
+        for i in range(cfg.num_layers):
+            names[f"layers.{i}.input_layernorm"] = f"{layer}.{i}.attention.ln"
+            names[f"layers.{i}.post_attention_layernorm"] = f"{layer}.{i}.ln"
+        return names
     names = {"layers.0.input_layernorm": "bert.embeddings.LayerNorm"}
-    for layer in range(cfg.num_layers):
-        nxt = (
-            f"layers.{layer + 1}.input_layernorm"
-            if layer + 1 < cfg.num_layers
-            else "head.final_layernorm"
-        )
-        names[nxt] = f"bert.encoder.layer.{layer}.output.LayerNorm"
+    for i in range(cfg.num_layers):
+        last = i + 1 == cfg.num_layers
+        nxt = "head.final_layernorm" if last else f"layers.{i + 1}.input_layernorm"
+        names[nxt] = f"{layer}.{i}.output.LayerNorm"
+        names[f"layers.{i}.post_attention_layernorm"] = f"{layer}.{i}.attention.output.LayerNorm"
     return names
 
 
@@ -93,8 +132,8 @@ def _module_map(cfg: ModelConfig) -> dict[str, str]:
 
 
 def bert_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our full state dict -> BertForPreTraining's (the padding vocab rows dropped)."""
-    check_convertible(cfg)
+    """Our full state dict -> the twin's (the padding vocab rows dropped)."""
+    hf_architecture(cfg)
     v, n, d = cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim
     out = {theirs: sd[ours] for ours, theirs in _EMB.items()}
     out[_EMB["embedding.word_embeddings.weight"]] = sd["embedding.word_embeddings.weight"][:v]
@@ -119,8 +158,8 @@ def bert_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
 def hf_to_bert(
     hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int
 ) -> dict[str, torch.Tensor]:
-    """BertForPreTraining's state dict -> our full (TP = 1) one, padding rows zero."""
-    check_convertible(cfg)
+    """The twin's state dict -> our full (TP = 1) one, padding rows zero."""
+    hf_architecture(cfg)
     out = {ours: hf[theirs] for ours, theirs in _EMB.items()}
     out["embedding.word_embeddings.weight"] = _pad_rows(out[next(iter(_EMB))], padded_vocab)
     out["head.lm_bias"] = _pad_rows(hf["cls.predictions.bias"], padded_vocab)
@@ -144,8 +183,9 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, pad])
 
 
-def export_hf_bert(full_state: dict, args: dict, out_dir: str) -> None:
-    """Write `out_dir` for BertForPreTraining.from_pretrained: safetensors, config, vocab.txt."""
+def export_hf_bert(full_state: dict, args: dict, out_dir: str) -> str:
+    """Write `out_dir` for AutoModelForPreTraining.from_pretrained (safetensors, config,
+    vocab.txt); return the architecture written."""
     import json
     import os
     import shutil
@@ -153,8 +193,7 @@ def export_hf_bert(full_state: dict, args: dict, out_dir: str) -> None:
     from safetensors.torch import save_file
 
     cfg = model_config_from_saved(args["model"])
-    if args.get("model_family") == "bert-no-binary-head":
-        raise ValueError("BertForPreTraining has an NSP head; this BERT was trained without one")
+    architecture = hf_architecture(cfg, binary_head="head.pooler.weight" in full_state)
     tensors = bert_to_hf(full_state, cfg)
     tensors.pop("cls.predictions.decoder.weight")  # tied: the word embedding
     tensors.pop("cls.predictions.decoder.bias")  # tied: cls.predictions.bias
@@ -162,22 +201,24 @@ def export_hf_bert(full_state: dict, args: dict, out_dir: str) -> None:
     tensors = {n: t.cpu().contiguous() for n, t in tensors.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     hf_cfg = hf_bert_config(cfg).to_dict()
-    hf_cfg["architectures"] = ["BertForPreTraining"]
+    hf_cfg["architectures"] = [architecture]
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_cfg, f, indent=2, sort_keys=True)
     vocab = (args.get("tokenizer") or {}).get("vocab_file")
     if vocab and os.path.isfile(vocab):
         shutil.copyfile(vocab, os.path.join(out_dir, "vocab.txt"))
+    return architecture
 
 
-def import_hf_bert(hf_dir: str, hf_cfg: dict) -> tuple[dict, dict]:
-    """(full state, checkpoint args at TP = PP = 1) of a BertForPreTraining directory."""
-    import dataclasses
-    import os
-
-    from safetensors.torch import load_file
-
-    cfg = ModelConfig(
+def _config_from_hf(hf_dir: str, hf_cfg: dict) -> ModelConfig:
+    """The ModelConfig of a bert / megatron-bert config.json (ValueError for what ours lacks)."""
+    for key, (default, allowed) in _HF_NEEDS.items():
+        if hf_cfg.get(key, default) not in allowed:
+            raise ValueError(
+                f"--from-hf {hf_dir}: config.json {key} = {hf_cfg[key]!r} has no counterpart "
+                f"here (it must be one of {', '.join(map(repr, allowed))})"
+            )
+    return ModelConfig(
         num_layers=hf_cfg["num_hidden_layers"],
         hidden_size=hf_cfg["hidden_size"],
         num_attention_heads=hf_cfg["num_attention_heads"],
@@ -185,20 +226,50 @@ def import_hf_bert(hf_dir: str, hf_cfg: dict) -> tuple[dict, dict]:
         seq_length=hf_cfg["max_position_embeddings"],
         max_position_embeddings=hf_cfg["max_position_embeddings"],
         vocab_size=hf_cfg["vocab_size"],
+        hidden_dropout=hf_cfg.get("hidden_dropout_prob", 0.1),
+        attention_dropout=hf_cfg.get("attention_probs_dropout_prob", 0.1),
         layernorm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),
         init_method_std=hf_cfg.get("initializer_range", 0.02),
-        openai_gelu=hf_cfg.get("hidden_act", "gelu") in ("gelu_new", "gelu_pytorch_tanh"),
-        apply_residual_connection_post_layernorm=True,
+        openai_gelu=_GELU[hf_cfg.get("hidden_act", "gelu")],
+        apply_residual_connection_post_layernorm=hf_cfg.get("model_type") == "bert",
     )
+
+
+def _has_binary_head(hf_dir: str, hf: dict) -> bool:
+    """Pooler and NSP head both (a *ForPreTraining file) or neither (*ForMaskedLM)."""
+    if "cls.predictions.bias" not in hf:
+        raise ValueError(
+            f"--from-hf {hf_dir}: no MLM head (cls.predictions.*): save a *ForPreTraining or "
+            "*ForMaskedLM model, not the bare encoder"
+        )
+    present = [name in hf for name in _NSP]
+    if any(present) and not all(present):
+        raise ValueError(
+            f"--from-hf {hf_dir}: {' and '.join(_NSP)} come together (our NSP head runs on the "
+            f"pooler); this file has only {_NSP[present.index(True)]}"
+        )
+    return all(present)
+
+
+def import_hf_bert(hf_dir: str, hf_cfg: dict) -> tuple[dict, dict]:
+    """(full state, checkpoint args at TP = PP = 1) of a (MegatronBert|Bert)ForPreTraining or
+    ForMaskedLM directory (the latter gives a --bert-no-binary-head checkpoint)."""
+    import dataclasses
+    import os
+
+    from safetensors.torch import load_file
+
+    cfg = _config_from_hf(hf_dir, hf_cfg)
     path = os.path.join(hf_dir, "model.safetensors")
     if not os.path.isfile(path):
         raise ValueError(f"--from-hf {hf_dir}: no model.safetensors (save with safetensors)")
     hf = load_file(path)
+    if "cls.predictions.bias" not in hf and "cls.predictions.decoder.bias" in hf:
+        hf["cls.predictions.bias"] = hf["cls.predictions.decoder.bias"]  # tied, either name
+    binary_head = _has_binary_head(hf_dir, hf)
     state = hf_to_bert(hf, cfg, cfg.padded_vocab_size(1))
-    state["embedding.word_embeddings.weight"] = state["embedding.word_embeddings.weight"][
-        : cfg.vocab_size
-    ]
-    state["head.lm_bias"] = state["head.lm_bias"][: cfg.vocab_size]
+    for name in ("embedding.word_embeddings.weight", "head.lm_bias"):
+        state[name] = state[name][: cfg.vocab_size]  # checkpoints hold the real vocab
     vocab = os.path.join(hf_dir, "vocab.txt")
     tokenizer = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": os.path.abspath(vocab)}
     args = {
@@ -208,6 +279,6 @@ def import_hf_bert(hf_dir: str, hf_cfg: dict) -> tuple[dict, dict]:
         "pipeline_model_parallel_size": 1,
         "padded_vocab_size": cfg.padded_vocab_size(1),
         "params_dtype": str(state["embedding.word_embeddings.weight"].dtype),
-        "model_family": "bert",
+        "model_family": "bert" if binary_head else "bert-no-binary-head",
     }
     return state, args

@@ -21,8 +21,7 @@ def _family_of_names(names) -> str | None:
 
 
 def _hf_export(full_state, args, out_dir, tokenizer_files=None) -> str:
-    hf.export_hf_bert(full_state, args, out_dir)  # the vocab travels with the BERT config
-    return "BertForPreTraining"
+    return hf.export_hf_bert(full_state, args, out_dir)  # the vocab travels with the config
 
 
 SPEC = ModelSpec(
@@ -36,6 +35,6 @@ SPEC = ModelSpec(
     vocab_sized=(WORD_EMBEDDINGS, "head.lm_bias"),  # the MLM output bias
     hf_export=_hf_export,
     hf_import=hf.import_hf_bert,
-    hf_model_types=("bert",),
+    hf_model_types=hf.MODEL_TYPES,
     purpose="train-bert",
 )

@@ -507,7 +507,7 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     if kind not in ("gpt2", "llama", *MOE_ARCHITECTURES):
         raise ValueError(
             f"--from-hf {hf_dir}: model_type {kind!r} is not supported (gpt2, llama, "
-            "mixtral, qwen2_moe)"
+            "mixtral, qwen2_moe; BERT: bert, megatron-bert)"
         )
     fields = _gpt2_config(hf_cfg) if kind == "gpt2" else _llama_config(hf_cfg)
     if kind in MOE_ARCHITECTURES:
