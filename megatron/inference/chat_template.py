@@ -14,12 +14,12 @@ variables messages, add_generation_prompt (always true here), bos_token, eos_tok
 documents (None), and the functions raise_exception and strftime_now.
 
 A reply ends at the template's end-of-turn marker, which is a stop string and never returned:
-the built-ins' own, and for other templates the tokenizer's eos_token plus whichever of
-END_OF_TURN_MARKERS the template's text contains.
+the built-ins' own, and for other templates whichever of END_OF_TURN_MARKERS the template's
+text contains; the tokenizer's eos_token (from tokenizer_config.json) is one for every template.
 
 The built-in `plain` template, for base models that were never taught a chat format:
 
-    {system message}\\n\\n            (if the first message is a system message)
+    {system message}\\n\\n            (each system message)
     User: {content}\\n\\n             (each user message)
     Assistant: {content}\\n\\n        (each assistant message)
     Assistant:                      (the reply follows; it stops at "\\nUser:")

@@ -157,10 +157,10 @@ def main(argv=None) -> int:
 
         args.api_key = api_key_from(args.api_key)
         args.limits = limits_from(args)
+        if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "jinja2")):
+            raise ValueError("serving needs fastapi, uvicorn and jinja2: pip install -e '.[serve]'")
         if args.chat_template is not None:  # a bad file fails here, before the model loads
             args.chat_template = from_flag(args.chat_template)
-        if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
-            raise ValueError("serving needs fastapi and uvicorn: pip install -e '.[serve]'")
         stops = StopSignals()
         rt, engine, tokenizer, iteration = setup(args.load, args.pipeline_model_parallel_size)
         model = Model(engine, tokenizer)
