@@ -9,6 +9,7 @@ anyway: every rank must take part in each forward pass.
 
     PUT /api              Megatron's request (server.parse_request) -> {"text", "tokens"}
     POST /v1/completions  OpenAI's completions (openai_api) -> a text_completion
+    POST /v1/chat/completions  OpenAI's chat (chat): the template's prompt, then as completions
     GET /health           {"status": "ok", "queued": n}, 200 while the worker is alive
     GET /v1/models        the one model, for clients that list models first
 """
@@ -24,7 +25,8 @@ from concurrent.futures import Future
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from megatron.inference import openai_api
+from megatron.inference import chat, openai_api
+from megatron.inference.chat_template import ChatTemplate, resolve
 from megatron.inference.http_guard import ApiKey, Limits
 from megatron.inference.megatron_api import BadRequest, check_length, parse_request
 from megatron.inference.ops import Leader
@@ -144,10 +146,13 @@ def build_app(
     model_name: str,
     limits: Limits | None = None,
     api_key: str | None = None,
+    chat_template: ChatTemplate | None = None,
 ) -> FastAPI:
     """The routes; `model` (ops.Model) gives the tokenizer and context for validation. With an
-    `api_key`, every route but /health needs it (http_guard.ApiKey)."""
+    `api_key`, every route but /health needs it (http_guard.ApiKey). `chat_template`: the
+    resolved template of /v1/chat/completions (None: chat_template.resolve's choice)."""
     limits = limits or Limits()
+    template = chat_template or resolve(None, model.tokenizer)
     app = FastAPI(title="megatron-3d", docs_url=None, redoc_url=None, openapi_url=None)
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)
@@ -205,5 +210,27 @@ def build_app(
         except Exception as e:  # noqa: BLE001
             print(f"[server] completion failed: {e!r}", file=sys.stderr)
             return _openai_error(500, f"completion failed: {e}")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        def parse(body: bytes) -> dict:
+            return chat.chat_args(body, tokenizer, model.max_positions, vocab, template)
+
+        try:
+            body = await _read_body(request, limits.body_timeout)
+            args = await asyncio.to_thread(parse, body)
+            results = await _wait(request, scheduler.submit("complete", args))
+            if results is None:
+                return JSONResponse({}, 499)
+            return chat.chat_response(args, results, tokenizer)
+        except _Unread as e:
+            return _openai_error(e.status, str(e), headers=close)
+        except openai_api.FieldError as e:
+            return _openai_error(400, str(e), e.field)
+        except Busy as e:
+            return _openai_error(503, f"{e}; retry in a few seconds", headers=busy)
+        except Exception as e:  # noqa: BLE001
+            print(f"[server] chat completion failed: {e!r}", file=sys.stderr)
+            return _openai_error(500, f"chat completion failed: {e}")
 
     return app

@@ -2,6 +2,8 @@
 
     PUT /api              Megatron's request (megatron_api) -> {"text": [...], "tokens": [[...]]}
     POST /v1/completions  OpenAI's completions (openai_api), as lm-eval and the openai client use
+    POST /v1/chat/completions  OpenAI's chat (chat), the prompt from --chat-template or the
+                          tokenizer's template, else the built-in `plain` (chat_template)
     GET /health           200 {"status": "ok", "queued": n}
 
 Rank 0 binds 127.0.0.1 (unless --host says otherwise) and runs the FastAPI app of http_app on
@@ -21,6 +23,7 @@ import argparse
 import socket
 import sys
 
+from megatron.inference.chat_template import BUILTIN, from_flag, resolve
 from megatron.inference.http_guard import API_KEY_ENV, Limits, api_key_from
 from megatron.inference.megatron_api import (  # noqa: F401 - this module's API before the split
     BadRequest,
@@ -54,14 +57,17 @@ def serve(
     args: argparse.Namespace,
 ) -> None:
     """Rank 0: print `banner`, answer HTTP on `sock` until a SIGINT / SIGTERM to any rank, then
-    stop the other ranks. `args`: the model name, API key and limits of the command line."""
+    stop the other ranks. `args`: the model name, API key, limits and resolved chat template
+    of the command line."""
     import uvicorn
 
     from megatron.inference.http_app import Scheduler, build_app
     from megatron.inference.http_guard import guarded_protocol
 
     scheduler = Scheduler(leader)
-    app = build_app(scheduler, model, args.model_name, args.limits, args.api_key)
+    app = build_app(
+        scheduler, model, args.model_name, args.limits, args.api_key, args.chat_template
+    )
     config = uvicorn.Config(
         app,
         http=guarded_protocol(args.limits),
@@ -137,6 +143,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--model-name", default="megatron", help="the model id /v1/models reports (megatron)"
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template of /v1/chat/completions: a Jinja file, or a built-in name ("
+        f"{', '.join(BUILTIN)}) (default: the tokenizer's own template, else 'plain')",
+    )
     add_guard_args(p)
     args = p.parse_args(argv)
 
@@ -145,8 +157,10 @@ def main(argv=None) -> int:
 
         args.api_key = api_key_from(args.api_key)
         args.limits = limits_from(args)
-        if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
-            raise ValueError("serving needs fastapi and uvicorn: pip install -e '.[serve]'")
+        if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "jinja2")):
+            raise ValueError("serving needs fastapi, uvicorn and jinja2: pip install -e '.[serve]'")
+        if args.chat_template is not None:  # a bad file fails here, before the model loads
+            args.chat_template = from_flag(args.chat_template)
         stops = StopSignals()
         rt, engine, tokenizer, iteration = setup(args.load, args.pipeline_model_parallel_size)
         model = Model(engine, tokenizer)
@@ -156,14 +170,15 @@ def main(argv=None) -> int:
             return
         leader = Leader(model, rt.device)
         try:
+            args.chat_template = resolve(args.chat_template, tokenizer)
             sock = _listen(args.host, args.port)
-        except OSError:
+        except (OSError, ValueError):
             leader.stop()
             raise
         banner = (
             f"serving checkpoint iteration {iteration} on http://{args.host}:"
-            f"{sock.getsockname()[1]} (PUT /api, POST /v1/completions, GET /health)"
-            + ("; API key required" if args.api_key else "")
+            f"{sock.getsockname()[1]} (PUT /api, POST /v1/completions, POST /v1/chat/completions, "
+            "GET /health)" + ("; API key required" if args.api_key else "")
         )
         serve(model, leader, sock, stops, banner, args)
 
