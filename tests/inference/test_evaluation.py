@@ -171,7 +171,6 @@ def test_lambada_target_that_cannot_fit_names_the_example_and_lengths():
         fit_lambada([([1], 1)], 3, ["example 0"], warn=None)
 
 
-@pytest.mark.slow
 def test_tasks_main_lambada_warns_about_a_long_example(checkpoint, tmp_path):
     data = tmp_path / "lambada.jsonl"
     long = " ".join(["the cat sat on the mat and"] * 20) + " ran"  # 200+ tokens, 64 positions
