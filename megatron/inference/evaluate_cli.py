@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from megatron.config.inference import EPILOG, parse_with_training_flags
 from megatron.inference.evaluation import (
@@ -19,6 +20,7 @@ from megatron.inference.evaluation import (
     evaluate_loose_json,
     evaluate_wikitext,
     progress_bar,
+    read_jsonl_records,
     read_jsonl_texts,
 )
 from megatron.inference.session import add_checkpoint_args, run_tool, setup
@@ -28,7 +30,10 @@ V1_TASKS = {"LAMBADA": "lambada", "WIKITEXT103": "wikitext"}
 
 def _add_eval_args(p: argparse.ArgumentParser, batch: int, stride: int | None) -> None:
     p.add_argument(
-        "--seq-length", type=int, default=None, help="tokens per window (default: the model's)"
+        "--seq-length",
+        type=int,
+        default=None,
+        help="tokens per window; LAMBADA: most inputs per example (default: the model's)",
     )
     p.add_argument(
         "--overlapping-eval",
@@ -86,6 +91,16 @@ def _progress(args, given: dict, rank: int):
     return log
 
 
+def _rank0_warning(rank: int):
+    """Warnings on stderr from rank 0 only (every rank computes the same ones)."""
+
+    def warn(message: str) -> None:
+        if rank == 0:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    return warn
+
+
 def evaluate(args, given: dict) -> dict:
     """The result of args.task on this checkpoint (on rank 0; {} on the other ranks)."""
     if args.eval_iters is not None and (args.task != "loose-json" or args.eval_iters < 1):
@@ -105,8 +120,20 @@ def evaluate(args, given: dict) -> dict:
             text = f.read()
         result = evaluate_wikitext(engine, tokenizer, text, seq, stride, batch, bar)
     elif args.task == "lambada":
-        texts = read_jsonl_texts(args.valid_data)
-        result = evaluate_lambada(engine, tokenizer, texts, args.strict_lambada, bar, batch)
+        records = read_jsonl_records(args.valid_data)
+        result = evaluate_lambada(
+            engine,
+            tokenizer,
+            [text for _, text in records],
+            args.strict_lambada,
+            bar,
+            batch,
+            seq_length=seq,
+            labels=[
+                f"example {i} ({args.valid_data}:{line})" for i, (line, _) in enumerate(records)
+            ],
+            warn=_rank0_warning(rt.state.rank),
+        )
     else:
         docs = read_jsonl_texts(args.valid_data)
         result = evaluate_loose_json(

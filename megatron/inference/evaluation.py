@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 
 import torch
@@ -155,13 +156,68 @@ def lambada_example(tokenizer, text: str, strict: bool) -> tuple[list[int], int]
     return tokenizer.tokenize(text), 1
 
 
+def fit_lambada(
+    examples: list[tuple[list[int], int]],
+    seq_length: int,
+    labels: list[str],
+    warn: Callable[[str], None],
+) -> tuple[list[tuple[list[int], int]], int]:
+    """(examples cut to at most `seq_length` inputs, how many were cut).
+
+    The model reads tokens[:-1] to predict tokens[1:], so an example may hold seq_length + 1
+    tokens. A longer one keeps its whole target and loses context from the left (one warning
+    each). One whose target leaves no context token before it cannot be scored: an error.
+    """
+    fitted, cut = [], 0
+    for (tokens, n), label in zip(examples, labels, strict=True):
+        if len(tokens) < 2:
+            raise ValueError(f"LAMBADA {label}: one token, no context to predict it from")
+        if n > seq_length:
+            raise ValueError(
+                f"LAMBADA {label}: {len(tokens)} tokens, {n} of them the target; the target "
+                f"with one context token before it needs {n + 1} tokens, more than "
+                f"--seq-length {seq_length} + 1 (inputs and the next token). Fix: raise "
+                "--seq-length (up to the model's positions) or drop the example"
+            )
+        if len(tokens) - 1 > seq_length:
+            keep = seq_length + 1
+            warn(
+                f"LAMBADA {label}: {len(tokens)} tokens ({len(tokens) - n} context + {n} "
+                f"target) make {len(tokens) - 1} inputs, more than --seq-length {seq_length}; "
+                f"kept the target and the last {keep - n} context tokens"
+            )
+            tokens, cut = tokens[-keep:], cut + 1
+        fitted.append((tokens, n))
+    return fitted, cut
+
+
+def _stderr_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def evaluate_lambada(
-    engine, tokenizer, texts: list[str], strict: bool, progress=None, batch_size: int = 1
+    engine,
+    tokenizer,
+    texts: list[str],
+    strict: bool,
+    progress=None,
+    batch_size: int = 1,
+    *,
+    seq_length: int | None = None,
+    labels: list[str] | None = None,
+    warn: Callable[[str], None] = _stderr_warning,
 ) -> dict:
     """Accuracy (every target token is the argmax) and perplexity of the targets. Examples run
     `batch_size` at a time, padded on the right with end-of-document: causal attention never
-    lets the padding reach the scored positions."""
+    lets the padding reach the scored positions. Examples longer than `seq_length` inputs (the
+    model's positions by default) lose context from the left (fit_lambada); `labels` name the
+    examples in its messages (default: "example i", counted from 0)."""
     examples = [lambada_example(tokenizer, text, strict) for text in texts]
+    seq_length = seq_length or engine.model.cfg.max_positions
+    labels = labels or [f"example {i}" for i in range(len(texts))]
+    examples, truncated = fit_lambada(examples, seq_length, labels, warn)
+    if truncated:
+        warn(f"{truncated} of {len(examples)} LAMBADA examples lost context from the left")
     correct, nll, scored = 0, 0.0, 0
     for i in range(0, len(examples), batch_size):
         group = examples[i : i + batch_size]
@@ -183,6 +239,7 @@ def evaluate_lambada(
         "num_examples": len(texts),
         "ppl": math.exp(min(20.0, nll / scored)),
         "num_tokens": scored,
+        "num_truncated": truncated,
     }
 
 
@@ -193,16 +250,21 @@ def progress_bar(label: str, enabled: bool):
     return Progress(label)
 
 
-def read_jsonl_texts(path: str, key: str = "text") -> list[str]:
-    texts = []
+def read_jsonl_records(path: str, key: str = "text") -> list[tuple[int, str]]:
+    """[(line number, text)] of a JSONL file's non-blank lines."""
+    records = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                texts.append(json.loads(line)[key])
+                records.append((n, json.loads(line)[key]))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n}: expected a JSON object with {key!r} ({e})") from None
-    if not texts:
+    if not records:
         raise ValueError(f"{path}: no examples")
-    return texts
+    return records
+
+
+def read_jsonl_texts(path: str, key: str = "text") -> list[str]:
+    return [text for _, text in read_jsonl_records(path, key)]

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, MegatronConfig
-from megatron.planning.memory import Device, GiB, Layout, MemoryEstimate, Training, estimate_memory
+from megatron.planning.memory import (
+    Device,
+    GiB,
+    Layout,
+    MemoryEstimate,
+    Training,
+    estimate_memory,
+    gib_above,
+)
 from megatron.planning.timing import Hardware, limiting_term, mfu, step_time
 
 
@@ -36,6 +44,7 @@ class Search:
     pipeline_parallel: tuple[int, ...] | None = None
     context_parallel: tuple[int, ...] | None = None  # default: every divisor of world / (TP PP)
     expert_parallel: tuple[int, ...] | None = None  # MoE; default: every divisor of DP and E
+    memory_flag: str = "--gpu-memory"  # the flag that gave gpu_memory_gb, named in the fix
 
 
 @dataclass(frozen=True)
@@ -205,8 +214,8 @@ def _no_layout(cfg: MegatronConfig, s: Search, refused: Counter) -> str:
 
 def _no_fit(cfg: MegatronConfig, s: Search, ranked: list[Plan]) -> str:
     small = min(ranked, key=lambda p: p.memory.total)
-    need = small.memory.total / GiB
-    fixes = [f"GPUs with at least {need:.1f} GiB (--gpu-memory {need:.1f})"]
+    need, enough = gib_above(small.memory.total, s.gpu_memory_gb)
+    fixes = [f"GPUs with at least {enough} GiB ({s.memory_flag} {enough})"]
     for k in range(1, 65):
         w = s.world_size + k * s.hardware.gpus_per_node
         try:
@@ -218,8 +227,7 @@ def _no_fit(cfg: MegatronConfig, s: Search, ranked: list[Plan]) -> str:
             break
     return (
         f"no layout of {s.world_size} GPUs fits in {s.gpu_memory_gb:g} GiB: the leanest, "
-        f"{small.layout.describe()}, needs {need:.1f} GiB per GPU. Smallest fix: "
-        + " or ".join(fixes)
+        f"{small.layout.describe()}, needs {need} GiB per GPU. Smallest fix: " + " or ".join(fixes)
     )
 
 

@@ -50,6 +50,19 @@ from megatron.pipeline_order import pipeline_actions
 GiB = 1024**3
 
 
+def gib_above(need_bytes: int, limit_gib: float) -> tuple[str, str]:
+    """(need, enough) for a need over a limit of `limit_gib` GiB, both in GiB with the fewest
+    decimals (at least one, and at least the limit's own) at which the need reads above the
+    limit, so "needs 1.0 GiB" is never said to a 1 GiB GPU: the need rounded to nearest, and
+    the smallest value at those decimals that holds it (rounded up: a memory flag's value)."""
+    digits = max(1, len(f"{limit_gib:g}".partition(".")[2]))
+    while digits < 12 and float(f"{need_bytes / GiB:.{digits}f}") <= limit_gib:
+        digits += 1  # 12 decimals tell one byte from the next
+    scale = 10**digits
+    enough = -(-need_bytes * scale // GiB)  # ceil, in units of 10**-digits GiB
+    return f"{need_bytes / GiB:.{digits}f}", f"{enough / scale:.{digits}f}"
+
+
 @dataclass(frozen=True)
 class Layout:
     """One way to run: TP x CP x PP x DP ranks, V model chunks per stage (None: not

@@ -34,7 +34,7 @@ from megatron.training.log import (
     validation_line,
 )
 from megatron.training.microbatches import MicroBatchCalculator
-from megatron.training.preflight import check_save_dir
+from megatron.training.preflight import check_deepspeed_precision, check_save_dir
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
@@ -115,6 +115,7 @@ def pretrain(
     family = family or get_spec(DEFAULT_FAMILY)
     cfg = validate(cfg, family.purpose)
     check_save_dir(cfg.checkpoint.save)
+    check_deepspeed_precision(cfg)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)

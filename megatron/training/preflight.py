@@ -1,12 +1,17 @@
-"""Checks of the run's output paths before any work: a mistake found after model building and
-data indexing (or, worse, at the first save an hour in) costs the user that time."""
+"""Checks of the run's output paths and of its precision on this device, before any work: a
+mistake found after model building and data indexing (or, worse, at the first save an hour in)
+costs the user that time."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
+
+import torch
 
 from megatron.checkpoint.storage import CheckpointError
+from megatron.config.schema import ConfigError, MegatronConfig
 
 
 def check_save_dir(save: str | None) -> None:
@@ -29,3 +34,43 @@ def check_save_dir(save: str | None) -> None:
             f"{': ' + e.filename if e.filename and e.filename != save else ''}). Fix: pass a "
             "writable directory, or fix its permissions / mount"
         ) from None
+
+
+def deepspeed_dtype_supported(name: str) -> bool:
+    """Whether DeepSpeed's engine will accept `name` ("fp16" or "bf16") here: its accelerator's
+    answer (on a CPU, fp16 needs oneDNN fp16 support), or without DeepSpeed, torch's."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        if name == "fp16":
+            return torch.cuda.is_available()
+        return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    accelerator = get_accelerator()
+    return bool(getattr(accelerator, f"is_{name}_supported")())
+
+
+def check_deepspeed_precision(
+    cfg: MegatronConfig, supported: Callable[[str], bool] = deepspeed_dtype_supported
+) -> None:
+    """--deepspeed with --fp16 (--bf16) where DeepSpeed's accelerator lacks that type (fp16 on
+    most CPUs): a ConfigError naming the fix now, instead of DeepSpeed's own "Type fp16 is not
+    supported on your device" after start-up. Our own backend runs both types everywhere."""
+    if not cfg.deepspeed.enabled:
+        return
+    p, d = cfg.precision, cfg.deepspeed
+    for name, other, on in (("fp16", "bf16", p.fp16), ("bf16", "fp16", p.bf16)):
+        if not on or supported(name):
+            continue
+        section = (d.config_json or {}).get(name)
+        json_fix = ""
+        if isinstance(section, dict) and section.get("enabled") is True:
+            json_fix = (
+                f' and, in --deepspeed_config {d.config}, "{name}": {{"enabled": false}} (or '
+                f'remove its "{name}" section)'
+            )
+        device = "this GPU" if torch.cuda.is_available() else "this CPU"
+        raise ConfigError(
+            f"--{name} with --deepspeed: DeepSpeed's engine does not support {name} on "
+            f"{device}. Fix: pass --{other} instead of --{name}{json_fix}, or drop --deepspeed "
+            f"(our own backend runs --{name} here)"
+        )

@@ -16,6 +16,7 @@ from megatron.inference.evaluation import (
     evaluate_lambada,
     evaluate_loose_json,
     evaluate_wikitext,
+    fit_lambada,
     wikitext_detokenize,
     window_plan,
 )
@@ -132,6 +133,61 @@ def test_lambada_accuracy_matches_the_model_argmax(setup):
             pred = model(torch.tensor([ctx + word]))[0, :, : CFG.vocab_size].argmax(-1)
         manual += pred[len(ctx) - 1 : -1].tolist() == word
     assert strict["accuracy"] == manual / 2
+
+
+def test_lambada_longer_than_the_positions_keeps_its_target_and_drops_context(setup):
+    tok, engine, model = setup
+    text = " ".join(["the cat sat on the mat and"] * 6) + " ran"
+    tokens = tok.tokenize(text)
+    assert len(tokens) - 1 > CFG.seq_length  # past the 16 positions: an IndexError before
+    warnings = []
+    result = evaluate_lambada(engine, tok, [text, "one two three"], False, warn=warnings.append)
+    assert result["num_truncated"] == 1 and result["num_examples"] == 2
+    kept = tokens[-(CFG.seq_length + 1) :]  # the target and the 16 tokens before it
+    nll = -_log_prob(model, kept[:-1], kept[-1])
+    short = tok.tokenize("one two three")
+    nll -= _log_prob(model, short[:-1], short[-1])
+    assert result["ppl"] == pytest.approx(math.exp(nll / 2), rel=1e-5)
+    assert f"example 0: {len(tokens)} tokens ({len(tokens) - 1} context + 1 target)" in warnings[0]
+    assert f"last {CFG.seq_length} context tokens" in warnings[0]
+    assert warnings[1] == "1 of 2 LAMBADA examples lost context from the left"
+    narrower = evaluate_lambada(engine, tok, [text], False, seq_length=8, warn=warnings.append)
+    kept = tokens[-9:]
+    assert narrower["ppl"] == pytest.approx(math.exp(-_log_prob(model, kept[:-1], kept[-1])))
+
+
+def test_lambada_target_that_cannot_fit_names_the_example_and_lengths():
+    fitted, cut = fit_lambada([([1, 2, 3, 4], 2)], 3, ["x"], warn=None)
+    assert (fitted, cut) == ([([1, 2, 3, 4], 2)], 0)  # exactly 3 inputs: untouched
+    fitted, cut = fit_lambada([([1, 2, 3, 4, 5], 3)], 3, ["x"], warn=lambda m: None)
+    assert (fitted, cut) == ([([2, 3, 4, 5], 3)], 1)  # one context token left: still fits
+    with pytest.raises(
+        ValueError,
+        match=r"LAMBADA a.jsonl:7: 6 tokens, 4 of them the target.*"
+        r"needs 5 tokens, more than --seq-length 3 \+ 1",
+    ):
+        fit_lambada([([1, 2, 3, 4, 5, 6], 4)], 3, ["a.jsonl:7"], warn=None)
+    with pytest.raises(ValueError, match="LAMBADA example 0: one token"):
+        fit_lambada([([1], 1)], 3, ["example 0"], warn=None)
+
+
+def test_tasks_main_lambada_warns_about_a_long_example(checkpoint, tmp_path):
+    data = tmp_path / "lambada.jsonl"
+    long = " ".join(["the cat sat on the mat and"] * 20) + " ran"  # 200+ tokens, 64 positions
+    data.write_text(json.dumps({"text": "one two three"}) + "\n\n" + json.dumps({"text": long}))
+    args = ["--task", "LAMBADA", "--valid-data", str(data), "--load", checkpoint]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tasks" / "main.py"), *args, "--strict-lambada"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"warning: LAMBADA example 1 ({data}:3): 202 tokens (200 context + 2 target)" in (
+        out.stderr
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["num_examples"] == 2 and result["num_truncated"] == 1
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from megatron.planning.memory import (
     Layout,
     Training,
     estimate_memory,
+    gib_above,
     model_state_bytes,
     stage_activation_peak,
     stage_params,
@@ -178,6 +179,43 @@ def test_bad_input_names_the_smallest_fix():
     with pytest.raises(PlanError, match=r"needs [\d.]+ GiB per GPU.*Smallest fix: GPUs with"):
         best_plan(_cfg(bf16=True), Search(8, 2))
     assert estimate_memory(GPT_1_3B, Layout(8, 1, 1, 1, 512), Training()).total < 8 * GiB
+    shape = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
+    shape += ["--seq-length", "1024", "--vocab-size", "50304", "--global-batch-size", "512"]
+    auto = ["--bf16", "--auto-parallel", "--auto-parallel-gpu-memory-gb", "2"]
+    with pytest.raises(PlanError, match=r"\(--auto-parallel-gpu-memory-gb [\d.]+\)"):
+        auto_parallel(parse_args([*shape, *auto], world_size=8), log=lambda line: None)
+
+
+def test_a_need_just_over_the_limit_reads_over_it():
+    assert gib_above(int(1.5 * GiB), 1) == ("1.5", "1.5")
+    assert gib_above(GiB + 1, 1) == ("1.000000001", "1.000000001")  # one byte over
+    assert gib_above(int(1.05011 * GiB), 1.05) == ("1.0501", "1.0502")  # the limit's decimals
+    for limit in (1, 0.5, 1.05, 79.3):
+        for over in (1, 999, 2**20, int(0.049 * GiB), int(0.051 * GiB)):
+            need, enough = gib_above(int(limit * GiB) + over, limit)
+            assert float(need) > limit and float(enough) * GiB >= int(limit * GiB) + over
+            assert len(need) == len(enough) and float(enough) - float(need) < 2 * 10 ** -(
+                len(need.partition(".")[2])
+            )
+
+
+def test_the_no_fit_message_at_the_boundary_shows_the_need_above_the_limit():
+    """The leanest layout needs one byte more than 1 GiB: the message reads over 1 GiB, and the
+    memory it suggests makes that layout fit."""
+    cfg = _cfg(model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                 seq_length=128, vocab_size=1000), gbs=8)  # fmt: skip
+    lean = min(p.memory.total for p in plans(cfg, Search(1, 1000)))
+    device = Device(overhead_bytes=GiB + 1 - lean)
+    with pytest.raises(PlanError) as e:
+        best_plan(cfg, Search(1, 1, device=device))
+    assert "fits in 1 GiB" in str(e.value) and "needs 1.000000001 GiB per GPU" in str(e.value)
+    assert "Smallest fix: GPUs with at least 1.000000001 GiB (--gpu-memory 1.000000001)" in str(
+        e.value
+    )
+    best, _ = best_plan(cfg, Search(1, 1.000000001, device=device))
+    assert best.memory.total == GiB + 1
+    with pytest.raises(PlanError, match=r"needs 1.0 GiB .*\(--gpu-memory 1.1\)"):  # far over
+        best_plan(cfg, Search(1, 0.9, device=device))
 
 
 @pytest.mark.slow  # over a second on 2 cores

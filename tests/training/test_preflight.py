@@ -1,0 +1,94 @@
+"""Start-up checks of megatron/training/preflight.py that depend on the device: --deepspeed with
+a precision DeepSpeed's accelerator lacks is a named error before any work."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron.config.cli import parse_args
+from megatron.config.schema import ConfigError
+from megatron.training import preflight
+from tests.helpers.paths import MMAP, ROOT
+from tests.helpers.training import BASE
+
+TRAIN = [*BASE, "--train-iters", "2", "--lr", "1e-3", "--global-batch-size", "4"]
+
+
+def _only(*names):
+    """A device that supports exactly `names`, recording what was asked."""
+    asked = []
+
+    def supported(name: str) -> bool:
+        asked.append(name)
+        return name in names
+
+    supported.asked = asked
+    return supported
+
+
+def test_fp16_with_deepspeed_where_deepspeed_lacks_fp16_names_the_fix():
+    cfg = parse_args([*TRAIN, "--fp16", "--deepspeed"], world_size=1)
+    with pytest.raises(ConfigError) as e:
+        preflight.check_deepspeed_precision(cfg, _only("bf16"))
+    message = str(e.value)
+    assert message.startswith("--fp16 with --deepspeed: DeepSpeed's engine does not support fp16")
+    assert "Fix: pass --bf16 instead of --fp16, or drop --deepspeed" in message
+    bf16 = parse_args([*TRAIN, "--bf16", "--deepspeed"], world_size=1)
+    preflight.check_deepspeed_precision(bf16, _only("bf16"))  # the fix passes
+    with pytest.raises(ConfigError, match="Fix: pass --fp16 instead of --bf16"):
+        preflight.check_deepspeed_precision(bf16, _only("fp16"))  # e.g. a pre-Ampere GPU
+
+
+def test_fp16_from_the_deepspeed_json_names_the_file_and_key(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 0}}))
+    cfg = parse_args([*TRAIN, "--fp16", "--deepspeed", "--deepspeed_config", str(path)], 1)
+    with pytest.raises(ConfigError) as e:
+        preflight.check_deepspeed_precision(cfg, _only("bf16"))
+    assert f'--deepspeed_config {path}, "fp16": {{"enabled": false}}' in str(e.value)
+
+
+def test_the_device_is_asked_only_for_a_deepspeed_run_in_half_precision():
+    for extra in (["--fp16"], ["--deepspeed"], ["--deepspeed", "--fp16"]):
+        supported = _only("fp16", "bf16")
+        preflight.check_deepspeed_precision(parse_args([*TRAIN, *extra], world_size=1), supported)
+        assert supported.asked == (["fp16"] if len(extra) == 2 else [])
+
+
+def test_the_device_answer_mirrors_deepspeeds_accelerator(monkeypatch):
+    import torch
+
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        get_accelerator = None
+    if get_accelerator is not None:
+        accelerator = get_accelerator()
+        for name in ("fp16", "bf16"):
+            expected = bool(getattr(accelerator, f"is_{name}_supported")())
+            assert preflight.deepspeed_dtype_supported(name) is expected
+    monkeypatch.setitem(sys.modules, "deepspeed.accelerator", None)  # DeepSpeed not installed
+    assert preflight.deepspeed_dtype_supported("fp16") is torch.cuda.is_available()
+
+
+def test_pretrain_gpt2_refuses_fp16_with_deepspeed_before_start_up(tmp_path):
+    pytest.importorskip("deepspeed")
+    if preflight.deepspeed_dtype_supported("fp16"):
+        pytest.skip("DeepSpeed supports fp16 on this device")
+    data = str(MMAP / "megatron_text_document")
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(MMAP / "vocab.json")]
+    tokenizer += ["--merge-file", str(MMAP / "merges.txt")]
+    argv = [*TRAIN, "--micro-batch-size", "2", "--data-path", data, *tokenizer]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt2.py"), *argv, "--fp16", "--deepspeed"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --fp16 with --deepspeed: DeepSpeed's engine does not support")
+    assert "fused kernels" not in done.stdout  # stopped before the model was built
