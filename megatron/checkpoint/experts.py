@@ -4,7 +4,8 @@ With expert parallelism each EP rank holds E / EP experts of every MoE layer (th
 expert tensors' dim 0). At save, the expert tensors of the model, of the plain optimizer's
 moments and fp32 masters, are all-gathered over the EP group into the full (E, ...) tensors, so
 a shard looks as at EP = 1: any EP size resumes from it (each rank keeps its slice,
-`expert_parallel` dim 0), and resharding, conversion, Hugging Face export and the inference
+`expert_parallel` dim 0; resharding on load to another TP x PP reads just those rows,
+megatron.checkpoint.reshard_load), and conversion, Hugging Face export and the inference
 tools (EP = 1) need to know nothing of EP. The distributed optimizer's ranges of an expert
 tensor are saved in the coordinates of the whole tensor (`expert_offset`), which its ranges
 at any EP size are cut from.

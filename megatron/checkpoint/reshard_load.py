@@ -15,12 +15,15 @@ index holding it are known, and each saved piece is read with one `index_select`
 opened memory-mapped: a rank's reads touch only the pages of the slices it needs (whole rows
 for dim-0 splits; a dim-1 split reads its columns' rows), never whole other stages. Vocab
 tensors are padded per TP (V_pad depends on TP): rows past the real vocab are zeros, as at
-initialization. Optimizer state follows its parameter: every per-element tensor (Adam's
-moments, fp32 main weights) has the parameter's shape and is cut the same way, whether it was
-saved by the plain optimizer (by position in its parameter order, recorded as `param_names`)
-or by the distributed one (flat ranges per DP rank, reassembled per TP-local parameter).
+initialization. MoE expert tensors are saved whole (all E experts, megatron.checkpoint.experts)
+and replicated over TP; an EP rank reads its E / EP experts' rows of dim 0. Optimizer state
+follows its parameter: every per-element tensor (Adam's moments, fp32 main weights) has the
+parameter's shape and is cut the same way, whether it was saved by the plain optimizer (by
+position in its parameter order, recorded as `param_names`) or by the distributed one (flat
+ranges per DP rank, reassembled per TP-local parameter).
 The result is in the distributed optimizer's checkpoint form (one range covering each
-parameter), which either optimizer loads (megatron.training.distrib_optimizer).
+parameter; an expert tensor's range in the coordinates of the whole tensor, as that optimizer
+saves it), which either optimizer loads (megatron.training.distrib_optimizer).
 Nothing here touches torch.distributed.
 """
 
@@ -135,7 +138,9 @@ def read_layout(root: str, iteration: int) -> SavedLayout:
 @dataclass(frozen=True)
 class RankTarget:
     """What one rank of the new layout holds: name -> local shape (model order), how each
-    tensor is split over TP, and this rank's TP position; `vocab_size` is the real vocab."""
+    tensor is split over TP, and this rank's TP position; `vocab_size` is the real vocab.
+    `experts`: the MoE expert tensors, saved whole (all E experts stacked along dim 0) and
+    held here as EP rank `ep_rank`'s E / `ep` of them (never split over TP)."""
 
     shapes: dict[str, tuple[int, ...]]
     rules: dict[str, Rule]
@@ -143,6 +148,17 @@ class RankTarget:
     tp_rank: int
     vocab_size: int
     vocab_names: frozenset[str]
+    experts: frozenset[str] = frozenset()
+    ep: int = 1
+    ep_rank: int = 0
+
+    def first_element(self, name: str) -> int:
+        """Where this rank's flat tensor `name` starts in the flattened saved tensor: an
+        expert tensor's slice in the whole one (the distributed optimizer's coordinates,
+        megatron.checkpoint.experts.expert_offset), 0 for every other tensor."""
+        if name not in self.experts:
+            return 0
+        return self.ep_rank * torch.Size(self.shapes[name]).numel()
 
 
 def _held(length: int, rule: Rule, size: int, rank: int) -> torch.Tensor:
@@ -170,9 +186,14 @@ def cut(
             f"{name}: saved split along dim {saved_rule[0]}, this model splits it along "
             f"dim {rule[0]}; the model code changed in a way resharding cannot follow"
         )
-    dim = (rule or saved_rule or (0, 1))[0]
+    ep = target.ep if name in target.experts else 1
+    if ep > 1 and (rule or saved_rule):
+        raise CheckpointError(
+            f"{name}: an expert tensor split over TP; resharding cuts experts over EP only"
+        )
+    dim = (rule or saved_rule or (0, 1))[0]  # experts: dim 0, the stacked experts
     saved_len = first.shape[dim] * (saved_tp if saved_rule else 1)
-    target_len = shape[dim] * (target.tp if rule else 1)
+    target_len = shape[dim] * (target.tp if rule else 1) * ep
     real = target.vocab_size if name in target.vocab_names else saved_len
     other = [s for i, s in enumerate(shape) if i != dim]
     if (name not in target.vocab_names and saved_len != target_len) or other != [
@@ -183,7 +204,10 @@ def cut(
             f"{tuple(first.shape)} per TP rank, this model needs {target_len} of {shape}; "
             "the model shape differs from the checkpoint's"
         )
-    want = _held(target_len, rule, target.tp, target.tp_rank)
+    if ep > 1:  # EP rank r holds experts [r E / EP, (r + 1) E / EP)
+        want = torch.arange(shape[0]) + target.ep_rank * shape[0]
+    else:
+        want = _held(target_len, rule, target.tp, target.tp_rank)
     owner = torch.full((saved_len,), -1, dtype=torch.long)
     local = torch.zeros(saved_len, dtype=torch.long)
     if saved_rule is None:  # every saved TP rank holds it: read the one this rank maps to
@@ -364,6 +388,7 @@ def read_rank_state(
     pieces = {}
     for name, shape in target.shapes.items():
         state = saved.optimizer_state(name, target)
-        pieces[name] = {"range": (0, torch.Size(shape).numel()), **state}
+        lo = target.first_element(name)  # experts: this EP rank's range of the whole tensor
+        pieces[name] = {"range": (lo, lo + torch.Size(shape).numel()), **state}
     optimizer = {"optimizer": saved.shared_optimizer(), "distrib_optim": [{"pieces": pieces}]}
     return model, optimizer

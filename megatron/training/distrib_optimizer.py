@@ -298,7 +298,7 @@ def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool, state
     `state`: this rank's place (with EP > 1, its experts' ranges are taken)."""
     names, index = parameter_names(module), _index_ranges(shards)
     saved_groups = {g.get("wd_mult"): g for g in sd["param_groups"]}
-    state, mains, groups, i = {}, [], [], 0
+    per_param, mains, groups, i = {}, [], [], 0
     for group in param_groups(module):
         hyper = {k: v for k, v in saved_groups.get(group["wd_mult"], {}).items()}
         groups.append({**hyper, "wd_mult": group["wd_mult"], "params": []})
@@ -310,10 +310,10 @@ def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool, state
             if half:
                 mains.append(p.detach().float().clone() if main is None else main.view(p.shape))
             if restored:
-                state[i] = {k: v.view(p.shape) if v.ndim else v for k, v in restored.items()}
+                per_param[i] = {k: v.view(p.shape) if v.ndim else v for k, v in restored.items()}
             groups[-1]["params"].append(i)
             i += 1
-    out = {"optimizer": {"state": state, "param_groups": groups}}
+    out = {"optimizer": {"state": per_param, "param_groups": groups}}
     if "grad_scaler" in sd:
         out["grad_scaler"] = sd["grad_scaler"]
     if half:

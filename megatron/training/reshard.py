@@ -1,6 +1,7 @@
 """Resume on another layout: what this rank of the running model needs from a checkpoint saved
-at another TP x PP (x virtual pipeline) layout (megatron.checkpoint.reshard_load reads it),
-and the RNG streams such a resume starts with.
+at another TP x PP (x virtual pipeline) layout, at any EP size (megatron.checkpoint.reshard_load
+reads it; MoE experts are saved whole and each EP rank keeps its own), and the RNG streams such
+a resume starts with.
 
 Data position: the samplers continue from the checkpoint's consumed-sample count, which does
 not depend on the layout, so the run sees the uninterrupted run's sample sequence at any DP
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+from megatron.checkpoint.experts import expert_parameters
 from megatron.checkpoint.reshard_load import (
     RankTarget,
     SavedLayout,
@@ -28,7 +30,8 @@ from megatron.models.registry import vocab_sized_names
 
 
 def rank_target(cfg: MegatronConfig, rt: Runtime, model) -> RankTarget:
-    """This rank's tensors as the running model holds them (names, local shapes, TP splits)."""
+    """This rank's tensors as the running model holds them (names, local shapes, TP splits,
+    and which are MoE experts split over EP)."""
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     return RankTarget(
         shapes=shapes,
@@ -37,6 +40,9 @@ def rank_target(cfg: MegatronConfig, rt: Runtime, model) -> RankTarget:
         tp_rank=rt.state.tp_rank,
         vocab_size=cfg.model.vocab_size,
         vocab_names=frozenset(vocab_sized_names()),
+        experts=frozenset(expert_parameters(model)),
+        ep=rt.state.ep_size,
+        ep_rank=rt.state.ep_rank,
     )
 
 

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from megatron.checkpoint.async_save import AsyncSaver
 from megatron.checkpoint.experts import (
-    expert_parameters,
     gather_experts,
     gather_optimizer_experts,
     local_experts,
@@ -353,15 +352,6 @@ def load_training_state(
         return shard
 
     def restore_resharded(iteration: int, saved: SavedLayout) -> dict:
-        if st.ep_size > 1 and expert_parameters(model):
-            raise CheckpointError(
-                f"{c.load} iteration {iteration} was saved at TP{saved.tp} x PP{saved.pp}; "
-                f"this run is TP{st.tp_size} x PP{st.pp_size} with --expert-model-parallel-size "
-                f"{st.ep_size}, and resharding on load does not cut experts over EP yet. Fix: "
-                "resume once at --expert-model-parallel-size 1 (any EP resumes from the "
-                "checkpoint it then saves), or convert it first with tools/convert_checkpoint.py "
-                "--target-tensor-model-parallel-size / --target-pipeline-model-parallel-size"
-            )
         shards, entries = reshard.open_checkpoint(cfg, c.load, iteration, saved)
         _check_shapes(entries, cfg, c.load)  # a named error before any tensor is cut
         _require(entries, c, iteration)

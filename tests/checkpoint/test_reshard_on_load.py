@@ -1,8 +1,10 @@
 """Resume straight from --load on another layout, optimizer moments included, with the
 uninterrupted run's losses: TP2xPP2 -> TP1xPP4, TP2 -> TP4 (distributed optimizer), plain
 optimizer -> distributed optimizer (TP2xPP2 -> TP1xPP2xDP2), PP2 interleaved -> PP2 plain; an
---async-save run's checkpoints load to the sync run's state; bad input gets named errors and
-overwrites nothing. (DP4 -> DP2 with the distributed optimizer: test_distributed_optimizer.)
+MoE GPT (router, shared expert) trained with expert parallelism resumed on another TP x PP x EP
+with either optimizer, to the uninterrupted run's losses and weights; an --async-save run's
+checkpoints load to the sync run's state; bad input gets named errors and overwrites nothing.
+(DP4 -> DP2 with the distributed optimizer: test_distributed_optimizer.)
 Two 4-rank spawns in all: one for the uninterrupted runs, one for every resume."""
 
 import dataclasses
@@ -39,17 +41,31 @@ DISTRIB = ["--use-distributed-optimizer"]
 TP = "--tensor-model-parallel-size"
 PP = "--pipeline-model-parallel-size"
 VP = "--num-layers-per-virtual-pipeline-stage"
+EP = "--expert-model-parallel-size"
+# Every layer an MoE of 4 experts (top 2) with a shared expert (TP-split like an MLP).
+MOE = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]
+MOE += ["--moe-shared-expert-intermediate-size", "16"]
 # Source layouts (4 ranks, saved at iterations 3 and 6) -> the layouts that resume them.
 SOURCES = {
     "tp2pp2": [TP, "2", PP, "2"],
     "tp2dp2-distributed": [TP, "2", *DISTRIB],
     "pp2-interleaved-dp2": [PP, "2", VP, "1"],
+    "moe-tp2ep2": [*MOE, TP, "2", EP, "2"],
+    "moe-pp2ep2-distributed": [*MOE, PP, "2", EP, "2", *DISTRIB],
 }
 RESUMES = {
     "TP2xPP2 -> TP1xPP4": ("tp2pp2", [PP, "4"]),
     "TP2xPP2 plain -> TP1xPP2xDP2 distributed": ("tp2pp2", [PP, "2", *DISTRIB]),
     "TP2 -> TP4, distributed": ("tp2dp2-distributed", [TP, "4", *DISTRIB]),
     "PP2 interleaved -> PP2 plain": ("pp2-interleaved-dp2", [PP, "2"]),
+    # MoE: the experts (saved whole) cut for this EP rank while TP / PP change
+    "MoE TP2xEP2 -> TP1xPP2xEP2": ("moe-tp2ep2", [*MOE, PP, "2", EP, "2"]),
+    "MoE TP2xEP2 plain -> EP4 distributed": ("moe-tp2ep2", [*MOE, EP, "4", *DISTRIB]),
+    "MoE PP2xEP2 distributed -> TP2xEP2": ("moe-pp2ep2-distributed", [*MOE, TP, "2", EP, "2"]),
+    "MoE PP2xEP2 distributed -> TP2xEP2 distributed": (
+        "moe-pp2ep2-distributed",
+        [*MOE, TP, "2", EP, "2", *DISTRIB],
+    ),
 }
 
 
@@ -123,6 +139,15 @@ def test_resume_on_a_new_layout_continues_the_uninterrupted_run(data_prefix, tmp
 
     at3 = {n: _checkpoint_at(os.path.join(root, n), 3, tmp_path / f"{n}-at3") for n in SOURCES}
     runs = [(what, at3[src], extra) for what, (src, extra) in RESUMES.items()]
+    # The MoE resumes save at 6 too: their weights are compared with the uninterrupted run's.
+    moe_saves = {what: str(tmp_path / f"resumed-{i}") for i, what in enumerate(RESUMES)}
+    moe_saves = {what: d for what, d in moe_saves.items() if what.startswith("MoE")}
+    runs = [
+        (what, load, [*extra, "--save", moe_saves[what], "--save-interval", "3"])
+        if what in moe_saves
+        else (what, load, extra)
+        for what, load, extra in runs
+    ]
     # Bad input: a newer layout record; a model of another shape (TP4, so it reshards).
     future = _checkpoint_at(os.path.join(root, "tp2pp2"), 3, tmp_path / "future")
     marker = Path(checkpoint_dir(future, 3)) / MARKER_NAME
@@ -141,6 +166,12 @@ def test_resume_on_a_new_layout_continues_the_uninterrupted_run(data_prefix, tmp
         np.testing.assert_allclose(
             _losses(history), _losses(straight[src])[3:], rtol=2e-5, err_msg=what
         )
+    for what, saved in moe_saves.items():  # every expert, router and shared expert weight
+        want = R.load_full_state(os.path.join(root, RESUMES[what][0]), 6)[0]
+        got = R.load_full_state(saved, 6)[0]
+        assert got.keys() == want.keys() and any(".experts." in n for n in got), what
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
     for rank, out in enumerate(results):
         assert "records checkpoint layout version 99" in out["future"], (rank, out["future"])
         assert "written by a newer version" in out["future"]
@@ -169,15 +200,20 @@ def saved_tp2_pp2(tmp_path_factory):
         num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, swiglu=True
     )
     full = _full_state(cfg)
+    root = str(tmp_path_factory.mktemp("planner") / "tp2pp2")
+    _save(cfg, full, root, tp=2, pp=2)
+    return cfg, full, root
+
+
+def _save(cfg: ModelConfig, full: dict, root: str, tp: int, pp: int) -> None:
+    """`full` written at TP x PP (iteration 5) by the converter's split."""
     args = {
         "model": dataclasses.asdict(cfg),
         "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1,
         "padded_vocab_size": cfg.padded_vocab_size(1),
     }
-    root = str(tmp_path_factory.mktemp("planner") / "tp2pp2")
-    R.save_resharded(full, args, root, 2, 2, 5, quiet=True)
-    return cfg, full, root
+    R.save_resharded(full, args, root, tp, pp, 5, quiet=True)
 
 
 def _target(cfg, full, tp, pp, pp_rank, tp_rank):
@@ -211,6 +247,48 @@ def test_each_rank_reads_exactly_its_slices(saved_tp2_pp2, tp, pp):
             if pp == 4:
                 tied = {0} if pp_rank == 3 else set()
                 assert {p for _, p in shards.read} == {pp_rank // 2} | tied, shards.read
+
+
+def test_an_ep_rank_reads_its_experts_and_every_other_tensor_as_dense(tmp_path):
+    """An MoE checkpoint (experts whole, router, shared expert) saved at TP2 read by the ranks
+    of TP1 x EP2 and TP2 x EP4: each gets rows [r E / EP, (r + 1) E / EP) of every expert
+    tensor, its TP slice of everything else, and its experts' range of the whole tensor."""
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=100,
+        swiglu=True,
+        num_experts=4,
+        moe_shared_expert_intermediate_size=16,
+        moe_shared_expert_gate=True,
+    )
+    full = _full_state(cfg)
+    root = str(tmp_path / "moe-tp2")
+    _save(cfg, full, root, tp=2, pp=1)
+    layout = read_layout(root, 5)
+    experts = frozenset(n for n in full if ".mlp.experts." in n)
+    router = [n for n in full if ".mlp.router." in n]
+    assert len(experts) == 8 and router  # 2 layers x weight1, weight2, bias1, bias2
+    for tp, ep in ((1, 2), (2, 4)):
+        for tp_rank in range(tp):
+            for ep_rank in range(ep):
+                target, expected = _target(cfg, full, tp, 1, 0, tp_rank)
+                shapes = {
+                    n: (s[0] // ep, *s[1:]) if n in experts else s for n, s in target.shapes.items()
+                }
+                target = dataclasses.replace(
+                    target, shapes=shapes, experts=experts, ep=ep, ep_rank=ep_rank
+                )
+                shards = SavedShards(root, 5, layout, lambda n: R.split_rule(n, cfg))
+                got, _ = read_rank_state(shards, target, with_optimizer=False)
+                where = (tp, ep, tp_rank, ep_rank)
+                for name, tensor in expected.items():
+                    want = tensor.chunk(ep)[ep_rank] if name in experts else tensor
+                    assert torch.equal(got[name], want), (where, name)
+                name = min(experts)
+                assert target.first_element(name) == ep_rank * got[name].numel()
+                assert target.first_element(router[0]) == 0
 
 
 def test_missing_shard_and_other_model_shape_are_named(saved_tp2_pp2, tmp_path):
