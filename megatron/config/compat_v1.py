@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.config.declare import ConfigError
+from megatron.config.declare import ConfigError, fail
 from megatron.config.deepspeed_json import fill_from_ds_json, validate_deepspeed_flags
 from megatron.config.schema import MegatronConfig
 
@@ -109,10 +109,6 @@ def apply_v1_defaults(
 # ---- rules between the v1.x flags ----
 
 
-def _fail(flag: str, problem: str, fix: str) -> None:
-    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
-
-
 def _validate_gas(cfg: MegatronConfig) -> None:
     t, dp = cfg.training, cfg.parallel.data_parallel_size
     gas = t.gradient_accumulation_steps
@@ -120,14 +116,14 @@ def _validate_gas(cfg: MegatronConfig) -> None:
         return
     implied = t.micro_batch_size * dp * gas
     if t.global_batch_size is not None and t.global_batch_size != implied:
-        _fail(
+        fail(
             "--gas/--global-batch-size",
             f"--gas {gas} x --micro-batch-size {t.micro_batch_size} x DP {dp} = {implied} "
             f"contradicts --global-batch-size {t.global_batch_size}",
             "give one of them, or make them agree",
         )
     if t.rampup_batch_size is not None:
-        _fail("--gas", "fixes the batch, --rampup-batch-size grows it", "drop one of them")
+        fail("--gas", "fixes the batch, --rampup-batch-size grows it", "drop one of them")
 
 
 def _validate_runtime(cfg: MegatronConfig) -> None:
@@ -135,16 +131,16 @@ def _validate_runtime(cfg: MegatronConfig) -> None:
     half = cfg.precision.fp16 or cfg.precision.bf16
     if dist.ddp_impl == "torch":
         if d.enabled:
-            _fail("--DDP-impl torch", "DeepSpeed's engine does the data parallelism", "drop it")
+            fail("--DDP-impl torch", "DeepSpeed's engine does the data parallelism", "drop it")
         if cfg.parallel.pipeline_model_parallel_size > 1:
-            _fail(
+            fail(
                 "--DDP-impl torch",
                 "torch DDP expects each forward to be followed by its backward, which a "
                 "pipeline schedule does not do",
                 "use --DDP-impl local with --pipeline-model-parallel-size > 1",
             )
         if half:
-            _fail(
+            fail(
                 "--DDP-impl torch",
                 "torch DDP accumulates and all-reduces gradients in the fp16/bf16 weights' dtype, "
                 "not in fp32",
@@ -152,19 +148,19 @@ def _validate_runtime(cfg: MegatronConfig) -> None:
             )
     if r.distribute_saved_activations:
         if r.granularity != "full":
-            _fail(
+            fail(
                 "--distribute-checkpointed-activations",
                 "splits the inputs of checkpointed layers, and activation checkpointing is off",
                 "add --checkpoint-activations",
             )
         if d.enabled:
-            _fail(
+            fail(
                 "--distribute-checkpointed-activations",
                 "with --deepspeed, DeepSpeed's checkpointing does this",
                 "use --partition-activations instead",
             )
     if d.enabled and cfg.checkpoint.no_save_optim:
-        _fail(
+        fail(
             "--no-save-optim",
             "DeepSpeed's engine always writes its optimizer (ZeRO) states with the weights",
             "drop it (or train without --deepspeed)",

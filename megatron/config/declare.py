@@ -27,6 +27,11 @@ class ConfigError(ValueError):
     """A flag combination that cannot work; the message names the flag and the fix."""
 
 
+def fail(flag: str, problem: str, fix: str) -> typing.NoReturn:
+    """Raise the ConfigError every rule raises: "FLAG: PROBLEM. Fix: FIX."."""
+    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
+
+
 def setting(
     default,
     help: str,

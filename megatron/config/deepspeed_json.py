@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 
-from megatron.config.declare import ConfigError
+from megatron.config.declare import ConfigError, fail
 from megatron.config.schema import MegatronConfig
 
 _JSON_OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
@@ -108,10 +108,6 @@ def with_ds_json(cfg: MegatronConfig) -> MegatronConfig:
     return cfg.replace(deepspeed=dataclasses.replace(d, config_json=read_ds_json(d.config)))
 
 
-def _fail(flag: str, problem: str, fix: str) -> None:
-    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
-
-
 _DEEPSPEED_ONLY = (
     ("--zero-stage", "zero_stage"),
     ("--zero-reduce-scatter", "zero_reduce_scatter"),
@@ -143,18 +139,18 @@ def validate_deepspeed_flags(cfg: MegatronConfig) -> None:
     d = cfg.deepspeed
     given = [f for f, n in _DEEPSPEED_ONLY + DS_CHECKPOINTING if getattr(d, n) not in (None, False)]
     if given and not d.enabled:
-        _fail(given[0], "a DeepSpeed setting, given without --deepspeed", "add --deepspeed")
+        fail(given[0], "a DeepSpeed setting, given without --deepspeed", "add --deepspeed")
     checkpointing = [f for f, n in DS_CHECKPOINTING if getattr(d, n)]
     if d.activation_checkpointing:
         checkpointing.append("--deepspeed-activation-checkpointing")
     if checkpointing and cfg.recompute.granularity != "full":
-        _fail(
+        fail(
             checkpointing[0],
             "configures activation checkpointing, which is off",
             "add --checkpoint-activations (--recompute-granularity full)",
         )
     if d.cpu_torch_adam and not d.cpu_optimizer:
-        _fail("--cpu_torch_adam", "chooses the CPU optimizer's kernel", "add --cpu-optimizer")
+        fail("--cpu_torch_adam", "chooses the CPU optimizer's kernel", "add --cpu-optimizer")
 
 
 def _agree(section: dict, key: str, value, flag: str, where: str) -> None:

@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import importlib.util
 
-from megatron.config.schema import ConfigError, LoggingConfig
-
-
-def _fail(flag: str, problem: str, fix: str) -> None:
-    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
+from megatron.config.declare import fail
+from megatron.config.schema import LoggingConfig
 
 
 def validate_logging(lg: LoggingConfig, world_size: int) -> None:
     """Checked before any work, on every rank (so no rank waits for one that refused)."""
     if lg.profile:
         if lg.profile_step_end <= lg.profile_step_start:
-            _fail(
+            fail(
                 "--profile-step-start/--profile-step-end",
                 f"need 0 <= start < end, got {lg.profile_step_start} and {lg.profile_step_end}",
                 "e.g. --profile-step-start 10 --profile-step-end 12 (records 2 iterations)",
             )
         bad = [r for r in lg.profile_ranks if not 0 <= r < world_size]
         if bad or not lg.profile_ranks:
-            _fail(
+            fail(
                 "--profile-ranks",
                 f"{list(lg.profile_ranks)} is not a non-empty list of ranks below {world_size}",
                 "pass e.g. --profile-ranks 0",
@@ -33,16 +30,16 @@ def validate_logging(lg: LoggingConfig, world_size: int) -> None:
             ("--profile-dir", lg.profile_dir is not None),
         ):
             if given:
-                _fail(flag, "given without --profile", "add --profile, or drop the flag")
+                fail(flag, "given without --profile", "add --profile, or drop the flag")
     if lg.wandb_project is None:
         for flag, value in (
             ("--wandb-exp-name", lg.wandb_exp_name),
             ("--wandb-save-dir", lg.wandb_save_dir),
         ):
             if value is not None:
-                _fail(flag, "given without --wandb-project", "add --wandb-project NAME")
+                fail(flag, "given without --wandb-project", "add --wandb-project NAME")
     elif importlib.util.find_spec("wandb") is None:
-        _fail(
+        fail(
             "--wandb-project",
             "the wandb package is not installed",
             "pip install wandb (or pip install 'megatron-3d[wandb]'), or drop --wandb-project",

@@ -3,11 +3,8 @@ parallel-size); each setting's own limits are declared on it (megatron.config.sc
 
 from __future__ import annotations
 
-from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
-
-
-def _fail(flag: str, problem: str, fix: str) -> None:
-    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
+from megatron.config.declare import fail
+from megatron.config.schema import MegatronConfig, ModelConfig
 
 
 def validate_moe_model(m: ModelConfig, tp: int = 1) -> None:
@@ -25,33 +22,33 @@ def validate_moe_model(m: ModelConfig, tp: int = 1) -> None:
             if given
         ]
         if changed:
-            _fail(
+            fail(
                 changed[0],
                 "given without --num-experts (the model has no experts)",
                 "add --num-experts E or drop it",
             )
         return
     if m.moe_router_topk > m.num_experts:
-        _fail(
+        fail(
             "--moe-router-topk",
             f"{m.moe_router_topk} experts per token but only --num-experts {m.num_experts}",
             f"use a top-k of at most {m.num_experts} (or more experts)",
         )
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
-        _fail(
+        fail(
             "--moe-router-pre-softmax",
             "given with --moe-router-score-function sigmoid",
             "drop --moe-router-pre-softmax or use the softmax score function",
         )
     shared = m.moe_shared_expert_intermediate_size
     if m.moe_shared_expert_gate and shared is None:
-        _fail(
+        fail(
             "--moe-shared-expert-gate",
             "gates the shared expert, which is off",
             "add --moe-shared-expert-intermediate-size N or drop the gate",
         )
     if shared is not None and shared % tp:
-        _fail(
+        fail(
             "--moe-shared-expert-intermediate-size",
             f"{shared} cannot be split over --tensor-model-parallel-size {tp}",
             "use a multiple of the tensor-parallel size",
@@ -64,7 +61,7 @@ def validate_moe(cfg: MegatronConfig) -> None:
     ep, dp = par.expert_model_parallel_size, par.data_parallel_size
     validate_moe_model(m, par.tensor_model_parallel_size)
     if ep > 1 and not m.moe:
-        _fail(
+        fail(
             "--expert-model-parallel-size",
             f"{ep} given without --num-experts (the model has no experts to split)",
             "add --num-experts (a multiple of the EP size) or drop the flag",
@@ -75,20 +72,20 @@ def validate_moe(cfg: MegatronConfig) -> None:
             ("--moe-token-dispatcher-type", par.moe_token_dispatcher_type != "alltoall"),
         ):
             if given:
-                _fail(
+                fail(
                     flag,
                     "given without --num-experts (no experts to compute)",
                     "add --num-experts E or drop it",
                 )
         return
     if m.num_experts % ep:
-        _fail(
+        fail(
             "--num-experts",
             f"{m.num_experts} experts cannot be split over --expert-model-parallel-size {ep}",
             f"use a multiple of {ep} experts, or an EP size that divides {m.num_experts}",
         )
     if dp % ep:
-        _fail(
+        fail(
             "--expert-model-parallel-size",
             f"{ep} does not divide the data-parallel size {dp} (world {par.world_size} / "
             f"(TP x CP x PP)); expert-parallel ranks are carved from the data-parallel ones",
@@ -122,4 +119,4 @@ def validate_moe(cfg: MegatronConfig) -> None:
     )
     for other, given, why, fix in refused:
         if given:
-            _fail("--num-experts", f"given with {other}: {why}", fix)
+            fail("--num-experts", f"given with {other}: {why}", fix)

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import os
 
-from megatron.config.declare import ConfigError
+from megatron.config.declare import fail
 from megatron.config.schema import MegatronConfig
-
-
-def _fail(flag: str, problem: str, fix: str) -> None:
-    raise ConfigError(f"{flag}: {problem}. Fix: {fix}.")
 
 
 def validate_vocab(cfg: MegatronConfig) -> None:
     """A training run needs a vocab: a tokenizer, or --vocab-size for pre-tokenized ids."""
     if cfg.data.tokenizer.tokenizer_type is None and cfg.model.vocab_size is None:
-        _fail(
+        fail(
             "--vocab-file",
             "no tokenizer and no --vocab-size",
             "pass --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt (GPT-2 BPE, the "
@@ -32,6 +28,6 @@ def check_tokenizer_files(cfg: MegatronConfig) -> None:
         return
     for flag, path in (("--vocab-file", tok.vocab_file), ("--merge-file", tok.merge_file)):
         if not path:
-            _fail(flag, "GPT2BPETokenizer needs it", f"pass {flag} (GPT-2 vocab.json / merges.txt)")
+            fail(flag, "GPT2BPETokenizer needs it", f"pass {flag} (GPT-2 vocab.json / merges.txt)")
         if not os.path.isfile(path):
-            _fail(flag, f"{path}: no such file", f"pass the path of an existing file to {flag}")
+            fail(flag, f"{path}: no such file", f"pass the path of an existing file to {flag}")

@@ -1,0 +1,59 @@
+"""What pretrain_bert.py's model cannot do (refused by flag), and the BERT section's flags that
+pretrain_gpt2.py refuses."""
+
+from __future__ import annotations
+
+from megatron.config.declare import fail
+from megatron.config.schema import MegatronConfig
+
+
+def validate_bert(cfg: MegatronConfig) -> None:
+    """pretrain_bert.py's rules: what its model cannot do."""
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        fail(
+            "--num-layers-per-virtual-pipeline-stage",
+            "BERT runs one model chunk per pipeline stage",
+            "drop the flag",
+        )
+    if cfg.parallel.context_parallel_size > 1:
+        fail(
+            "--context-parallel-size",
+            "ring attention is causal (the GPT's); BERT attends both ways over its padded samples",
+            "drop it (BERT's 512-token samples fit on one rank)",
+        )
+    if cfg.parallel.sequence_parallel:
+        fail(
+            "--sequence-parallel",
+            "the BERT model does not split its embeddings, pooler and heads along the sequence",
+            "drop it (BERT-large fits without it; TP alone splits the layers)",
+        )
+    if cfg.model.num_unique_layers is not None:
+        fail(
+            "--num-unique-layers",
+            "layer sharing is built into the GPT's layer stack only",
+            "drop it, or pretrain a GPT with pretrain_gpt2.py",
+        )
+    if cfg.model.untie_embeddings_and_output_weights:
+        fail("--untie-embeddings-and-output-weights", "BERT ties its MLM output", "drop it")
+    if cfg.model.moe:
+        fail(
+            "--num-experts",
+            "mixture of experts is trained, logged and converted for the GPT only",
+            "drop it, or pretrain an MoE GPT with pretrain_gpt2.py",
+        )
+    if cfg.data.uses_documents:
+        fail(
+            "--reset-position-ids/--reset-attention-mask/--eod-mask-loss",
+            "GPT's packed-document options; BERT samples hold one document",
+            "drop them",
+        )
+
+
+def refuse_bert_settings(cfg: MegatronConfig) -> None:
+    """pretrain_gpt2.py: the BERT section's flags do nothing for a GPT, so they are refused."""
+    if cfg.bert.changed:
+        fail(
+            cfg.bert.changed[0],
+            "a BERT pretraining setting; the GPT has no masked-LM or NSP objective",
+            "drop it, or run pretrain_bert.py",
+        )
