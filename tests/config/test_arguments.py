@@ -540,7 +540,7 @@ def test_the_deepspeed_json_is_read_once_before_start_up(tmp_path):
 
 
 def test_building_the_tokenizer_section_never_touches_the_disk(tmp_path, monkeypatch):
-    from megatron.config import schema
+    from megatron.config import schema_data as schema
     from megatron.config.schema import TokenizerConfig
 
     (tmp_path / "gpt2-vocab.json").write_text("{}")
