@@ -5,13 +5,12 @@ The CUDA kernels get the same checks in tests/gpu/test_cuda.py."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron.mpu import ring_blocks as rb
+from tests.helpers.attention import two_block_row
 
 CPU = torch.device("cpu")
 
@@ -51,33 +50,6 @@ def test_math_blocks_replay_dropout_and_leave_the_generator_where_it_was():
         assert torch.equal(a, b)
 
 
-def _two_block_row(blocks, q, k, v, dout, split: int):
-    """Queries q (the last q.size(2) positions of the keys) attend causally to keys [0, split)
-    (a full block) and [split, s) (the diagonal block): forward both blocks, merge them by
-    their LSE, then backward each block from the merged out and LSE, as the ring does.
-    Returns (out, lse, dq, dk, dv) in fp32."""
-    from megatron.mpu.context_parallel import _merge
-
-    scale, dt = 1.0 / math.sqrt(q.size(-1)), blocks.dtype(q.dtype)
-    q, k, v, dout = (t.to(dt) for t in (q, k, v, dout))
-    parts = ((k[:, :, :split], v[:, :, :split], False), (k[:, :, split:], v[:, :, split:], True))
-    out = lse = None
-    replays = []
-    for kb, vb, causal in parts:
-        o, s, replay = rb.block_step(blocks, q, kb, vb, scale, causal, 0.0)
-        replays.append(replay)
-        out, lse = (o.float(), s) if out is None else _merge(out, lse, o.float(), s)
-    final = out.to(dt)
-    dq = torch.zeros_like(out)
-    dks, dvs = [], []
-    for (kb, vb, causal), replay in zip(parts, replays, strict=True):
-        dq_b, dk_b, dv_b = blocks.backward(q, kb, vb, dout, final, lse, scale, causal, 0.0, replay)
-        dq += dq_b
-        dks.append(dk_b.float())
-        dvs.append(dv_b.float())
-    return out, lse, dq, torch.cat(dks, 2), torch.cat(dvs, 2)
-
-
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_cpu_flash_blocks_equal_the_math_in_fp32(kv_heads):
     """The fused CPU kernel per block (full and diagonal) against the explicit math and against
@@ -92,8 +64,8 @@ def test_cpu_flash_blocks_equal_the_math_in_fp32(kv_heads):
     ke, ve = (t.repeat_interleave(rep, 1) for t in (k, v))
     fused = rb.select_blocks("fused", CPU, torch.float32, d)
     assert fused.name == "cpu-flash"
-    mine = _two_block_row(fused, q, ke, ve, dout, c)
-    ref = _two_block_row(rb.MATH, q, ke, ve, dout, c)
+    mine = two_block_row(fused, q, ke, ve, dout, c)
+    ref = two_block_row(rb.MATH, q, ke, ve, dout, c)
     for what, a, r in zip(("out", "lse", "dq", "dk", "dv"), mine, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=what)
     # the whole row through autograd: the later c queries of 2c positions, causal
@@ -115,8 +87,8 @@ def test_cpu_flash_blocks_in_bf16_stay_close_to_the_math():
     q, dout = (torch.randn(1, 2, 16, 32, generator=g) for _ in "qo")
     k, v = (torch.randn(1, 2, 32, 32, generator=g) for _ in "kv")
     low = [t.bfloat16() for t in (q, k, v, dout)]
-    mine = _two_block_row(rb.select_blocks("fused", CPU, torch.bfloat16, 32), *low, 16)
-    ref = _two_block_row(rb.MATH, *low, 16)
+    mine = two_block_row(rb.select_blocks("fused", CPU, torch.bfloat16, 32), *low, 16)
+    ref = two_block_row(rb.MATH, *low, 16)
     for what, a, r in zip(("out", "lse", "dq", "dk", "dv"), mine, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=3e-2, atol=3e-2, msg=what)
 
@@ -157,3 +129,17 @@ def test_the_check_draws_nothing_from_the_global_generator():
     before = torch.get_rng_state()
     rb.select_blocks("auto", CPU, torch.float32, 24)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_cuda_block_kernels_are_called_as_torch_declares_them(kernel):
+    """The CUDA kernels' calls on meta tensors (torch's shape functions, no GPU needed): the
+    outputs unpacked as declared, the efficient kernel's LSE cut to the real rows and padded back
+    for its backward. Their numbers are checked on a GPU in tests/gpu/test_cuda.py."""
+    blocks = {b.name: b for b in rb._FUSED["cuda"]}[kernel]
+    q = torch.empty(2, 4, 40, 64, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(2, 4, 56, 64, device="meta", dtype=torch.bfloat16)
+    out, lse, replay = rb.block_step(blocks, q, k, v, 0.125, False, 0.1)
+    assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    grads = blocks.backward(q, k, v, torch.empty_like(q), out, lse, 0.125, False, 0.1, replay)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
