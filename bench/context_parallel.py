@@ -1,7 +1,9 @@
 """Context parallelism on gloo (CPU): activation memory per rank and step time against the
-planner, and how much of the ring's communication the attention hides.
+planner, how much of the ring's communication the attention hides, and ring attention's
+blocks through the explicit math against the fused SDPA kernel.
 
     .venv/bin/python bench/context_parallel.py [--seq-lengths 2048 4096 8192 16384] [--cp 1 2 4]
+        [--tables model blocks]
 
 A small GPT (learned positions: the planner does not count RoPE's copies; fp32, no dropout)
 runs forward + backward of one micro batch per sequence length at CP 1, 2 and 4 (CP gloo
@@ -16,12 +18,20 @@ ranks, one spawn per CP size). Per rank:
 - ring: the time the ring waited for its messages inside attention ("exposed"), and the time
   the same messages take alone (same sizes and count, nothing to compute): hidden share
   = 1 - exposed / alone.
+
+The blocks table (at each CP of --cp above 1): one ring-attention forward + backward alone
+(b 1, 8 heads of 64, fp32, no dropout; q, k, v of s / CP tokens per rank) with its blocks
+through the explicit fp32 math (--attention-backend unfused) and through the fused SDPA kernel
+(sdpa; on the CPU aten._scaled_dot_product_flash_attention_for_cpu): wall time (median of
+--repeats, the slower rank) and peak bytes of the tensors allocated during it (the torch
+profiler's memory events, the fuller rank; the inputs are allocated before).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -135,6 +145,81 @@ def _worker(rank, world, seqs, repeats):
     return out
 
 
+BLOCK_HEADS, BLOCK_HEAD_DIM = 8, 64
+
+
+def _peak_bytes(fn) -> int:
+    """Peak bytes of the CPU tensors allocated inside fn() alive at once (the torch profiler's
+    memory events: + size at each allocation, - at each free, summed in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+
+
+def _fresh(*tensors) -> None:
+    """No gradients left from the step before; the ranks start together."""
+    for t in tensors:
+        t.grad = None
+    torch.distributed.barrier()
+
+
+def _time_and_peak(ring, q, k, v, dout, repeats: int) -> tuple[float, int]:
+    """(median seconds, peak bytes) of ring(q, k, v).backward(dout)."""
+
+    def step():
+        ring(q, k, v).backward(dout)
+
+    step()  # warm-up (and the fused kernel's check against the math)
+    times = []
+    for _ in range(repeats):
+        _fresh(q, k, v)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    _fresh(q, k, v)
+    return statistics.median(times), _peak_bytes(step)
+
+
+def _blocks_worker(rank, world, seqs, repeats):
+    """{(seq, backend): (seconds, peak bytes)} of one ring forward + backward on this rank."""
+    state = initialize_model_parallel(1, context_parallel_size=world)
+    out = {}
+    for seq in seqs:
+        g = torch.Generator().manual_seed(seq + rank)
+        shape = (1, BLOCK_HEADS, seq // world, BLOCK_HEAD_DIM)  # (b, h, 2c, d) of this rank
+        q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in "qkv")
+        dout = torch.randn(shape, generator=g)
+        for backend in ("math", "fused"):
+            ring = cpm.RingAttention(state, backend)
+            out[seq, backend] = _time_and_peak(ring, q, k, v, dout, repeats)
+    destroy_model_parallel(state)
+    return out
+
+
+def _blocks_table(seqs, cps, repeats) -> None:
+    head = (
+        f"{'seq':>6} {'CP':>3} {'math s':>8} {'fused s':>8} {'speedup':>8} "
+        f"{'math peak MiB':>13} {'fused peak MiB':>14} {'ratio':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for cp in [c for c in cps if c > 1]:
+        ranks = run_distributed(_blocks_worker, cp, seqs, repeats, timeout=3600)
+        for seq in seqs:
+            (tm, pm), (tf, pf) = (
+                (max(r[seq, b][0] for r in ranks), max(r[seq, b][1] for r in ranks))
+                for b in ("math", "fused")
+            )
+            print(
+                f"{seq:>6} {cp:>3} {tm:>8.3f} {tf:>8.3f} {tm / tf:>7.2f}x "
+                f"{pm / 2**20:>13.1f} {pf / 2**20:>14.1f} {pm / pf:>5.1f}x"
+            )
+
+
 def predicted_activations(seq: int, cp: int) -> int:
     m = dataclasses.replace(MODEL, seq_length=seq)
     lay = Layout(1, 1, 1, 1, 1, cp=cp)
@@ -155,7 +240,24 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--repeats", type=int, default=2, help="timed steps per point (median)")
+    p.add_argument(
+        "--tables",
+        nargs="+",
+        choices=("model", "blocks"),
+        default=["model", "blocks"],
+        help="model: the GPT against the planner; blocks: ring attention, math vs fused blocks",
+    )
     args = p.parse_args(argv)
+    if "model" in args.tables:
+        _model_table(args)
+    if "blocks" in args.tables:
+        if "model" in args.tables:
+            print()
+        _blocks_table(args.seq_lengths, args.cp, args.repeats)
+    return 0
+
+
+def _model_table(args) -> None:
     runs = {
         cp: run_distributed(_worker, cp, args.seq_lengths, args.repeats, timeout=3600)
         for cp in args.cp
@@ -182,7 +284,6 @@ def main(argv=None) -> int:
                 f"{diff:>6.2f}% {r['step_s']:>8.3f} {predicted_step(seq, cp, hw):>8.3f} "
                 f"{r['alone_s']:>12.4f} {r['exposed_s']:>10.4f} {hidden * 100:>6.1f}%"
             )
-    return 0
 
 
 if __name__ == "__main__":

@@ -346,8 +346,9 @@ def _validate_context_parallel(cfg: MegatronConfig) -> None:
             "--attention-backend fused",
             cfg.kernels.attention_backend == "fused",
             "the Triton causal softmax needs the whole score row; ring attention merges "
-            "per-block softmaxes by log-sum-exp in its own fp32 math",
-            "pass --attention-backend sdpa (or unfused)",
+            "per-block softmaxes by their log-sum-exp",
+            "pass --attention-backend sdpa (each block through SDPA's fused kernels) or "
+            "unfused (explicit fp32 math per block)",
         ),
     )
     for other, given, why, fix in refused:

@@ -205,7 +205,11 @@ class KernelConfig(Section):
     attention_backend: str = setting(
         "sdpa",
         "sdpa: torch scaled_dot_product_attention (flash where available); "
-        "fused: matmul + Triton scaled causal softmax; unfused: plain torch",
+        "fused: matmul + Triton scaled causal softmax; unfused: plain torch. With "
+        "--context-parallel-size > 1, ring attention's blocks: sdpa runs SDPA's fused kernels "
+        "that return the log-sum-exp (flash / memory-efficient on CUDA, flash on CPU; "
+        "explicit fp32 math where the device or dtype has none, or for attention dropout on "
+        "CPU), unfused the explicit fp32 math; fused is refused",
         choices=("sdpa", "fused", "unfused"),
     )
     masked_softmax_fusion: bool = setting(

@@ -177,8 +177,11 @@ class ParallelAttention(nn.Module):
         )
         self.defer_bias = self.ops.bias_dropout_add == "compile" and cfg.add_bias_linear
         # --context-parallel-size > 1: this rank's queries attend over keys/values ringed round
-        # the CP group (mpu/context_parallel.py); the K/V go round as `groups` heads (GQA)
-        self.ring = RingAttention(state) if state.cp_size > 1 else None
+        # the CP group (mpu/context_parallel.py); the K/V go round as `groups` heads (GQA).
+        # sdpa: each block through SDPA's fused kernels where the device has one; unfused (or
+        # the v1.x fp32-softmax flags in half precision): the explicit fp32 math
+        fused = self.ops.attention_backend == "sdpa" and not self._fp32_softmax(dtype)
+        self.ring = RingAttention(state, "auto" if fused else "math") if state.cp_size > 1 else None
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(

@@ -15,9 +15,10 @@ dK/dV of its own block.
 Within a step the two query chunks meet the two key chunks: chunk ids qi > kj attend fully,
 qi == kj causally (the diagonal), qi < kj not at all (skipped).
 
-The block math here is explicit fp32 matmul + softmax with its log-sum-exp, run on any device;
-`_block_forward` / `_block_backward` are the seam where a flash kernel that returns the LSE
-(and recomputes the probabilities from it in backward) would go on a GPU.
+Each block is computed by mpu/ring_blocks.py: PyTorch's fused SDPA kernels that return the LSE
+(flash / memory-efficient on CUDA, the flash kernel for CPU) where the device and dtype have one
+(`--attention-backend sdpa`, the default), else (or with `--attention-backend unfused`) explicit
+fp32 matmul + softmax. Merges and the dQ / dK / dV sums are fp32 either way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.mpu.parallel_state import ParallelState
-from megatron.mpu.random import default_generator
+from megatron.mpu.ring_blocks import BACKENDS, MATH, block_step, select_blocks
 from megatron.mpu.utils import divide
 
 # ---- the load-balanced split ----
@@ -68,46 +69,7 @@ def context_parallel_positions(batch: int, seq_length: int, cp_rank: int, cp_siz
     return context_parallel_slice(positions, cp_rank, cp_size)
 
 
-# ---- one block: explicit fp32 attention with its log-sum-exp ----
-
-
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk)
-    if causal:  # the diagonal block: query i sees keys <= i
-        above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(above, float("-inf"))
-    return s
-
-
-def _keep(shape, p: float, generator, device) -> torch.Tensor:
-    """Dropout's keep mask scaled by 1 / (1 - p), drawn from `generator` (replayed in backward)."""
-    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
-    return (u >= p).to(torch.float32) / (1.0 - p)
-
-
-def _block_forward(q, k, v, scale, causal, p, generator):
-    """out = dropout(softmax(q k^T scale)) v of one block, and the rows' log-sum-exp."""
-    s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)  # (b, h, sq)
-    probs = torch.exp(s - lse.unsqueeze(-1))
-    if p > 0.0:
-        probs = probs * _keep(probs.shape, p, generator, q.device)
-    return torch.matmul(probs, v), lse
-
-
-def _block_backward(q, k, v, dout, lse, delta, scale, causal, p, generator):
-    """Gradients of one block given the *final* log-sum-exp of the rows (so the probabilities
-    are those of the whole softmax) and delta = rowsum(dout * out) (flash attention's D)."""
-    probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (b, h, sq, sk)
-    dp = torch.matmul(dout, v.transpose(-1, -2))
-    if p > 0.0:
-        keep = _keep(probs.shape, p, generator, q.device)
-        dv = torch.matmul((probs * keep).transpose(-1, -2), dout)
-        dp = dp * keep
-    else:
-        dv = torch.matmul(probs.transpose(-1, -2), dout)
-    ds = probs * (dp - delta.unsqueeze(-1)) * scale
-    return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv
+# ---- merging blocks ----
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -171,69 +133,65 @@ def _fold(dkv: torch.Tensor, q_per_group: int) -> torch.Tensor:
     return dkv.view(b, h // q_per_group, q_per_group, s, d).sum(2)
 
 
+def _block_settings(q, k, blocks):
+    """(softmax scale, queries per key/value head, the dtype the blocks compute in)."""
+    return 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1), blocks.dtype(q.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: causal softmax(q k^T / sqrt(d)) v of this rank's queries over the whole
     sequence, K/V passed round the CP ring. Backward: dQ here, dK/dV ringed back home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, p: float):
-        # q: (b, h, 2c, d); k, v: (b, g, 2c, d), this rank's chunks; fp32 math inside
-        scale, qpg = 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1)
-        generator = default_generator(q.device)
-        ctx.rng_state = generator.get_state() if p > 0.0 else None
-        qf = q.float().chunk(2, dim=2)  # the two query chunks, (b, h, c, d) each
-        out, lse = [None, None], [None, None]
+    def forward(ctx, q, k, v, ring: _Ring, p: float, blocks):
+        # q: (b, h, 2c, d); k, v: (b, g, 2c, d), this rank's chunks; the blocks run in
+        # blocks.dtype (fp32 for the math, the model dtype for fused kernels), merges in fp32
+        scale, qpg, dtype = _block_settings(q, k, blocks)
+        qs = q.to(dtype).chunk(2, dim=2)  # the two query chunks, (b, h, c, d) each
+        out, lse, replays = [None, None], [None, None], []
         kv = torch.stack([k, v])  # (2, b, g, 2c, d) in the model dtype: one message per step
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, requests = ring.exchange(kv, _KV_TAG)  # overlaps this step's math
-            ks, vs = (_expand(t.float(), qpg).chunk(2, dim=2) for t in kv)
+            ks, vs = (_expand(t.to(dtype), qpg).chunk(2, dim=2) for t in kv)
             for qi, kj, causal in ring.pairs(step):
-                o, s = _block_forward(qf[qi], ks[kj], vs[kj], scale, causal, p, generator)
+                o, s, replay = block_step(blocks, qs[qi], ks[kj], vs[kj], scale, causal, p)
+                replays.append(replay)  # dropout's replay (generator state or philox seed)
+                o = o.float()
                 out[qi], lse[qi] = (o, s) if out[qi] is None else _merge(out[qi], lse[qi], o, s)
             if step < ring.size - 1:
                 _wait(requests)
                 kv = kv_next
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)  # (b, h, 2c, d), (b, h, 2c)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.p = ring, p
-        return out.to(q.dtype)
+        result = out.to(q.dtype)
+        # what the blocks' backward reads: the fp32 output for the math, the returned one
+        # (model dtype, no extra copy) for fused kernels
+        ctx.save_for_backward(q, k, v, out if dtype == torch.float32 else result, lse)
+        ctx.ring, ctx.p, ctx.blocks, ctx.replays = ring, p, blocks, replays
+        return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, p = ctx.ring, ctx.p
-        scale, qpg = 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1)
-        generator = default_generator(q.device)
-        if p > 0.0:  # replay the forward's dropout masks in the forward's order
-            current = generator.get_state()
-            generator.set_state(ctx.rng_state)
-        dout = dout.float()
-        delta = (dout * out).sum(-1)  # (b, h, 2c)
-        qf, dos = q.float().chunk(2, dim=2), dout.chunk(2, dim=2)
-        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        dq = [torch.zeros_like(t) for t in qf]
+        ring, p, blocks, replays = ctx.ring, ctx.p, ctx.blocks, iter(ctx.replays)
+        scale, qpg, dtype = _block_settings(q, k, blocks)
+        qs, dos = q.to(dtype).chunk(2, dim=2), dout.to(dtype).contiguous().chunk(2, dim=2)
+        outs, lses = out.to(dtype).chunk(2, dim=2), lse.chunk(2, dim=2)
+        lses = [t.contiguous() for t in lses]  # the kernels index LSE rows densely
+        dq = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in qs]
         kv = torch.stack([k, v])
         dkv_in = dkv_requests = None  # dK/dV travel in fp32: they are sums over the ring
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, kv_requests = ring.exchange(kv, _KV_TAG)
-            ks, vs = (_expand(t.float(), qpg).chunk(2, dim=2) for t in kv)
-            dks = [torch.zeros_like(t) for t in ks]
-            dvs = [torch.zeros_like(t) for t in vs]
+            ks, vs = (_expand(t.to(dtype), qpg).chunk(2, dim=2) for t in kv)
+            dks = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in ks]
+            dvs = [torch.zeros_like(t) for t in dks]
             for qi, kj, causal in ring.pairs(step):
-                dq_b, dk_b, dv_b = _block_backward(
-                    qf[qi],
-                    ks[kj],
-                    vs[kj],
-                    dos[qi],
-                    lses[qi],
-                    deltas[qi],
-                    scale,
-                    causal,
-                    p,
-                    generator,
-                )
+                dq_b, dk_b, dv_b = blocks.backward(
+                    qs[qi], ks[kj], vs[kj], dos[qi], outs[qi], lses[qi], scale, causal, p,
+                    next(replays),
+                )  # fmt: skip
                 dq[qi] += dq_b
                 dks[kj] += dk_b
                 dvs[kj] += dv_b
@@ -247,10 +205,8 @@ class _RingAttention(torch.autograd.Function):
                 _wait(kv_requests)
                 kv = kv_next
         _wait(dkv_requests)  # after CP steps the block's gradient is back home
-        if p > 0.0:
-            generator.set_state(current)
         dk, dv = dkv_in.to(k.dtype).unbind(0)
-        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None
 
 
 class RingAttention:
@@ -258,18 +214,32 @@ class RingAttention:
     docstring). q: (b, heads, 2c, d); k, v: (b, groups, 2c, d), this rank's load-balanced chunks;
     heads / groups queries share each key/value head (GQA). Returns (b, heads, 2c, d).
 
-    Dropout (`dropout_p`) draws its masks from the current default generator, as F.dropout
-    would (callers fork the RNG tracker around it), and backward replays them."""
+    `backend` (mpu/ring_blocks.py): "auto" runs each block through a fused SDPA kernel that
+    returns the LSE where the device and dtype have one (chosen on the first call), else the
+    explicit fp32 math; "fused" insists on the kernel; "math" is the explicit math.
 
-    def __init__(self, state: ParallelState):
+    Dropout (`dropout_p`) draws its masks from the current default generator, as F.dropout
+    would (callers fork the RNG tracker around it), and backward replays them. Where the fused
+    kernel has no dropout (the CPU's), calls with dropout_p > 0 run the math."""
+
+    def __init__(self, state: ParallelState, backend: str = "auto"):
         if state.cp_size < 2:
             raise ValueError("ring attention needs a context-parallel group of 2 or more ranks")
         ranks, r = state.cp_ranks, state.cp_rank
         self.ring = _Ring(
             state.cp_group, r, state.cp_size, ranks[(r + 1) % len(ranks)], ranks[r - 1]
         )
+        if backend not in BACKENDS:
+            raise ValueError(f"ring attention backend {backend!r}: expected one of {BACKENDS}")
+        self.backend = backend
+
+    def blocks(self, q: torch.Tensor, dropout_p: float = 0.0):
+        """The block implementation calls with these queries use."""
+        blocks = select_blocks(self.backend, q.device, q.dtype, q.size(-1))
+        return blocks if blocks.dropout or dropout_p == 0.0 else MATH
 
     def __call__(self, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
         divide(q.size(2), 2)  # two chunks per rank
         divide(q.size(1), k.size(1))
-        return _RingAttention.apply(q, k, v, self.ring, float(dropout_p))
+        p = float(dropout_p)
+        return _RingAttention.apply(q, k, v, self.ring, p, self.blocks(q, p))

@@ -29,7 +29,8 @@ input; + D h with EP > 1, the received copy), and the fp32 router scores 12 T E.
 Context parallelism (CP ranks per sequence) gives each rank s / CP tokens: every activation
 term above is taken at s / CP, and the attention core is the ring's (mpu/context_parallel.py):
 the query copy and the log-sum-exp, D a s b d / t + 4 a s b / t at s / CP (in half precision
-also its fp32 output, 4 a s b d / t), never a score matrix. Parameters are replicated over CP:
+with the explicit block math, not SDPA's fused kernels, also its fp32 output, 4 a s b d / t),
+never a score matrix. Parameters are replicated over CP:
 the distributed optimizer shards over DP x CP.
 
 Selective recompute drops the attention core; full recompute keeps each group's input (D u,
@@ -221,8 +222,10 @@ def _attention_core_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device)
     """What the attention kernel keeps (a s^2 b score matrices, or a s b log-sum-exps)."""
     a, s, b, D = m.num_attention_heads // lay.tp, m.seq_length, lay.micro_batch, t.dtype_bytes
     if lay.cp > 1:  # ring attention (m is this rank's s / CP tokens): no score matrix; the
-        # query copy, the log-sum-exp, and in half precision the fp32 output besides the ctx
-        out = 4 if D < 4 else 0  # fp32: the output it keeps is the tensor it returns
+        # query copy, the log-sum-exp, and in half precision with the explicit block math the
+        # fp32 output besides the ctx (fp32, or fused kernels: it keeps the tensor it returns)
+        fused = t.attention_backend == "sdpa" and dev.flash_attention
+        out = 4 if D < 4 and not fused else 0
         return (D + out) * a * s * b * m.head_dim + 4 * a * s * b
     scores = t.attention_backend != "sdpa" or not dev.flash_attention
     if not scores:

@@ -4,8 +4,10 @@ where that means something, and the CUDA-only ones (compiled Triton kernels, NCC
 why. Covered: the GPT forward and backward in fp32/bf16/fp16 against a float64 reference, the
 TP layers at TP = 1, fp16 loss scaling, checkpoint save and load with the device RNG, generation
 with the KV cache, evaluation, export to Hugging Face, every Triton kernel compiled against its
-torch reference, the whole GPT through the kernels, and one-rank runs of pretrain_gpt2.py (NCCL
-on a GPU) with and without --deepspeed, resumed from their checkpoint.
+torch reference, the whole GPT through the kernels, ring attention's blocks through the CUDA
+flash / memory-efficient kernels against the explicit math (and their dropout replayed), and
+one-rank runs of pretrain_gpt2.py (NCCL on a GPU) with and without --deepspeed, resumed from
+their checkpoint.
 
 Do not run this module in one pytest process with the kernel tests of the CPU suite on a GPU:
 they set TRITON_INTERPRET=1 when imported, and kernels defined then stay interpreted.
@@ -20,6 +22,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron import mpu
 from megatron.checkpoint.resharding import load_full_state
@@ -31,7 +34,9 @@ from megatron.inference.evaluation import evaluate_loose_json
 from megatron.inference.generation import SamplingParams, generate
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, build_model
+from megatron.mpu import ring_blocks
 from megatron.training.optimizer import MegatronOptimizer
+from tests.helpers.attention import two_block_row
 from tests.helpers.checkpoints import _write_checkpoint
 from tests.helpers.paths import MMAP, ROOT
 from tests.helpers.reference_gpt import RefGPT, load_from_megatron
@@ -237,6 +242,72 @@ def test_evaluation_on_the_device_equals_the_cpu(test_device):
     cpu = evaluate_loose_json(_engine(cfg, torch.device("cpu")), tok, docs, 16, 8, 2)
     assert here["num_scored"] == cpu["num_scored"] > 0
     assert here["loss"] == pytest.approx(cpu["loss"], rel=1e-4)
+
+
+# --- ring attention's blocks through the CUDA SDPA kernels (mpu/ring_blocks.py) ---------------
+# Context parallelism needs 2+ ranks; its blocks are checked here in one process: the fused
+# kernels against the explicit math on a row split over two key blocks, as the ring merges them.
+
+_RING_KERNELS = [("flash", "bf16"), ("flash", "fp16"), ("efficient", "fp32"), ("efficient", "bf16")]
+
+
+def _ring_kernel(device, name):
+    needs_cuda(device, "the flash / memory-efficient SDPA kernels are CUDA kernels")
+    if name == "flash" and not torch.backends.cuda.is_flash_attention_available():
+        pytest.skip("this torch build has no flash attention kernel")
+    return {b.name: b for b in ring_blocks._FUSED["cuda"]}[name]
+
+
+@pytest.mark.parametrize("kernel,precision", _RING_KERNELS)
+def test_ring_attention_cuda_blocks_equal_the_math(test_device, kernel, precision):
+    blocks, dtype = _ring_kernel(test_device, kernel), DTYPES[precision]
+    g = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(2, 4, 40, 64, generator=g) for _ in "qo")  # 40: not a multiple of 32
+    k, v = (torch.randn(2, 4, 80, 64, generator=g) for _ in "kv")
+    inputs = [t.to(test_device, dtype) for t in (q, k, v, dout)]
+    mine = two_block_row(blocks, *inputs, 40)
+    ref = two_block_row(ring_blocks.MATH, *inputs, 40)  # fp32 math on the same rounded inputs
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    for what, a, r in zip(("out", "lse", "dq", "dk", "dv"), mine, ref, strict=True):
+        assert_close_rel(a, r, tol, f"{kernel} {precision} {what}")
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_ring_attention_cuda_blocks_replay_their_dropout(test_device, kernel):
+    """A block with dropout, backward from the philox seed/offset its forward returned: the
+    same output and gradients as autograd through SDPA's own kernel with the same seed."""
+    blocks = _ring_kernel(test_device, kernel)
+    g = torch.Generator().manual_seed(8)
+    q, k, v, dout = (torch.randn(2, 4, 48, 64, generator=g) for _ in range(4))
+    q, k, v, dout = (t.to(test_device, torch.bfloat16) for t in (q, k, v, dout))
+    scale, p = 0.125, 0.3
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for causal in (True, False):
+        torch.manual_seed(21)
+        out, lse, replay = blocks.forward(q, k, v, scale, causal, p)
+        grads = blocks.backward(q, k, v, dout, out, lse.float(), scale, causal, p, replay)
+        torch.manual_seed(21)
+        qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(backend[kernel]):
+            ref = F.scaled_dot_product_attention(
+                qa, ka, va, dropout_p=p, is_causal=causal, scale=scale
+            )
+        ref.backward(dout)
+        no_dropout, _, _ = blocks.forward(q, k, v, scale, causal, 0.0)
+        assert not torch.allclose(out, no_dropout), "dropout 0.3 must change the output"
+        torch.testing.assert_close(out, ref.detach(), msg=f"{kernel} causal={causal} out")
+        for name, mine, want in zip("qkv", grads, (qa.grad, ka.grad, va.grad), strict=True):
+            torch.testing.assert_close(mine, want, msg=f"{kernel} causal={causal} d{name}")
+
+
+def test_ring_attention_picks_a_fused_kernel_on_cuda(test_device):
+    needs_cuda(test_device, "which CUDA kernel ring attention's blocks use")
+    select = ring_blocks.select_blocks
+    assert select("auto", test_device, torch.float32, 64).name == "efficient"
+    flash = torch.backends.cuda.is_flash_attention_available()
+    ampere = torch.cuda.get_device_capability(test_device) >= (8, 0)
+    expected = "flash" if flash and ampere else "efficient"
+    assert select("auto", test_device, torch.bfloat16, 64).name == expected
 
 
 # --- Triton kernels, compiled -----------------------------------------------------------------

@@ -20,7 +20,7 @@ from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
-from megatron.model.transformer import TransformerLayer
+from megatron.model.transformer import ParallelAttention, TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import (
@@ -105,26 +105,6 @@ def test_load_balanced_split_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r():
         context_parallel_slice(torch.zeros(1, 10), 0, 4)
 
 
-def test_block_backward_matches_autograd_with_dropout():
-    """The ring's per-block gradient formulas (from the final log-sum-exp, dropout replayed from
-    the generator state) against autograd through the block's forward, diagonal and full."""
-    from megatron.mpu import context_parallel as cpm
-
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 3, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    dout = torch.randn(2, 3, 6, 4, generator=g, dtype=torch.float64)
-    for causal in (True, False):
-        qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
-        state = g.get_state()
-        out, lse = cpm._block_forward(qa, ka, va, 0.5, causal, 0.3, g)
-        out.backward(dout)
-        g.set_state(state)
-        delta = (dout * out.detach()).sum(-1)
-        dq, dk, dv = cpm._block_backward(q, k, v, dout, lse.detach(), delta, 0.5, causal, 0.3, g)
-        for mine, ref in ((dq, qa.grad), (dk, ka.grad), (dv, va.grad)):
-            torch.testing.assert_close(mine.to(ref.dtype), ref)
-
-
 # ---- the model at CP (x TP with SP) against one process: one spawn of 4 ranks ----
 
 _MODEL = ModelConfig(
@@ -157,13 +137,20 @@ def _gather_cp(x: torch.Tensor, state, dim: int) -> torch.Tensor:
 
 
 def _check_ring_attention(state) -> None:
-    """Ring attention (MHA and GQA) vs SDPA's causal attention over the whole sequence."""
+    """Ring attention (MHA and GQA) vs SDPA's causal attention over the whole sequence, its
+    blocks through the explicit math and the CPU flash kernel (fp32, and bf16 loosely)."""
     g = torch.Generator().manual_seed(11)
     b, h, s, d = 2, 4, 8 * state.cp_size, 8
-    for groups in (4, 2):
-        q = torch.randn(b, h, s, d, generator=g, requires_grad=True)
-        k, v = (torch.randn(b, groups, s, d, generator=g, requires_grad=True) for _ in "kv")
-        dout = torch.randn(b, h, s, d, generator=g)
+    cases = [(4, "math", torch.float32), (2, "math", torch.float32)]
+    cases += [
+        (4, "fused", torch.float32),
+        (2, "fused", torch.float32),
+        (2, "fused", torch.bfloat16),
+    ]
+    for groups, backend, dtype in cases:
+        q = torch.randn(b, h, s, d, generator=g).to(dtype).requires_grad_()
+        k, v = (torch.randn(b, groups, s, d, generator=g).to(dtype).requires_grad_() for _ in "kv")
+        dout = torch.randn(b, h, s, d, generator=g).to(dtype)
         rep = h // groups
         ref = F.scaled_dot_product_attention(
             q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
@@ -175,11 +162,16 @@ def _check_ring_attention(state) -> None:
             .requires_grad_()
             for t in (q, k, v)
         ]
-        out = RingAttention(state)(*mine)
+        ring = RingAttention(state, backend)
+        assert ring.blocks(mine[0]).name == ("math" if backend == "math" else "cpu-flash")
+        out = ring(*mine)
         out.backward(context_parallel_slice(dout, state.cp_rank, state.cp_size, dim=2))
-        torch.testing.assert_close(_gather_cp(out.detach(), state, 2), ref.detach())
-        for full, local in zip((q, k, v), mine, strict=True):
-            torch.testing.assert_close(_gather_cp(local.grad, state, 2), full.grad)
+        tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+        what = f"{backend} {dtype} groups={groups}"
+        torch.testing.assert_close(_gather_cp(out.detach(), state, 2), ref.detach(), **tol)
+        for name, full, local in zip("qkv", (q, k, v), mine, strict=True):
+            grad = _gather_cp(local.grad, state, 2)
+            torch.testing.assert_close(grad, full.grad, **tol, msg=f"{what} d{name}")
 
 
 def _micro_batch(cfg: ModelConfig, step: int):
@@ -243,6 +235,10 @@ def _check_model_equivalence(state, variants) -> None:
         ref = _gpt(cfg, mpu.single_process_state(), recompute)
         ref_losses, ref_grads = _train_steps(ref, ref.state, 3)
         model = _gpt(cfg, state, recompute, _tracker(state))
+        probe = torch.empty(1, 1, 2, cfg.head_dim)
+        for layer in model.modules():  # --attention-backend sdpa: the fused CPU kernel
+            if isinstance(layer, ParallelAttention):
+                assert layer.ring.blocks(probe).name == "cpu-flash", name
         losses, grads = _train_steps(model, state, 3)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
         full = dict(ref.named_parameters())

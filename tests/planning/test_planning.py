@@ -122,10 +122,15 @@ def test_context_parallelism_in_the_planner():
     t, flash = Training(), Device(flash_attention=True)
     one = stage_activation_peak(long, Layout(1, 1, 1, 1, 1), t, flash, 0)["activations"]
     four = estimate_memory(long, Layout(1, 1, 1, 1, 1, cp=4), t, flash)
-    # s / 4 tokens each; the ring's fp32 output and query copy (4 + D) a s d per layer on top
-    # of flash SDPA's log-sum-exp
-    ring = 24 * (4 + 2) * 16 * 4096 * 128
+    # s / 4 tokens each; the ring's query copy D a s d per layer on top of flash SDPA's
+    # log-sum-exp (its blocks through the fused kernels keep no fp32 output)
+    ring = 24 * 2 * 16 * 4096 * 128
     assert four.terms["activations"] == pytest.approx(one / 4 + ring, rel=0.01)
+    # the explicit block math (--attention-backend unfused) keeps the fp32 output as well
+    math_blocks = dataclasses.replace(t, attention_backend="unfused")
+    math_four = estimate_memory(long, Layout(1, 1, 1, 1, 1, cp=4), math_blocks, flash)
+    fp32_out = 24 * 4 * 16 * 4096 * 128
+    assert math_four.terms["activations"] - four.terms["activations"] == fp32_out
     sharded = estimate_memory(long, Layout(1, 1, 2, 1, 1, cp=4), Training(sharding="distributed"))
     assert sharded.terms["optimizer"] == stage_params(long, 1, 1, 0) * 12 // 8
     terms = step_time(long, Layout(1, 1, 1, 1, 1, cp=4), t, Hardware())
