@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron.config.declare import ConfigError, Section, setting
+from megatron.config.schema_compute import KernelConfig, RecomputeConfig
 from megatron.config.schema_data import (
     TOKENIZER_TYPES,
     DataConfig,
@@ -37,8 +38,8 @@ from megatron.config.schema_run import (
 if TYPE_CHECKING:  # torch is imported lazily: the data tools start faster without it
     import torch
 
-# The run and data sections are declared in schema_run.py and schema_data.py (for size) and
-# belong to this one tree.
+# The run, data and compute sections are declared in schema_run.py, schema_data.py and
+# schema_compute.py (for size) and belong to this one tree.
 __all__ = [
     "TOKENIZER_TYPES",
     "CheckpointConfig",
@@ -198,127 +199,6 @@ def model_config_from_saved(saved: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in saved.items() if k in names})
 
 
-@dataclass(frozen=True)
-class KernelConfig(Section):
-    """Fused kernels and compilation (Triton on CUDA, torch elsewhere); not saved in checkpoints."""
-
-    attention_backend: str = setting(
-        "sdpa",
-        "sdpa: torch scaled_dot_product_attention (flash where available); "
-        "fused: matmul + Triton scaled causal softmax; unfused: plain torch. With "
-        "--context-parallel-size > 1, ring attention's blocks: sdpa runs SDPA's fused kernels "
-        "that return the log-sum-exp (flash / memory-efficient on CUDA, flash on CPU; "
-        "explicit fp32 math where the device or dtype has none, or for attention dropout on "
-        "CPU), unfused the explicit fp32 math; fused is refused",
-        choices=("sdpa", "fused", "unfused"),
-    )
-    masked_softmax_fusion: bool = setting(
-        True,
-        "torch softmax in the fused backend",
-        shortcuts={
-            flag: (
-                True,
-                f"v1.x spelling of the default: Triton {what} softmax with "
-                "--attention-backend fused (sdpa fuses the whole attention already)",
-            )
-            for flag, what in (
-                ("--scaled-upper-triang-masked-softmax-fusion", "scaled causal"),
-                ("--scaled-masked-softmax-fusion", "scaled masked"),
-            )
-        },
-    )
-    layer_norm_fusion: bool = setting(
-        True, "separate residual add and norm", "--no-persist-layer-norm"
-    )
-    bias_gelu_fusion: bool = setting(
-        True,
-        "separate bias add and GeLU",
-        shortcuts={
-            "--bias-gelu-fusion": (
-                True,
-                "v1.x spelling of the default: Triton bias + GeLU where it runs "
-                "(erf or, with --openai-gelu, tanh form)",
-            )
-        },
-    )
-    bias_dropout_fusion: bool = setting(
-        False,
-        "each block's output bias + dropout + residual add as one torch.compile'd function "
-        "(Megatron's fused bias_dropout_add; needs a C++ compiler on CPU, Triton on CUDA)",
-        shortcuts={
-            "--no-bias-dropout-fusion": (
-                False,
-                "Megatron-LM 2.x+ spelling of the default here: separate torch ops",
-            )
-        },
-    )
-    bias_swiglu_fusion: bool = setting(True, "torch SwiGLU")
-    cross_entropy_loss_fusion: bool = setting(
-        False, "Triton vocab-parallel cross-entropy without fp32 logits"
-    )
-    torch_compile: bool = setting(False, "torch.compile each transformer layer")
-    moe_grouped_gemm: bool = setting(
-        False,
-        "MoE: each layer's experts as one grouped matmul (torch._grouped_mm where it runs, else "
-        "a batched matmul over the groups padded to the largest); default: a loop over experts",
-    )
-    attention_softmax_in_fp32: bool = setting(
-        False,
-        "with fp16/bf16, attention probabilities from an fp32 softmax for every backend "
-        "(sdpa then takes the matmul + fp32-softmax path; fused/unfused always do)",
-    )
-    fp16_lm_cross_entropy: bool = setting(
-        False,
-        "v1.x: the loss from the fp16/bf16 logits in their own dtype (saves the fp32 copy of "
-        "the logits); default: computed in fp32",
-    )
-    onnx_safe: str | None = setting(
-        None,
-        "v1.x: use ONNX-exportable ops (took a value, e.g. --onnx-safe true). Accepted; "
-        "changes nothing here: the model's ops (exact GeLU as torch gelu, SDPA) export as they are",
-        metavar="BOOL",
-    )
-
-
-@dataclass(frozen=True)
-class RecomputeConfig(Section):
-    """Activation recompute: trade compute for memory; not saved in checkpoints."""
-
-    granularity: str | None = setting(
-        None,
-        "full: recompute whole layers in backward; selective: only the attention core",
-        flag="--recompute-granularity",
-        choices=("full", "selective"),
-        shortcuts={
-            "--checkpoint-activations": (
-                "full",
-                "classic flag: --recompute-granularity full --recompute-method uniform",
-            )
-        },
-    )
-    method: str = setting(
-        "uniform",
-        "full: checkpoint every group of N layers (uniform) or only the first N layers of "
-        "each stage (block)",
-        flag="--recompute-method",
-        choices=("uniform", "block"),
-    )
-    num_layers: int = setting(
-        1,
-        "N for --recompute-method",
-        "--checkpoint-num-layers",
-        flag="--recompute-num-layers",
-        min=1,
-    )
-    distribute_saved_activations: bool = setting(
-        False,
-        "full recompute: keep only 1/TP of each checkpointed layer input on every TP rank and "
-        "all-gather it for the recompute (memory / TP)",
-        "--distribute-checkpointed-activations",
-    )
-
-
-# (rank, world size, local rank) variables of each launcher, in order of precedence.
 LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),  # torchrun, deepspeed, torch.distributed.launch
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
