@@ -193,7 +193,19 @@ def block_step(blocks, q, k, v, scale, causal, p):
 def select_blocks(preference: str, device: torch.device, dtype: torch.dtype, head_dim: int):
     """The block implementation for `preference` ("auto": the first fused kernel of the device
     that handles `dtype` and agrees with the math on a small block, else the math; "fused":
-    that kernel or a ValueError; "math": the explicit math)."""
+    that kernel or a ValueError; "math": the explicit math). The choice is logged once (rank
+    0), as Megatron-core logs its attention backend."""
+    blocks = _select(preference, device, dtype, head_dim)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(
+            f"> ring attention blocks: {blocks.name} ({device.type}, {dtype}, head size "
+            f"{head_dim}; asked for {preference})",
+            flush=True,
+        )
+    return blocks
+
+
+def _select(preference: str, device: torch.device, dtype: torch.dtype, head_dim: int):
     if preference not in BACKENDS:
         raise ValueError(f"ring attention backend {preference!r}: expected one of {BACKENDS}")
     if preference == "math":

@@ -104,6 +104,16 @@ def test_the_block_backend_is_chosen_by_device_and_dtype(monkeypatch):
         rb.select_blocks("flash", CPU, torch.float32, 64)
 
 
+def test_the_chosen_blocks_are_logged_once(capsys):
+    rb.select_blocks.cache_clear()
+    for _ in range(2):
+        rb.select_blocks("auto", CPU, torch.float32, 32)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "ring attention blocks" in ln]
+    assert lines == [
+        "> ring attention blocks: cpu-flash (cpu, torch.float32, head size 32; asked for auto)"
+    ]
+
+
 class _OffByOnePercent(rb.CpuFlashBlocks):
     name = "broken"
 
