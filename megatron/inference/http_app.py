@@ -4,11 +4,13 @@ queue, and one worker thread that runs the queued operations on every rank in or
 Why FastAPI + uvicorn rather than Flask: one asyncio event loop holds any number of waiting
 clients without a thread each, and notices a client that hung up (the request is dropped
 from the queue if it has not started; a running one finishes on every rank and its answer is
-discarded, so the ranks never fall out of step). The model runs one operation at a time
-anyway: every rank must take part in each forward pass.
+discarded, so the ranks never fall out of step; a streamed one is stopped on every rank after
+the next step). The model runs one operation at a time anyway: every rank must take part in
+each forward pass.
 
     PUT /api              Megatron's request (server.parse_request) -> {"text", "tokens"}
-    POST /v1/completions  OpenAI's completions (openai_api) -> a text_completion
+    POST /v1/completions  OpenAI's completions (openai_api) -> a text_completion, or with
+                          "stream": true server-sent events (openai_stream)
     GET /health           {"status": "ok", "queued": n}, 200 while the worker is alive
     GET /v1/models        the one model, for clients that list models first
 """
@@ -22,12 +24,13 @@ import threading
 from concurrent.futures import Future
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from megatron.inference import openai_api
+from megatron.inference import openai_api, openai_stream
 from megatron.inference.http_guard import ApiKey, Limits
 from megatron.inference.megatron_api import BadRequest, check_length, parse_request
 from megatron.inference.ops import Leader
+from megatron.inference.streaming import TokenStream
 
 MAX_BODY_BYTES = 8 << 20  # a larger body gets 413 before it is read in full
 QUEUE_SIZE = 64  # requests running or waiting; more get 503 with Retry-After
@@ -47,17 +50,19 @@ class Scheduler:
         self.thread = threading.Thread(target=self._work, name="generation", daemon=True)
         self.thread.start()
 
-    def submit(self, op: str, args: dict) -> Future:
+    def submit(self, op: str, args: dict, stream: TokenStream | None = None) -> Future:
+        """Queue an operation; a streamed one sends its steps, then {"end": result} or
+        {"error": message}, to `stream`."""
         future: Future = Future()
         try:
-            self.jobs.put_nowait((op, args, future))
+            self.jobs.put_nowait((op, args, future, stream))
         except queue.Full:
             raise Busy(f"{QUEUE_SIZE} requests are already queued") from None
         return future
 
     def _work(self) -> None:
         while True:
-            op, args, future = self.jobs.get()
+            op, args, future, stream = self.jobs.get()
             if op == "stop":
                 try:
                     self.leader.stop()
@@ -68,9 +73,15 @@ class Scheduler:
             if not future.set_running_or_notify_cancel():
                 continue  # the client hung up before its turn: no rank runs it
             try:
-                future.set_result(self.leader.run(op, args))
+                result = self.leader.run(op, args, stream)
             except Exception as e:  # noqa: BLE001 - answered as a 500 to that client only
+                if stream is not None:
+                    stream.put({"error": str(e)})
                 future.set_exception(e)
+                continue
+            if stream is not None:
+                stream.put({"end": result})
+            future.set_result(result)
 
     def close(self) -> None:
         """Cancel what waits, let the running operation finish, then stop the other ranks."""
@@ -80,7 +91,7 @@ class Scheduler:
             except queue.Empty:
                 break
         done: Future = Future()
-        self.jobs.put(("stop", None, done))
+        self.jobs.put(("stop", None, done, None))
         done.result()
         self.thread.join()
 
@@ -138,6 +149,39 @@ async def _wait(request: Request, future: Future):
             return None
 
 
+async def _events(request: Request, stream: TokenStream):
+    """The stream's events up to its last; ends early if the client hung up."""
+    while True:
+        try:
+            event = await asyncio.wait_for(stream.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return
+            continue
+        yield event
+        if "end" in event or "error" in event:
+            return
+
+
+def _streamed(future: Future, stream: TokenStream, chunks) -> StreamingResponse:
+    """Server-sent events: each dict of `chunks` (made from the stream's events, e.g. by
+    openai_stream.completion_chunks), then [DONE]. However the response ends (done, or the
+    client hung up and the events or the write stopped), the operation is dropped from the
+    queue if it has not started, and stopped on every rank after its next step if it has."""
+
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield openai_stream.sse(chunk)
+            yield openai_stream.DONE
+        finally:
+            stream.cancel()
+            future.cancel()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
 def build_app(
     scheduler: Scheduler,
     model,
@@ -192,6 +236,12 @@ def build_app(
             args = await asyncio.to_thread(
                 openai_api.completion_args, body, tokenizer, model.max_positions, vocab
             )
+            if args["stream"]:
+                stream = TokenStream()
+                future = scheduler.submit("complete", args, stream)
+                events = _events(request, stream)
+                chunks = openai_stream.completion_chunks(args, events, tokenizer)
+                return _streamed(future, stream, chunks)
             results = await _wait(request, scheduler.submit("complete", args))
             if results is None:
                 return JSONResponse({}, 499)

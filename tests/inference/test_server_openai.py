@@ -171,7 +171,7 @@ class _SlowLeader:
     def __init__(self):
         self.ran, self.release = [], threading.Event()
 
-    def run(self, op, args):
+    def run(self, op, args, stream=None):
         self.release.wait(10)
         self.ran.append(args["i"])
         return args["i"]
