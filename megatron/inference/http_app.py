@@ -75,7 +75,8 @@ class Scheduler:
             try:
                 result = self.leader.run(op, args, stream)
             except Exception as e:  # noqa: BLE001 - answered as a 500 to that client only
-                if stream is not None:
+                if stream is not None:  # the client learns it from its stream
+                    print(f"[server] streamed {op} failed: {e!r}", file=sys.stderr)
                     stream.put({"error": str(e)})
                 future.set_exception(e)
                 continue
@@ -149,7 +150,7 @@ async def _wait(request: Request, future: Future):
             return None
 
 
-async def _events(request: Request, stream: TokenStream):
+async def stream_events(request: Request, stream: TokenStream):
     """The stream's events up to its last; ends early if the client hung up."""
     while True:
         try:
@@ -163,7 +164,7 @@ async def _events(request: Request, stream: TokenStream):
             return
 
 
-def _streamed(future: Future, stream: TokenStream, chunks) -> StreamingResponse:
+def sse_response(future: Future, stream: TokenStream, chunks) -> StreamingResponse:
     """Server-sent events: each dict of `chunks` (made from the stream's events, e.g. by
     openai_stream.completion_chunks), then [DONE]. However the response ends (done, or the
     client hung up and the events or the write stopped), the operation is dropped from the
@@ -239,9 +240,9 @@ def build_app(
             if args["stream"]:
                 stream = TokenStream()
                 future = scheduler.submit("complete", args, stream)
-                events = _events(request, stream)
+                events = stream_events(request, stream)
                 chunks = openai_stream.completion_chunks(args, events, tokenizer)
-                return _streamed(future, stream, chunks)
+                return sse_response(future, stream, chunks)
             results = await _wait(request, scheduler.submit("complete", args))
             if results is None:
                 return JSONResponse({}, 499)

@@ -349,6 +349,35 @@ def test_queue_is_bounded_skips_cancelled_jobs_and_stops_the_ranks_last():
     assert 1 not in leader.ran and leader.ran[-1] == "stop" and leader.ran[0] == 0
 
 
+class _StreamingLeader:
+    def run(self, op, args, stream=None):
+        stream.put({"row": 0, "token": 1, "text": "a"})
+        if args["fail"]:
+            raise RuntimeError("boom")
+        return ["result"]
+
+    def stop(self):
+        pass
+
+
+def test_a_streamed_job_ends_with_its_result_or_its_error_after_its_steps():
+    from megatron.inference.http_app import Scheduler
+    from megatron.inference.streaming import TokenStream
+
+    scheduler = Scheduler(_StreamingLeader())
+
+    async def events(fail: bool) -> list:
+        stream = TokenStream()
+        future = scheduler.submit("complete", {"fail": fail}, stream)
+        got = [await asyncio.wait_for(stream.events.get(), 10) for _ in range(2)]
+        assert stream.events.empty() and not future.cancelled()
+        return got
+
+    assert asyncio.run(events(False)) == [{"row": 0, "token": 1, "text": "a"}, {"end": ["result"]}]
+    assert asyncio.run(events(True))[1] == {"error": "boom"}
+    scheduler.close()
+
+
 def test_training_and_the_inference_tools_import_no_web_framework_or_lm_eval():
     import subprocess
     import sys

@@ -100,6 +100,7 @@ def _texts(events, rows):
     return texts, finish
 
 
+@pytest.mark.slow  # seconds on 2 cores
 @pytest.mark.parametrize(
     "req",
     [
@@ -128,6 +129,7 @@ def test_a_streamed_request_gives_the_plain_answer(model, req):
             torch.testing.assert_close(torch.tensor(lps), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_n_samples_differ_repeat_with_the_seed_and_best_of_keeps_the_likeliest(model):
     args = _args(model, prompt=["x = 1", "import"], n=3, max_tokens=6)
     first = [r["text"] for r in complete(model, args)]
