@@ -6,18 +6,20 @@ max_completion_tokens, stream), then handed to openai_api.completion_args as the
 request on the rendered prompt's ids, so the two endpoints check the sampling fields alike and
 run the same operation ("complete"). The template's end-of-turn marker joins the request's
 stop strings. The chat.completion body is the text_completion body reshaped
-(`from_completion`), and `chunk_from_completion` does the same for one streaming chunk.
+(`from_completion`); a streamed chat is the streamed completion with each text_completion
+chunk reshaped into chat.completion.chunks (`chunk_from_completion`, `chat_chunks`).
 
 Supported: messages (roles system, developer (as system), user, assistant; content a string or
 a list of {"type": "text", "text": ...} parts, joined with newlines), max_completion_tokens or
 max_tokens (default: the rest of the context), temperature, top_p, top_k, stop, seed, logprobs
-(true/false) with top_logprobs (0..20), user, n = 1, the penalties at 0. stream = true is
-refused for now ("not yet"); tool messages, tools and other fields are refused by name.
+(true/false) with top_logprobs (0..20), user, n (1..16), stream with stream_options
+(include_usage), the penalties at 0; tool messages, tools and other fields are refused by name.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 from megatron.inference import openai_api
 from megatron.inference.chat_template import ChatTemplate, TemplateRefused
@@ -43,8 +45,8 @@ _KNOWN = {
     "frequency_penalty",
 }
 # Passed on to completion_args unchanged: the same name means the same thing there.
-_SHARED = ("model", "temperature", "top_p", "top_k", "seed", "user", "n")
-_SHARED += ("presence_penalty", "frequency_penalty")
+_SHARED = ("model", "temperature", "top_p", "top_k", "seed", "user", "n", "stream")
+_SHARED += ("stream_options", "presence_penalty", "frequency_penalty")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -105,24 +107,13 @@ def parse_messages(value) -> list[dict]:
     return out
 
 
-def _refuse_streaming(req: dict) -> None:
-    if req.get("stream") not in (None, False):
-        if req["stream"] is not True:
-            raise FieldError("stream", "'stream' must be true or false")
-        raise FieldError(
-            "stream", "'stream' is not supported on /v1/chat/completions yet; send stream: false"
-        )
-    if req.get("stream_options") is not None:
-        raise FieldError("stream_options", "'stream_options' is only allowed with stream: true")
-
-
 def _top_logprobs(req: dict) -> int | None:
     """completion_args' `logprobs` (alternatives per token) for chat's pair of fields."""
     wanted = req.get("logprobs", False)
     if not isinstance(wanted, bool | None):
         raise FieldError("logprobs", "'logprobs' must be true or false")
     top = req.get("top_logprobs")
-    if top is not None and (not openai_api._is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+    if top is not None and (not openai_api.is_int(top) or not 0 <= top <= MAX_LOGPROBS):
         raise FieldError(
             "top_logprobs", f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {top!r}"
         )
@@ -140,7 +131,7 @@ def _max_tokens(req: dict, prompt_len: int, max_positions: int) -> int:
     name, value = next(iter(given.items()), (None, None))
     if value is None:
         return max_positions - prompt_len
-    if not openai_api._is_int(value) or not 1 <= value <= max_positions:
+    if not openai_api.is_int(value) or not 1 <= value <= max_positions:
         raise FieldError(
             name, f"'{name}' must be an integer in [1, {max_positions}], got {value!r}"
         )
@@ -155,7 +146,6 @@ def chat_args(
     unknown = sorted(set(req) - _KNOWN)
     if unknown:
         raise FieldError(unknown[0], f"unknown fields {unknown}")
-    _refuse_streaming(req)
     messages = parse_messages(req.get("messages"))
     try:
         prompt = tokenizer.tokenize(template.render(messages))
@@ -167,7 +157,7 @@ def chat_args(
             f"the conversation is {len(prompt)} tokens once rendered by {template.origin}; "
             f"the model's context is {max_positions} positions, with room for the reply",
         )
-    stops = openai_api._stops(req.get("stop"))
+    stops = openai_api.parse_stops(req.get("stop"))
     if len(stops) + len(template.stops) > MAX_STOPS:
         most = MAX_STOPS - len(template.stops)
         raise FieldError(
@@ -271,3 +261,16 @@ def chunk_from_completion(chunk: dict, started: frozenset = frozenset()):
         if c.get("finish_reason") is not None:
             emit(i, {}, finish_reason=c["finish_reason"])
     return out, started
+
+
+async def chat_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """A streamed chat: the text_completion chunks of openai_stream.completion_chunks as
+    chat.completion.chunk bodies (an error object passes through as it is)."""
+    started: frozenset = frozenset()
+    async for chunk in chunks:
+        if "error" in chunk:
+            yield chunk
+            continue
+        out, started = chunk_from_completion(chunk, started)
+        for body in out:
+            yield body

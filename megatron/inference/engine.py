@@ -74,6 +74,15 @@ class InferenceModel:
         dist.broadcast(value, self.src_rank, group=self.state.mp_group)
         return value
 
+    def flag_from_rank0(self, flag: bool) -> bool:
+        """Rank 0's `flag` on every rank (one byte broadcast over the model-parallel group, which
+        holds every rank as DP = 1); every rank must call it at the same point."""
+        if self.state.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.uint8, device=self.device)
+        dist.broadcast(value, 0, group=self.state.mp_group)
+        return bool(value.item())
+
     @torch.no_grad()
     def next_token_logits(self, tokens, position_ids, caches=None) -> torch.Tensor:
         """(b, V) float32 logits of the position after `tokens`, the same on every rank."""

@@ -4,12 +4,15 @@ queue, and one worker thread that runs the queued operations on every rank in or
 Why FastAPI + uvicorn rather than Flask: one asyncio event loop holds any number of waiting
 clients without a thread each, and notices a client that hung up (the request is dropped
 from the queue if it has not started; a running one finishes on every rank and its answer is
-discarded, so the ranks never fall out of step). The model runs one operation at a time
-anyway: every rank must take part in each forward pass.
+discarded, so the ranks never fall out of step; a streamed one is stopped on every rank after
+the next step). The model runs one operation at a time anyway: every rank must take part in
+each forward pass.
 
     PUT /api              Megatron's request (server.parse_request) -> {"text", "tokens"}
-    POST /v1/completions  OpenAI's completions (openai_api) -> a text_completion
+    POST /v1/completions  OpenAI's completions (openai_api) -> a text_completion, or with
+                          "stream": true server-sent events (openai_stream)
     POST /v1/chat/completions  OpenAI's chat (chat): the template's prompt, then as completions
+                          (streamed: each completion chunk as chat.completion.chunk)
     GET /health           {"status": "ok", "queued": n}, 200 while the worker is alive
     GET /v1/models        the one model, for clients that list models first
 """
@@ -23,13 +26,14 @@ import threading
 from concurrent.futures import Future
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from megatron.inference import chat, openai_api
+from megatron.inference import chat, openai_api, openai_stream
 from megatron.inference.chat_template import ChatTemplate, resolve
 from megatron.inference.http_guard import ApiKey, Limits
 from megatron.inference.megatron_api import BadRequest, check_length, parse_request
 from megatron.inference.ops import Leader
+from megatron.inference.streaming import TokenStream
 
 MAX_BODY_BYTES = 8 << 20  # a larger body gets 413 before it is read in full
 QUEUE_SIZE = 64  # requests running or waiting; more get 503 with Retry-After
@@ -49,17 +53,19 @@ class Scheduler:
         self.thread = threading.Thread(target=self._work, name="generation", daemon=True)
         self.thread.start()
 
-    def submit(self, op: str, args: dict) -> Future:
+    def submit(self, op: str, args: dict, stream: TokenStream | None = None) -> Future:
+        """Queue an operation; a streamed one sends its steps, then {"end": result} or
+        {"error": message}, to `stream`."""
         future: Future = Future()
         try:
-            self.jobs.put_nowait((op, args, future))
+            self.jobs.put_nowait((op, args, future, stream))
         except queue.Full:
             raise Busy(f"{QUEUE_SIZE} requests are already queued") from None
         return future
 
     def _work(self) -> None:
         while True:
-            op, args, future = self.jobs.get()
+            op, args, future, stream = self.jobs.get()
             if op == "stop":
                 try:
                     self.leader.stop()
@@ -70,9 +76,16 @@ class Scheduler:
             if not future.set_running_or_notify_cancel():
                 continue  # the client hung up before its turn: no rank runs it
             try:
-                future.set_result(self.leader.run(op, args))
+                result = self.leader.run(op, args, stream)
             except Exception as e:  # noqa: BLE001 - answered as a 500 to that client only
+                if stream is not None:  # the client learns it from its stream
+                    print(f"[server] streamed {op} failed: {e!r}", file=sys.stderr)
+                    stream.put({"error": str(e)})
                 future.set_exception(e)
+                continue
+            if stream is not None:
+                stream.put({"end": result})
+            future.set_result(result)
 
     def close(self) -> None:
         """Cancel what waits, let the running operation finish, then stop the other ranks."""
@@ -82,7 +95,7 @@ class Scheduler:
             except queue.Empty:
                 break
         done: Future = Future()
-        self.jobs.put(("stop", None, done))
+        self.jobs.put(("stop", None, done, None))
         done.result()
         self.thread.join()
 
@@ -140,6 +153,39 @@ async def _wait(request: Request, future: Future):
             return None
 
 
+async def stream_events(request: Request, stream: TokenStream):
+    """The stream's events up to its last; ends early if the client hung up."""
+    while True:
+        try:
+            event = await asyncio.wait_for(stream.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return
+            continue
+        yield event
+        if "end" in event or "error" in event:
+            return
+
+
+def sse_response(future: Future, stream: TokenStream, chunks) -> StreamingResponse:
+    """Server-sent events: each dict of `chunks` (made from the stream's events, e.g. by
+    openai_stream.completion_chunks), then [DONE]. However the response ends (done, or the
+    client hung up and the events or the write stopped), the operation is dropped from the
+    queue if it has not started, and stopped on every rank after its next step if it has."""
+
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield openai_stream.sse(chunk)
+            yield openai_stream.DONE
+        finally:
+            stream.cancel()
+            future.cancel()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
 def build_app(
     scheduler: Scheduler,
     model,
@@ -190,47 +236,48 @@ def build_app(
             return _megatron_error(500, f"generation failed: {e}")
         return JSONResponse(result) if result is not None else JSONResponse({}, 499)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def openai_route(request: Request, parse, respond, chunks_of, what: str):
+        """/v1/completions and /v1/chat/completions: `parse` (bytes -> completion_args' dict),
+        `respond` (the body from ops.complete's results), `chunks_of` (a stream's
+        text_completion chunks -> the chunks to send)."""
         try:
             body = await _read_body(request, limits.body_timeout)
-            args = await asyncio.to_thread(
-                openai_api.completion_args, body, tokenizer, model.max_positions, vocab
-            )
+            args = await asyncio.to_thread(parse, body)
+            if args["stream"]:
+                stream = TokenStream()
+                future = scheduler.submit("complete", args, stream)
+                events = stream_events(request, stream)
+                chunks = openai_stream.completion_chunks(args, events, tokenizer)
+                return sse_response(future, stream, chunks_of(chunks))
             results = await _wait(request, scheduler.submit("complete", args))
             if results is None:
                 return JSONResponse({}, 499)
-            return openai_api.completion_response(args, results, tokenizer)
+            return respond(args, results, tokenizer)
         except _Unread as e:
             return _openai_error(e.status, str(e), headers=close)
         except openai_api.FieldError as e:
             return _openai_error(400, str(e), e.field)
         except Busy as e:
             return _openai_error(503, f"{e}; retry in a few seconds", headers=busy)
-        except Exception as e:  # noqa: BLE001
-            print(f"[server] completion failed: {e!r}", file=sys.stderr)
-            return _openai_error(500, f"completion failed: {e}")
+        except Exception as e:  # noqa: BLE001 - answer this client, keep serving the rest
+            print(f"[server] {what} failed: {e!r}", file=sys.stderr)
+            return _openai_error(500, f"{what} failed: {e}")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        def parse(body: bytes) -> dict:
+            return openai_api.completion_args(body, tokenizer, model.max_positions, vocab)
+
+        respond = openai_api.completion_response
+        return await openai_route(request, parse, respond, lambda c: c, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         def parse(body: bytes) -> dict:
             return chat.chat_args(body, tokenizer, model.max_positions, vocab, template)
 
-        try:
-            body = await _read_body(request, limits.body_timeout)
-            args = await asyncio.to_thread(parse, body)
-            results = await _wait(request, scheduler.submit("complete", args))
-            if results is None:
-                return JSONResponse({}, 499)
-            return chat.chat_response(args, results, tokenizer)
-        except _Unread as e:
-            return _openai_error(e.status, str(e), headers=close)
-        except openai_api.FieldError as e:
-            return _openai_error(400, str(e), e.field)
-        except Busy as e:
-            return _openai_error(503, f"{e}; retry in a few seconds", headers=busy)
-        except Exception as e:  # noqa: BLE001
-            print(f"[server] chat completion failed: {e!r}", file=sys.stderr)
-            return _openai_error(500, f"chat completion failed: {e}")
+        return await openai_route(
+            request, parse, chat.chat_response, chat.chat_chunks, "chat completion"
+        )
 
     return app

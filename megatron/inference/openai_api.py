@@ -1,11 +1,17 @@
-"""OpenAI's POST /v1/completions on our model: request validation and the response body.
+"""OpenAI's POST /v1/completions on our model: request validation, the response body, and the
+chunks of a streamed response.
 
 Supported: prompt (a string, a list of strings, a list of ids or a list of lists of ids),
 max_tokens (0 scores the prompt only), temperature (0 = greedy), top_p, top_k (an extension,
-as in vLLM; 0 or -1 = off), stop (a string or a list), seed, logprobs (top-n alternatives per
-token, 0..20), echo (the prompt is returned, with its log-probabilities when logprobs is set),
-n = 1, stream = false. This is what lm-eval's `local-completions` model and the openai client
-send. Everything else is refused with a 400 naming the field (never silently ignored).
+as in vLLM; 0 or -1 = off), stop (a string or a list), seed (the same request gives the same
+texts), logprobs (top-n alternatives per token, 0..20), echo (the prompt is returned, with its
+log-probabilities when logprobs is set), n (1..16 samples per prompt; choice index =
+prompt_i * n + j), best_of (n..16 samples per prompt, the n of highest mean log-probability
+per generated token returned, best first; not with stream), stream (server-sent events: one
+text_completion chunk per token, a last one per choice with its finish_reason, then
+`data: [DONE]`), stream_options.include_usage. This is what lm-eval's `local-completions`
+model and the openai client send. Everything else is refused with a 400 naming the field
+(never silently ignored).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from megatron.inference.megatron_api import (
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
+MAX_N = 16  # n and best_of: samples per prompt
 _KNOWN = {
     "model",
     "prompt",
@@ -41,9 +48,10 @@ _KNOWN = {
     "presence_penalty",
     "frequency_penalty",
     "best_of",
+    "stream_options",
 }
 # Fields accepted only at the value that means "off", since we do not implement them.
-_ONLY = {"n": 1, "best_of": 1, "stream": False, "presence_penalty": 0, "frequency_penalty": 0}
+_ONLY = {"presence_penalty": 0, "frequency_penalty": 0}
 
 
 class FieldError(BadRequest):
@@ -54,7 +62,7 @@ class FieldError(BadRequest):
         self.field = field
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -68,7 +76,7 @@ def _prompts(value, tokenizer, vocab_size: int) -> list[list[int]]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise FieldError("prompt", "'prompt' must be a string, a list of strings or of ids")
-    if all(_is_int(v) for v in value):
+    if all(is_int(v) for v in value):
         value = [value]  # one prompt given as ids
     if len(value) > MAX_PROMPTS:
         raise FieldError("prompt", f"'prompt' may hold at most {MAX_PROMPTS} prompts")
@@ -76,7 +84,7 @@ def _prompts(value, tokenizer, vocab_size: int) -> list[list[int]]:
     for p in value:
         if isinstance(p, str) and p:
             out.append(tokenizer.tokenize(p))
-        elif isinstance(p, list) and p and all(_is_int(t) and 0 <= t < vocab_size for t in p):
+        elif isinstance(p, list) and p and all(is_int(t) and 0 <= t < vocab_size for t in p):
             out.append(p)
         else:
             raise FieldError(
@@ -92,12 +100,12 @@ def _int(req: dict, name: str, default, low: int, high: int):
     value = req.get(name, default)
     if value is None and default is None:
         return None
-    if not _is_int(value) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise FieldError(name, f"'{name}' must be an integer in [{low}, {high}], got {value!r}")
     return value
 
 
-def _stops(value) -> list[str]:
+def parse_stops(value) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
@@ -133,6 +141,39 @@ def _sampling(req: dict) -> dict:
     }
 
 
+def _samples(req: dict, prompts: int) -> dict:
+    """n, best_of, stream and stream_options."""
+    n = _int(req, "n", 1, 1, MAX_N) if req.get("n") is not None else 1
+    best_of = _int(req, "best_of", n, 1, MAX_N) if req.get("best_of") is not None else n
+    if best_of < n:
+        raise FieldError("best_of", f"'best_of' ({best_of}) must be at least 'n' ({n})")
+    stream = req.get("stream") or False
+    if not isinstance(stream, bool):
+        raise FieldError("stream", "'stream' must be true or false")
+    if stream and best_of != n:
+        raise FieldError("best_of", "'best_of' can not be used with 'stream': leave it out")
+    if prompts * best_of > MAX_PROMPTS:
+        field = "n" if best_of == n else "best_of"
+        raise FieldError(
+            field,
+            f"{prompts} prompts times '{field}' {best_of} is more than {MAX_PROMPTS} "
+            "sequences: send fewer prompts or ask for fewer samples",
+        )
+    options = req.get("stream_options")
+    if options is not None and (
+        not stream
+        or not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), bool)
+    ):
+        raise FieldError(
+            "stream_options",
+            "'stream_options' must be {\"include_usage\": true or false}, with 'stream': true",
+        )
+    usage = bool(options and options.get("include_usage"))
+    return {"n": n, "best_of": best_of, "stream": stream, "include_usage": usage}
+
+
 def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int) -> dict:
     """The validated request as the arguments of ops.complete, or FieldError."""
     try:
@@ -162,9 +203,10 @@ def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int)
         )
     seed = _int(req, "seed", None, 0, 2**63 - 1)
     return {
+        **_samples(req, len(prompts)),
         "prompts": prompts,
         "max_tokens": max_tokens,
-        "stop": _stops(req.get("stop")),
+        "stop": parse_stops(req.get("stop")),
         "seed": seed if seed is not None else int(uuid.uuid4().int % (2**63)),
         "logprobs": _int(req, "logprobs", None, 0, MAX_LOGPROBS),
         "echo": req.get("echo", False),
@@ -173,7 +215,12 @@ def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int)
     }
 
 
-def _logprobs_body(tokenizer, ids: list[int], result: dict, first: int, offset0: int) -> dict:
+def top_dict(tokenizer, top: list) -> dict:
+    """OpenAI's top_logprobs entry: {token text: log-probability} of [[id, logprob], ...]."""
+    return {tokenizer.detokenize([i]): lp for i, lp in top}
+
+
+def logprobs_body(tokenizer, ids: list[int], result: dict, first: int, offset0: int) -> dict:
     """OpenAI's logprobs object for ids[first:] (the first token of a prompt has no context)."""
     tokens, token_lps, tops, offsets, at = [], [], [], [], offset0
     for t in range(first, len(ids)):
@@ -186,7 +233,7 @@ def _logprobs_body(tokenizer, ids: list[int], result: dict, first: int, offset0:
             tops.append(None)
         else:
             token_lps.append(result["logprobs"][t - 1])
-            tops.append({tokenizer.detokenize([i]): lp for i, lp in result["top"][t - 1]})
+            tops.append(top_dict(tokenizer, result["top"][t - 1]))
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
@@ -195,16 +242,42 @@ def _logprobs_body(tokenizer, ids: list[int], result: dict, first: int, offset0:
     }
 
 
+def prompt_of(args: dict, row: int) -> list[int]:
+    return args["prompts"][row // args.get("n", 1)]
+
+
+def usage(args: dict, results: list[dict]) -> dict:
+    """OpenAI's usage: each prompt counted once, the tokens of every returned choice."""
+    prompt_tokens = sum(len(p) for p in args["prompts"])
+    completion_tokens = sum(len(r["ids"]) for r in results)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def head(args: dict) -> dict:
+    """What the body (or every chunk) of one response starts with."""
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": args["model"],
+    }
+
+
 def completion_response(args: dict, results: list[dict], tokenizer) -> dict:
-    """The OpenAI text_completion body for the results of ops.complete."""
-    choices, prompt_tokens, completion_tokens = [], 0, 0
-    for i, (prompt, r) in enumerate(zip(args["prompts"], results, strict=True)):
+    """The OpenAI text_completion body for the results of ops.complete (prompt-major)."""
+    choices = []
+    for i, r in enumerate(results):
+        prompt = prompt_of(args, i)
         prompt_text = tokenizer.detokenize(prompt) if args["echo"] else ""
         logprobs = None
         if args["logprobs"] is not None:
             first = 0 if args["echo"] else len(prompt)
             offset0 = 0 if args["echo"] else len(tokenizer.detokenize(prompt))
-            logprobs = _logprobs_body(tokenizer, prompt + r["ids"], r, first, offset0)
+            logprobs = logprobs_body(tokenizer, prompt + r["ids"], r, first, offset0)
         choices.append(
             {
                 "index": i,
@@ -213,20 +286,7 @@ def completion_response(args: dict, results: list[dict], tokenizer) -> dict:
                 "finish_reason": r["finish_reason"],
             }
         )
-        prompt_tokens += len(prompt)
-        completion_tokens += len(r["ids"])
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": args["model"],
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+    return {**head(args), "choices": choices, "usage": usage(args, results)}
 
 
 def error_body(message: str, field: str | None, kind: str = "invalid_request_error") -> dict:

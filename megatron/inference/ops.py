@@ -9,8 +9,10 @@ that still fails does so on every rank alike, which each survives (rank 0 report
 caller, the others log it and wait for the next one).
 
     score     ids -> log p(ids[t] | ids[:t]) for t >= 1, and the top n alternatives
-    complete  ids -> sampled continuation (stop strings, end of document, max_tokens), and
-              optionally the log-probabilities of prompt and continuation (OpenAI's logprobs)
+    complete  ids -> sampled continuations (stop strings, end of document, max_tokens; n of
+              best_of per prompt), and optionally the log-probabilities of prompt and
+              continuation (OpenAI's logprobs); streamed: step by step (streaming.py), and
+              rank 0 may stop every rank early (its client hung up)
     generate  Megatron's PUT /api request -> text and token ids
 """
 
@@ -29,6 +31,7 @@ from megatron.inference.engine import broadcast_json
 from megatron.inference.generation import SamplingParams, generate
 from megatron.inference.megatron_api import params_of
 from megatron.inference.session import complete as complete_texts
+from megatron.inference.streaming import RowsHook, TokenStream
 
 
 @dataclass
@@ -74,23 +77,6 @@ def score(model: Model, sequences: list[list[int]], top_n: int = 0, batch_size: 
     return out
 
 
-def _stop_hook(model: Model, prompts: list[list[int]], stops: list[str]):
-    """A generation step hook that stops a row once its new text contains a stop string."""
-    if not stops:
-        return None
-    lengths = [len(p) for p in prompts]
-
-    def hook(pos: int, logits, tokens):
-        stop = torch.zeros(len(prompts), dtype=torch.bool)
-        for i, n in enumerate(lengths):
-            if pos >= n:
-                text = model.tokenizer.detokenize(tokens[i, n : pos + 1].tolist())
-                stop[i] = any(s in text for s in stops)
-        return stop
-
-    return hook
-
-
 def _cut(model: Model, new: list[int], stops: list[str]) -> tuple[list[int], str, str]:
     """(kept ids, text, finish reason) of one continuation: the end-of-document token and
     anything from the first stop string on are removed, as OpenAI does."""
@@ -109,9 +95,66 @@ def _cut(model: Model, new: list[int], stops: list[str]) -> tuple[list[int], str
     return new[:keep], text, "stop"
 
 
-def complete(model: Model, args: dict) -> list[dict]:
-    """Continue every prompt (lists of ids); see openai_api.completion_args for the keys."""
-    prompts, stops = args["prompts"], args["stop"]
+def _hook(model: Model, rows: list[list[int]], args: dict, stream: TokenStream | None):
+    """The step hook of a request: stop strings, and for a streamed one the events (rank 0)
+    and the cancel that every rank takes from rank 0 at every step."""
+    streaming = args.get("stream", False)
+    if not streaming and not args["stop"]:
+        return None
+    cancel = None
+    if streaming:
+        engine = model.engine
+
+        def cancel() -> bool:
+            return engine.flag_from_rank0(stream is not None and stream.cancelled)
+
+    return RowsHook(
+        model.tokenizer,
+        rows,
+        args["stop"],
+        args["max_tokens"],
+        cancel=cancel,
+        stream=stream,
+        top_n=args["logprobs"] if streaming else None,
+    )
+
+
+def _echo(model: Model, args: dict, best_of: int, stream: TokenStream | None) -> None:
+    """A streamed request with echo: each row's prompt (and its log-probabilities) first."""
+    top_n = args["logprobs"]
+    scored = score(model, args["prompts"], top_n) if top_n is not None else None
+    if stream is None:
+        return
+    for i, prompt in enumerate(args["prompts"]):
+        event = {"prompt": prompt, "text": model.tokenizer.detokenize(prompt)}
+        for row in range(i * best_of, (i + 1) * best_of):
+            stream.put({"row": row, **event, **(scored[i] if scored else {})})
+
+
+def _best(model: Model, rows, full, results: list[dict], top_n: int) -> None:
+    """Score each continuation (its log-probabilities, with top_n alternatives) and rank it by
+    the mean log-probability of its generated tokens, end of document included."""
+    eod = model.tokenizer.eod
+    ended = [len(seq) > len(p) and seq[-1] == eod for p, seq in zip(rows, full, strict=True)]
+    tails = [[eod] if e else [] for e in ended]
+    seqs = [p + r["ids"] + t for p, r, t in zip(rows, results, tails, strict=True)]
+    for p, r, s in zip(rows, results, score(model, seqs, top_n), strict=True):
+        r.update(s)
+        new = s["logprobs"][len(p) - 1 :]  # log p of each generated token
+        r["rank"] = sum(new) / len(new) if new else float("-inf")
+
+
+def complete(model: Model, args: dict, stream: TokenStream | None = None) -> list[dict]:
+    """Continue every prompt (lists of ids) best_of times and keep the n of highest mean
+    log-probability (n = best_of = 1 unless asked), prompt-major; see
+    openai_api.completion_args for the keys. With args["stream"] every rank follows the
+    request step by step: rank 0's `stream` gets the events and may cancel it."""
+    n = args.get("n", 1)
+    best_of = args.get("best_of") or n
+    rows = [p for p in args["prompts"] for _ in range(best_of)]  # row = prompt_i * best_of + j
+    streaming = args.get("stream", False)
+    if streaming and args["echo"]:
+        _echo(model, args, best_of, stream)
     if args["max_tokens"] > 0:
         params = SamplingParams(
             args["max_tokens"],
@@ -121,18 +164,21 @@ def complete(model: Model, args: dict) -> list[dict]:
             args["temperature"],
             args["seed"],
         )
-        hook = _stop_hook(model, prompts, stops)
-        full = generate(model.engine, prompts, params, eod=model.tokenizer.eod, step_hook=hook)
+        hook = _hook(model, rows, args, stream)
+        full = generate(model.engine, rows, params, eod=model.tokenizer.eod, step_hook=hook)
     else:
-        full = [list(p) for p in prompts]
+        full = [list(p) for p in rows]
+        for row in range(len(rows) if stream is not None else 0):
+            stream.put({"row": row, "finish_reason": "length", "text": ""})
     results = []
-    for prompt, seq in zip(prompts, full, strict=True):
-        ids, text, reason = _cut(model, seq[len(prompt) :], stops)
+    for prompt, seq in zip(rows, full, strict=True):
+        ids, text, reason = _cut(model, seq[len(prompt) :], args["stop"])
         results.append({"ids": ids, "text": text, "finish_reason": reason})
-    if args["logprobs"] is not None:
-        seqs = [p + r["ids"] for p, r in zip(prompts, results, strict=True)]
-        for r, s in zip(results, score(model, seqs, args["logprobs"]), strict=True):
-            r.update(s)
+    if not streaming and (args["logprobs"] is not None or best_of > n):
+        _best(model, rows, full, results, args["logprobs"] or 0)
+    if best_of > n:
+        groups = [results[i : i + best_of] for i in range(0, len(results), best_of)]
+        results = [r for g in groups for r in sorted(g, key=lambda r: -r["rank"])[:n]]
     return results
 
 
@@ -142,10 +188,10 @@ def megatron_generate(model: Model, req: dict) -> dict:
     return {"text": [r["text"] for r in results], "tokens": [r["tokens"] for r in results]}
 
 
-OPS = {
-    "score": lambda m, a: score(m, a["sequences"], a.get("top_n", 0), a.get("batch_size", 8)),
+OPS = {  # (model, args, rank 0's TokenStream or None) -> result
+    "score": lambda m, a, _: score(m, a["sequences"], a.get("top_n", 0), a.get("batch_size", 8)),
     "complete": complete,
-    "generate": megatron_generate,
+    "generate": lambda m, a, _: megatron_generate(m, a),
 }
 
 
@@ -156,9 +202,10 @@ class Leader:
     def __init__(self, model: Model, device):
         self.model, self.device = model, device
 
-    def run(self, op: str, args: dict):
+    def run(self, op: str, args: dict, stream: TokenStream | None = None):
+        """The operation's result; a streamed "complete" also sends its steps to `stream`."""
         broadcast_json({"op": op, "args": args}, self.device)
-        return OPS[op](self.model, args)
+        return OPS[op](self.model, args, stream)
 
     def stop(self) -> None:
         broadcast_json({"op": "stop"}, self.device)
@@ -171,7 +218,7 @@ def follow(model: Model, device, rank: int) -> None:
         if cmd["op"] == "stop":
             return
         try:
-            OPS[cmd["op"]](model, cmd["args"])
+            OPS[cmd["op"]](model, cmd["args"], None)
         except Exception as e:  # noqa: BLE001 - one request must not end the server
             print(f"[rank {rank}] {cmd['op']} failed: {e!r}", file=sys.stderr)
 

@@ -1,7 +1,8 @@
 """tools/run_text_generation_server.py: serve a checkpoint over HTTP, on any TP x PP layout.
 
     PUT /api              Megatron's request (megatron_api) -> {"text": [...], "tokens": [[...]]}
-    POST /v1/completions  OpenAI's completions (openai_api), as lm-eval and the openai client use
+    POST /v1/completions  OpenAI's completions (openai_api), as lm-eval and the openai client use;
+                          "stream": true answers with server-sent events (openai_stream)
     POST /v1/chat/completions  OpenAI's chat (chat), the prompt from --chat-template or the
                           tokenizer's template, else the built-in `plain` (chat_template)
     GET /health           200 {"status": "ok", "queued": n}

@@ -65,10 +65,34 @@ def test_openai_client_chat_matches_completions_on_the_rendered_prompt(server):
     assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "length"
     long = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0)
     assert long.usage.total_tokens == 64 or long.choices[0].finish_reason == "stop"
+    # Streamed: a role chunk, the content in pieces that join to the same reply, the
+    # finish_reason last, then the usage chunk (stream_options.include_usage).
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=MESSAGES, temperature=0, max_tokens=8, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == choice.message.content and len(pieces) > 2
+    assert chunks[-2].choices[0].finish_reason == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == reply.usage.model_dump()
+    # n: independent samples, numbered from 0; the same seed gives the same two.
+    two = [
+        client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=6, n=2, seed=7, temperature=1.0
+        )
+        for _ in range(2)
+    ]
+    assert [c.index for c in two[0].choices] == [0, 1]
+    texts = [[c.message.content for c in r.choices] for r in two]
+    assert texts[0] == texts[1] and two[0].usage.completion_tokens <= 12
     # Refused by name, in OpenAI's error shape, which the client raises as BadRequestError.
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
-    assert e.value.body["param"] == "stream" and "not supported" in e.value.body["message"]
+        client.chat.completions.create(model="m", messages=MESSAGES, n=17)
+    assert e.value.body["param"] == "n"
     tool = [{"role": "tool", "content": "42", "tool_call_id": "c1"}]
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": tool}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]"
@@ -83,11 +107,19 @@ def test_async_client_seeded_samples_repeat(server):
             )
             return reply.choices[0].message.content
 
-    async def three():
-        return await asyncio.gather(ask(1), ask(1), ask(2))
+    async def streamed(seed: int) -> str:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x") as client:
+            stream = await client.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=6, seed=seed, temperature=1.0,
+                stream=True,
+            )  # fmt: skip
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
 
-    a, b, _ = asyncio.run(three())
-    assert a == b and server.alive()
+    async def four():
+        return await asyncio.gather(ask(1), ask(1), ask(2), streamed(1))
+
+    a, b, _, s = asyncio.run(four())
+    assert a == b == s and server.alive()
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from megatron import mpu
 from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate, generate_greedy
+from megatron.inference.streaming import RowsHook
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -94,6 +95,28 @@ def test_top_k_1_is_greedy_and_eod_stops_a_row():
 _EVAL_BATCH = (torch.arange(24).view(2, 12) % 50, (torch.arange(24).view(2, 12) * 7) % 50)
 
 
+class _Letters:
+    """A tokenizer for the 50 ids of CFG: id i is one letter; 49 ends a document."""
+
+    eod = 49
+
+    def detokenize(self, ids):
+        return "".join(chr(48 + i) for i in ids)
+
+
+def _cancelled_at_step_3(engine, prompts, rank: int = 0):
+    """Generation that rank 0 stops at its third step (a streamed request's client hung up);
+    the other ranks learn it from rank 0 (streaming.RowsHook)."""
+    steps = []
+
+    def cancel() -> bool:
+        steps.append(1)
+        return engine.flag_from_rank0(rank == 0 and len(steps) >= 3)
+
+    hook = RowsHook(_Letters(), prompts, [], 8, cancel=cancel)
+    return generate(engine, prompts, SamplingParams(8, top_k=4, seed=11), step_hook=hook)
+
+
 def _parallel_worker(rank, world, prompts):
     out = {}
     for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
@@ -101,6 +124,8 @@ def _parallel_worker(rank, world, prompts):
         for label, cfg in (("gpt2", CFG), ("rope", ROPE)):
             engine = _engine(cfg, state)
             out[f"{name}-{label}"] = generate(engine, prompts, SamplingParams(8, top_k=4, seed=11))
+            if label == "gpt2":  # every rank leaves the loop after the same step
+                out[f"{name}-cancelled"] = _cancelled_at_step_3(engine, prompts, rank)
             losses, argmax = engine.token_losses(*_EVAL_BATCH)  # what evaluation uses
             out[f"{name}-{label}-eval"] = (losses.tolist(), argmax.tolist())
         destroy_model_parallel(state)
@@ -113,10 +138,13 @@ def test_tp2_and_pp2_generate_and_evaluate_like_one_process():
     for label, cfg in (("gpt2", CFG), ("rope", ROPE)):
         engine = _engine(cfg)
         expected[label] = generate(engine, PROMPTS, SamplingParams(8, top_k=4, seed=11))
+        if label == "gpt2":
+            expected["cancelled"] = _cancelled_at_step_3(engine, PROMPTS)
+            assert [len(r) for r in expected["cancelled"]] == [5, 7, 5]  # row 1: its prompt + 1
         losses, argmax = engine.token_losses(*_EVAL_BATCH)
         expected[f"{label}-eval"] = (losses, argmax.tolist())
     for out in run_distributed(_parallel_worker, 2, PROMPTS):
-        assert len(out) == 8
+        assert len(out) == 10
         for key, value in out.items():
             label = key.split("-", 1)[1]
             if label.endswith("-eval"):
