@@ -6,7 +6,7 @@ from setuptools import find_packages, setup
 
 README = Path(__file__).with_name("README.md")
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.0", "httpx", "openai>=1.0"]
-EVAL = ["lm-eval>=0.4.5", "accelerate"]
+EVAL = ["lm-eval[api]>=0.4.5", "accelerate"]  # [api]: its local-completions model
 WANDB = ["wandb"]
 DATA = ["pyarrow>=12", "datasets"]  # Parquet and datasets.save_to_disk inputs to preprocessing
 PROGRESS = ["tqdm"]  # progress bars when attached to a terminal (plain lines otherwise)

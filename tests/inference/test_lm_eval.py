@@ -1,7 +1,9 @@
 """lm-evaluation-harness: our model "megatron" (tools/lm_eval.py) on a PP = 2 checkpoint gets
 the same multiple-choice accuracy and log-likelihoods as lm-eval's hf model on the HF export,
 the same rolling log-likelihood, and runs generate_until; with rolling=megatron its perplexity
-equals tools/evaluate.py's. Fully offline: local task YAMLs over local JSONL files."""
+equals tools/evaluate.py's; lm-eval's local-completions model through our server's
+/v1/completions scores and generates like them. Fully offline: local task YAMLs over local
+JSONL files."""
 
 import glob
 import json
@@ -14,7 +16,7 @@ import pytest
 
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
-from tests.helpers.serving import convert, make_checkpoint, rank_env
+from tests.helpers.serving import Server, convert, make_checkpoint, rank_env
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
 pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate ('.[eval]')")
@@ -147,6 +149,28 @@ def test_megatron_model_matches_the_hf_export_and_evaluate_py(tmp_path):
                 assert x[1:] == y[1:] or str(x[1:]) == str(y[1:]), (task, x, y)
     gen = _samples(ours, "local_gen")
     assert len(gen) == len(QUESTIONS) and all(isinstance(s["resps"][0][0], str) for s in gen)
+
+    # lm-eval's local-completions model against our server's /v1/completions (as with vLLM):
+    # the same log-likelihoods and accuracy as the hf model, the same greedy generations as
+    # the in-process megatron model. max_length 63: it asks for one token past each window.
+    server = Server(ckpt)
+    try:
+        url = f"base_url={server.url}/v1/completions,model=megatron,tokenizer={hf},"
+        api_args = url + "tokenizer_backend=huggingface,max_length=63,num_concurrent=2"
+        api = tmp_path / "api"
+        _run(
+            hf_cmd + _lm_eval("local-completions", api_args, "local_mc,local_gen", tasks, api),
+            tmp_path,
+        )
+    finally:
+        assert server.stop() == [0]
+    assert _results(api)["local_mc"]["acc,none"] == _results(theirs)["local_mc"]["acc,none"]
+    for a, b in zip(_samples(api, "local_mc"), _samples(theirs, "local_mc"), strict=True):
+        for x, y in zip(a["filtered_resps"], b["filtered_resps"], strict=True):
+            assert math.isclose(float(x[0]), float(y[0]), rel_tol=1e-4, abs_tol=1e-4)
+            assert str(x[1]) == str(y[1])
+    api_gen = [s["filtered_resps"] for s in _samples(api, "local_gen")]
+    assert api_gen == [s["filtered_resps"] for s in gen]
 
     # rolling=megatron is tools/evaluate.py's scheme: the same perplexity on the same text.
     text_file = tmp_path / "text.txt"
