@@ -65,6 +65,7 @@ class SavedLayout:
     dp: int | None = None
     cp: int | None = None
     optimizer: str | None = None  # "plain" | "distributed" | None (no optimizer state)
+    ep: int | None = None  # expert-parallel size (None: not recorded; experts are saved whole)
     recorded: bool = True  # False: inferred from the shard directories (an older checkpoint)
 
     def record(self) -> dict:
@@ -76,14 +77,16 @@ class SavedLayout:
             "data_parallel_size": self.dp,
             "context_parallel_size": self.cp,
             "optimizer": self.optimizer,
+            "expert_model_parallel_size": self.ep,
         }
 
     def describe(self) -> str:
         vp = f" (virtual {self.vp})" if self.vp else ""
         dp = f" x DP{self.dp}" if self.dp else ""
         cp = f" x CP{self.cp}" if self.cp and self.cp > 1 else ""
+        ep = f" x EP{self.ep}" if self.ep and self.ep > 1 else ""
         opt = f", {self.optimizer} optimizer" if self.optimizer else ""
-        return f"TP{self.tp} x PP{self.pp}{vp}{dp}{cp}{opt}"
+        return f"TP{self.tp} x PP{self.pp}{vp}{dp}{cp}{ep}{opt}"
 
     def same_shards(self, other: SavedLayout) -> bool:
         """Both write the same model shards (DP, CP and the optimizer kind aside); without a
@@ -130,6 +133,7 @@ def read_layout(root: str, iteration: int) -> SavedLayout:
             dp=record.get("data_parallel_size"),
             cp=record.get("context_parallel_size"),
             optimizer=record.get("optimizer"),
+            ep=record.get("expert_model_parallel_size"),  # optional: added within version 1
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: its layout record is malformed ({e!r})") from e

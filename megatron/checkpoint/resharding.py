@@ -405,7 +405,7 @@ def write_layout(
     files = tp * pp * (2 if with_optimizer else 1)
     vp = (cfg.num_layers // pp) // vp_layers if vp_layers else None
     kind = "distributed" if with_optimizer else None
-    layout = SavedLayout(tp, pp, vp, dp=1, cp=1, optimizer=kind)
+    layout = SavedLayout(tp, pp, vp, dp=1, cp=1, optimizer=kind, ep=1)
     finalize_checkpoint(
         save_dir,
         iteration,

@@ -13,6 +13,7 @@ them at start-up: deterministic, and never a replay of the first iterations' mas
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from megatron.checkpoint.experts import expert_parameters
@@ -69,6 +70,24 @@ def reseeded_rng_state(cfg: MegatronConfig, rt: Runtime, iteration: int) -> dict
     state = rng_state_dict(rt.device)
     state["tracker"] = tracker.get_states()
     return state
+
+
+def same_shard_changes(saved: SavedLayout, here: SavedLayout, with_optim: bool) -> list[str]:
+    """What a resume from the same model shards changed ([]: nothing, or not recorded), for
+    `announce`: DP / CP re-cut the distributed optimizer's ranges, EP re-cuts the experts
+    (saved whole). An older record without EP counts as this run's EP."""
+    if saved.dp is None:
+        return []
+    if saved.ep is None:
+        saved = dataclasses.replace(saved, ep=here.ep)
+    if saved == here:
+        return []
+    what = ["same model shards"]
+    if with_optim and (saved.dp, saved.cp) != (here.dp, here.cp):
+        what.append("optimizer state re-cut over DP")
+    if (saved.ep or 1) != (here.ep or 1):
+        what.append(f"experts re-cut from EP{saved.ep or 1} to EP{here.ep or 1}")
+    return what
 
 
 def announce(rt: Runtime, iteration: int, saved: SavedLayout, here: SavedLayout, what) -> None:

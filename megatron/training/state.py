@@ -208,6 +208,7 @@ def current_layout(cfg: MegatronConfig, rt: Runtime, optimizer) -> SavedLayout:
         dp=st.dp_size,
         cp=st.cp_size,
         optimizer=None if cfg.checkpoint.no_save_optim else kind,
+        ep=st.ep_size,
     )
 
 
@@ -344,10 +345,8 @@ def load_training_state(
             load_optimizer(optimizer, model, shard)
             scheduler.load_state_dict(shard["opt_param_scheduler"])
         saved = read_layout(c.load, iteration)
-        if saved.dp is not None and saved != here:  # DP, CP or the optimizer kind changed
-            what = ["same model shards"]
-            if with_optim and (saved.dp, saved.cp) != (here.dp, here.cp):
-                what.append("optimizer state re-cut over DP")
+        what = reshard.same_shard_changes(saved, here, with_optim)
+        if what:
             reshard.announce(rt, iteration, saved, here, what)
         return shard
 

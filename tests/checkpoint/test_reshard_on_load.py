@@ -310,6 +310,7 @@ def test_missing_shard_and_other_model_shape_are_named(saved_tp2_pp2, tmp_path):
 
 def test_a_layout_record_from_a_newer_version_is_refused(saved_tp2_pp2, tmp_path):
     _, _, root = saved_tp2_pp2
+    assert read_layout(root, 5).ep == 1  # the record names EP (the converter writes EP 1)
     marker = Path(checkpoint_dir(root, 5)) / MARKER_NAME
     record = json.loads(marker.read_text())
     record["layout"]["version"] = 2
@@ -320,3 +321,28 @@ def test_a_layout_record_from_a_newer_version_is_refused(saved_tp2_pp2, tmp_path
             read_layout(root, 5)
     finally:
         marker.write_text(original)
+
+
+def test_the_layout_record_carries_ep_and_the_resume_line_names_an_ep_change(tmp_path):
+    from megatron.checkpoint.reshard_load import SavedLayout
+    from megatron.training.reshard import same_shard_changes
+
+    ep2 = SavedLayout(tp=2, pp=1, dp=4, cp=1, optimizer="distributed", ep=2)
+    assert ep2.record()["expert_model_parallel_size"] == 2
+    assert ep2.describe() == "TP2 x PP1 x DP4 x EP2, distributed optimizer"
+    ep4 = dataclasses.replace(ep2, ep=4)
+    assert same_shard_changes(ep2, ep2, with_optim=True) == []
+    assert same_shard_changes(ep2, ep4, with_optim=True) == [
+        "same model shards",
+        "experts re-cut from EP2 to EP4",
+    ]
+    dp2 = dataclasses.replace(ep2, dp=2)
+    assert same_shard_changes(ep2, dp2, with_optim=True) == [
+        "same model shards",
+        "optimizer state re-cut over DP",
+    ]
+    # A record from before EP was recorded (version 1 without the key) reads as unknown EP
+    # and is not taken for a change; a record without DP says nothing.
+    older = dataclasses.replace(ep2, ep=None)
+    assert same_shard_changes(older, ep4, with_optim=True) == []
+    assert same_shard_changes(dataclasses.replace(ep2, dp=None), ep4, with_optim=True) == []
