@@ -310,7 +310,30 @@ def _resume_worker(rank, world, argv, save_dir):
             pp = ["--load", f"{d}_pp2", "--no-load-rng", "--pipeline-model-parallel-size", "2"]
             resumed["converted to PP 2"] = _train(rank, world, argv + optim + pp)[0]
         out[bool(optim)] = (straight, resumed)
+    out["cp"] = _cp_resume(rank, world, argv, save_dir, straight)
     return out
+
+
+def _cp_resume(rank, world, argv, save_dir, dp4):
+    """The trainer at CP 2 x EP 2 (DP 2; each EP group is a CP pair) with the distributed
+    optimizer: the losses of DP 4 x EP 2 (`dp4`, the same data); its step-2 checkpoint resumed
+    at CP 1 x EP 4 (DP 4) to the uninterrupted losses."""
+    import torch.distributed as dist
+
+    from tests.helpers.checkpoints import _checkpoint_at
+    from tests.helpers.training import _train
+
+    d = f"{save_dir}/cp"
+    cp2 = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    optim = ["--use-distributed-optimizer"]
+    save = ["--save", d, "--save-interval", "2"]
+    straight, _, _ = _train(rank, world, argv + optim + cp2 + save)
+    if rank == 0:
+        _checkpoint_at(d, 2, f"{d}_at2")
+    dist.barrier()
+    ep4 = ["--expert-model-parallel-size", "4", "--load", f"{d}_at2"]
+    resumed, _, _ = _train(rank, world, argv + optim + ep4)
+    return straight, resumed, dp4
 
 
 def _generate_from(load: str) -> list[list[int]]:
@@ -334,7 +357,8 @@ def _generate_from(load: str) -> list[list[int]]:
 def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(spawn):
     from tests.helpers.training import _losses
 
-    for rank_out in [out["resume"] for out in spawn]:
+    for rank_out in [dict(out["resume"]) for out in spawn]:
+        rank_out.pop("cp")  # test_cp_x_ep_trains_as_dp_and_resumes_at_another_cp_and_ep
         for key in [k for k in rank_out if isinstance(k, str)]:
             assert all(len(row) > 3 for row in rank_out.pop(key))  # generated from EP = 2
         for distributed, (straight, resumed) in rank_out.items():
@@ -347,3 +371,26 @@ def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(spawn):
                     atol=0,
                     msg=lambda m, e=ep, d=distributed: f"EP {e} distributed {d}: {m}",
                 )
+
+
+@pytest.mark.slow
+def test_cp_x_ep_trains_as_dp_and_resumes_at_another_cp_and_ep(spawn):
+    """pretrain() at CP 2 x EP 2 equals DP 4 x EP 2 (the same global batches); its checkpoint
+    (experts whole, distributed optimizer ranges over DP x CP / EP) resumes at CP 1 x EP 4."""
+    from tests.helpers.training import _losses
+
+    for rank_out in [out["resume"] for out in spawn]:
+        straight, resumed, dp4 = rank_out["cp"]
+        torch.testing.assert_close(
+            torch.tensor(_losses(straight)), torch.tensor(_losses(dp4)), rtol=2e-5, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor([h["grad_norm"] for h in straight]),
+            torch.tensor([h["grad_norm"] for h in dp4]),
+            rtol=1e-4,
+            atol=0,
+        )
+        assert [h["iteration"] for h in resumed] == [3, 4]
+        torch.testing.assert_close(
+            torch.tensor(_losses(resumed)), torch.tensor(_losses(straight)[2:]), rtol=2e-5, atol=0
+        )
