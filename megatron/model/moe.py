@@ -7,7 +7,8 @@ score are fp32. Each expert is the model's MLP (GeLU, or SwiGLU with [gate; up] 
 its weights stacked over experts: weight1 (E, h, F1), weight2 (E, F, h).
 
 Expert parallelism (`state.ep_size` EP > 1): EP rank e holds experts [e E/EP, (e+1) E/EP) (the
-stacked weights' dim 0 is split over the EP group, `expert_parallel`). The alltoall dispatcher
+stacked weights' dim 0 is split over the EP group, `expert_parallel`; EP groups are carved from
+the DP x CP ranks, mpu/parallel_state.py). The alltoall dispatcher
 sends each (token, expert) assignment to the rank of its expert and the outputs back (forward:
 two all-to-alls; backward: the two reverse ones); the allgather dispatcher gathers every EP
 rank's tokens on every rank and reduce-scatters the outputs. Experts are not split over TP:
@@ -17,10 +18,15 @@ gradients are summed over TP like the norms' (`sequence_parallel` marks, model/p
 
 Load balancing (switch transformer): aux = coeff E / (k T^2) sum_e count_e sum_t p_te over the
 micro batch's T tokens (seq_aux_loss: per sequence, averaged), z = coeff mean_t lse(logits_t)^2.
+With context parallelism (and sequence parallelism) each rank holds pieces of the sequences:
+the counts are summed over those ranks (`state.sequence_group`) and each rank adds its tokens'
+share, so the shares add up to the unsplit losses (Megatron-core's reduction over TP x CP).
 They reach backward without passing through the model's output: `_AttachLoss` gives them the
-gradient `loss_grad_scale` (1 / micro batches x the fp16 loss scale, set by the trainer
-through `set_moe_loss_scale`), as the LM loss gets. Their values and the tokens per expert are
-recorded in backward (once per micro batch, also under activation recompute) in `MoEStats`.
+gradient `loss_grad_scale` (1 / micro batches x the fp16 loss scale x CP, set by the trainer
+through `set_moe_loss_scale`), as the LM loss gets. Capacity is per rank, over its own tokens
+(as in Megatron-core), so with CP or SP it is not the one-process capacity. Their values and
+the tokens per expert are recorded in backward (once per micro batch, also under activation
+recompute) in `MoEStats`.
 """
 
 from __future__ import annotations
