@@ -8,9 +8,9 @@ its weights stacked over experts: weight1 (E, h, F1), weight2 (E, F, h).
 
 Expert parallelism (`state.ep_size` EP > 1): EP rank e holds experts [e E/EP, (e+1) E/EP) (the
 stacked weights' dim 0 is split over the EP group, `expert_parallel`; EP groups are carved from
-the DP x CP ranks, mpu/parallel_state.py). The alltoall dispatcher
-sends each (token, expert) assignment to the rank of its expert and the outputs back (forward:
-two all-to-alls; backward: the two reverse ones); the allgather dispatcher gathers every EP
+the DP x CP ranks, mpu/parallel_state.py). The alltoall dispatcher sends each (token, expert)
+assignment to the rank of its expert and the outputs back (forward: two all-to-alls;
+backward: the two reverse ones); the allgather dispatcher gathers every EP
 rank's tokens on every rank and reduce-scatters the outputs. Experts are not split over TP:
 they are replicated over the TP group (Megatron-core's expert-tensor-parallel size 1); with
 --sequence-parallel each TP rank routes its own s / TP tokens and the expert and router
