@@ -3,6 +3,8 @@ parallel-size); each setting's own limits are declared on it (megatron.config.sc
 
 from __future__ import annotations
 
+import math
+
 from megatron.config.declare import fail
 from megatron.config.schema import MegatronConfig, ModelConfig
 
@@ -84,13 +86,18 @@ def validate_moe(cfg: MegatronConfig) -> None:
             f"{m.num_experts} experts cannot be split over --expert-model-parallel-size {ep}",
             f"use a multiple of {ep} experts, or an EP size that divides {m.num_experts}",
         )
-    if dp % ep:
+    cp, tp, pp = (
+        par.context_parallel_size,
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+    )
+    if (dp * cp) % ep:
         fail(
             "--expert-model-parallel-size",
-            f"{ep} does not divide the data-parallel size {dp} (world {par.world_size} / "
-            f"(TP x CP x PP)); expert-parallel ranks are carved from the data-parallel ones",
-            f"use an EP size dividing {dp}, or launch a multiple of "
-            f"{ep * par.tensor_model_parallel_size * par.pipeline_model_parallel_size} processes",
+            f"{ep} does not divide the data-parallel x context-parallel size {dp} x {cp} "
+            f"(world {par.world_size} / (TP x PP)); expert-parallel ranks are carved from those",
+            f"use an EP size dividing {dp * cp}, or launch a multiple of "
+            f"{math.lcm(ep, cp) * tp * pp} processes",
         )
     refused = (
         (
@@ -100,13 +107,6 @@ def validate_moe(cfg: MegatronConfig) -> None:
             "no expert-parallel group",
             "drop --deepspeed (the native backend's --use-distributed-optimizer shards the "
             "optimizer states, experts over the expert-data-parallel group)",
-        ),
-        (
-            "--context-parallel-size",
-            par.context_parallel_size > 1,
-            "the router's load-balancing statistics are not yet gathered over the CP ranks "
-            "of a sequence",
-            "drop --context-parallel-size (use TP with --sequence-parallel for long sequences)",
         ),
         (
             "--DDP-impl torch",

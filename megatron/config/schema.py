@@ -230,9 +230,9 @@ class ParallelConfig(Section):
     )
     expert_model_parallel_size: int = setting(
         1,
-        "expert-parallel ranks (EP), carved from the data-parallel ones: each holds E / EP "
-        "experts of every MoE layer and tokens go to them by all-to-all; expert gradients are "
-        "averaged over the DP / EP ranks holding the same experts",
+        "expert-parallel ranks (EP), carved from the data-parallel x context-parallel ones: "
+        "each holds E / EP experts of every MoE layer and tokens go to them by all-to-all; "
+        "expert gradients are averaged over the DP x CP / EP ranks holding the same experts",
         min=1,
     )
     moe_token_dispatcher_type: str = setting(

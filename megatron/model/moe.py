@@ -7,9 +7,10 @@ score are fp32. Each expert is the model's MLP (GeLU, or SwiGLU with [gate; up] 
 its weights stacked over experts: weight1 (E, h, F1), weight2 (E, F, h).
 
 Expert parallelism (`state.ep_size` EP > 1): EP rank e holds experts [e E/EP, (e+1) E/EP) (the
-stacked weights' dim 0 is split over the EP group, `expert_parallel`). The alltoall dispatcher
-sends each (token, expert) assignment to the rank of its expert and the outputs back (forward:
-two all-to-alls; backward: the two reverse ones); the allgather dispatcher gathers every EP
+stacked weights' dim 0 is split over the EP group, `expert_parallel`; EP groups are carved from
+the DP x CP ranks, mpu/parallel_state.py). The alltoall dispatcher sends each (token, expert)
+assignment to the rank of its expert and the outputs back (forward: two all-to-alls;
+backward: the two reverse ones); the allgather dispatcher gathers every EP
 rank's tokens on every rank and reduce-scatters the outputs. Experts are not split over TP:
 they are replicated over the TP group (Megatron-core's expert-tensor-parallel size 1); with
 --sequence-parallel each TP rank routes its own s / TP tokens and the expert and router
@@ -17,10 +18,15 @@ gradients are summed over TP like the norms' (`sequence_parallel` marks, model/p
 
 Load balancing (switch transformer): aux = coeff E / (k T^2) sum_e count_e sum_t p_te over the
 micro batch's T tokens (seq_aux_loss: per sequence, averaged), z = coeff mean_t lse(logits_t)^2.
+With context parallelism (and sequence parallelism) each rank holds pieces of the sequences:
+the counts are summed over those ranks (`state.sequence_group`) and each rank adds its tokens'
+share, so the shares add up to the unsplit losses (Megatron-core's reduction over TP x CP).
 They reach backward without passing through the model's output: `_AttachLoss` gives them the
-gradient `loss_grad_scale` (1 / micro batches x the fp16 loss scale, set by the trainer
-through `set_moe_loss_scale`), as the LM loss gets. Their values and the tokens per expert are
-recorded in backward (once per micro batch, also under activation recompute) in `MoEStats`.
+gradient `loss_grad_scale` (1 / micro batches x the fp16 loss scale x CP, set by the trainer
+through `set_moe_loss_scale`), as the LM loss gets. Capacity is per rank, over its own tokens
+(as in Megatron-core), so with CP or SP it is not the one-process capacity. Their values and
+the tokens per expert are recorded in backward (once per micro batch, also under activation
+recompute) in `MoEStats`.
 """
 
 from __future__ import annotations
@@ -143,21 +149,19 @@ class Router(nn.Module):
         aux, z = self._balance_loss(scores, experts, batch), self._z_loss(logits)
         return probs, experts, keep, aux, z, counts
 
-    def _split_tokens(self) -> int:
-        """How many TP ranks share this micro batch's tokens (TP under sequence parallelism)."""
-        return self.state.tp_size if self.state.sequence_parallel else 1
-
     def _over_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """A statistic summed over the TP ranks that hold other tokens (sequence parallel)."""
-        if self._split_tokens() > 1:
+        """A statistic summed over the ranks holding other tokens of the same sequences
+        (`state.sequence_group`: CP ranks, times TP ranks under sequence parallelism)."""
+        if self.state.sequence_shards > 1:
             t = t.clone()
-            dist.all_reduce(t, group=self.state.tp_group)
+            dist.all_reduce(t, group=self.state.sequence_group)
         return t
 
     def _balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, batch: int):
         """This rank's share of coeff E / (k T^2) sum_e count_e sum_t p_te: the counts are the
-        whole micro batch's (summed over TP under sequence parallelism), the probabilities this
-        rank's, so the shares add up to the loss and its gradient."""
+        whole micro batch's (summed over the CP and, under sequence parallelism, TP ranks that
+        hold pieces of its sequences), the probabilities this rank's, so the shares add up to
+        the loss and its gradient. seq_aux_loss: the same per whole sequence, averaged."""
         m, e, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
         kind = m.moe_router_load_balancing_type
         if kind == "none" or m.moe_aux_loss_coeff == 0:
@@ -165,16 +169,17 @@ class Router(nn.Module):
         groups = batch if kind == "seq_aux_loss" else 1  # per sequence, or the whole micro batch
         chosen = torch.zeros_like(scores).scatter_(1, experts, 1.0)  # (T, E) routing map
         counts = self._over_tokens(chosen.view(groups, -1, e).sum(1).detach())  # (groups, E)
-        tokens = scores.size(0) // groups * self._split_tokens()  # per group, all TP ranks
+        tokens = scores.size(0) // groups * self.state.sequence_shards  # per group, all ranks
         prob_sums = scores.view(groups, -1, e).sum(1)  # (groups, E), this rank's tokens
         per_group = (counts * prob_sums).sum(-1) * (e / (k * tokens * tokens))
         return m.moe_aux_loss_coeff * per_group.mean()
 
     def _z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's share of coeff mean_t lse_t^2 over the micro batch's tokens."""
         coeff = self.cfg.moe_z_loss_coeff
         if not coeff:
             return logits.new_zeros(())
-        total = logits.size(0) * self._split_tokens()
+        total = logits.size(0) * self.state.sequence_shards
         return coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
 
 
@@ -363,7 +368,8 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
 
 def set_moe_loss_scale(model: nn.Module, scale: float) -> None:
     """The gradient the aux and z losses get in backward: what the trainer multiplies the LM
-    loss by (1 / micro batches, times the fp16 loss scale)."""
+    loss by (1 / micro batches, times the fp16 loss scale, times CP: the gradients of the CP
+    ranks' loss shares are averaged over DP x CP like the LM loss's)."""
     for _, layer in moe_layers(model):
         layer.loss_grad_scale = float(scale)
 
@@ -375,7 +381,8 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch
     whose pipeline stage has no MoE layer); resets.
 
     A layer's numbers are counted once per replica: on TP rank 0, or, with sequence
-    parallelism, on every TP rank (each routed its own tokens; their loss shares add up)."""
+    parallelism, on every TP rank, and on every CP rank (each routed its own tokens; their loss
+    shares add up); the micro batches once, on TP and CP rank 0."""
     if not cfg.moe:
         return {}
     table = torch.zeros(cfg.num_layers, 3 + cfg.num_experts)  # [aux, z, micro batches, load]
@@ -387,7 +394,7 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch
             continue
         number = int(name.split("layers.")[-1].split(".")[0])
         values = values.detach().to("cpu", torch.float32)
-        if split and state.tp_rank != 0:
+        if state.tp_rank != 0 or state.cp_rank != 0:
             values[2] = 0  # one micro-batch count per replica
         table[number] += values
     device = next(model.parameters()).device

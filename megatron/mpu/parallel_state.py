@@ -6,10 +6,12 @@ chunks of every sequence), then DP, then PP, as in Megatron-core. Parameters are
 DP and CP, so their gradients are reduced over the combined DP x CP group. `None` as a group
 means "no group": a single process needs no torch.distributed at all.
 
-Expert parallelism (EP, mixture of experts) is carved from the DP axis as in Megatron-core: DP
-index d = e' x EP + e, so EP consecutive DP ranks (EP group, index e) hold different experts and
-the DP / EP ranks with the same e (the expert-data-parallel group, spanning CP too) hold the
-same experts and average their gradients.
+Expert parallelism (EP, mixture of experts) is carved from the DP x CP ranks as in
+Megatron-core (whose expert grid has no CP axis: its EP axis follows TP and takes in CP and DP):
+the DP x CP index i = d x CP + c (CP inner) is i = e' x EP + e, so EP consecutive DP x CP ranks
+(the EP group, index e; CP ranks of one sequence first) hold different experts and the
+DP x CP / EP ranks with the same e (the expert-data-parallel group) hold the same experts and
+average their gradients. At CP = 1 this is EP consecutive DP ranks.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ class ParallelState:
     cp_ranks: tuple[int, ...] = (0,)
     cp_group: object | None = None
     dp_cp_group: object | None = None  # DP x CP: every rank holding a replica of these weights
-    # --expert-model-parallel-size: EP consecutive DP ranks split the experts of each MoE layer
+    # TP x CP: the ranks holding the tokens of one replica's micro batch (built when both > 1)
+    tp_cp_group: object | None = None
+    # --expert-model-parallel-size: EP consecutive DP x CP ranks split each MoE layer's experts
     ep_size: int = 1
     ep_rank: int = 0
     ep_ranks: tuple[int, ...] = (0,)
     ep_group: object | None = None
-    expert_dp_group: object | None = None  # (DP / EP) x CP ranks holding the same experts
+    expert_dp_group: object | None = None  # the DP x CP / EP ranks holding the same experts
 
     @property
     def expert_dp_size(self) -> int:
@@ -76,6 +80,18 @@ class ParallelState:
     def dp_cp_rank(self) -> int:
         """This rank's index in dp_cp_group (its ranks in grid order: DP outer, CP inner)."""
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def sequence_shards(self) -> int:
+        """Ranks holding pieces of every sequence of a micro batch: CP, times TP under SP."""
+        return self.cp_size * (self.tp_size if self.sequence_parallel else 1)
+
+    @property
+    def sequence_group(self):
+        """The group of those `sequence_shards` ranks (None when it is this rank alone)."""
+        if self.sequence_parallel:
+            return self.tp_cp_group if self.cp_size > 1 else self.tp_group
+        return self.cp_group if self.cp_size > 1 else None
 
     @property
     def mp_size(self) -> int:
@@ -138,7 +154,15 @@ def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> np.ndarray:
 
 
 # The grid dimensions each kind of group spans (the others are fixed within one group).
-_AXES = {"pp": (0,), "dp": (1,), "cp": (2,), "tp": (3,), "dp_cp": (1, 2), "mp": (0, 3)}
+_AXES = {
+    "pp": (0,),
+    "dp": (1,),
+    "cp": (2,),
+    "tp": (3,),
+    "dp_cp": (1, 2),
+    "tp_cp": (2, 3),
+    "mp": (0, 3),
+}
 
 
 def _groups_along(grid: np.ndarray, axis: str) -> list[tuple[int, ...]]:
@@ -154,12 +178,13 @@ def _groups_along(grid: np.ndarray, axis: str) -> list[tuple[int, ...]]:
 
 
 def _expert_groups(grid: np.ndarray, ep: int) -> dict[str, list[tuple[int, ...]]]:
-    """EP and expert-data-parallel groups: the [PP, DP, CP, TP] grid's DP axis viewed as
-    [DP / EP, EP] (EP fastest); "ep" spans EP, "expert_dp" spans DP / EP and CP."""
+    """EP and expert-data-parallel groups: the [PP, DP, CP, TP] grid's DP and CP axes merged
+    (CP inner) and viewed as [DP x CP / EP, EP] (EP fastest); "ep" spans EP, "expert_dp" the
+    DP x CP / EP ranks with the same EP index."""
     pp, dp, cp, tp = grid.shape
-    view = grid.reshape(pp, dp // ep, ep, cp, tp)  # [PP, DP / EP, EP, CP, TP]
+    view = grid.reshape(pp, dp * cp // ep, ep, tp)  # [PP, DP x CP / EP, EP, TP]
     ep_groups = np.moveaxis(view, 2, -1).reshape(-1, ep)
-    edp = np.moveaxis(view, (1, 3), (-2, -1)).reshape(-1, (dp // ep) * cp)
+    edp = np.moveaxis(view, 1, -1).reshape(-1, dp * cp // ep)
     return {
         "ep": [tuple(int(r) for r in g) for g in ep_groups],
         "expert_dp": [tuple(int(r) for r in g) for g in edp],
@@ -196,7 +221,10 @@ def initialize_model_parallel(
     cp = context_parallel_size
     grid = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size, cp)
     mine: dict[str, tuple[tuple[int, ...], object]] = {}
-    for axis in ("tp", "dp", "pp", "mp", "cp", "dp_cp"):
+    axes = ["tp", "dp", "pp", "mp", "cp", "dp_cp"]
+    if cp > 1 and tensor_model_parallel_size > 1:  # else it is the CP or the TP group
+        axes.append("tp_cp")
+    for axis in axes:
         for ranks in _groups_along(grid, axis):
             group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
@@ -210,9 +238,10 @@ def initialize_model_parallel(
             emb_ranks = e
             emb_group = group if rank in e else None
     ep = expert_model_parallel_size
-    if grid.shape[1] % ep:
+    if (grid.shape[1] * cp) % ep:
         raise ValueError(
-            f"expert-parallel size {ep} does not divide the data-parallel size {grid.shape[1]}"
+            f"expert-parallel size {ep} does not divide the data-parallel x context-parallel "
+            f"size {grid.shape[1]} x {cp}"
         )
     if ep > 1:
         for axis, groups in _expert_groups(grid, ep).items():
@@ -246,8 +275,9 @@ def initialize_model_parallel(
         cp_ranks=mine["cp"][0],
         cp_group=mine["cp"][1],
         dp_cp_group=mine["dp_cp"][1],
+        tp_cp_group=mine["tp_cp"][1] if "tp_cp" in mine else None,
         ep_size=ep,
-        ep_rank=dp_idx % ep,
+        ep_rank=(dp_idx * cp + cp_idx) % ep,
         ep_ranks=mine["ep"][0] if ep > 1 else (rank,),
         ep_group=mine["ep"][1] if ep > 1 else None,
         expert_dp_group=mine["expert_dp"][1] if ep > 1 else None,
@@ -265,6 +295,7 @@ def destroy_model_parallel(state: ParallelState) -> None:
         state.embedding_group,
         state.cp_group,
         state.dp_cp_group,
+        state.tp_cp_group,
         state.ep_group,
         state.expert_dp_group,
     ):

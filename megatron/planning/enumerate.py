@@ -43,7 +43,7 @@ class Search:
     tensor_parallel: tuple[int, ...] | None = None  # default: every divisor of the world size
     pipeline_parallel: tuple[int, ...] | None = None
     context_parallel: tuple[int, ...] | None = None  # default: every divisor of world / (TP PP)
-    expert_parallel: tuple[int, ...] | None = None  # MoE; default: every divisor of DP and E
+    expert_parallel: tuple[int, ...] | None = None  # MoE; default: divisors of DP x CP and E
     memory_flag: str = "--gpu-memory"  # the flag that gave gpu_memory_gb, named in the fix
 
 
@@ -144,8 +144,8 @@ def _layouts_of(m, s: Search, gbs: int, tp: int, pp: int, cp: int):
     per_rank = gbs // dp if gbs % dp == 0 else 0
     mbs = s.micro_batches or [b for b in _divisors(per_rank) if b <= 16] or [1]
     eps = [1]
-    if m.moe:  # expert parallelism within DP: a divisor of DP and of the expert count
-        eps = [e for e in _divisors(dp) if m.num_experts % e == 0]
+    if m.moe:  # expert parallelism within DP x CP: a divisor of it and of the expert count
+        eps = [e for e in _divisors(dp * cp) if m.num_experts % e == 0]
         eps = [e for e in eps if not s.expert_parallel or e in s.expert_parallel] or [1]
     for vp, b, rc, sp, ep in itertools.product(vps, mbs, s.recompute, s.sequence_parallel, eps):
         if not (sp and tp == 1):

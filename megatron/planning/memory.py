@@ -78,7 +78,7 @@ class Layout:
     recompute: str | None = None  # None, "selective", "full"
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel ranks per sequence
-    ep: int = 1  # expert-parallel ranks (MoE), carved from DP
+    ep: int = 1  # expert-parallel ranks (MoE), carved from DP x CP
 
     def describe(self) -> str:
         v = f" V{self.vp}" if self.vp else ""

@@ -97,7 +97,7 @@ def moe_seconds(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[
     redundant = 0.0 if sp > 1 else 3 * expert * (1 - 1 / lay.tp) / hw.flops_per_s
     ep = lay.ep
     calls = 6 if lay.recompute == "full" else 4
-    ranks = lay.tp * lay.cp * ep  # EP ranks are TP x CP apart in the grid
+    ranks = lay.tp * ep  # an EP group: EP consecutive DP x CP ranks, TP apart in the grid
     gbps = hw.intra_node_gbps if ranks <= hw.gpus_per_node else hw.inter_node_gbps
     volume = t.dtype_bytes * tokens / sp * m.moe_router_topk * m.hidden_size * (ep - 1) / ep
     a2a = 0.0 if ep == 1 else calls * (volume / (gbps * 1e9) + hw.latency_s)

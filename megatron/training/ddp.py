@@ -16,10 +16,11 @@ shards each rank updates are all-gathered in place, bucket by bucket (`start_par
 with `overlap_param_gather` the next forward waits per module for the buckets it uses).
 
 Mixture of experts (`expert_group`): the parameters marked `expert_parallel` differ between the
-EP ranks of a DP group, so they get buckets of their own, reduced over the expert-data-parallel
-group (the DP / EP ranks holding the same experts; sharded over it by the distributed
-optimizer). Each rank's expert gradient already sums the tokens of its whole EP group, so
-every bucket is divided by the full DP size: both end as the global batch's average.
+EP ranks of a DP (x CP) group, so they get buckets of their own, reduced over the
+expert-data-parallel group (the DP x CP / EP ranks holding the same experts; sharded over it by
+the distributed optimizer). Each rank's expert gradient already sums the tokens of its whole EP
+group, so every bucket is divided by the full DP (x CP) size: both end as the global batch's
+average.
 
 `--allreduce-dtype params` (fp16/bf16 weights) casts each bucket to the weights' dtype for the
 all-reduce only (half the traffic); accumulation stays fp32. `--DDP-impl torch` wraps the model

@@ -93,7 +93,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
         # first and last stage must shard the tied embedding alike (see sync_embedding_grads)
         own_bucket=(tied,) if tied is not None else (),
-        # MoE experts: averaged over the DP / EP ranks holding the same experts
+        # MoE experts: averaged over the DP x CP / EP ranks holding the same experts
         expert_group=rt.state.expert_data_group,
     )
     kw = {"params_dtype": dtype, "state": rt.state, "clip_grad": cfg.training.clip_grad}
@@ -179,8 +179,10 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
     model.zero_grad_buffer()
-    # MoE aux / z losses get the LM loss's gradient scale (1 / micro batches x loss scale)
-    set_moe_loss_scale(model, float(optimizer.scale_loss(torch.ones(()))) / num_micro_batches)
+    # MoE aux / z losses get the LM loss's gradient scale (1 / micro batches x loss scale, x CP
+    # as the LM loss: each CP rank backpropagates its share, gradients are averaged over CP)
+    scale = float(optimizer.scale_loss(torch.ones(()))) * rt.state.cp_size / num_micro_batches
+    set_moe_loss_scale(model, scale)
     schedule = schedule or forward_backward_no_pipelining
     stats = schedule(
         forward_step_func,

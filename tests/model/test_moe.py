@@ -222,7 +222,11 @@ BAD = [
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size"),
     (["--moe-aux-loss-coeff", "0.1"], "--moe-aux-loss-coeff"),
     (["--num-experts", "4", "--moe-shared-expert-gate"], "--moe-shared-expert-gate"),
-    (["--num-experts", "4", "--context-parallel-size", "2"], "--num-experts"),
+    # EP is carved from DP x CP: at TP 2 x CP 2 of 4 ranks that is 2
+    (
+        ["--num-experts", "4", "--context-parallel-size", "2", "--expert-model-parallel-size", "4"],
+        "--expert-model-parallel-size",
+    ),
     (["--num-experts", "4", "--DDP-impl", "torch"], "--num-experts"),
     (["--num-experts", "0"], "--num-experts"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm"),
@@ -261,6 +265,35 @@ def test_good_moe_flags_parse(monkeypatch):
     )
     assert cfg.model.num_experts == 8 and cfg.parallel.expert_model_parallel_size == 2
     assert cfg.kernels.moe_grouped_gemm and cfg.parallel.moe_token_dispatcher_type == "allgather"
+
+
+def test_moe_with_context_parallelism_parses_ep_over_the_cp_ranks(monkeypatch):
+    """MoE x CP is allowed; EP may span the CP ranks (TP 2 x CP 2 of 4 ranks: DP 1, EP 2)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = parse_args(
+        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+        + ["--seq-length", "8", "--vocab-size", "64", "--micro-batch-size", "1"]
+        + ["--train-iters", "1", "--num-experts", "4", "--expert-model-parallel-size", "2"]
+        + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+        + ["--sequence-parallel", "--moe-router-load-balancing-type", "seq_aux_loss"]
+    )
+    assert cfg.parallel.data_parallel_size == 1 and cfg.parallel.expert_model_parallel_size == 2
+
+
+def test_expert_groups_span_dp_x_cp_cp_ranks_first():
+    """Megatron-core's expert grid: EP consecutive DP x CP ranks (CP inner) form an EP group,
+    the ranks with the same EP index the expert-data-parallel group; TP peers stay apart."""
+    from megatron.mpu.parallel_state import _expert_groups, rank_grid
+
+    groups = _expert_groups(rank_grid(8, 1, 1, 2), 2)  # [PP 1, DP 4, CP 2, TP 1]
+    assert groups["ep"] == [(0, 1), (2, 3), (4, 5), (6, 7)]  # each a CP pair
+    assert groups["expert_dp"] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    groups = _expert_groups(rank_grid(8, 2, 1, 2), 4)  # [PP 1, DP 2, CP 2, TP 2]
+    assert groups["ep"] == [(0, 2, 4, 6), (1, 3, 5, 7)]  # all of DP x CP, per TP rank
+    assert sorted(groups["expert_dp"]) == [(r,) for r in range(8)]  # every rank its own
+    groups = _expert_groups(rank_grid(8, 1, 2, 1), 2)  # CP 1: EP consecutive DP ranks
+    assert groups["ep"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert groups["expert_dp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
 
 
 def test_moe_size_and_z_loss_flags_reach_the_built_model(monkeypatch):
@@ -354,6 +387,40 @@ def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
     one = step_time(cfg.model, Layout(1, 1, 8, 1, 8), t, hw)
     two = step_time(cfg.model, Layout(1, 1, 8, 1, 8, ep=2), t, hw)
     assert one["ep_comm"] == 0 < two["ep_comm"] and two["dp_comm"] < one["dp_comm"]
+
+
+def test_planner_takes_expert_parallelism_from_dp_x_cp():
+    """With CP the planner offers EP sizes dividing DP x CP (an EP group may be the CP ranks of
+    one replica) and shards the expert state over the DP x CP / EP ranks holding it."""
+    from megatron.config.schema import MegatronConfig, OptimizerConfig, TrainingConfig
+    from megatron.planning.enumerate import Search, layouts
+    from megatron.planning.memory import (
+        Layout,
+        Training,
+        estimate_memory,
+        stage_expert_params,
+        stage_params,
+    )
+
+    cfg = MegatronConfig(
+        model=ModelConfig(
+            num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, num_experts=8
+        ),
+        training=TrainingConfig(global_batch_size=64),
+        optimizer=OptimizerConfig(lr=1e-4),
+    )
+    search = Search(8, 80, micro_batches=(1,), recompute=(None,), context_parallel=(2,))
+    found, refused = layouts(cfg, search)
+    assert found and all(x.cp == 2 and (x.dp * x.cp) % x.ep == 0 for x in found), refused
+    assert any(x.dp % x.ep for x in found)  # EP beyond DP, across the CP ranks
+    t = Training(dtype_bytes=4, sharding="distributed")
+    for ep in (2, 4):  # DP 2 x CP 2: the expert state shards over 4 / EP ranks
+        terms = estimate_memory(cfg.model, Layout(1, 1, 2, 1, 32, cp=2, ep=ep), t).terms
+        params, experts = (
+            stage_params(cfg.model, 1, 1, 0, ep),
+            stage_expert_params(cfg.model, 1, 0, ep),
+        )
+        assert terms["optimizer"] == (params - experts) * 8 // 4 + experts * 8 // (4 // ep)
 
 
 def test_expert_init_is_the_same_at_any_ep_size():

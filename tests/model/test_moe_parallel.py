@@ -1,17 +1,22 @@
-"""Expert parallelism against one process: loss, gradients and updated weights of an MoE GPT
-trained two steps at EP = 2 (and 4), EP x TP with sequence parallelism, EP x PP, the allgather
-dispatcher, capacity-limited routing and the distributed optimizer; then an EP = 2 checkpoint
-resumed at EP = 1 and 2 and loaded by the inference tools: all in ONE 4-rank spawn.
+"""Expert parallelism against one process: loss, gradients, updated weights and the logged
+router statistics of an MoE GPT trained two steps at EP = 2 (and 4), EP x TP with sequence
+parallelism, EP x PP, the allgather dispatcher, capacity-limited routing and the distributed
+optimizer, and under context parallelism (EP within and across the CP ranks, with TP + SP, PP,
+the sequence-level aux loss); then an EP = 2 checkpoint resumed at EP = 1 and 2 and loaded by
+the inference tools, and a CP 2 x EP 2 run (equal to DP 4) resumed at CP 1 x EP 4: all in ONE
+4-rank spawn.
 
 Each rank also trains the single-process model on every micro batch of the global batch (the
 reference), so the comparison needs no second spawn. Data-parallel rank d runs micro batches
-[d M, (d + 1) M) of the G = DP x M; the one process runs all G as gradient accumulation; with
-the aux loss on, each micro batch's load statistics are its own in both.
+[d M, (d + 1) M) of the G = DP x M (its CP ranks each their chunks of the sequences); the one
+process runs all G as gradient accumulation; with the aux loss on, each micro batch's load
+statistics are its own in both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -22,6 +27,8 @@ from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
+from megatron.models.gpt.train import lm_loss
+from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
@@ -76,7 +83,27 @@ LAYOUTS = [
         {"num_layers": 4, "moe_layer_freq": 2, "vp": 2},
     ),
     ("ep2-distopt", 1, 1, 2, False, "alltoall", True, {"moe_grouped_gemm": True}),
+    # context parallelism ("cp"): EP carved from DP x CP (CP ranks first), as in Megatron-core
+    ("cp2-ep2", 1, 1, 2, False, "alltoall", False, {"cp": 2}),  # EP over each CP pair
+    ("cp2-ep4-seqaux", 1, 1, 4, False, "alltoall", False, {"cp": 2, "seq_aux": True}),
+    ("cp4-ep2-allgather", 1, 1, 2, False, "allgather", False, {"cp": 4, "seq_aux": True}),
+    ("cp2-tp2-ep1", 2, 1, 1, False, "alltoall", False, {"cp": 2}),
+    (
+        "cp2-tp2-sp-ep2",
+        2,
+        1,
+        2,
+        True,
+        "alltoall",
+        False,
+        {"cp": 2, "seq_aux": True, "moe_shared_expert_intermediate_size": 16},
+    ),
+    ("cp2-pp2-ep2", 1, 2, 2, False, "alltoall", False, {"cp": 2, "swiglu": True}),
+    ("cp2-ep2-distopt", 1, 1, 2, False, "alltoall", True, {"cp": 2, "moe_grouped_gemm": True}),
 ]
+
+
+_STATS = ("load balancing loss", "z loss", "expert load max/mean")
 
 
 class _Scheduler:
@@ -84,24 +111,28 @@ class _Scheduler:
         pass
 
 
-def _micro_batches(step: int, groups: range) -> list[dict]:
+def _micro_batches(step: int, groups: range, state) -> list[dict]:
+    """This rank's micro batches: the samples of its DP rank, its CP rank's chunks of them."""
     out = []
     for g in groups:
         gen = torch.Generator().manual_seed(1000 * step + g)
         tokens = torch.randint(0, 64, (BATCH, 9), generator=gen)
-        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+        if state.cp_size > 1:
+            batch = {
+                k: context_parallel_slice(v, state.cp_rank, state.cp_size) for k, v in batch.items()
+            }
+        out.append(batch)
     return out
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(state, data_iterator, model):
     batch = next(data_iterator)
     per_token = model(batch["tokens"], labels=batch["labels"])
-
-    def loss(output):
-        mean = output.mean()
-        return mean, {"lm loss": mean.detach()}
-
-    return per_token, loss
+    mask = torch.ones(batch["labels"].shape)
+    return per_token, functools.partial(
+        lm_loss, mask, context_parallel=state if state.cp_size > 1 else None
+    )
 
 
 def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
@@ -126,14 +157,18 @@ def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
         else MegatronOptimizer(model, opt_cfg, **kw)
     )
     schedule = get_forward_backward_func(
-        state, micro_batch_size=BATCH, seq_length=8, hidden_size=32, dtype=torch.float32
+        state,
+        micro_batch_size=BATCH,
+        seq_length=8 // state.cp_size,
+        hidden_size=32,
+        dtype=torch.float32,
     )
     rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
     history = []
     for step in range(STEPS):
-        batches = iter(_micro_batches(step, micro_groups))
+        batches = iter(_micro_batches(step, micro_groups, state))
         result = train_step(
-            _forward_step,
+            functools.partial(_forward_step, state),
             batches,
             ddp,
             opt,
@@ -143,7 +178,9 @@ def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
             Timers(),
             schedule,
         )
-        history.append((float(result["lm_loss"]), float(result["grad_norm"])))
+        moe = result["other_losses"]  # the logged router statistics
+        logged = tuple(float(moe[k]) for k in _STATS)
+        history.append((float(result["lm_loss"]), float(result["grad_norm"])) + logged)
         grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
     weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
     return history, weights, grads
@@ -165,13 +202,21 @@ def _worker(rank, world):
     report = {}
     for name, tp, pp, ep, sp, dispatcher, distributed, layout_changes in LAYOUTS:
         changes = dict(layout_changes)
-        run = {k: changes.pop(k) for k in ("moe_grouped_gemm", "recompute", "vp") if k in changes}
-        model_changes = changes
-        cfg = dataclasses.replace(MODEL, **model_changes)
-        dp = world // (tp * pp)
+        options = ("moe_grouped_gemm", "recompute", "vp", "cp", "seq_aux")
+        run = {k: changes.pop(k) for k in options if k in changes}
+        if run.get("seq_aux"):
+            changes["moe_router_load_balancing_type"] = "seq_aux_loss"
+        cfg = dataclasses.replace(MODEL, **changes)
+        cp = run.get("cp", 1)
+        dp = world // (tp * pp * cp)
         ref = _train(cfg, mpu.single_process_state(), dispatcher, {}, False, range(dp * MICRO))
         state = initialize_model_parallel(
-            tp, pp, run.get("vp"), sequence_parallel=sp, expert_model_parallel_size=ep
+            tp,
+            pp,
+            run.get("vp"),
+            sequence_parallel=sp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
         )
         try:
             mine = range(state.dp_rank * MICRO, (state.dp_rank + 1) * MICRO)
@@ -185,7 +230,7 @@ def _worker(rank, world):
                 torch.tensor(ref[0]),
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda m, n=name: f"{n}: loss / grad norm: {m}",
+                msg=lambda m, n=name: f"{n}: loss / grad norm / aux, z, load: {m}",
             )
             for pname, value in weights.items():
                 want = _local_view(ref[1][pname], params[pname], state)
@@ -265,7 +310,30 @@ def _resume_worker(rank, world, argv, save_dir):
             pp = ["--load", f"{d}_pp2", "--no-load-rng", "--pipeline-model-parallel-size", "2"]
             resumed["converted to PP 2"] = _train(rank, world, argv + optim + pp)[0]
         out[bool(optim)] = (straight, resumed)
+    out["cp"] = _cp_resume(rank, world, argv, save_dir, straight)
     return out
+
+
+def _cp_resume(rank, world, argv, save_dir, dp4):
+    """The trainer at CP 2 x EP 2 (DP 2; each EP group is a CP pair) with the distributed
+    optimizer: the losses of DP 4 x EP 2 (`dp4`, the same data); its step-2 checkpoint resumed
+    at CP 1 x EP 4 (DP 4) to the uninterrupted losses."""
+    import torch.distributed as dist
+
+    from tests.helpers.checkpoints import _checkpoint_at
+    from tests.helpers.training import _train
+
+    d = f"{save_dir}/cp"
+    cp2 = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    optim = ["--use-distributed-optimizer"]
+    save = ["--save", d, "--save-interval", "2"]
+    straight, _, _ = _train(rank, world, argv + optim + cp2 + save)
+    if rank == 0:
+        _checkpoint_at(d, 2, f"{d}_at2")
+    dist.barrier()
+    ep4 = ["--expert-model-parallel-size", "4", "--load", f"{d}_at2"]
+    resumed, _, _ = _train(rank, world, argv + optim + ep4)
+    return straight, resumed, dp4
 
 
 def _generate_from(load: str) -> list[list[int]]:
@@ -289,7 +357,8 @@ def _generate_from(load: str) -> list[list[int]]:
 def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(spawn):
     from tests.helpers.training import _losses
 
-    for rank_out in [out["resume"] for out in spawn]:
+    for rank_out in [dict(out["resume"]) for out in spawn]:
+        rank_out.pop("cp")  # test_cp_x_ep_trains_as_dp_and_resumes_at_another_cp_and_ep
         for key in [k for k in rank_out if isinstance(k, str)]:
             assert all(len(row) > 3 for row in rank_out.pop(key))  # generated from EP = 2
         for distributed, (straight, resumed) in rank_out.items():
@@ -302,3 +371,26 @@ def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(spawn):
                     atol=0,
                     msg=lambda m, e=ep, d=distributed: f"EP {e} distributed {d}: {m}",
                 )
+
+
+@pytest.mark.slow
+def test_cp_x_ep_trains_as_dp_and_resumes_at_another_cp_and_ep(spawn):
+    """pretrain() at CP 2 x EP 2 equals DP 4 x EP 2 (the same global batches); its checkpoint
+    (experts whole, distributed optimizer ranges over DP x CP / EP) resumes at CP 1 x EP 4."""
+    from tests.helpers.training import _losses
+
+    for rank_out in [out["resume"] for out in spawn]:
+        straight, resumed, dp4 = rank_out["cp"]
+        torch.testing.assert_close(
+            torch.tensor(_losses(straight)), torch.tensor(_losses(dp4)), rtol=2e-5, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor([h["grad_norm"] for h in straight]),
+            torch.tensor([h["grad_norm"] for h in dp4]),
+            rtol=1e-4,
+            atol=0,
+        )
+        assert [h["iteration"] for h in resumed] == [3, 4]
+        torch.testing.assert_close(
+            torch.tensor(_losses(resumed)), torch.tensor(_losses(straight)[2:]), rtol=2e-5, atol=0
+        )
