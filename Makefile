@@ -28,10 +28,11 @@ $(STAMP): setup.py pyproject.toml
 
 # Two pytest workers (TEST_WORKERS), each taking whole test files, so a file's module-scoped
 # fixtures are built once; many tests wait on process start-up, so two overlap well on 2 cores.
+# The 15 slowest tests are listed at the end, to keep the suite's time in view.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests -x -m "not slow"
