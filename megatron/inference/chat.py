@@ -25,28 +25,12 @@ from megatron.inference import openai_api
 from megatron.inference.chat_template import ChatTemplate, TemplateRefused
 from megatron.inference.openai_api import MAX_LOGPROBS, MAX_STOPS, FieldError
 
-_KNOWN = {
-    "model",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop",
-    "seed",
-    "logprobs",
-    "top_logprobs",
-    "user",
-    "stream",
-    "stream_options",
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-}
 # Passed on to completion_args unchanged: the same name means the same thing there.
 _SHARED = ("model", "temperature", "top_p", "top_k", "seed", "user", "n", "stream")
 _SHARED += ("stream_options", "presence_penalty", "frequency_penalty")
+# The fields only chat has, or that chat reads before handing them on.
+_OWN = ("messages", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs")
+_KNOWN = {*_SHARED, *_OWN}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 

@@ -35,6 +35,18 @@ CFG = ModelConfig(
 )
 
 
+def fixture_tokenizer():
+    """The GPT-2 BPE tokenizer of the fixture files (what make_checkpoint records)."""
+    from megatron.data.tokenizers import build_tokenizer
+
+    return build_tokenizer(
+        "GPT2BPETokenizer",
+        vocab_size=CFG.vocab_size,
+        vocab_file=str(MMAP / "vocab.json"),
+        merge_file=str(MMAP / "merges.txt"),
+    )
+
+
 def make_checkpoint(root: Path, cfg: ModelConfig = CFG, seed: int = 5) -> str:
     """A GPT saved the way the trainer saves it (iteration 7), with the fixture GPT-2 BPE."""
     model = GPTModel(cfg, BuildContext(seed=seed))

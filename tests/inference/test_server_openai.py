@@ -18,8 +18,8 @@ import torch
 
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from tests.helpers.paths import MMAP, ROOT
-from tests.helpers.serving import CFG, Server, convert, make_checkpoint
+from tests.helpers.paths import ROOT
+from tests.helpers.serving import CFG, Server, convert, fixture_tokenizer, make_checkpoint
 
 # Room for a stream long enough that stopping it early is plain to see.
 LONG = dataclasses.replace(CFG, max_position_embeddings=2048)
@@ -27,17 +27,6 @@ LONG = dataclasses.replace(CFG, max_position_embeddings=2048)
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (pip install -e '.[serve]')")
 pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e '.[serve]')")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -e '.[serve]')")
-
-
-def _tokenizer():
-    from megatron.data.tokenizers import build_tokenizer
-
-    return build_tokenizer(
-        "GPT2BPETokenizer",
-        vocab_size=CFG.vocab_size,
-        vocab_file=str(MMAP / "vocab.json"),
-        merge_file=str(MMAP / "merges.txt"),
-    )
 
 
 def _reference_logprobs(ids: list[int]) -> torch.Tensor:
@@ -73,7 +62,7 @@ def test_openai_completions_logprobs_echo_stop_seed(server):
     openai = pytest.importorskip("openai", reason="openai is not installed ('.[serve]')")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     prompt = "def add(a, b):"
-    ids = _tokenizer().tokenize(prompt)
+    ids = fixture_tokenizer().tokenize(prompt)
     # What lm-eval's local-completions sends for loglikelihood: echo, logprobs, ids as prompt.
     scored = client.completions.create(
         model="megatron", prompt=[ids, ids[:3]], max_tokens=0, echo=True, logprobs=1, seed=1
@@ -262,7 +251,9 @@ def test_n_samples_best_of_and_async_streams(server):
     texts = [c.text for c in first.choices]
     assert texts == [c.text for c in client.completions.create(**ask, n=3).choices]
     assert len(set(texts[:3])) == 3 and len(set(texts[3:])) == 3  # independent samples
-    assert first.usage.prompt_tokens == sum(len(_tokenizer().tokenize(p)) for p in ask["prompt"])
+    assert first.usage.prompt_tokens == sum(
+        len(fixture_tokenizer().tokenize(p)) for p in ask["prompt"]
+    )
     # best_of 3 draws the same three samples and keeps the one of highest mean log-probability.
     best = client.completions.create(**ask, best_of=3)
     for p, choice in enumerate(best.choices):

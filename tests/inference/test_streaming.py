@@ -16,20 +16,12 @@ from megatron.inference.ops import Model, complete
 from megatron.inference.streaming import RowText
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import build_model
-from tests.helpers.paths import MMAP
-from tests.helpers.serving import CFG
+from tests.helpers.serving import CFG, fixture_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from megatron.data.tokenizers import build_tokenizer
-
-    return build_tokenizer(
-        "GPT2BPETokenizer",
-        vocab_size=CFG.vocab_size,
-        vocab_file=str(MMAP / "vocab.json"),
-        merge_file=str(MMAP / "merges.txt"),
-    )
+    return fixture_tokenizer()
 
 
 @pytest.fixture(scope="module")
