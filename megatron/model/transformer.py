@@ -140,7 +140,8 @@ class ParallelAttention(nn.Module):
     softmax(scale q k^T) v with a Triton (fused) or torch (unfused) scaled softmax.
     The `attention_mask` (model/masks.py) says which keys each query sees: CAUSAL (the default),
     or PADDING / ARBITRARY with a keep tensor (b, 1, s, s) (BERT's padding, the documents of a
-    packed sample): SDPA's attn_mask, or a masked softmax.
+    packed sample): SDPA's attn_mask, or a masked softmax. Under context parallelism the ring
+    takes CAUSAL or RING_DOCUMENTS (a packed sample's document ids by chunk).
 
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
