@@ -21,7 +21,7 @@ from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
 from megatron.training.data import DocumentMasking, collate, document_fields, get_batch
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import _losses, _pp_worker, _ref_worker, _train, flags
+from tests.helpers.training import _losses, _pp_worker, _ref_worker, _train, assert_same_run, flags
 
 EOD = 9
 ALL = DocumentMasking(EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
@@ -239,14 +239,7 @@ def test_tp2_pp2_and_cp2_pp2_with_document_masks_equal_one_process(eod_data):
     runs = run_distributed(_layouts_worker, 4, argv, layouts, ref_weights)
     for rank, histories in enumerate(runs):
         for name, history in histories.items():
-            what = f"{name} rank {rank}"
-            np.testing.assert_allclose(_losses(history), _losses(ref), rtol=2e-5, err_msg=what)
-            np.testing.assert_allclose(
-                [h["grad_norm"] for h in history],
-                [h["grad_norm"] for h in ref],
-                rtol=1e-4,
-                err_msg=what,
-            )
+            assert_same_run(history, ref, f"{name} rank {rank}")
 
 
 def _ds_runs(rank, world, argv):
