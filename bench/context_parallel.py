@@ -3,7 +3,7 @@ planner, how much of the ring's communication the attention hides, and ring atte
 blocks through the explicit math against the fused SDPA kernel.
 
     .venv/bin/python bench/context_parallel.py [--seq-lengths 2048 4096 8192 16384] [--cp 1 2 4]
-        [--tables model blocks]
+        [--tables model blocks documents] [--doc-lengths 1024 128]
 
 A small GPT (learned positions: the planner does not count RoPE's copies; fp32, no dropout)
 runs forward + backward of one micro batch per sequence length at CP 1, 2 and 4 (CP gloo
@@ -25,12 +25,18 @@ through the explicit fp32 math (--attention-backend unfused) and through the fus
 (sdpa; on the CPU aten._scaled_dot_product_flash_attention_for_cpu): wall time (median of
 --repeats, the slower rank) and peak bytes of the tensors allocated during it (the torch
 profiler's memory events, the fuller rank; the inputs are allocated before).
+
+The documents table: the same ring step with fused blocks, causal, and within packed documents
+(--reset-attention-mask) of random lengths averaging each of --doc-lengths tokens: wall time
+(the slower rank) against causal, and how the blocks the causal ring computes went (summed over
+ranks): through the fused kernel (one document), the masked fp32 math, or skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import os
 import statistics
@@ -47,6 +53,7 @@ from megatron.model.memory import SavedActivations  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu import context_parallel as cpm  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
+from megatron.mpu.ring_documents import BlockKind, causal_kind  # noqa: E402
 from megatron.planning.memory import (  # noqa: E402
     Device,
     Layout,
@@ -167,21 +174,26 @@ def _fresh(*tensors) -> None:
     torch.distributed.barrier()
 
 
+def _median_seconds(step, tensors, repeats: int) -> float:
+    """Median wall time of step() after a warm-up (the fused kernel's check against the math)."""
+    step()
+    times = []
+    for _ in range(repeats):
+        _fresh(*tensors)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    _fresh(*tensors)
+    return statistics.median(times)
+
+
 def _time_and_peak(ring, q, k, v, dout, repeats: int) -> tuple[float, int]:
     """(median seconds, peak bytes) of ring(q, k, v).backward(dout)."""
 
     def step():
         ring(q, k, v).backward(dout)
 
-    step()  # warm-up (and the fused kernel's check against the math)
-    times = []
-    for _ in range(repeats):
-        _fresh(q, k, v)
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    _fresh(q, k, v)
-    return statistics.median(times), _peak_bytes(step)
+    return _median_seconds(step, (q, k, v), repeats), _peak_bytes(step)
 
 
 def _blocks_worker(rank, world, seqs, repeats):
@@ -200,15 +212,20 @@ def _blocks_worker(rank, world, seqs, repeats):
     return out
 
 
+def _ring_runs(head: str, cps, worker, *args):
+    """Print the table's head, then (CP, each rank's results of worker) for each CP > 1."""
+    print(head)
+    print("-" * len(head))
+    for cp in [c for c in cps if c > 1]:
+        yield cp, run_distributed(worker, cp, *args, timeout=3600)
+
+
 def _blocks_table(seqs, cps, repeats) -> None:
     head = (
         f"{'seq':>6} {'CP':>3} {'math s':>8} {'fused s':>8} {'speedup':>8} "
         f"{'math peak MiB':>13} {'fused peak MiB':>14} {'ratio':>6}"
     )
-    print(head)
-    print("-" * len(head))
-    for cp in [c for c in cps if c > 1]:
-        ranks = run_distributed(_blocks_worker, cp, seqs, repeats, timeout=3600)
+    for cp, ranks in _ring_runs(head, cps, _blocks_worker, seqs, repeats):
         for seq in seqs:
             (tm, pm), (tf, pf) = (
                 (max(r[seq, b][0] for r in ranks), max(r[seq, b][1] for r in ranks))
@@ -218,6 +235,68 @@ def _blocks_table(seqs, cps, repeats) -> None:
                 f"{seq:>6} {cp:>3} {tm:>8.3f} {tf:>8.3f} {tm / tf:>7.2f}x "
                 f"{pm / 2**20:>13.1f} {pf / 2**20:>14.1f} {pm / pf:>5.1f}x"
             )
+
+
+def _packed_ids(seq: int, mean: int, seed: int) -> torch.Tensor:
+    """(1, seq) document ids of packed documents of lengths uniform in [1, 2 mean - 1]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 2 * mean, (seq,), generator=g)  # more than enough documents
+    ids = torch.repeat_interleave(torch.arange(seq), lengths)[:seq]
+    return ids.unsqueeze(0)
+
+
+def _block_counts(documents, rank: int, cp: int) -> dict[str, int]:
+    """How the blocks a causal ring computes on `rank` run under `documents` (None: causal)."""
+    counts = {"fused": 0, "masked": 0, "skipped": 0}
+    names = {BlockKind.SKIP: "skipped", BlockKind.MASKED: "masked"}
+    for i in cpm.chunk_ids(rank, cp):
+        for j in range(i + 1):
+            kind = causal_kind(i, j) if documents is None else documents.kind(i, j)
+            counts[names.get(kind, "fused")] += 1
+    return counts
+
+
+def _ring_step(ring, q, k, v, dout, documents) -> None:
+    ring(q, k, v, documents=documents).backward(dout)
+
+
+def _documents_worker(rank, world, seqs, means, repeats):
+    """{(seq, mean or None): (seconds, block counts)} of one fused ring step on this rank."""
+    state = initialize_model_parallel(1, context_parallel_size=world)
+    ring, out = cpm.RingAttention(state, "fused"), {}
+    for seq in seqs:
+        g = torch.Generator().manual_seed(seq + rank)
+        shape = (1, BLOCK_HEADS, seq // world, BLOCK_HEAD_DIM)  # (b, h, 2c, d) of this rank
+        q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in "qkv")
+        dout = torch.randn(shape, generator=g)
+        for mean in (None, *means):
+            docs = None
+            if mean is not None:
+                ids = cpm.context_parallel_slice(_packed_ids(seq, mean, seq), rank, world)
+                docs = cpm.gather_documents(ids, state)
+            step = functools.partial(_ring_step, ring, q, k, v, dout, docs)
+            seconds = _median_seconds(step, (q, k, v), repeats)
+            out[seq, mean] = (seconds, _block_counts(docs, rank, world))
+    destroy_model_parallel(state)
+    return out
+
+
+def _documents_table(seqs, cps, means, repeats) -> None:
+    head = (
+        f"{'seq':>6} {'CP':>3} {'doc len':>8} {'ring s':>8} {'vs causal':>9} "
+        f"{'fused':>6} {'masked':>7} {'skipped':>8}"
+    )
+    for cp, ranks in _ring_runs(head, cps, _documents_worker, seqs, means, repeats):
+        for seq in seqs:
+            causal = max(r[seq, None][0] for r in ranks)
+            for mean in (None, *means):
+                seconds = max(r[seq, mean][0] for r in ranks)
+                n = {k: sum(r[seq, mean][1][k] for r in ranks) for k in ranks[0][seq, mean][1]}
+                label = "causal" if mean is None else str(mean)
+                print(
+                    f"{seq:>6} {cp:>3} {label:>8} {seconds:>8.3f} {seconds / causal:>8.2f}x "
+                    f"{n['fused']:>6} {n['masked']:>7} {n['skipped']:>8}"
+                )
 
 
 def predicted_activations(seq: int, cp: int) -> int:
@@ -243,17 +322,30 @@ def main(argv=None) -> int:
     p.add_argument(
         "--tables",
         nargs="+",
-        choices=("model", "blocks"),
+        choices=("model", "blocks", "documents"),
         default=["model", "blocks"],
-        help="model: the GPT against the planner; blocks: ring attention, math vs fused blocks",
+        help="model: the GPT against the planner; blocks: ring attention, math vs fused blocks; "
+        "documents: ring attention within packed documents vs causal",
+    )
+    p.add_argument(
+        "--doc-lengths",
+        type=int,
+        nargs="+",
+        default=[1024, 128],
+        help="mean document lengths (tokens) of the documents table",
     )
     args = p.parse_args(argv)
-    if "model" in args.tables:
-        _model_table(args)
-    if "blocks" in args.tables:
-        if "model" in args.tables:
+    tables = {
+        "model": lambda: _model_table(args),
+        "blocks": lambda: _blocks_table(args.seq_lengths, args.cp, args.repeats),
+        "documents": lambda: _documents_table(
+            args.seq_lengths, args.cp, args.doc_lengths, args.repeats
+        ),
+    }
+    for i, name in enumerate(n for n in tables if n in args.tables):
+        if i:
             print()
-        _blocks_table(args.seq_lengths, args.cp, args.repeats)
+        tables[name]()
     return 0
 
 

@@ -336,13 +336,6 @@ def _validate_context_parallel(cfg: MegatronConfig) -> None:
             "optimizer over DP x CP)",
         ),
         (
-            "--reset-attention-mask",
-            cfg.data.reset_attention_mask,
-            "ring attention masks by chunk position only; document masks would need every "
-            "rank's document ids in each block",
-            "drop --reset-attention-mask (--reset-position-ids and --eod-mask-loss work with CP)",
-        ),
-        (
             "--attention-backend fused",
             cfg.kernels.attention_backend == "fused",
             "the Triton causal softmax needs the whole score row; ring attention merges "

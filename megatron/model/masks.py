@@ -5,8 +5,11 @@
     PADDING    bidirectional, every real (non-padding) key of the sample: BERT
     ARBITRARY  a given keep-mask (b, 1, s_q, s_k): the documents of a packed sample
                (--reset-attention-mask), or a KV-cache prefix
+    RING_DOCUMENTS  the documents of a packed sample under context parallelism: the whole
+               sequences' document ids by chunk (mpu/ring_documents.py), from which ring
+               attention builds each block's mask; no (s, s) tensor
 
-Masks of the last two kinds carry the boolean tensor (True where query i may see key j,
+PADDING and ARBITRARY masks carry the boolean tensor (True where query i may see key j,
 broadcast over heads); the causal mask needs none.
 """
 
@@ -18,23 +21,30 @@ from dataclasses import dataclass
 import torch
 
 from megatron.model.documents import document_attention_mask, padding_attention_mask
+from megatron.mpu.ring_documents import RingDocuments
 
 
 class MaskType(enum.Enum):
     CAUSAL = "causal"
     PADDING = "padding"
     ARBITRARY = "arbitrary"
+    RING_DOCUMENTS = "ring documents"
 
 
 @dataclass(frozen=True)
 class AttentionMask:
     type: MaskType
-    keep: torch.Tensor | None = None  # (b, 1, s_q, s_k) bool; None for CAUSAL
+    keep: torch.Tensor | None = None  # (b, 1, s_q, s_k) bool; for PADDING and ARBITRARY
+    ring: RingDocuments | None = None  # for RING_DOCUMENTS
 
     def __post_init__(self):
-        if (self.type is MaskType.CAUSAL) != (self.keep is None):
-            wants = "takes no" if self.type is MaskType.CAUSAL else "needs a"
+        tensor = self.type in (MaskType.PADDING, MaskType.ARBITRARY)
+        if tensor != (self.keep is not None):
+            wants = "needs a" if tensor else "takes no"
             raise ValueError(f"a {self.type.value} attention mask {wants} keep tensor")
+        if (self.type is MaskType.RING_DOCUMENTS) != (self.ring is not None):
+            wants = "needs" if self.type is MaskType.RING_DOCUMENTS else "takes no"
+            raise ValueError(f"a {self.type.value} attention mask {wants} ring documents")
 
     @staticmethod
     def causal() -> AttentionMask:
@@ -49,6 +59,11 @@ class AttentionMask:
     def documents(document_ids: torch.Tensor) -> AttentionMask:
         """document_ids (b, s): causal attention within each token's own document."""
         return AttentionMask(MaskType.ARBITRARY, document_attention_mask(document_ids))
+
+    @staticmethod
+    def ring_documents(documents: RingDocuments) -> AttentionMask:
+        """Causal attention within documents under context parallelism (ring attention)."""
+        return AttentionMask(MaskType.RING_DOCUMENTS, ring=documents)
 
     @staticmethod
     def arbitrary(keep: torch.Tensor) -> AttentionMask:

@@ -140,7 +140,8 @@ class ParallelAttention(nn.Module):
     softmax(scale q k^T) v with a Triton (fused) or torch (unfused) scaled softmax.
     The `attention_mask` (model/masks.py) says which keys each query sees: CAUSAL (the default),
     or PADDING / ARBITRARY with a keep tensor (b, 1, s, s) (BERT's padding, the documents of a
-    packed sample): SDPA's attn_mask, or a masked softmax.
+    packed sample): SDPA's attn_mask, or a masked softmax. Under context parallelism the ring
+    takes CAUSAL or RING_DOCUMENTS (a packed sample's document ids by chunk).
 
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
@@ -232,8 +233,10 @@ class ParallelAttention(nn.Module):
         # Heads are split over TP, so their dropout masks come from the per-TP-rank stream.
         rng = self.rng_tracker.fork() if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with rng:
-            if self.ring is not None:  # context parallel (training: no cache, no documents)
-                return self.ring(q, k, v, dropout_p=p)
+            if self.ring is not None:  # context parallel (training: no cache)
+                return self.ring(q, k, v, dropout_p=p, documents=_ring_documents(mask))
+            if mask.type is MaskType.RING_DOCUMENTS:
+                raise ValueError("a ring-documents mask needs --context-parallel-size > 1")
             if self.ops.attention_backend != "sdpa" or self._fp32_softmax(q.dtype):
                 scores, scale = self._scores(q, k)  # (b, heads, s_q, s_k)
                 if mask.type is MaskType.CAUSAL:  # the queries at the end of the keys
@@ -266,6 +269,18 @@ class ParallelAttention(nn.Module):
         alpha = 1.0 / (math.sqrt(d) * self.qk_coeff)
         out = torch.baddbmm(out, q3, k3.transpose(1, 2), beta=0.0, alpha=alpha)
         return out.view(b, n, sq, -1), self.qk_coeff
+
+
+def _ring_documents(mask: AttentionMask):
+    """What ring attention takes of `mask`: its documents, or None for CAUSAL."""
+    if mask.type is MaskType.CAUSAL:
+        return None
+    if mask.type is MaskType.RING_DOCUMENTS:
+        return mask.ring
+    raise ValueError(
+        f"ring attention (--context-parallel-size > 1) takes causal or document masks, not a "
+        f"{mask.type.value} mask"
+    )
 
 
 class ParallelMLP(nn.Module):

@@ -13,7 +13,9 @@ of its K/V accumulated by the ranks it visited, so after CP steps every rank hol
 dK/dV of its own block.
 
 Within a step the two query chunks meet the two key chunks: chunk ids qi > kj attend fully,
-qi == kj causally (the diagonal), qi < kj not at all (skipped).
+qi == kj causally (the diagonal), qi < kj not at all (skipped). With documents
+(--reset-attention-mask, mpu/ring_documents.py) a pair may also be skipped (no document in
+common) or masked (the explicit math with the block's keep mask).
 
 Each block is computed by mpu/ring_blocks.py: PyTorch's fused SDPA kernels that return the LSE
 (flash / memory-efficient on CUDA, the flash kernel for CPU) where the device and dtype have one
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from megatron.mpu.parallel_state import ParallelState
 from megatron.mpu.ring_blocks import BACKENDS, MATH, block_step, select_blocks
+from megatron.mpu.ring_documents import BlockKind, RingDocuments, causal_kind
 from megatron.mpu.utils import divide
 
 # ---- the load-balanced split ----
@@ -69,16 +72,25 @@ def context_parallel_positions(batch: int, seq_length: int, cp_rank: int, cp_siz
     return context_parallel_slice(positions, cp_rank, cp_size)
 
 
+def gather_documents(document_ids: torch.Tensor, state: ParallelState) -> RingDocuments:
+    """This CP rank's tokens' document ids (b, 2c) -> the RingDocuments of the whole sequences
+    (one all-gather of b x s integers over the CP group)."""
+    local = document_ids.contiguous()
+    parts = [torch.empty_like(local) for _ in range(state.cp_size)]
+    dist.all_gather(parts, local, group=state.cp_group)
+    return RingDocuments.from_sequence(context_parallel_unslice(parts), state.cp_size)
+
+
 # ---- merging blocks ----
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Two partial softmax-attentions of the same queries over disjoint keys -> their union."""
+    """Two partial softmax-attentions of the same queries over disjoint keys -> their union.
+    A row that saw no key in either (LSE -inf in both: documents) stays out 0, LSE -inf."""
     new = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(
-        block_lse - new
-    ).unsqueeze(-1)
-    return out, new
+    base = new.masked_fill(new == float("-inf"), 0.0)  # exp(-inf - 0) = 0, not NaN
+    weight, block_weight = torch.exp(lse - base), torch.exp(block_lse - base)
+    return out * weight.unsqueeze(-1) + block_out * block_weight.unsqueeze(-1), new
 
 
 # ---- the ring ----
@@ -102,14 +114,22 @@ class _Ring:
         ]
         return recv, dist.batch_isend_irecv(ops)
 
-    def pairs(self, step: int):
-        """(query half, key half, causal) to compute at `step`, with K/V from rank - step."""
+    def pairs(self, step: int, documents: RingDocuments | None):
+        """(query half, key half, the block's keep mask or None, causal) to compute at `step`,
+        with K/V from rank - step; skipped pairs (keys in the future, no document in common)
+        are left out."""
         src = (self.rank - step) % self.size
         q_ids, k_ids = chunk_ids(self.rank, self.size), chunk_ids(src, self.size)
         for qi, q_chunk in enumerate(q_ids):
             for kj, k_chunk in enumerate(k_ids):
-                if q_chunk >= k_chunk:  # q_chunk < k_chunk: every key is in the future
-                    yield qi, kj, q_chunk == k_chunk
+                if documents is None:
+                    kind = causal_kind(q_chunk, k_chunk)
+                else:
+                    kind = documents.kind(q_chunk, k_chunk)
+                if kind is BlockKind.SKIP:
+                    continue
+                keep = documents.keep(q_chunk, k_chunk) if kind is BlockKind.MASKED else None
+                yield qi, kj, keep, kind is BlockKind.CAUSAL
 
 
 _KV_TAG, _DKV_TAG = 271, 272
@@ -138,12 +158,28 @@ def _block_settings(q, k, blocks):
     return 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1), blocks.dtype(q.dtype)
 
 
+def _block_forward(blocks, q, k, v, scale, causal, p, keep):
+    """One block through `blocks`; a masked one (keep given) through the fp32 math."""
+    if keep is None:
+        return block_step(blocks, q, k, v, scale, causal, p)
+    return block_step(MATH, q.float(), k.float(), v.float(), scale, causal, p, keep)
+
+
+def _block_backward(blocks, q, k, v, dout, out, lse, scale, causal, p, replay, keep):
+    """(dq, dk, dv) of one block, through what ran its forward."""
+    if keep is None:
+        return blocks.backward(q, k, v, dout, out, lse, scale, causal, p, replay)
+    q, k, v, dout, out = (t.float() for t in (q, k, v, dout, out))
+    return MATH.backward(q, k, v, dout, out, lse, scale, causal, p, replay, keep=keep)
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: causal softmax(q k^T / sqrt(d)) v of this rank's queries over the whole
-    sequence, K/V passed round the CP ring. Backward: dQ here, dK/dV ringed back home."""
+    sequence, K/V passed round the CP ring (within documents, given `documents`). Backward: dQ
+    here, dK/dV ringed back home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, p: float, blocks):
+    def forward(ctx, q, k, v, ring: _Ring, p: float, blocks, documents):
         # q: (b, h, 2c, d); k, v: (b, g, 2c, d), this rank's chunks; the blocks run in
         # blocks.dtype (fp32 for the math, the model dtype for fused kernels), merges in fp32
         scale, qpg, dtype = _block_settings(q, k, blocks)
@@ -154,8 +190,10 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 kv_next, requests = ring.exchange(kv, _KV_TAG)  # overlaps this step's math
             ks, vs = (_expand(t.to(dtype), qpg).chunk(2, dim=2) for t in kv)
-            for qi, kj, causal in ring.pairs(step):
-                o, s, replay = block_step(blocks, qs[qi], ks[kj], vs[kj], scale, causal, p)
+            for qi, kj, keep, causal in ring.pairs(step, documents):
+                o, s, replay = _block_forward(
+                    blocks, qs[qi], ks[kj], vs[kj], scale, causal, p, keep
+                )
                 replays.append(replay)  # dropout's replay (generator state or philox seed)
                 o = o.float()
                 out[qi], lse[qi] = (o, s) if out[qi] is None else _merge(out[qi], lse[qi], o, s)
@@ -168,12 +206,14 @@ class _RingAttention(torch.autograd.Function):
         # (model dtype, no extra copy) for fused kernels
         ctx.save_for_backward(q, k, v, out if dtype == torch.float32 else result, lse)
         ctx.ring, ctx.p, ctx.blocks, ctx.replays = ring, p, blocks, replays
+        ctx.documents = documents
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, p, blocks, replays = ctx.ring, ctx.p, ctx.blocks, iter(ctx.replays)
+        documents = ctx.documents
         scale, qpg, dtype = _block_settings(q, k, blocks)
         qs, dos = q.to(dtype).chunk(2, dim=2), dout.to(dtype).contiguous().chunk(2, dim=2)
         outs, lses = out.to(dtype).chunk(2, dim=2), lse.chunk(2, dim=2)
@@ -187,10 +227,10 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = (_expand(t.to(dtype), qpg).chunk(2, dim=2) for t in kv)
             dks = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in ks]
             dvs = [torch.zeros_like(t) for t in dks]
-            for qi, kj, causal in ring.pairs(step):
-                dq_b, dk_b, dv_b = blocks.backward(
-                    qs[qi], ks[kj], vs[kj], dos[qi], outs[qi], lses[qi], scale, causal, p,
-                    next(replays),
+            for qi, kj, keep, causal in ring.pairs(step, documents):
+                dq_b, dk_b, dv_b = _block_backward(
+                    blocks, qs[qi], ks[kj], vs[kj], dos[qi], outs[qi], lses[qi], scale, causal,
+                    p, next(replays), keep,
                 )  # fmt: skip
                 dq[qi] += dq_b
                 dks[kj] += dk_b
@@ -206,7 +246,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next
         _wait(dkv_requests)  # after CP steps the block's gradient is back home
         dk, dv = dkv_in.to(k.dtype).unbind(0)
-        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None, None
 
 
 class RingAttention:
@@ -217,6 +257,11 @@ class RingAttention:
     `backend` (mpu/ring_blocks.py): "auto" runs each block through a fused SDPA kernel that
     returns the LSE where the device and dtype have one (chosen on the first call), else the
     explicit fp32 math; "fused" insists on the kernel; "math" is the explicit math.
+
+    `documents` (mpu/ring_documents.py, from gather_documents): causal attention within each
+    token's own document (--reset-attention-mask); pairs of chunks with no document in common
+    are skipped, partly masked ones run the explicit fp32 math with their mask, and the rest
+    run as without documents.
 
     Dropout (`dropout_p`) draws its masks from the current default generator, as F.dropout
     would (callers fork the RNG tracker around it), and backward replays them. Where the fused
@@ -238,8 +283,13 @@ class RingAttention:
         blocks = select_blocks(self.backend, q.device, q.dtype, q.size(-1))
         return blocks if blocks.dropout or dropout_p == 0.0 else MATH
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
-        divide(q.size(2), 2)  # two chunks per rank
+    def __call__(self, q, k, v, dropout_p: float = 0.0, documents: RingDocuments | None = None):
+        c = divide(q.size(2), 2)  # two chunks per rank
         divide(q.size(1), k.size(1))
+        if documents is not None and documents.chunks.shape[1:] != (q.size(0), c):
+            raise ValueError(
+                f"document ids for (b, c) = {tuple(documents.chunks.shape[1:])} chunks given "
+                f"to ring attention over (b, c) = ({q.size(0)}, {c})"
+            )
         p = float(dropout_p)
-        return _RingAttention.apply(q, k, v, self.ring, p, self.blocks(q, p))
+        return _RingAttention.apply(q, k, v, self.ring, p, self.blocks(q, p), documents)

@@ -8,7 +8,9 @@ the gradient of the whole row. Two implementations of that contract:
 
 - `math`: explicit fp32 matmul + softmax on any device and dtype. It materialises the block's
   (s_q, s_k) scores. Dropout masks are drawn from the device's default generator (whose state
-  the caller forked) and redrawn in backward from the state saved per block.
+  the caller forked) and redrawn in backward from the state saved per block. It alone takes an
+  arbitrary keep mask (documents under context parallelism, mpu/ring_documents.py); a row the
+  mask leaves no key gets LSE -inf and output 0, and no NaN in forward or backward.
 - fused: PyTorch's SDPA kernels that return the LSE and, in backward, recompute the
   probabilities from it (flash attention's contract; no score matrix is kept). Inputs stay in
   the model dtype, LSEs are fp32 (natural log, (b, h, s_q)); a causal block is the diagonal
@@ -40,12 +42,20 @@ BACKENDS = ("auto", "fused", "math")
 # ---- math: explicit fp32 attention with its log-sum-exp ----
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q, k, scale: float, causal: bool, keep=None) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk)
     if causal:  # the diagonal block: query i sees keys <= i
         above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(above, float("-inf"))
+    if keep is not None:  # (b, 1, sq, sk), True where query i may see key j: documents
+        s = s.masked_fill(~keep, float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A row that sees no key of a (masked) block has LSE -inf and probabilities all 0: with 0
+    in its place, exp(s - lse) = exp(-inf) = 0 rather than exp(-inf + inf) = NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def _keep(shape, p: float, generator, device) -> torch.Tensor:
@@ -54,20 +64,22 @@ def _keep(shape, p: float, generator, device) -> torch.Tensor:
     return (u >= p).to(torch.float32) / (1.0 - p)
 
 
-def _block_forward(q, k, v, scale, causal, p, generator):
-    """out = dropout(softmax(q k^T scale)) v of one block, and the rows' log-sum-exp."""
-    s = _scores(q, k, scale, causal)
+def _block_forward(q, k, v, scale, causal, p, generator, keep=None):
+    """out = dropout(softmax(q k^T scale)) v of one block, and the rows' log-sum-exp (-inf, with
+    out 0, for a row that `keep` leaves no key)."""
+    s = _scores(q, k, scale, causal, keep)
     lse = torch.logsumexp(s, dim=-1)  # (b, h, sq)
-    probs = torch.exp(s - lse.unsqueeze(-1))
+    probs = torch.exp(s - _finite(lse).unsqueeze(-1))
     if p > 0.0:
         probs = probs * _keep(probs.shape, p, generator, q.device)
     return torch.matmul(probs, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, causal, p, generator):
+def _block_backward(q, k, v, dout, lse, delta, scale, causal, p, generator, keep=None):
     """Gradients of one block given the *final* log-sum-exp of the rows (so the probabilities
     are those of the whole softmax) and delta = rowsum(dout * out) (flash attention's D)."""
-    probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (b, h, sq, sk)
+    s = _scores(q, k, scale, causal, keep)
+    probs = torch.exp(s - _finite(lse).unsqueeze(-1))  # (b, h, sq, sk)
     dp = torch.matmul(dout, v.transpose(-1, -2))
     if p > 0.0:
         keep = _keep(probs.shape, p, generator, q.device)
@@ -88,22 +100,25 @@ class MathBlocks:
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return torch.float32
 
-    def forward(self, q, k, v, scale: float, causal: bool, p: float):
-        """(out, lse, replay): replay is the generator state its dropout masks start from."""
+    def forward(self, q, k, v, scale: float, causal: bool, p: float, keep=None):
+        """(out, lse, replay): replay is the generator state its dropout masks start from.
+        `keep` (b, 1, sq, sk) bool: the pairs a document mask allows (the math alone takes
+        one)."""
         generator = default_generator(q.device)
         replay = generator.get_state() if p > 0.0 else None
-        out, lse = _block_forward(q, k, v, scale, causal, p, generator)
+        out, lse = _block_forward(q, k, v, scale, causal, p, generator, keep)
         return out, lse, replay
 
-    def backward(self, q, k, v, dout, out, lse, scale: float, causal: bool, p: float, replay):
+    def backward(self, q, k, v, dout, out, lse, scale, causal, p, replay, keep=None):
         delta = (dout * out).sum(-1)  # (b, h, sq)
         generator = default_generator(q.device)
+        args = (q, k, v, dout, lse, delta, scale, causal, p, generator, keep)
         if replay is None:
-            return _block_backward(q, k, v, dout, lse, delta, scale, causal, p, generator)
+            return _block_backward(*args)
         current = generator.get_state()
         generator.set_state(replay)
         try:
-            return _block_backward(q, k, v, dout, lse, delta, scale, causal, p, generator)
+            return _block_backward(*args)
         finally:
             generator.set_state(current)
 
@@ -180,9 +195,14 @@ MATH = MathBlocks()
 _FUSED = {"cpu": (CpuFlashBlocks(),), "cuda": (CudaFlashBlocks(), CudaEfficientBlocks())}
 
 
-def block_step(blocks, q, k, v, scale, causal, p):
-    """One block's forward through `blocks`; (out, fp32 lse, what its backward needs)."""
-    out, lse, replay = blocks.forward(q, k, v, scale, causal, p)
+def block_step(blocks, q, k, v, scale, causal, p, keep=None):
+    """One block's forward through `blocks`; (out, fp32 lse, what its backward needs). A `keep`
+    mask (b, 1, sq, sk) goes to the math only: the fused kernels that return the LSE take
+    none."""
+    if keep is None:
+        out, lse, replay = blocks.forward(q, k, v, scale, causal, p)
+    else:
+        out, lse, replay = blocks.forward(q, k, v, scale, causal, p, keep=keep)
     return out, lse.float(), replay
 
 

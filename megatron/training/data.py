@@ -254,14 +254,11 @@ def get_batch(data_iterator, device: torch.device, state: ParallelState | None =
 
 def _context_parallel_batch(batch: Batch, state: ParallelState) -> Batch:
     """This CP rank's chunks r and 2 CP - 1 - r of every field (mpu/context_parallel.py)."""
-    if batch.document_ids is not None:
-        raise ValueError(
-            "--reset-attention-mask cannot run with --context-parallel-size > 1 (ring attention "
-            "has no document masks); drop one of them"
-        )
     b, s = batch.tokens.shape
     positions = batch.position_ids
     if positions is None:  # the global positions of this rank's chunks, not 0..s/CP-1
         positions = torch.arange(s, device=batch.tokens.device).expand(b, s)
     cut = functools.partial(context_parallel_slice, cp_rank=state.cp_rank, cp_size=state.cp_size)
-    return Batch(cut(batch.tokens), cut(batch.labels), cut(batch.loss_mask), cut(positions), None)
+    documents = None if batch.document_ids is None else cut(batch.document_ids)
+    fields = (batch.tokens, batch.labels, batch.loss_mask, positions)
+    return Batch(*(cut(t) for t in fields), documents)

@@ -104,6 +104,17 @@ def _losses(history):
     return [h["lm_loss"] for h in history]
 
 
+def assert_same_run(history, ref_history, what: str) -> None:
+    """The logged losses and grad norms of two runs agree (float tolerance)."""
+    np.testing.assert_allclose(_losses(history), _losses(ref_history), rtol=2e-5, err_msg=what)
+    np.testing.assert_allclose(
+        [h["grad_norm"] for h in history],
+        [h["grad_norm"] for h in ref_history],
+        rtol=1e-4,
+        err_msg=what,
+    )
+
+
 _CALLS = {"n": 0}  # micro batches seen by a poisoning hook in this rank (reset before each run)
 
 

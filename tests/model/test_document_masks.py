@@ -21,7 +21,7 @@ from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
 from megatron.training.data import DocumentMasking, collate, document_fields, get_batch
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import _losses, _pp_worker, _ref_worker, _train, flags
+from tests.helpers.training import _losses, _pp_worker, _ref_worker, _train, assert_same_run, flags
 
 EOD = 9
 ALL = DocumentMasking(EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
@@ -217,22 +217,29 @@ def _ref_and_plain(rank, world, argv, plain_argv):
     return ref, _train(rank, world, plain_argv)[0]
 
 
+def _layouts_worker(rank, world, argv, layouts, ref_weights):
+    return {name: _pp_worker(rank, world, argv + layout, ref_weights)["history"]
+            for name, layout in layouts.items()}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_tp2_pp2_with_document_masks_equals_one_process(eod_data):
+def test_tp2_pp2_and_cp2_pp2_with_document_masks_equal_one_process(eod_data):
+    """TP 2 x PP 2 (full recompute) and CP 2 x PP 2 (ring attention within documents, the
+    16-token samples cut into 4 chunks that documents of 3 to 12 tokens cross) through
+    pretrain(): losses, grad norms and final weights of one process."""
     argv = _argv(eod_data, *DOC_FLAGS, "--position-embedding-type", "rope")
     plain = _argv(eod_data, "--position-embedding-type", "rope")
     (((ref, ref_weights), without),) = run_distributed(_ref_and_plain, 1, argv, plain)
     assert not np.allclose(_losses(ref), _losses(without), rtol=1e-3), "the flags must act"
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    layout += ["--recompute-granularity", "full"]
-    for rank, out in enumerate(run_distributed(_pp_worker, 4, argv + layout, ref_weights)):
-        np.testing.assert_allclose(_losses(out["history"]), _losses(ref), rtol=2e-5)
-        np.testing.assert_allclose(
-            [h["grad_norm"] for h in out["history"]],
-            [h["grad_norm"] for h in ref],
-            rtol=1e-4,
-            err_msg=f"rank {rank}",
-        )
+    pp = ["--pipeline-model-parallel-size", "2"]
+    layouts = {
+        "tp2 pp2": ["--tensor-model-parallel-size", "2", *pp, "--recompute-granularity", "full"],
+        "cp2 pp2": ["--context-parallel-size", "2", *pp],
+    }
+    runs = run_distributed(_layouts_worker, 4, argv, layouts, ref_weights)
+    for rank, histories in enumerate(runs):
+        for name, history in histories.items():
+            assert_same_run(history, ref, f"{name} rank {rank}")
 
 
 def _ds_runs(rank, world, argv):

@@ -29,8 +29,12 @@ from megatron.mpu.context_parallel import (
     context_parallel_positions,
     context_parallel_slice,
     context_parallel_unslice,
+    gather_documents,
 )
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron.mpu.ring_documents import BlockKind, RingDocuments
+from megatron.training.data import DocumentMasking, collate, get_batch
+from tests.helpers.attention import LAYOUTS, PACKED, document_attention, document_ids
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import _losses, _ref_worker, _train, flags, train_run
 
@@ -45,11 +49,6 @@ _BASE_ARGV = ["--vocab-size", "64", "--seq-length", "16"]
         (["--seq-length", "18"], 4, "not divisible by 2 x CP = 4"),
         (["--context-parallel-size", "3"], 4, "world size 4 is not divisible by TP x CP x PP"),
         (["--deepspeed"], 4, "given with --deepspeed"),
-        (
-            ["--reset-attention-mask", "--tokenizer-type", "GPT2BPETokenizer"],
-            2,
-            "given with --reset-attention-mask",
-        ),
         (["--attention-backend", "fused"], 2, "given with --attention-backend fused"),
         (
             ["--tensor-model-parallel-size", "4", "--sequence-parallel", "--seq-length", "20"],
@@ -77,6 +76,13 @@ def test_context_parallel_divides_the_world_before_data_parallelism():
         world_size=8,
     )
     assert cfg.parallel.data_parallel_size == 2
+
+
+def test_context_parallel_takes_document_masks():
+    docs = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    argv = [*_BASE_ARGV, "--context-parallel-size", "2", *docs]
+    cfg = parse_args([*argv, "--tokenizer-type", "GPT2BPETokenizer"], world_size=2)
+    assert cfg.data.reset_attention_mask and cfg.parallel.context_parallel_size == 2
 
 
 def test_bert_refuses_context_parallelism():
@@ -174,27 +180,100 @@ def _check_ring_attention(state) -> None:
             torch.testing.assert_close(grad, full.grad, **tol, msg=f"{what} d{name}")
 
 
+def _check_ring_attention_documents(state) -> None:
+    """Ring attention within documents vs SDPA with the single-process (s, s) document mask:
+    packed documents crossing chunk boundaries, chunks inside one document, pairs of chunks
+    skipped and rows with no key in a block; one sample a whole document beside many short
+    ones; every token its own document. Math and fused blocks, MHA and GQA, fp32 and bf16."""
+    g = torch.Generator().manual_seed(12)
+    cases = [(4, "math", torch.float32), (2, "fused", torch.float32)]
+    cases += [(2, "fused", torch.bfloat16)]
+    kinds = RingDocuments.from_sequence(document_ids(PACKED), state.cp_size).kinds
+    assert {k for row in kinds for k in row} == set(BlockKind), kinds
+    for layout, lengths in LAYOUTS.items():
+        ids = document_ids(lengths)
+        local_ids = context_parallel_slice(ids, state.cp_rank, state.cp_size)
+        documents = gather_documents(local_ids, state)
+        whole = RingDocuments.from_sequence(ids, state.cp_size)
+        assert torch.equal(documents.chunks, whole.chunks) and documents.kinds == whole.kinds
+        (b, s), h = ids.shape, 4
+        for groups, backend, dtype in cases:
+            q = torch.randn(b, h, s, 8, generator=g).to(dtype).requires_grad_()
+            k, v = (
+                torch.randn(b, groups, s, 8, generator=g).to(dtype).requires_grad_() for _ in "kv"
+            )
+            dout = torch.randn(b, h, s, 8, generator=g).to(dtype)
+            ref = document_attention(q, k, v, ids)
+            ref.backward(dout)
+            mine = [
+                context_parallel_slice(t.detach(), state.cp_rank, state.cp_size, dim=2)
+                .clone()
+                .requires_grad_()
+                for t in (q, k, v)
+            ]
+            out = RingAttention(state, backend)(*mine, documents=documents)
+            out.backward(context_parallel_slice(dout, state.cp_rank, state.cp_size, dim=2))
+            tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+            what = f"{layout} {backend} {dtype} groups={groups}"
+            torch.testing.assert_close(
+                _gather_cp(out.detach(), state, 2), ref.detach(), **tol, msg=what
+            )
+            for name, full, local in zip("qkv", (q, k, v), mine, strict=True):
+                grad = _gather_cp(local.grad, state, 2)
+                torch.testing.assert_close(grad, full.grad, **tol, msg=f"{what} d{name}")
+
+
 def _micro_batch(cfg: ModelConfig, step: int):
     g = torch.Generator().manual_seed(1000 + step)
     text = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
     return text[:, :-1], text[:, 1:]
 
 
-def _train_steps(model, state, steps: int):
+_EOD = 60  # the end-of-document token of the packed samples (vocab 61)
+
+
+def _document_batch(cfg: ModelConfig, step: int, lengths, state):
+    """A micro batch of the packed documents `lengths` (an EOD ends each) through the trainer's
+    data path: --reset-position-ids, --reset-attention-mask and --eod-mask-loss fields (collate),
+    this rank's chunks of each (get_batch)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    text = torch.randint(0, _EOD, (len(lengths), cfg.seq_length + 1), generator=g)
+    ends = torch.tensor([list(np.cumsum(n) - 1) for n in lengths])  # (b, documents)
+    text.scatter_(1, ends, _EOD)
+    documents = DocumentMasking(_EOD, True, True, True)
+    batch = collate(documents, [{"text": row} for row in text])
+    assert torch.equal(batch["document_ids"], document_ids(lengths))
+    return get_batch(iter([batch]), torch.device("cpu"), state)
+
+
+def _train_steps(model, state, steps: int, documents=None):
     """Reported losses, first-step gradients (reduced as the trainer reduces them: summed over
-    TP for SP-marked parameters, averaged over CP) and the model after `steps` AdamW steps."""
+    TP for SP-marked parameters, averaged over CP) and the model after `steps` AdamW steps.
+    `documents`: per-sample document lengths of packed samples (model inputs and loss mask from
+    the trainer's document options)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     cp = state if state.cp_size > 1 else None
     losses, first = [], None
     for step in range(steps):
-        tokens, labels = _micro_batch(model.cfg, step)
-        mask = torch.ones(labels.shape)
-        if cp is not None:
-            tokens, labels, mask = (
-                context_parallel_slice(t, state.cp_rank, state.cp_size)
-                for t in (tokens, labels, mask)
+        if documents is not None:
+            batch = _document_batch(model.cfg, step, documents, state)
+            output = model(
+                batch.tokens,
+                position_ids=batch.position_ids,
+                labels=batch.labels,
+                document_ids=batch.document_ids,
             )
-        loss, stats = lm_loss(mask, model(tokens, labels=labels), context_parallel=cp)
+            mask = batch.loss_mask
+        else:
+            tokens, labels = _micro_batch(model.cfg, step)
+            mask = torch.ones(labels.shape)
+            if cp is not None:
+                tokens, labels, mask = (
+                    context_parallel_slice(t, state.cp_rank, state.cp_size)
+                    for t in (tokens, labels, mask)
+                )
+            output = model(tokens, labels=labels)
+        loss, stats = lm_loss(mask, output, context_parallel=cp)
         loss.backward()
         if state.sequence_parallel:
             mpu.all_reduce_sequence_parallel_grads(model.parameters(), state.tp_group, attr="grad")
@@ -231,15 +310,15 @@ def _shard(full, param, state):
 
 
 def _check_model_equivalence(state, variants) -> None:
-    for name, (cfg, recompute) in variants.items():
+    for name, (cfg, recompute, documents) in variants.items():
         ref = _gpt(cfg, mpu.single_process_state(), recompute)
-        ref_losses, ref_grads = _train_steps(ref, ref.state, 3)
+        ref_losses, ref_grads = _train_steps(ref, ref.state, 3, documents)
         model = _gpt(cfg, state, recompute, _tracker(state))
         probe = torch.empty(1, 1, 2, cfg.head_dim)
         for layer in model.modules():  # --attention-backend sdpa: the fused CPU kernel
             if isinstance(layer, ParallelAttention):
                 assert layer.ring.blocks(probe).name == "cpu-flash", name
-        losses, grads = _train_steps(model, state, 3)
+        losses, grads = _train_steps(model, state, 3, documents)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
         full = dict(ref.named_parameters())
         for pname, p in model.named_parameters():
@@ -284,21 +363,31 @@ def _check_dropout_under_recompute(state) -> None:
 
 
 _CP_VARIANTS = {
-    "gpt2": (_MODEL, None),
-    "RoPE, GQA, RMSNorm, SwiGLU, full recompute": (_LLAMA, _FULL),
-    "RoPE, GQA, selective recompute": (_LLAMA, _SELECTIVE),
+    "gpt2": (_MODEL, None, None),
+    "RoPE, GQA, RMSNorm, SwiGLU, full recompute": (_LLAMA, _FULL, None),
+    "RoPE, GQA, selective recompute": (_LLAMA, _SELECTIVE, None),
+    # packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss)
+    "gpt2, documents": (dataclasses.replace(_MODEL, seq_length=32), None, PACKED),
+    "RoPE, GQA, documents, selective recompute": (
+        dataclasses.replace(_LLAMA, seq_length=32),
+        _SELECTIVE,
+        PACKED,
+    ),
 }
+_DOCS = ["gpt2, documents", "RoPE, GQA, documents, selective recompute"]
 
 
 def _model_worker(rank, world):
     torch.manual_seed(0)
     for tp, cp, sp, names in (
-        (1, 4, False, list(_CP_VARIANTS)),
-        (1, 2, False, list(_CP_VARIANTS)[:2]),  # CP 2 x DP 2: each CP pair checks itself
-        (2, 2, True, list(_CP_VARIANTS)[1:2]),
+        (1, 4, False, [*_CP_VARIANTS][:3] + _DOCS[:1]),
+        (1, 2, False, [*_CP_VARIANTS][:2] + _DOCS[1:]),  # CP 2 x DP 2: each CP pair checks itself
+        (2, 2, True, [*_CP_VARIANTS][1:2] + _DOCS[1:]),
     ):
         state = initialize_model_parallel(tp, context_parallel_size=cp, sequence_parallel=sp)
         _check_ring_attention(state)
+        if tp == 1:  # 8 and 4 chunks
+            _check_ring_attention_documents(state)
         _check_model_equivalence(state, {n: _CP_VARIANTS[n] for n in names})
         if cp == 2 and tp == 1:
             _check_dropout_under_recompute(state)
@@ -308,9 +397,11 @@ def _model_worker(rank, world):
 
 @pytest.mark.slow
 def test_context_parallel_model_matches_one_process():
-    """Ring attention (MHA, GQA) vs SDPA; the GPT at CP 4, CP 2 (x DP 2) and CP 2 x TP 2 with
-    SP vs one process: losses, first-step gradients, weights after 3 AdamW steps (learned and
-    RoPE positions, GQA, full and selective recompute); dropout under recompute at CP 2."""
+    """Ring attention (MHA, GQA) vs SDPA, also within packed documents; the GPT at CP 4, CP 2
+    (x DP 2) and CP 2 x TP 2 with SP vs one process: losses, first-step gradients, weights
+    after 3 AdamW steps (learned and RoPE positions, GQA, full and selective recompute, packed
+    documents with --reset-attention-mask / --reset-position-ids / --eod-mask-loss); dropout
+    under recompute at CP 2."""
     assert run_distributed(_model_worker, 4) == [True] * 4
 
 

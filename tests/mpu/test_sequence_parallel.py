@@ -26,7 +26,15 @@ from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import _losses, _ref_worker, _resume_worker, _train, flags, train_run
+from tests.helpers.training import (
+    _losses,
+    _ref_worker,
+    _resume_worker,
+    _train,
+    assert_same_run,
+    flags,
+    train_run,
+)
 
 # ---- the mappings: forward and backward against the math ----
 
@@ -300,16 +308,6 @@ def reference(data_prefix):
     return argv, history, weights
 
 
-def _assert_same_run(history, ref_history, what: str) -> None:
-    np.testing.assert_allclose(_losses(history), _losses(ref_history), rtol=2e-5, err_msg=what)
-    np.testing.assert_allclose(
-        [h["grad_norm"] for h in history],
-        [h["grad_norm"] for h in ref_history],
-        rtol=1e-4,
-        err_msg=what,
-    )
-
-
 @pytest.mark.slow
 def test_sequence_parallel_training_matches_one_process_and_resumes_exactly(reference, tmp_path):
     """TP2 x PP2 x DP2, interleaved (2 chunks per stage), SP: losses, grad norms and final
@@ -323,7 +321,7 @@ def test_sequence_parallel_training_matches_one_process_and_resumes_exactly(refe
     ]
     results = run_distributed(_sp_worker, 8, argv + layout, ref_weights, str(tmp_path))
     for rank, (history, resume) in enumerate(results):
-        _assert_same_run(history, ref_history, f"rank {rank}")
+        assert_same_run(history, ref_history, f"rank {rank}")
         for kind, (straight, first, second, final_iter) in resume.items():
             assert final_iter == 6 and _losses(first) == _losses(straight)[:3], kind
             assert _losses(second) == _losses(straight)[3:], f"{kind}: resume not exact"
@@ -348,7 +346,7 @@ def test_sequence_parallel_with_deepspeed_matches_one_process(reference):
     argv, ref_history, _ = reference
     for rank, runs in enumerate(run_distributed(_ds_worker, 4, argv)):
         for name, history in runs.items():
-            _assert_same_run(history, ref_history, f"{name} rank {rank}")
+            assert_same_run(history, ref_history, f"{name} rank {rank}")
 
 
 # ---- the rules ----

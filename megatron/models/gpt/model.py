@@ -30,7 +30,7 @@ from megatron.mpu import (
     gathered_linear,
     sequence_slice,
 )
-from megatron.mpu.context_parallel import context_parallel_positions
+from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
 
 
 class Embedding(nn.Module):
@@ -188,13 +188,24 @@ class GPTModel(nn.Module):
         """The activation received from the previous pipeline stage."""
         self._input = x
 
+    def _attention_mask(self, document_ids: torch.Tensor | None) -> AttentionMask:
+        """Causal, or within documents: an (s, s) mask, or under context parallelism every
+        chunk's document ids (one all-gather over CP per forward), which ring attention turns
+        into per-block masks."""
+        if document_ids is None:
+            return CAUSAL
+        if self.state.cp_size > 1:
+            return AttentionMask.ring_documents(gather_documents(document_ids, self.state))
+        return AttentionMask.documents(document_ids)
+
     def forward(
         self, tokens=None, position_ids=None, labels=None, kv_caches=None, document_ids=None
     ):
         """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference.engine).
         `position_ids`, `document_ids` (b, s): positions, and the document of each token that
         attention stays within (--reset-position-ids / --reset-attention-mask); every pipeline
-        stage gets them (RoPE and the mask act in each layer)."""
+        stage gets them (RoPE and the mask act in each layer). With context parallelism both are
+        those of this rank's chunks."""
         if kv_caches is not None and self.state.sequence_parallel:
             raise ValueError("generation with a KV cache runs without --sequence-parallel")
         cp = self.state.cp_size
@@ -208,7 +219,7 @@ class GPTModel(nn.Module):
             for number, layer in zip(self.layer_numbers, self.run_order(), strict=True):
                 x = layer(x, position_ids, kv_caches[number])
         else:
-            mask = CAUSAL if document_ids is None else AttentionMask.documents(document_ids)
+            mask = self._attention_mask(document_ids)
             x = run_layers(
                 self.run_order(),
                 x,
