@@ -226,8 +226,8 @@ def chunk_from_completion(chunk: dict, started: frozenset = frozenset()):
     "content": ""}; text (or logprobs) goes out as {"content": text}; a finish_reason goes out
     last, in a chunk with an empty delta. Pure: the caller keeps `started` between chunks."""
     out = []
-    base = {k: v for k, v in chunk.items() if k not in ("id", "object", "choices")}
-    base.update(id=_chat_id(chunk["id"]), object="chat.completion.chunk")
+    base = {"id": _chat_id(chunk["id"]), "object": "chat.completion.chunk"}  # OpenAI's order
+    base.update((k, v) for k, v in chunk.items() if k not in ("id", "object", "choices"))
 
     def emit(index: int, delta: dict, logprobs=None, finish_reason=None) -> None:
         choice = {"index": index, "delta": delta, "logprobs": logprobs}
