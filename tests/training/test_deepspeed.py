@@ -115,6 +115,26 @@ def _ds_cfg(tmp_path, json_body, *extra, world=2):
             ],
             "no interleaved schedule",
         ),
+        (
+            '{"zero_optimization": {"stage": 3}}',
+            ["--num-experts", "4"],
+            "DeepSpeed does not support MoE with ZeRO-3",
+        ),
+        (
+            "{}",
+            ["--num-experts", "4", "--pipeline-model-parallel-size", "2"],
+            "pipeline engine is not given our expert groups",
+        ),
+        (
+            "{}",
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--bf16"],
+            "leaves the expert gradients out of the gradient norm",
+        ),
+        (
+            '{"zero_optimization": {"stage": 1, "reduce_scatter": false}}',
+            ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+            "only on its reduce-scatter path",
+        ),
     ],
 )
 def test_contradictions_between_json_and_flags_fail_fast(tmp_path, body, extra, message):
