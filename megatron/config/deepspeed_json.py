@@ -283,6 +283,51 @@ def _sequence_parallel(ds: dict, cfg: MegatronConfig) -> None:
         pipe[key] = False  # DeepSpeed's default is True
 
 
+def _experts(ds: dict, cfg: MegatronConfig) -> None:
+    """MoE (--num-experts) under DeepSpeed: ZeRO 0-2 without its pipeline engine, with the
+    ZeRO options DeepSpeed's MoE gradient path needs (megatron/training/deepspeed/moe.py)."""
+    if not cfg.model.moe:
+        return
+    zero, why = ds["zero_optimization"], None
+    if zero["stage"] == 3:
+        why = (
+            "ZeRO stage 3: DeepSpeed does not support MoE with ZeRO-3 (its engine refuses "
+            "'Native DeepSpeed MoE is not supported with ZeRO Stage 3'). Fix: use --zero-stage "
+            "0, 1 or 2, or drop --deepspeed (our --use-distributed-optimizer shards experts)"
+        )
+    elif cfg.parallel.pipeline_model_parallel_size > 1:
+        why = (
+            f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
+            "DeepSpeed's pipeline engine is not given our expert groups (it would average "
+            "expert gradients over all of DP) nor the aux losses' gradient scale. Fix: use "
+            "--pipeline-model-parallel-size 1 with --deepspeed, or drop --deepspeed (our "
+            "pipeline runs MoE)"
+        )
+    elif cfg.parallel.expert_model_parallel_size > 1 and zero["stage"] == 0:
+        if cfg.precision.fp16 or cfg.precision.bf16:
+            why = (
+                "ZeRO stage 0 in fp16/bf16 with --expert-model-parallel-size > 1: DeepSpeed's "
+                "(unfused) fp16/bf16 optimizer leaves the expert gradients out of the gradient "
+                "norm, so clipping and the logged norm would ignore them. Fix: use --zero-stage "
+                "1 or 2 (or fp32 at stage 0)"
+            )
+    elif cfg.parallel.expert_model_parallel_size > 1:
+        if not zero.get("reduce_scatter", True):
+            why = (
+                "zero_optimization.reduce_scatter=false: DeepSpeed reduces expert gradients "
+                "over the expert-data-parallel group only on its reduce-scatter path. Fix: drop "
+                "it (or pass --zero-reduce-scatter)"
+            )
+        elif zero["stage"] == 2 and not zero.get("contiguous_gradients", True):
+            why = (
+                "zero_optimization.contiguous_gradients=false with ZeRO-2: DeepSpeed's MoE "
+                "support needs contiguous gradients. Fix: drop it (or pass "
+                "--zero-contigious-gradients)"
+            )
+    if why:
+        raise ConfigError(f"--num-experts with --deepspeed and {why}")
+
+
 def build_ds_config(cfg: MegatronConfig) -> dict:
     """The JSON of --deepspeed_config, completed and checked against the command line."""
     ds = copy.deepcopy(with_ds_json(cfg).deepspeed.config_json or {})
@@ -332,6 +377,7 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
     _zero(ds, cfg)
     _activation_checkpointing(ds, cfg)
     _sequence_parallel(ds, cfg)
+    _experts(ds, cfg)
     ds.setdefault("steps_per_print", 10**9)  # we log; DeepSpeed stays quiet
     ds.setdefault("wall_clock_breakdown", False)
     return ds

@@ -101,14 +101,6 @@ def validate_moe(cfg: MegatronConfig) -> None:
         )
     refused = (
         (
-            "--deepspeed",
-            cfg.deepspeed.enabled,
-            "DeepSpeed's engine would reduce every expert's gradient over all of DP and knows "
-            "no expert-parallel group",
-            "drop --deepspeed (the native backend's --use-distributed-optimizer shards the "
-            "optimizer states, experts over the expert-data-parallel group)",
-        ),
-        (
             "--DDP-impl torch",
             cfg.distributed.ddp_impl == "torch",
             "torch DDP averages every gradient over DP (experts too) and fails on experts a "

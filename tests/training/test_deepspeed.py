@@ -115,6 +115,26 @@ def _ds_cfg(tmp_path, json_body, *extra, world=2):
             ],
             "no interleaved schedule",
         ),
+        (
+            '{"zero_optimization": {"stage": 3}}',
+            ["--num-experts", "4"],
+            "DeepSpeed does not support MoE with ZeRO-3",
+        ),
+        (
+            "{}",
+            ["--num-experts", "4", "--pipeline-model-parallel-size", "2"],
+            "pipeline engine is not given our expert groups",
+        ),
+        (
+            "{}",
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--bf16"],
+            "leaves the expert gradients out of the gradient norm",
+        ),
+        (
+            '{"zero_optimization": {"stage": 1, "reduce_scatter": false}}',
+            ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+            "only on its reduce-scatter path",
+        ),
     ],
 )
 def test_contradictions_between_json_and_flags_fail_fast(tmp_path, body, extra, message):
@@ -193,12 +213,91 @@ def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, t
     assert marker.exists() and (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
 
 
+def _run_with_weights(rank, world, argv):
+    """(history, this rank's parameters after training in model order, as numpy arrays)."""
+    result = train_run(rank, world, argv)
+    return result.history, [p.detach().float().numpy().copy() for p in result.model.parameters()]
+
+
+_EP2, _TP2 = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]
+_DS = ["--deepspeed", "--zero-stage"]
+# (name, flags, native twin): an MoE GPT under DeepSpeed against our backend at the same layout
+_MOE_RUNS = (
+    ("dp4 ep2 zero0", _EP2 + _DS + ["0"], "dp4 ep2"),
+    ("dp4 ep2 zero1", _EP2 + _DS + ["1"], "dp4 ep2"),
+    ("dp4 ep2 zero2", _EP2 + _DS + ["2"], "dp4 ep2"),
+    ("tp2 ep2 zero2", _TP2 + _EP2 + _DS + ["2"], "tp2 ep2"),
+    ("dp4 ep2 bf16 zero1", _EP2 + ["--bf16"] + _DS + ["1"], "dp4 ep2 bf16"),
+    ("tp2 ep2 bf16 zero2", _TP2 + _EP2 + ["--bf16"] + _DS + ["2"], "tp2 ep2 bf16"),
+)
+_NATIVE = {"dp4 ep2": _EP2, "tp2 ep2": _TP2 + _EP2, "dp4 ep2 bf16": _EP2 + ["--bf16"]}
+_NATIVE["tp2 ep2 bf16"] = _TP2 + _EP2 + ["--bf16"]
+
+
+def _four_rank_worker(rank, world, argv, moe_argv, save_dir):
+    """Every 4-rank DeepSpeed run in one spawn: ZeRO-1 x TP 2 (dense), then the MoE GPT."""
+    from megatron.checkpoint.storage import CheckpointError
+
+    out = {"tp2 zero1": _train(rank, world, argv + _DS + ["1"] + _TP2)[0]}
+    for name, extra in _NATIVE.items():
+        out[name] = _run_with_weights(rank, world, moe_argv + extra)
+    for name, extra, _ in _MOE_RUNS:
+        out[name] = _run_with_weights(rank, world, moe_argv + extra)
+    # Engine checkpoints with experts: 2 steps + save, then resumed for steps 3-4 (ZeRO-0 fp32
+    # keeps its optimizer in DeepSpeed's per-EP-rank file; ZeRO-2 in its per-rank ZeRO files).
+    for stage in ("0", "2"):
+        ds = moe_argv + _EP2 + _DS + [stage]
+        two = list(ds)
+        two[two.index("--train-iters") + 1] = "2"
+        d = f"{save_dir}/zero{stage}"
+        _train(rank, world, two + ["--save", d])
+        out[f"resumed zero{stage}"] = _run_with_weights(rank, world, ds + ["--load", d])
+    try:  # at another EP size: refused, naming the fix
+        _train(rank, world, moe_argv + _DS + ["2", "--load", f"{save_dir}/zero2"])
+        out["ep1 resume"] = "accepted"
+    except CheckpointError as e:
+        out["ep1 resume"] = str(e)
+    return out
+
+
+def _assert_same_run(run, ref, name, rtol, atol=0.0):
+    (history, weights), (ref_history, ref_weights) = run, ref
+    np.testing.assert_allclose(_losses(history), _losses(ref_history), rtol=rtol, err_msg=name)
+    norms = [h["grad_norm"] for h in history]
+    ref_norms = [h["grad_norm"] for h in ref_history]
+    np.testing.assert_allclose(norms, ref_norms, rtol=rtol, err_msg=f"{name} grad norm")
+    assert len(weights) == len(ref_weights), name
+    for i, (w, r) in enumerate(zip(weights, ref_weights, strict=True)):
+        np.testing.assert_allclose(w, r, rtol=rtol, atol=atol, err_msg=f"{name} parameter {i}")
+
+
 @pytest.mark.slow
-def test_zero1_with_tensor_parallelism(data_prefix):
+def test_four_ranks_tensor_parallel_zero1_and_moe_with_expert_parallelism(data_prefix, tmp_path):
+    """ZeRO-1 at TP 2 x DP 2 against one process; an MoE GPT (4 experts, aux loss, clipping
+    that bites) at DP 4 x EP 2 with ZeRO 0 (fp32), 1 and 2 and TP 2 x EP 2 with ZeRO-2, fp32
+    and bf16: loss, grad norm and every updated weight equal to our backend at the same layout
+    (itself equal to one process, tests/model/test_moe_parallel.py); engine checkpoints with
+    experts resume exactly; a resume at another EP size is refused."""
     argv = flags(data_prefix, "--adam-eps", "1e-4")
+    moe = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--clip-grad", "0.5"]
+    moe_argv = flags(data_prefix, "--adam-eps", "1e-4", *moe, iters=4)
     ((ref, _, _),) = run_distributed(_train, 1, argv)
-    ds = argv + ["--deepspeed", "--zero-stage", "1", "--tensor-model-parallel-size", "2"]
-    for rank, (history, _, _) in enumerate(run_distributed(_train, 4, ds)):
+    outs = run_distributed(_four_rank_worker, 4, argv, moe_argv, str(tmp_path), timeout=900)
+    for rank, out in enumerate(outs):
         np.testing.assert_allclose(
-            _losses(history), _losses(ref), rtol=2e-5, err_msg=f"rank {rank}"
+            _losses(out["tp2 zero1"]), _losses(ref), rtol=2e-5, err_msg=f"tp2 zero1 rank {rank}"
         )
+        assert min(h["grad_norm"] for h in out["dp4 ep2"][0]) > 0.5, "clipping is active"
+        for name, _, native in _MOE_RUNS:
+            bf16 = "bf16" in name  # bf16 weights: rounding of the two optimizers' masters
+            rtol, atol = (2e-3, 1e-2) if bf16 else (2e-5, 1e-6)
+            _assert_same_run(out[name], out[native], f"{name} rank {rank}", rtol, atol)
+        for stage in ("0", "2"):
+            (resumed, weights), (straight, final) = (
+                out[f"resumed zero{stage}"],
+                out[f"dp4 ep2 zero{stage}"],
+            )
+            assert _losses(resumed) == _losses(straight)[2:], f"zero{stage} resume is exact"
+            for w, r in zip(weights, final, strict=True):
+                assert np.array_equal(w, r), f"zero{stage} resumed weights, rank {rank}"
+        assert "resume at the EP size it was saved with" in out["ep1 resume"], out["ep1 resume"]

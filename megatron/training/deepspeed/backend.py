@@ -20,8 +20,15 @@ import torch
 from megatron.checkpoint.reading import verify_checkpoint_files
 from megatron.checkpoint.storage import CheckpointError, checkpoint_dir
 from megatron.config.schema import MegatronConfig
+from megatron.model.moe import moe_layers
 from megatron.training.backend import StepResult, TrainerBackend
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
+from megatron.training.deepspeed.moe import (
+    check_expert_layout,
+    expert_parallel_model,
+    load_experts,
+    save_experts,
+)
 from megatron.training.state import TrainState, checkpoint_entries, commit, resume
 from megatron.training.step import make_scheduler
 
@@ -70,6 +77,7 @@ class DeepSpeedBackend(TrainerBackend):
             pipeline_provider,
         )
         self.model = self.engine
+        self.experts = expert_parallel_model(self.engine.module, rt.state) and not self.pipeline
 
     @property
     def loss_scale(self) -> float:
@@ -107,6 +115,10 @@ class DeepSpeedBackend(TrainerBackend):
             self.engine.save_checkpoint(
                 self.cfg.checkpoint.save, tag=tag, client_state=client, save_latest=False
             )
+            if self.experts:  # DeepSpeed wrote EP rank 0's experts only
+                save_experts(
+                    self.engine.module, os.path.join(self.cfg.checkpoint.save, tag), self.rt.state
+                )
         except OSError as e:
             error = e
         commit(self.cfg, self.rt, state.iteration, error, layout="deepspeed")
@@ -123,6 +135,8 @@ class DeepSpeedBackend(TrainerBackend):
         """The engine's part of a resume; returns our entries from its client state."""
         c = self.cfg.checkpoint
         directory = checkpoint_dir(c.load, iteration)
+        if moe_layers(self.engine.module):
+            check_expert_layout(directory, self.rt.state.ep_size)
         path, client = self.engine.load_checkpoint(
             c.load,
             tag=os.path.basename(directory),
@@ -132,4 +146,7 @@ class DeepSpeedBackend(TrainerBackend):
         )
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load this checkpoint")
+        if self.experts:
+            refresh = c.no_load_optim or c.finetune  # the optimizer's fp32 copies came from DP 0
+            load_experts(self.engine, directory, self.rt.state, refresh_masters=refresh)
         return client

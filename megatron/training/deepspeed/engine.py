@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.config.deepspeed_json import build_ds_config, uses_deepspeed_checkpointing
 from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.mpu import (
     ParallelState,
     checkpoint,
@@ -30,9 +31,15 @@ from megatron.mpu import (
 )
 from megatron.training.backend import global_loss, other_losses
 from megatron.training.data import get_batch
+from megatron.training.deepspeed.moe import (
+    count_experts_once_when_clipping,
+    expert_parallel_model,
+    prepare_experts,
+    split_expert_param_groups,
+)
 from megatron.training.optimizer import _torch_optimizer, param_groups
 from megatron.training.schedules import forward_backward_no_pipelining
-from megatron.training.step import build_parallelized_model, evaluate
+from megatron.training.step import _model_config, build_parallelized_model, evaluate
 
 
 def import_deepspeed():
@@ -169,7 +176,12 @@ def setup_deepspeed(
             )
     if rt.state.sequence_parallel:
         reduce_sequence_parallel_grads_in_backward(model.parameters(), rt.state.tp_group)
-    optimizer = _client_optimizer(param_groups(model), cfg)
+    experts = not pipeline and expert_parallel_model(model, rt.state)
+    groups = param_groups(model)
+    if experts:  # DeepSpeed reduces, partitions and norms them over our expert groups
+        prepare_experts(model, rt.state)
+        groups = split_expert_param_groups(groups)
+    optimizer = _client_optimizer(groups, cfg)
     scheduler = make_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -181,6 +193,8 @@ def setup_deepspeed(
     )
     if engine.optimizer is optimizer:  # fp32 without ZeRO: DeepSpeed steps ours unwrapped
         _skip_non_finite_steps(optimizer)
+        if experts:
+            count_experts_once_when_clipping(engine, optimizer, rt.state)
     if pipeline and ds_config.get("wall_clock_breakdown"):
         _tolerate_restarted_backward_timers(engine)
     return engine, scheduler, pipeline
@@ -273,11 +287,15 @@ def ds_train_step(
     if pipeline:
         value = engine.train_batch(PipeBatches(data_iterator, rt.device)).detach().reshape(())
     else:
+        # MoE aux / z losses: the LM loss's gradient scale (1 / micro batches x fp16 scale)
+        fp16_scale = engine.optimizer.loss_scale if engine.fp16_enabled() else 1.0
+        set_moe_loss_scale(engine.module, float(fp16_scale) / num_micro_batches)
         stats = forward_backward_no_pipelining(
             forward_step_func, data_iterator, engine, num_micro_batches, timers=timers, engine=True
         )
         value = global_loss([s["lm loss"] for s in stats], rt)
         others = other_losses(forward_step_func, stats, rt)
+        others.update(moe_step_stats(engine.module, rt.state, _model_config(engine)))
     norm, updated = engine.get_global_grad_norm(), bool(engine.was_step_applied())
     result = {
         "lm_loss": value,
