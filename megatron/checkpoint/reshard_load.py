@@ -190,7 +190,10 @@ class RankTarget:
         dim = self.expert_splits[name][0]
         shape = list(self.shapes[name])
         shape[dim] *= self.etp
-        return dataclasses.replace(self, shapes={**self.shapes, name: tuple(shape)})
+        splits = {n: v for n, v in self.expert_splits.items() if n != name}
+        return dataclasses.replace(
+            self, shapes={**self.shapes, name: tuple(shape)}, expert_splits=splits
+        )
 
 
 def _held(length: int, rule: Rule, size: int, rank: int) -> torch.Tensor:
