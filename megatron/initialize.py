@@ -149,6 +149,7 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
         sequence_parallel=cfg.parallel.sequence_parallel,
         context_parallel_size=cfg.parallel.context_parallel_size,
         expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.parallel.expert_tp_size,
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
     heartbeat = Heartbeat.start_default(timeout.total_seconds())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.checkpoint.experts import ENTRY_PLACES, saved_elements
 from megatron.checkpoint.reading import load_shard
 from megatron.checkpoint.storage import DISTRIB_OPTIM_NAME, CheckpointError, save_shard
 
@@ -34,10 +35,10 @@ def read_rank_state(root: str, iteration: int, shard: dict, **where) -> dict:
     for entries in (f["pieces"] for f in files):
         for name, entry in entries.items():
             weight = shard["model"][name]
-            lo, hi = entry["range"]
-            covered[name] = covered.get(name, 0) + hi - lo
+            count, at = saved_elements(entry)  # a range, or (ETP-split experts) indices
+            covered[name] = covered.get(name, 0) + count
             for key, value in entry.items():
-                if key == "range":
+                if key in ENTRY_PLACES:
                     continue
                 if value.ndim == 0:
                     out.setdefault(key, {})[name] = value
@@ -45,7 +46,7 @@ def read_rank_state(root: str, iteration: int, shard: dict, **where) -> dict:
                 flat = out.setdefault(key, {}).setdefault(
                     name, torch.zeros(weight.numel(), dtype=value.dtype)
                 )
-                flat[lo:hi] = value
+                flat[at] = value
     for name, n in covered.items():
         if n != shard["model"][name].numel():
             raise CheckpointError(

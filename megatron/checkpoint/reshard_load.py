@@ -29,6 +29,7 @@ Nothing here touches torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.checkpoint.experts import ENTRY_PLACES, saved_elements, whole_flat_index
 from megatron.checkpoint.reading import load_shard, marker_layout
 from megatron.checkpoint.storage import (
     DISTRIB_OPTIM_NAME,
@@ -66,6 +68,7 @@ class SavedLayout:
     cp: int | None = None
     optimizer: str | None = None  # "plain" | "distributed" | None (no optimizer state)
     ep: int | None = None  # expert-parallel size (None: not recorded; experts are saved whole)
+    etp: int | None = None  # expert-tensor-parallel size (None: not recorded, or 1)
     recorded: bool = True  # False: inferred from the shard directories (an older checkpoint)
 
     def record(self) -> dict:
@@ -78,6 +81,7 @@ class SavedLayout:
             "context_parallel_size": self.cp,
             "optimizer": self.optimizer,
             "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
         }
 
     def describe(self) -> str:
@@ -85,6 +89,7 @@ class SavedLayout:
         dp = f" x DP{self.dp}" if self.dp else ""
         cp = f" x CP{self.cp}" if self.cp and self.cp > 1 else ""
         ep = f" x EP{self.ep}" if self.ep and self.ep > 1 else ""
+        ep += f" x ETP{self.etp}" if self.etp and self.etp > 1 else ""
         opt = f", {self.optimizer} optimizer" if self.optimizer else ""
         return f"TP{self.tp} x PP{self.pp}{vp}{dp}{cp}{ep}{opt}"
 
@@ -134,6 +139,7 @@ def read_layout(root: str, iteration: int) -> SavedLayout:
             cp=record.get("context_parallel_size"),
             optimizer=record.get("optimizer"),
             ep=record.get("expert_model_parallel_size"),  # optional: added within version 1
+            etp=record.get("expert_tensor_parallel_size"),  # likewise
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: its layout record is malformed ({e!r})") from e
@@ -144,7 +150,8 @@ class RankTarget:
     """What one rank of the new layout holds: name -> local shape (model order), how each
     tensor is split over TP, and this rank's TP position; `vocab_size` is the real vocab.
     `experts`: the MoE expert tensors, saved whole (all E experts stacked along dim 0) and
-    held here as EP rank `ep_rank`'s E / `ep` of them (never split over TP)."""
+    held here as EP rank `ep_rank`'s E / `ep` of them, those in `expert_splits` also cut
+    along (dim, stride) to ETP rank `etp_rank`'s 1 / `etp` (never by the TP rules)."""
 
     shapes: dict[str, tuple[int, ...]]
     rules: dict[str, Rule]
@@ -155,6 +162,9 @@ class RankTarget:
     experts: frozenset[str] = frozenset()
     ep: int = 1
     ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+    expert_splits: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def first_element(self, name: str) -> int:
         """Where this rank's flat tensor `name` starts in the flattened saved tensor: an
@@ -163,6 +173,27 @@ class RankTarget:
         if name not in self.experts:
             return 0
         return self.ep_rank * torch.Size(self.shapes[name]).numel()
+
+    def whole_index(self, name: str) -> torch.Tensor | None:
+        """For an expert tensor cut over ETP here: the whole tensor's flat index of each of
+        its elements (megatron.checkpoint.experts.whole_index); else None."""
+        split = self.expert_splits.get(name)
+        if split is None:
+            return None
+        shape = self.shapes[name]
+        n = torch.Size(shape).numel()
+        return whole_flat_index(shape, split, self.ep_rank, self.etp, self.etp_rank, 0, n)
+
+    def over_ep_only(self, name: str) -> RankTarget:
+        """This target with expert tensor `name` whole over ETP (what `cut` reads before
+        keeping this rank's ETP shard)."""
+        dim = self.expert_splits[name][0]
+        shape = list(self.shapes[name])
+        shape[dim] *= self.etp
+        splits = {n: v for n, v in self.expert_splits.items() if n != name}
+        return dataclasses.replace(
+            self, shapes={**self.shapes, name: tuple(shape)}, expert_splits=splits
+        )
 
 
 def _held(length: int, rule: Rule, size: int, rank: int) -> torch.Tensor:
@@ -183,6 +214,10 @@ def cut(
     """The target rank's local tensor `name`, read from the saved TP pieces (`piece(k)`: saved
     TP rank k's local tensor, memory-mapped), touching only the indices it needs; `on_read(k)`
     for each saved piece whose data it reads (piece(0)'s shape and dtype are metadata)."""
+    if name in target.expert_splits:  # the EP rows whole over ETP, then this ETP shard
+        whole = cut(name, piece, saved_rule, saved_tp, target.over_ep_only(name), on_read)
+        dim, stride = target.expert_splits[name]
+        return shard(whole, dim, target.etp_rank, target.etp, stride).contiguous()
     shape, rule = target.shapes[name], target.rules[name]
     first = piece(0)
     if saved_rule is not None and rule is not None and saved_rule[0] != rule[0]:
@@ -336,16 +371,16 @@ class SavedShards:
         flat: dict[str, torch.Tensor] = {}
         covered = 0
         for entry in self._distributed_index(tp_rank, pp_rank).get(name, []):
-            lo, hi = entry["range"]
-            covered += hi - lo
+            count, at = saved_elements(entry)  # a range, or (ETP-split experts) indices
+            covered += count
             for key, value in entry.items():
-                if key == "range":
+                if key in ENTRY_PLACES:
                     continue
                 if value.ndim == 0:
                     flat.setdefault(key, value)
                     continue
                 dst = flat.setdefault(key, torch.zeros(shape.numel(), dtype=value.dtype))
-                dst[lo:hi] = value
+                dst[at] = value
         if flat and covered != shape.numel():
             raise CheckpointError(
                 f"{checkpoint_dir(self.root, self.iteration)}: the distributed optimizer files "
@@ -392,7 +427,12 @@ def read_rank_state(
     pieces = {}
     for name, shape in target.shapes.items():
         state = saved.optimizer_state(name, target)
-        lo = target.first_element(name)  # experts: this EP rank's range of the whole tensor
-        pieces[name] = {"range": (lo, lo + torch.Size(shape).numel()), **state}
+        index = target.whole_index(name)  # experts cut over ETP: element by element
+        if index is not None:
+            where = {"range": (int(index[0]), int(index[-1]) + 1), "index": index}
+        else:
+            lo = target.first_element(name)  # experts: this EP rank's range of the whole one
+            where = {"range": (lo, lo + torch.Size(shape).numel())}
+        pieces[name] = {**where, **state}
     optimizer = {"optimizer": saved.shared_optimizer(), "distrib_optim": [{"pieces": pieces}]}
     return model, optimizer

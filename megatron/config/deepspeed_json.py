@@ -295,6 +295,13 @@ def _experts(ds: dict, cfg: MegatronConfig) -> None:
             "'Native DeepSpeed MoE is not supported with ZeRO Stage 3'). Fix: use --zero-stage "
             "0, 1 or 2, or drop --deepspeed (our --use-distributed-optimizer shards experts)"
         )
+    elif cfg.parallel.expert_tp_size > 1:
+        why = (
+            f"--expert-tensor-parallel-size {cfg.parallel.expert_tp_size}: DeepSpeed's MoE "
+            "path keeps whole experts on each TP rank (Megatron-DeepSpeed's default); its "
+            "gradient norm and ZeRO partitions know no expert-tensor-parallel group. Fix: drop "
+            "the flag (1 under --deepspeed) or drop --deepspeed"
+        )
     elif cfg.parallel.pipeline_model_parallel_size > 1:
         why = (
             f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "

@@ -125,6 +125,7 @@ def validate(cfg: MegatronConfig, purpose: str = "config") -> MegatronConfig:
     if purpose not in PURPOSES:
         raise ValueError(f"validate: unknown purpose {purpose!r}; use one of {PURPOSES}")
     cfg = _with_tokenizer_files(cfg, purpose)
+    cfg = _expert_tp_default(cfg)
     if purpose == "inference":
         _validate_one_replica(cfg)
         return cfg
@@ -138,6 +139,15 @@ def validate(cfg: MegatronConfig, purpose: str = "config") -> MegatronConfig:
     if purpose in _TRAINING and cfg.deepspeed.enabled:
         cfg = with_ds_json(cfg)
         build_ds_config(cfg)  # its rules, before any process group exists
+    return cfg
+
+
+def _expert_tp_default(cfg: MegatronConfig) -> MegatronConfig:
+    """Under --deepspeed, MoE experts are replicated over TP unless --expert-tensor-parallel-size
+    is given (Megatron-DeepSpeed's default); elsewhere Megatron-core's default, the TP size."""
+    par = cfg.parallel
+    if cfg.deepspeed.enabled and cfg.model.moe and par.expert_tensor_parallel_size is None:
+        return cfg.replace(parallel=dataclasses.replace(par, expert_tensor_parallel_size=1))
     return cfg
 
 

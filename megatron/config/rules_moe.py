@@ -62,6 +62,13 @@ def validate_moe(cfg: MegatronConfig) -> None:
     m, par = cfg.model, cfg.parallel
     ep, dp = par.expert_model_parallel_size, par.data_parallel_size
     validate_moe_model(m, par.tensor_model_parallel_size)
+    etp = par.expert_tensor_parallel_size
+    if etp is not None and etp > 1 and not m.moe:
+        fail(
+            "--expert-tensor-parallel-size",
+            f"{etp} given without --num-experts (the model has no experts to split)",
+            "add --num-experts or drop the flag",
+        )
     if ep > 1 and not m.moe:
         fail(
             "--expert-model-parallel-size",
@@ -91,6 +98,7 @@ def validate_moe(cfg: MegatronConfig) -> None:
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
     )
+    _validate_expert_tp(m, par.expert_tp_size, tp)
     if (dp * cp) % ep:
         fail(
             "--expert-model-parallel-size",
@@ -112,3 +120,24 @@ def validate_moe(cfg: MegatronConfig) -> None:
     for other, given, why, fix in refused:
         if given:
             fail("--num-experts", f"given with {other}: {why}", fix)
+
+
+def _validate_expert_tp(m: ModelConfig, etp: int, tp: int) -> None:
+    """ETP is 1 (experts replicated over TP) or TP (each expert's FFN split over the TP group);
+    the expert width must split over it."""
+    if etp not in (1, tp):
+        fail(
+            "--expert-tensor-parallel-size",
+            f"{etp} with --tensor-model-parallel-size {tp}: the experts are split over the TP "
+            "group or not at all (Megatron-core's expert-tensor-parallel groups carved from "
+            "the data-parallel ranks are not supported)",
+            f"use {tp} (the default) or 1",
+        )
+    if m.expert_ffn_size % etp:
+        flag = "--moe-ffn-hidden-size" if m.moe_ffn_hidden_size else "--ffn-hidden-size"
+        fail(
+            flag,
+            f"the expert width {m.expert_ffn_size} cannot be split over "
+            f"--expert-tensor-parallel-size {etp}",
+            f"use a multiple of {etp}, or --expert-tensor-parallel-size 1",
+        )

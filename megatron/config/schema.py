@@ -235,6 +235,15 @@ class ParallelConfig(Section):
         "expert gradients are averaged over the DP x CP / EP ranks holding the same experts",
         min=1,
     )
+    expert_tensor_parallel_size: int | None = setting(
+        None,
+        "expert-tensor-parallel ranks (ETP): 1 replicates every expert over the TP group, the "
+        "TP size splits each expert's FFN over it as the dense MLP is (fc1 column-, fc2 "
+        "row-parallel; with --sequence-parallel the TP group's tokens are gathered for the "
+        "experts and their outputs scattered back); no other size (default: the TP size, as "
+        "in Megatron-core; 1 with --deepspeed, as in Megatron-DeepSpeed)",
+        min=1,
+    )
     moe_token_dispatcher_type: str = setting(
         "alltoall",
         "how tokens reach their experts' EP rank: alltoall (each token sent where it goes), or "
@@ -286,6 +295,12 @@ class ParallelConfig(Section):
             * self.context_parallel_size
             * self.pipeline_model_parallel_size
         )
+
+    @property
+    def expert_tp_size(self) -> int:
+        """--expert-tensor-parallel-size, or the TP size when not given."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
 
     def virtual_pipeline_size(self, num_layers: int) -> int | None:
         """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""

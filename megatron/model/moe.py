@@ -11,10 +11,18 @@ stacked weights' dim 0 is split over the EP group, `expert_parallel`; EP groups 
 the DP x CP ranks, mpu/parallel_state.py). The alltoall dispatcher sends each (token, expert)
 assignment to the rank of its expert and the outputs back (forward: two all-to-alls;
 backward: the two reverse ones); the allgather dispatcher gathers every EP
-rank's tokens on every rank and reduce-scatters the outputs. Experts are not split over TP:
-they are replicated over the TP group (Megatron-core's expert-tensor-parallel size 1); with
---sequence-parallel each TP rank routes its own s / TP tokens and the expert and router
-gradients are summed over TP like the norms' (`sequence_parallel` marks, model/parallelize.py).
+rank's tokens on every rank and reduce-scatters the outputs.
+
+Expert tensor parallelism (`state.etp_size`, 1 or TP). ETP = TP: each expert's FFN is split over
+the TP group as the dense MLP is (weight1's columns, [gate_r; up_r] under SwiGLU, and bias1
+column-parallel, weight2's rows row-parallel, bias2 whole, added after the sum over TP). Every
+TP rank dispatches the same tokens (with --sequence-parallel each rank routes its own s / TP
+tokens, then the TP group's tokens and routing are all-gathered, and the layer's output is cut
+back to this rank's positions); the experts sum their partial outputs over TP. Their gradients
+are whole on every TP rank, reduced over the expert-data-parallel group only. ETP = 1: experts
+replicated over TP (Megatron-core's --expert-tensor-parallel-size 1); with --sequence-parallel
+each TP rank routes and computes its own s / TP tokens and the expert and router gradients are
+summed over TP like the norms' (`sequence_parallel` marks, model/parallelize.py).
 
 Load balancing (switch transformer): aux = coeff E / (k T^2) sum_e count_e sum_t p_te over the
 micro batch's T tokens (seq_aux_loss: per sequence, averaged), z = coeff mean_t lse(logits_t)^2.
@@ -43,10 +51,15 @@ from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.mpu.mappings import (
     all_gather_rows,
+    all_gather_sequence,
     all_to_all,
+    copy_to_tensor_model_parallel_region,
     exchange_counts,
     gather_from_expert_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_expert_region,
+    scatter_to_sequence_parallel_region,
 )
 from megatron.mpu.utils import divide, group_size
 
@@ -184,45 +197,64 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """This EP rank's E / EP experts: tokens (N, h) sorted by expert, `counts` per expert ->
-    (N, h). `grouped`: one grouped matmul per projection (torch._grouped_mm where the shapes
-    allow it, else a batched matmul over the groups padded to the largest); else a loop."""
+    """This EP rank's E / EP experts (their FFN split over ETP): tokens (N, h) sorted by expert,
+    `counts` per expert -> (N, h). `grouped`: one grouped matmul per projection
+    (torch._grouped_mm where the shapes allow it, else a batched matmul over the groups padded
+    to the largest); else a loop."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, grouped: bool):
         super().__init__()
         self.local = divide(cfg.num_experts, ctx.state.ep_size)
-        h, f = cfg.hidden_size, cfg.expert_ffn_size
+        etp = ctx.state.etp_size
+        self.etp_group = ctx.state.etp_group
+        h, f = cfg.hidden_size, divide(cfg.expert_ffn_size, etp)
         self.swiglu, self.grouped, self.ops = cfg.swiglu, grouped, ctx.ops
         self.gelu_approx = "tanh" if cfg.openai_gelu else "none"
-        f1 = 2 * f if cfg.swiglu else f  # SwiGLU: [gate; up]
+        f1 = 2 * f if cfg.swiglu else f  # SwiGLU: [gate; up] (this ETP rank's [gate_r; up_r])
+        stride1 = 2 if cfg.swiglu else 1
         kw = {"device": ctx.device, "dtype": ctx.dtype}
         self.weight1 = nn.Parameter(torch.empty(self.local, h, f1, **kw))
         self.weight2 = nn.Parameter(torch.empty(self.local, f, h, **kw))
+        splits = {"weight1": (2, stride1), "weight2": (1, 1)}
         self.bias1 = self.bias2 = None
         if cfg.add_bias_linear:
             self.bias1 = nn.Parameter(torch.empty(self.local, f1, **kw))
             self.bias2 = nn.Parameter(torch.empty(self.local, h, **kw))
-        for p in self.parameters():
-            p.expert_parallel = True  # dim 0 split over the EP group
+            splits["bias1"] = (1, stride1)
+        for name, p in self.named_parameters():
+            mark_expert(p, splits.get(name), etp)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if not self.grouped:
+        x = copy_to_tensor_model_parallel_region(x, self.etp_group)
+        if self.grouped:
+            y = grouped_matmul(x, self.weight1, counts)
+            y = self._activation(_add_bias(y, self.bias1, counts))
+            y = grouped_matmul(y, self.weight2, counts)
+        else:
             outs = [self._mlp(t, e) for e, t in enumerate(torch.split(x, counts))]
-            return torch.cat(outs) if outs else x
-        y = grouped_matmul(x, self.weight1, counts)
-        y = self._activation(_add_bias(y, self.bias1, counts))
-        return _add_bias(grouped_matmul(y, self.weight2, counts), self.bias2, counts)
+            y = torch.cat(outs) if outs else x
+        y = reduce_from_tensor_model_parallel_region(y, self.etp_group)  # the ETP shards' sum
+        return _add_bias(y, self.bias2, counts)
 
     def _mlp(self, x: torch.Tensor, e: int) -> torch.Tensor:
         y = x @ self.weight1[e]
         y = self._activation(y if self.bias1 is None else y + self.bias1[e])
-        y = y @ self.weight2[e]
-        return y if self.bias2 is None else y + self.bias2[e]
+        return y @ self.weight2[e]
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.ops.swiglu_act(y)  # [gate; up] -> silu(gate) * up
         return F.gelu(y, approximate=self.gelu_approx)
+
+
+def mark_expert(param: torch.Tensor, split: tuple[int, int] | None, etp: int) -> None:
+    """An expert tensor: dim 0 (the stacked experts) split over EP (`expert_parallel`);
+    `expert_partition` (dim, stride) how its whole tensor is cut over ETP (None: not cut, as
+    bias2), `expert_tensor_parallel` whether this run cuts it (ETP > 1), so each TP rank holds
+    a different shard (megatron.checkpoint.experts)."""
+    param.expert_parallel = True
+    param.expert_partition = split
+    param.expert_tensor_parallel = split is not None and etp > 1
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
@@ -294,11 +326,13 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)  # (T, h)
         probs, experts, keep, aux, z, counts = self.router(tokens, b)
-        if self.dispatcher == "allgather" and group_size(self.state.ep_group) > 1:
-            per_slot = self._allgather(tokens, experts, keep)
-        else:
-            per_slot = self._alltoall(tokens, experts, keep)
-        out = (per_slot * probs.unsqueeze(-1).to(per_slot.dtype)).sum(1).view(b, s, h)
+        routed = (x, probs, experts, keep)
+        gather = self.state.sequence_parallel and self.state.etp_size > 1
+        if gather:  # the TP group's tokens and routing on every TP rank (ETP splits the FFN)
+            routed = _gather_routing(*routed, self.state.tp_group)
+        out = self._routed_experts(*routed)
+        if gather:  # this rank's s / TP positions (backward: the gradient all-gathered)
+            out = scatter_to_sequence_parallel_region(out, self.state.tp_group)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -308,6 +342,16 @@ class MoELayer(nn.Module):
             record = (aux.detach(), z.detach(), counts)
             out = _AttachLoss.apply(out, aux + z, self.loss_grad_scale, self.stats, record)
         return out
+
+    def _routed_experts(self, x, probs, experts, keep) -> torch.Tensor:
+        """x (b, s, h) routed -> sum over its kept assignments of p x expert output."""
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)
+        if self.dispatcher == "allgather" and group_size(self.state.ep_group) > 1:
+            per_slot = self._allgather(tokens, experts, keep)
+        else:
+            per_slot = self._alltoall(tokens, experts, keep)
+        return (per_slot * probs.unsqueeze(-1).to(per_slot.dtype)).sum(1).view(b, s, h)
 
     def _alltoall(self, tokens, experts, keep) -> torch.Tensor:
         """(T, h) -> (T, k, h): each kept assignment's expert output (zeros where dropped)."""
@@ -347,6 +391,18 @@ class MoELayer(nn.Module):
         y = self.experts(everyone[slots // k], counts)
         per_slot = y.new_zeros(everyone.size(0) * k, y.size(-1)).index_copy(0, slots, y)
         return reduce_scatter_to_expert_region(per_slot.view(-1, k, y.size(-1)), group)
+
+
+def _gather_routing(x, probs, experts, keep, group):
+    """Sequence parallelism at ETP > 1: this rank's (b, s/p, .) tokens and routing -> the TP
+    group's (b, s, .), in sequence order. Every TP rank then computes the same outputs, so the
+    gradients of x and of the probabilities come back as this rank's slice (not a sum)."""
+    b, k = x.size(0), experts.size(1)
+    x = gather_from_sequence_parallel_region(x, group, grad_is_partial=False)
+    probs = gather_from_sequence_parallel_region(probs.view(b, -1, k), group, False)
+    chosen = all_gather_sequence(torch.where(keep, experts, -1).view(b, -1, k), group)
+    chosen = chosen.reshape(-1, k)
+    return x, probs.reshape(-1, k), chosen.clamp(min=0), chosen >= 0
 
 
 def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,8 @@ def parallelize(
 
 def apply_sequence_parallel(model: nn.Module, state: ParallelState) -> None:
     """--sequence-parallel: mark norm weights and biases, the learned position table and the
-    MoE routers, experts and shared-expert gates (the row-parallel biases mark themselves when
-    built with the sequence-parallel layout)."""
+    MoE routers, experts (when replicated over TP, ETP = 1) and shared-expert gates (the
+    row-parallel biases mark themselves when built with the sequence-parallel layout)."""
     if not state.sequence_parallel:
         return
     for module in model.modules():
@@ -58,7 +58,9 @@ def apply_sequence_parallel(model: nn.Module, state: ParallelState) -> None:
             for param in module.parameters(recurse=False):
                 mark_sequence_parallel(param)
         if isinstance(module, MoELayer):  # replicated over TP, routing this rank's tokens
-            for part in (module.router, module.experts, module.shared_expert_gate):
+            # experts split over ETP compute every token of the TP group: whole gradients
+            experts = module.experts if state.etp_size == 1 else None
+            for part in (module.router, experts, module.shared_expert_gate):
                 for param in part.parameters() if part is not None else ():
                     mark_sequence_parallel(param)
     for name, param in model.named_parameters():

@@ -13,6 +13,7 @@ import zlib
 import torch
 from torch import nn
 
+from megatron.checkpoint.experts import cut_whole, whole_shape
 from megatron.config.schema import ModelConfig
 from megatron.model.transformer import NORM_TYPES
 from megatron.mpu import ParallelState, copy_full_into_param
@@ -35,11 +36,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def _full_shape(param: torch.Tensor, state: ParallelState) -> list[int]:
+    if getattr(param, "expert_parallel", False):  # MoE experts: split over EP and ETP
+        return whole_shape(param, state)
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= state.tp_size
-    if getattr(param, "expert_parallel", False):  # MoE experts: dim 0 split over EP
-        shape[0] *= state.ep_size
     return shape
 
 
@@ -75,7 +76,7 @@ def init_weights(
             rows = cfg.vocab_size if name in (WORD_EMBEDDINGS, OUTPUT_WEIGHTS) else full.shape[0]
             full.zero_()
             full[:rows].normal_(0.0, std, generator=_generator(seed, name))
-        if getattr(param, "expert_parallel", False):  # this EP rank's experts
-            param.copy_(full.chunk(state.ep_size)[state.ep_rank])
+        if getattr(param, "expert_parallel", False):  # this EP rank's experts, ETP shard
+            param.copy_(cut_whole(full, param, state))
         else:
             copy_full_into_param(param, full, state.tp_group)

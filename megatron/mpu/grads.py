@@ -1,11 +1,11 @@
 """Global gradient norm and clipping over a model split across TP and PP ranks.
 
-A parameter split over TP contributes its shard on every TP rank; a replicated one (norm weights,
-row-parallel biases, position embeddings) is counted on TP rank 0 only, and a parameter marked
-`shared` (the last stage's copy of a tied embedding) is not counted at all, so every weight
-enters the norm exactly once. Partial sums are then all-reduced over the model-parallel group;
-those of MoE experts (`expert_parallel`, different experts on each rank of the EP group) over
-the EP group first.
+A parameter split over TP (MoE experts split over expert-TP too) contributes its shard on every
+TP rank; a replicated one (norm weights, row-parallel biases, position embeddings) is counted on
+TP rank 0 only, and a parameter marked `shared` (the last stage's copy of a tied embedding) is
+not counted at all, so every weight enters the norm exactly once. Partial sums are then
+all-reduced over the model-parallel group; those of MoE experts (`expert_parallel`, different
+experts on each rank of the EP group) over the EP group first.
 
 With sequence parallelism, the gradients of the replicated parameters that saw only a slice of
 the tokens are summed over TP first (`all_reduce_sequence_parallel_grads`).
@@ -31,7 +31,8 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 def counts_once(param: torch.Tensor, tp_rank: int) -> bool:
     if getattr(param, "shared", False):
         return False
-    return is_tensor_parallel(param) or tp_rank == 0
+    split = is_tensor_parallel(param) or getattr(param, "expert_tensor_parallel", False)
+    return split or tp_rank == 0
 
 
 def grad_norm(

@@ -12,6 +12,12 @@ the DP x CP index i = d x CP + c (CP inner) is i = e' x EP + e, so EP consecutiv
 (the EP group, index e; CP ranks of one sequence first) hold different experts and the
 DP x CP / EP ranks with the same e (the expert-data-parallel group) hold the same experts and
 average their gradients. At CP = 1 this is EP consecutive DP ranks.
+
+Expert tensor parallelism (ETP, `--expert-tensor-parallel-size`) is 1 or TP: with ETP = TP each
+expert's FFN is split over the TP group as the dense MLP is, so the ranks of one expert-data-
+parallel group (same TP rank, same EP index) hold the same expert shard, and Megatron-core's
+partition of a stage's TP x CP x DP ranks into ETP x EP x expert-DP is this one (ETP fastest,
+then EP). With ETP = 1 the experts are replicated over TP.
 """
 
 from __future__ import annotations
@@ -62,6 +68,17 @@ class ParallelState:
     ep_ranks: tuple[int, ...] = (0,)
     ep_group: object | None = None
     expert_dp_group: object | None = None  # the DP x CP / EP ranks holding the same experts
+    # --expert-tensor-parallel-size: 1 (experts replicated over TP) or tp_size (split over TP)
+    etp_size: int = 1
+
+    @property
+    def etp_rank(self) -> int:
+        return self.tp_rank if self.etp_size > 1 else 0
+
+    @property
+    def etp_group(self):
+        """The group an expert's FFN is split over: the TP group at ETP = TP, else None."""
+        return self.tp_group if self.etp_size > 1 else None
 
     @property
     def expert_dp_size(self) -> int:
@@ -203,6 +220,7 @@ def initialize_model_parallel(
     sequence_parallel: bool = False,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> ParallelState:
     """Build every process group from the rank grid; all ranks must call this together.
 
@@ -212,6 +230,7 @@ def initialize_model_parallel(
     inherit the default group's timeout, so without it a collective on a stopped peer waits
     torch's default 30 minutes. `sequence_parallel` is recorded for the model and the pipeline
     (it needs TP > 1: one rank has nothing to split the sequence over).
+    `expert_tensor_parallel_size` is 1 or the TP size (the group is the TP group).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed before building model-parallel groups")
@@ -237,6 +256,12 @@ def initialize_model_parallel(
         if rank in ranks:
             emb_ranks = e
             emb_group = group if rank in e else None
+    etp = expert_tensor_parallel_size
+    if etp not in (1, tensor_model_parallel_size):
+        raise ValueError(
+            f"expert-tensor-parallel size {etp} is neither 1 nor the tensor-parallel size "
+            f"{tensor_model_parallel_size}"
+        )
     ep = expert_model_parallel_size
     if (grid.shape[1] * cp) % ep:
         raise ValueError(
@@ -281,6 +306,7 @@ def initialize_model_parallel(
         ep_ranks=mine["ep"][0] if ep > 1 else (rank,),
         ep_group=mine["ep"][1] if ep > 1 else None,
         expert_dp_group=mine["expert_dp"][1] if ep > 1 else None,
+        etp_size=etp,
     )
 
 

@@ -55,6 +55,7 @@ def search_for(cfg: MegatronConfig) -> Search:
         if par.pipeline_model_parallel_size > 1
         else None,
         context_parallel=(par.context_parallel_size,) if par.context_parallel_size > 1 else None,
+        expert_tensor_parallel=1 if par.expert_tensor_parallel_size == 1 else None,
         memory_flag="--auto-parallel-gpu-memory-gb",
     )
 

@@ -44,6 +44,7 @@ class Search:
     pipeline_parallel: tuple[int, ...] | None = None
     context_parallel: tuple[int, ...] | None = None  # default: every divisor of world / (TP PP)
     expert_parallel: tuple[int, ...] | None = None  # MoE; default: divisors of DP x CP and E
+    expert_tensor_parallel: int | None = None  # MoE: 1 (experts whole over TP) or None (= TP)
     memory_flag: str = "--gpu-memory"  # the flag that gave gpu_memory_gb, named in the fix
 
 
@@ -101,6 +102,7 @@ def candidate(cfg: MegatronConfig, world: int, lay: Layout) -> MegatronConfig:
         sequence_parallel=lay.sequence_parallel,
         context_parallel_size=lay.cp,
         expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.etp,
         world_size=world,
     )
     return cfg.replace(
@@ -149,7 +151,8 @@ def _layouts_of(m, s: Search, gbs: int, tp: int, pp: int, cp: int):
         eps = [e for e in eps if not s.expert_parallel or e in s.expert_parallel] or [1]
     for vp, b, rc, sp, ep in itertools.product(vps, mbs, s.recompute, s.sequence_parallel, eps):
         if not (sp and tp == 1):
-            yield Layout(tp, pp, dp, b, max(1, gbs // (b * dp)), vp, rc, sp, cp, ep)
+            micro = max(1, gbs // (b * dp))
+            yield Layout(tp, pp, dp, b, micro, vp, rc, sp, cp, ep, s.expert_tensor_parallel)
 
 
 def layouts(cfg: MegatronConfig, s: Search) -> tuple[list[Layout], Counter]:

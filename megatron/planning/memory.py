@@ -19,12 +19,13 @@ tokens, u = s b h elements (Korthikanti et al. 2022, Megatron's 34 s b h + 5 a s
     norm statistics         2 norms x 2 x 4 s b bytes; / t with SP
 
 Mixture of experts (--num-experts E, top-k, expert width f): an MoE layer holds the router
-(E h), its shared expert (split over TP) and E / EP experts (not split over TP); their
-gradients and optimizer state shard over the DP x CP / EP ranks holding the same experts. Its
-activations replace the MLP's by the dispatch buffers of the T = s b / t (SP) or s b tokens a
-rank routes, per (token, expert) slot D (3 h + 2 f) with GeLU experts, D (3 h + 4 f) with
-SwiGLU (the permuted tokens, the experts' inner activations, their outputs, the combine's
-input; + D h with EP > 1, the received copy), and the fp32 router scores 12 T E.
+(E h), its shared expert (split over TP) and E / EP experts, their FFN split over ETP
+(--expert-tensor-parallel-size, 1 or TP, default TP); their gradients and optimizer state
+shard over the DP x CP / EP ranks holding the same experts. Its activations replace the MLP's
+by the dispatch buffers of the T = s b / t (SP at ETP 1) or s b tokens a rank dispatches, per
+(token, expert) slot D (3 h + 2 f / ETP) with GeLU experts, D (3 h + 4 f / ETP) with SwiGLU
+(the permuted tokens, the experts' inner activations, their outputs, the combine's input;
++ D h with EP > 1, the received copy), and the fp32 router scores 12 T E.
 
 Context parallelism (CP ranks per sequence) gives each rank s / CP tokens: every activation
 term above is taken at s / CP, and the attention core is the ring's (mpu/context_parallel.py):
@@ -79,6 +80,11 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel ranks per sequence
     ep: int = 1  # expert-parallel ranks (MoE), carved from DP x CP
+    etp: int | None = None  # expert-tensor-parallel ranks: 1 or TP (None: TP, the default)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     def describe(self) -> str:
         v = f" V{self.vp}" if self.vp else ""
@@ -86,6 +92,7 @@ class Layout:
         rc = f" rc={self.recompute}" if self.recompute else ""
         cp = f" CP{self.cp}" if self.cp > 1 else ""
         ep = f" EP{self.ep}" if self.ep > 1 else ""
+        ep += " ETP1" if self.expert_tp == 1 and self.tp > 1 else ""
         return f"TP{self.tp}{cp} PP{self.pp}{v} DP{self.dp}{ep} mb{self.micro_batch}{sp}{rc}"
 
 
@@ -156,9 +163,10 @@ def layer_params(m: ModelConfig, tp: int, moe: bool = False) -> int:
     return attention + m.num_experts * h + (mlp_params(m, shared, tp) + gate if shared else 0)
 
 
-def expert_params(m: ModelConfig, ep: int) -> int:
-    """The experts of one MoE layer on one EP rank (replicated over TP)."""
-    return m.num_experts // ep * mlp_params(m, m.expert_ffn_size, 1)
+def expert_params(m: ModelConfig, ep: int, etp: int = 1) -> int:
+    """The experts of one MoE layer on one EP rank, their FFN split over `etp` ranks (bias2
+    whole on each)."""
+    return m.num_experts // ep * mlp_params(m, m.expert_ffn_size, etp)
 
 
 def stage_moe_layers(m: ModelConfig, pp: int, stage: int) -> int:
@@ -167,18 +175,18 @@ def stage_moe_layers(m: ModelConfig, pp: int, stage: int) -> int:
     return sum(m.is_moe_layer(i) for i in range(stage * n, (stage + 1) * n))
 
 
-def stage_expert_params(m: ModelConfig, pp: int, stage: int, ep: int) -> int:
+def stage_expert_params(m: ModelConfig, pp: int, stage: int, ep: int, etp: int = 1) -> int:
     """Expert weights on a rank of stage `stage` (sharded over DP x CP / EP, not DP)."""
-    return stage_moe_layers(m, pp, stage) * expert_params(m, ep) if m.moe else 0
+    return stage_moe_layers(m, pp, stage) * expert_params(m, ep, etp) if m.moe else 0
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1, etp: int = 1) -> int:
     """Weights on a rank of pipeline stage `stage` (its V chunks together), experts included."""
     words = m.padded_vocab_size(tp) * m.hidden_size // tp
     moe = stage_moe_layers(m, pp, stage)
     n = (m.num_layers // pp - moe) * layer_params(m, tp)
     n += moe * layer_params(m, tp, moe=True) if moe else 0
-    n += stage_expert_params(m, pp, stage, ep)
+    n += stage_expert_params(m, pp, stage, ep, etp)
     if stage == 0:
         n += words + (
             m.max_positions * m.hidden_size if m.position_embedding_type == "learned" else 0
@@ -255,8 +263,10 @@ def layer_activation_bytes(
     else:
         width += mlp * m.ffn_size
     inside = D * s * b * width // tp
-    if moe:  # the tokens this rank routes: its s / t with SP, all s otherwise
-        tokens, k, f = s * b // sp, m.moe_router_topk, m.expert_ffn_size
+    if moe:  # the tokens this rank dispatches: its s / t with SP (all s when ETP gathers them)
+        etp = lay.expert_tp
+        tokens = s * b // (sp if etp == 1 else 1)
+        k, f = m.moe_router_topk, m.expert_ffn_size // etp
         per_slot = (3 + (lay.ep > 1)) * h + 2 * (mlp - 1) * f
         inside += D * tokens * k * per_slot + 12 * tokens * m.num_experts
     return outside + inside + (_attention_core_bytes(m, lay, t, dev) if core else 0)
@@ -349,8 +359,8 @@ def stage_memory(
     m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
 ) -> dict[str, int]:
     """Every term of one pipeline stage's rank, in bytes."""
-    params = stage_params(m, lay.tp, lay.pp, stage, lay.ep)
-    experts = stage_expert_params(m, lay.pp, stage, lay.ep)
+    params = stage_params(m, lay.tp, lay.pp, stage, lay.ep, lay.expert_tp)
+    experts = stage_expert_params(m, lay.pp, stage, lay.ep, lay.expert_tp)
     terms = model_state_bytes(params, lay.dp * lay.cp, t, experts, lay.ep)
     terms.update(stage_activation_peak(per_rank_sequence(m, lay), lay, t, dev, stage))
     terms["overhead"] = dev.overhead_bytes

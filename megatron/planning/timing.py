@@ -85,8 +85,9 @@ def expert_flops_weights(m: ModelConfig) -> int:
 
 
 def moe_seconds(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[str, float]:
-    """Per micro batch on one stage: "redundant" (the expert compute TP ranks repeat without
-    SP: they all route every token) and "all_to_all" (dispatch + combine, forward + backward)."""
+    """Per micro batch on one stage: "redundant" (the expert compute TP ranks repeat at ETP 1
+    without SP: they all route every token) and "all_to_all" (dispatch + combine, forward +
+    backward; at ETP = TP every TP rank dispatches the TP group's tokens)."""
     P = lay.pp
     moe_layers = max(m.moe_layers * 1.0 / P, 0.0) if m.moe else 0.0
     if not moe_layers:
@@ -94,7 +95,9 @@ def moe_seconds(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[
     tokens = lay.micro_batch * m.seq_length / lay.cp
     sp = lay.tp if lay.sequence_parallel else 1
     expert = 2.0 * tokens * expert_flops_weights(m)  # forward FLOPs of one layer's experts
-    redundant = 0.0 if sp > 1 else 3 * expert * (1 - 1 / lay.tp) / hw.flops_per_s
+    redundant = 0.0 if sp > 1 or lay.expert_tp > 1 else 3 * expert * (1 - 1 / lay.tp)
+    redundant /= hw.flops_per_s
+    sp = sp if lay.expert_tp == 1 else 1
     ep = lay.ep
     calls = 6 if lay.recompute == "full" else 4
     ranks = lay.tp * ep  # an EP group: EP consecutive DP x CP ranks, TP apart in the grid
@@ -159,8 +162,9 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
     p2p_gbps = hw.intra_node_gbps if ranks <= hw.gpus_per_node else hw.inter_node_gbps
     sp = tp if lay.sequence_parallel else 1
     pp_p2p = 0.0 if P == 1 else 2 * V * M * (act / sp / (p2p_gbps * 1e9) + hw.latency_s)
-    params = max(stage_params(m, tp, P, s, lay.ep) for s in {0, P - 1})
-    experts = max(stage_expert_params(m, P, s, lay.ep) for s in {0, P - 1})
+    etp = lay.expert_tp
+    params = max(stage_params(m, tp, P, s, lay.ep, etp) for s in {0, P - 1})
+    experts = max(stage_expert_params(m, P, s, lay.ep, etp) for s in {0, P - 1})
     dp_gbps = hw.intra_node_gbps if tp * cp * lay.dp <= hw.gpus_per_node else hw.inter_node_gbps
     dp_full = _ring(4.0 * (params - experts), lay.dp * cp, dp_gbps, hw.latency_s)
     dp_full += _ring(4.0 * experts, lay.dp * cp // lay.ep, dp_gbps, hw.latency_s)

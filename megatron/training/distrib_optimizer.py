@@ -20,7 +20,10 @@ Checkpoints (megatron.training.state): the shard of each DP rank is saved by tha
 {parameter name: (flat start, end) in the parameter, and the state tensors of that range}, so a
 run at another DP size (or another bucket size) reassembles each of its ranges from whichever
 saved ranges overlap it (`load_shards`). The ranges of an MoE expert tensor count in the whole
-tensor of all E experts (megatron.checkpoint.experts), so any EP size finds its experts' ones.
+tensor of all E experts (megatron.checkpoint.experts), so any EP size finds its experts' ones;
+a range of an expert tensor split over expert-TP is not contiguous there: each TP rank saves the
+range of every ETP rank (gathered) with the whole tensor's flat index of each element ("index"),
+which loads match element by element.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint.experts import expert_offset
+from megatron.checkpoint.experts import expert_offset, is_etp_split, whole_index
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState
 from megatron.mpu.grads import counts_once
@@ -188,10 +191,16 @@ class DistributedOptimizer(MegatronOptimizer):
         the fp32 main weight of half models (fp32 models keep theirs in the model shard)."""
         pieces = {}
         for pc, main in self._pairs():
-            off = expert_offset(pc.param, self.state)  # experts: ranges in the whole tensor
-            entry = {"range": (pc.lo + off, pc.hi + off), **self.optimizer.state.get(main, {})}
+            entry = dict(self.optimizer.state.get(main, {}))
             if self.half:
                 entry["main"] = main.detach()
+            if is_etp_split(pc.param):  # experts split over ETP: each element's whole index
+                index = whole_index(pc.param, self.state, pc.lo, pc.hi)
+                entry = _over_etp({"index": index, **entry}, self.state.etp_group)
+                entry["range"] = (int(entry["index"][0]), int(entry["index"][-1]) + 1)
+            else:
+                off = expert_offset(pc.param, self.state)  # experts: ranges in the whole tensor
+                entry["range"] = (pc.lo + off, pc.hi + off)
             pieces[pc.name] = entry
         return {"dp_rank": self.ddp.dp_rank, "dp_size": self.ddp.dp_size, "pieces": pieces}
 
@@ -208,9 +217,8 @@ class DistributedOptimizer(MegatronOptimizer):
             self.scaler.load_state_dict(sd["grad_scaler"])
         saved_ranges = _index_ranges(shards)
         for pc, main in self._pairs():
-            off = expert_offset(pc.param, self.state)
-            whole = dataclasses.replace(pc, lo=pc.lo + off, hi=pc.hi + off)
-            restored = _assemble(whole, saved_ranges.get(pc.name, []))
+            whole, need = _in_whole(pc, self.state)
+            restored = _assemble(whole, saved_ranges.get(pc.name, []), need)
             if "main" in restored:
                 main.copy_(restored.pop("main"))
             elif self.half:  # saved before this param had a main: take the weights
@@ -229,12 +237,44 @@ def _index_ranges(shards: list[dict]) -> dict[str, list[dict]]:
     return index
 
 
-def _assemble(pc: _Piece, entries: list[dict]) -> dict[str, torch.Tensor]:
-    """The state of elements [pc.lo, pc.hi) of one parameter, cut from the saved ranges.
+def _over_etp(entry: dict, group) -> dict:
+    """One saved entry of an ETP-split expert range holding the same range of every ETP rank
+    (all-gathered, sorted by whole index): each TP rank's file then covers whole experts, as
+    the weights and the plain optimizer's state do, so any TP / ETP reads it from one file."""
+    size = group_size(group)
+    out = {}
+    for key, value in sorted(entry.items()):
+        if value.ndim == 0:
+            out[key] = value
+            continue
+        parts = [torch.empty_like(value) for _ in range(size)]
+        dist.all_gather(parts, value.contiguous(), group=group)
+        out[key] = torch.cat(parts)
+    order = torch.argsort(out["index"])
+    return {k: v[order] if v.ndim else v for k, v in out.items()}
+
+
+def _in_whole(pc: _Piece, state) -> tuple[_Piece, torch.Tensor | None]:
+    """`pc` in the coordinates of the saved tensor (experts: the whole one), and, for an
+    expert tensor split over ETP, the whole tensor's flat index of each of its elements."""
+    if state is not None and is_etp_split(pc.param):
+        return pc, whole_index(pc.param, state, pc.lo, pc.hi)
+    off = expert_offset(pc.param, state) if state is not None else 0
+    return dataclasses.replace(pc, lo=pc.lo + off, hi=pc.hi + off), None
+
+
+def _assemble(pc: _Piece, entries: list[dict], need: torch.Tensor | None = None):
+    """The state of elements [pc.lo, pc.hi) of one parameter, cut from the saved ranges, or
+    of the elements at flat indices `need` (increasing) when given.
 
     Per-element tensors (moments, main) are copied range by range; scalars (Adam's step) are
     taken from any overlapping range. A gap (the saved ranges do not cover ours) is an error.
+    Saved entries with an "index" (experts saved split over ETP) are matched element-wise.
     """
+    if need is not None or any("index" in e for e in entries):
+        if need is None:
+            need = torch.arange(pc.lo, pc.hi)
+        return _assemble_elements(pc.name, need, entries)
     out: dict[str, torch.Tensor] = {}
     covered = 0
     for entry in entries:
@@ -252,11 +292,50 @@ def _assemble(pc: _Piece, entries: list[dict]) -> dict[str, torch.Tensor]:
             if key not in out:
                 out[key] = torch.empty(pc.hi - pc.lo, dtype=value.dtype)
             out[key][lo - pc.lo : hi - pc.lo] = value[lo - s_lo : hi - s_lo]
-    if entries and covered != pc.hi - pc.lo:
+    _check_covered(pc.name, covered, pc.hi - pc.lo, entries, f"[{pc.lo}, {pc.hi})")
+    return out
+
+
+def _check_covered(name: str, covered: int, wanted: int, entries: list, what: str) -> None:
+    if entries and covered != wanted:
         raise ValueError(
-            f"the saved distributed optimizer state covers {covered} of the {pc.hi - pc.lo} "
-            f"elements [{pc.lo}, {pc.hi}) of {pc.name}; the checkpoint is incomplete"
+            f"the saved distributed optimizer state covers {covered} of the {wanted} "
+            f"elements {what} of {name}; the checkpoint is incomplete"
         )
+
+
+def saved_positions(entry: dict, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where each of the flat indices `need` sits in a saved entry's tensors, which of them
+    it holds): by its "index" (increasing) when it has one, else by its "range"."""
+    if "index" in entry:
+        index = entry["index"]
+        pos = torch.searchsorted(index, need).clamp(max=max(index.numel() - 1, 0))
+        return pos, index.numel() > 0 and index[pos] == need
+    s_lo, s_hi = entry["range"]
+    return need - s_lo, (need >= s_lo) & (need < s_hi)
+
+
+def _assemble_elements(name: str, need: torch.Tensor, entries: list[dict]) -> dict:
+    out: dict[str, torch.Tensor] = {}
+    covered = 0
+    for entry in entries:
+        s_lo, s_hi = entry["range"]
+        if need.numel() == 0 or s_hi <= need[0] or s_lo > need[-1]:
+            continue
+        pos, hit = saved_positions(entry, need)
+        if isinstance(hit, bool) or not bool(hit.any()):
+            continue
+        covered += int(hit.sum())
+        for key, value in entry.items():
+            if key in ("range", "index"):
+                continue
+            if value.ndim == 0:
+                out.setdefault(key, value.clone())
+                continue
+            if key not in out:
+                out[key] = torch.empty(need.numel(), dtype=value.dtype)
+            out[key][hit] = value[pos[hit]]
+    _check_covered(name, covered, need.numel(), entries, "(by index)")
     return out
 
 
@@ -303,9 +382,9 @@ def distributed_to_plain(sd: dict, shards: list[dict], module, half: bool, state
         hyper = {k: v for k, v in saved_groups.get(group["wd_mult"], {}).items()}
         groups.append({**hyper, "wd_mult": group["wd_mult"], "params": []})
         for p in group["params"]:
-            off = expert_offset(p, state) if state is not None else 0
-            piece = _Piece(names[id(p)], p, off, off + p.numel(), 0, 0)
-            restored = _assemble(piece, index.get(piece.name, []))
+            piece = _Piece(names[id(p)], p, 0, p.numel(), 0, 0)
+            whole, need = _in_whole(piece, state)
+            restored = _assemble(whole, index.get(piece.name, []), need)
             main = restored.pop("main", None)
             if half:
                 mains.append(p.detach().float().clone() if main is None else main.view(p.shape))

@@ -121,6 +121,8 @@ _PARALLEL_ATTRS = (
     "partition_stride",
     "shared",
     "expert_parallel",
+    "expert_partition",
+    "expert_tensor_parallel",
 )
 
 

@@ -1,7 +1,7 @@
 """Resume on another layout: what this rank of the running model needs from a checkpoint saved
-at another TP x PP (x virtual pipeline) layout, at any EP size (megatron.checkpoint.reshard_load
-reads it; MoE experts are saved whole and each EP rank keeps its own), and the RNG streams such
-a resume starts with.
+at another TP x PP (x virtual pipeline) layout, at any EP and ETP size
+(megatron.checkpoint.reshard_load reads it; MoE experts are saved whole and each EP and ETP
+rank keeps its own part), and the RNG streams such a resume starts with.
 
 Data position: the samplers continue from the checkpoint's consumed-sample count, which does
 not depend on the layout, so the run sees the uninterrupted run's sample sequence at any DP
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from megatron.checkpoint.experts import expert_parameters
+from megatron.checkpoint.experts import expert_parameters, is_etp_split
 from megatron.checkpoint.reshard_load import (
     RankTarget,
     SavedLayout,
@@ -34,6 +34,7 @@ def rank_target(cfg: MegatronConfig, rt: Runtime, model) -> RankTarget:
     """This rank's tensors as the running model holds them (names, local shapes, TP splits,
     and which are MoE experts split over EP)."""
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    experts = expert_parameters(model)
     return RankTarget(
         shapes=shapes,
         rules=partition_record(model),
@@ -41,9 +42,12 @@ def rank_target(cfg: MegatronConfig, rt: Runtime, model) -> RankTarget:
         tp_rank=rt.state.tp_rank,
         vocab_size=cfg.model.vocab_size,
         vocab_names=frozenset(vocab_sized_names()),
-        experts=frozenset(expert_parameters(model)),
+        experts=frozenset(experts),
         ep=rt.state.ep_size,
         ep_rank=rt.state.ep_rank,
+        etp=rt.state.etp_size,
+        etp_rank=rt.state.etp_rank,
+        expert_splits={n: p.expert_partition for n, p in experts.items() if is_etp_split(p)},
     )
 
 
@@ -75,11 +79,14 @@ def reseeded_rng_state(cfg: MegatronConfig, rt: Runtime, iteration: int) -> dict
 def same_shard_changes(saved: SavedLayout, here: SavedLayout, with_optim: bool) -> list[str]:
     """What a resume from the same model shards changed ([]: nothing, or not recorded), for
     `announce`: DP / CP re-cut the distributed optimizer's ranges, EP re-cuts the experts
-    (saved whole). An older record without EP counts as this run's EP."""
+    (saved whole), and so does ETP. An older record without EP counts as this run's EP, one
+    without ETP as ETP 1."""
     if saved.dp is None:
         return []
     if saved.ep is None:
         saved = dataclasses.replace(saved, ep=here.ep)
+    if saved.etp is None:
+        saved = dataclasses.replace(saved, etp=1 if here.etp is not None else None)
     if saved == here:
         return []
     what = ["same model shards"]
@@ -87,6 +94,8 @@ def same_shard_changes(saved: SavedLayout, here: SavedLayout, with_optim: bool) 
         what.append("optimizer state re-cut over DP")
     if (saved.ep or 1) != (here.ep or 1):
         what.append(f"experts re-cut from EP{saved.ep or 1} to EP{here.ep or 1}")
+    if (saved.etp or 1) != (here.etp or 1):
+        what.append(f"experts re-cut from ETP{saved.etp or 1} to ETP{here.etp or 1}")
     return what
 
 

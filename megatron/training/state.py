@@ -209,6 +209,7 @@ def current_layout(cfg: MegatronConfig, rt: Runtime, optimizer) -> SavedLayout:
         cp=st.cp_size,
         optimizer=None if cfg.checkpoint.no_save_optim else kind,
         ep=st.ep_size,
+        etp=st.etp_size if cfg.model.moe else None,
     )
 
 
@@ -229,7 +230,7 @@ def save_training_state(
     shard = {
         "checkpoint_version": CHECKPOINT_VERSION,
         **checkpoint_entries(cfg, rt, state),
-        # MoE: every expert, all-gathered over EP (megatron.checkpoint.experts)
+        # MoE: every expert whole, all-gathered over EP and ETP (megatron.checkpoint.experts)
         "model": gather_experts(model.state_dict(), model, st),
         "partition": partition_record(model),  # how each tensor is split, for resharding
     }
@@ -337,7 +338,7 @@ def load_training_state(
         _check_shapes(shard, cfg, c.load)
         if list(shard["model"]) != list(model.state_dict()):  # other model chunks (no record)
             return restore_resharded(iteration, read_layout(c.load, iteration))
-        model.load_state_dict(local_experts(shard["model"], model, st))  # this EP rank's
+        model.load_state_dict(local_experts(shard["model"], model, st))  # this EP/ETP rank's
         if not with_optim:
             optimizer.reload_model_params()
         _require(shard, c, iteration)

@@ -231,6 +231,10 @@ BAD = [
     (["--num-experts", "0"], "--num-experts"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm"),
     (["--moe-token-dispatcher-type", "allgather"], "--moe-token-dispatcher-type"),
+    # expert tensor parallelism: 1 or the TP size (2 here), the expert width divisible by it
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "4"], "--expert-tensor-parallel-size"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "3"], "--moe-ffn-hidden-size"),
     (
         [
             "--num-experts",
@@ -265,6 +269,79 @@ def test_good_moe_flags_parse(monkeypatch):
     )
     assert cfg.model.num_experts == 8 and cfg.parallel.expert_model_parallel_size == 2
     assert cfg.kernels.moe_grouped_gemm and cfg.parallel.moe_token_dispatcher_type == "allgather"
+
+
+def test_expert_tensor_parallel_size_defaults_to_tp_and_takes_1(monkeypatch):
+    """Megatron-core's default: experts split over the TP group; 1 keeps them whole; an odd
+    expert width is fine at ETP 1."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    base += ["--seq-length", "8", "--vocab-size", "64", "--micro-batch-size", "1"]
+    base += ["--train-iters", "1", "--num-experts", "4", "--tensor-model-parallel-size", "2"]
+    cfg = parse_args(base)
+    assert cfg.parallel.expert_tensor_parallel_size is None and cfg.parallel.expert_tp_size == 2
+    cfg = parse_args(base + ["--expert-tensor-parallel-size", "1", "--moe-ffn-hidden-size", "3"])
+    assert cfg.parallel.expert_tp_size == 1
+
+
+@pytest.mark.parametrize("swiglu, bias", [(False, False), (True, True)])
+def test_expert_shards_and_their_whole_indices(swiglu, bias):
+    """Each (EP, ETP) rank's experts are the whole tensor's rows and [gate_r; up_r] columns
+    (drawn whole, as at one process), and `whole_index` names exactly those elements (what the
+    distributed optimizer saves for an ETP shard)."""
+    from megatron.checkpoint.experts import cut_whole, whole_index
+    from megatron.mpu import single_process_state
+
+    cfg = _cfg(swiglu=swiglu, add_bias_linear=bias, moe_ffn_hidden_size=8)
+    whole = _layer(cfg).experts
+    for ep_rank, tp_rank in ((0, 1), (1, 0), (1, 1)):
+        state = dataclasses.replace(
+            single_process_state(), ep_size=2, ep_rank=ep_rank, etp_size=2, tp_rank=tp_rank
+        )
+        part = GPTModel(cfg, BuildContext(state=state)).layers["0"].mlp.experts
+        assert part.weight1.shape == (2, 32, 8 if swiglu else 4) and part.weight2.shape[1] == 4
+        for name, p in part.named_parameters():
+            full = getattr(whole, name)
+            torch.testing.assert_close(p, cut_whole(full, p, state), rtol=0, atol=0)
+            index = whole_index(p, state, 0, p.numel())
+            assert torch.equal(full.reshape(-1)[index], cut_whole(full, p, state).reshape(-1))
+            assert bool((index[1:] > index[:-1]).all())  # increasing
+        w1 = whole.weight1[2 * ep_rank : 2 * ep_rank + 2]
+        if swiglu:  # [gate; up] of width 8 each: this rank's 4 of either
+            gate, up = w1.chunk(2, dim=2)
+            want = torch.cat([gate.chunk(2, 2)[tp_rank], up.chunk(2, 2)[tp_rank]], dim=2)
+        else:
+            want = w1.chunk(2, dim=2)[tp_rank]
+        torch.testing.assert_close(part.weight1, want, rtol=0, atol=0)
+        if bias:  # bias2 is whole on every ETP rank
+            assert part.bias2.shape == (2, 32) and not part.bias2.expert_tensor_parallel
+
+
+def test_distributed_optimizer_ranges_match_element_by_element():
+    """Saved entries with a whole-tensor "index" (an ETP shard's) or a "range" are read back
+    element by element for any wanted indices; a gap is an error."""
+    from megatron.training.distrib_optimizer import _assemble, _Piece
+
+    values = torch.arange(20.0)
+    entries = [
+        {"range": (0, 10), "exp_avg": values[:10].clone()},
+        {
+            "range": (10, 19),
+            "index": torch.tensor([10, 12, 14, 16, 18]),
+            "exp_avg": values[10:20:2],
+        },
+        {
+            "range": (11, 20),
+            "index": torch.tensor([11, 13, 15, 17, 19]),
+            "exp_avg": values[11:20:2],
+        },
+    ]
+    piece = _Piece("w", None, 4, 16, 0, 0)
+    assert torch.equal(_assemble(piece, entries)["exp_avg"], values[4:16])
+    need = torch.tensor([1, 5, 13, 18])
+    assert torch.equal(_assemble(piece, entries, need)["exp_avg"], values[need])
+    with pytest.raises(ValueError, match="incomplete"):
+        _assemble(piece, entries[:2], torch.tensor([3, 13]))
 
 
 def test_moe_with_context_parallelism_parses_ep_over_the_cp_ranks(monkeypatch):
@@ -357,6 +434,9 @@ def test_planner_counts_expert_parameters_and_shards_their_state_over_dp_over_ep
         assert stage_params(cfg, 1, 1, 0) == total
         assert stage_expert_params(cfg, 1, 0, 1) == experts
         assert stage_params(cfg, 1, 1, 0, ep=2) == total - experts // 2
+        # ETP 2: the experts' FFN halves, their output biases stay whole
+        bias2 = cfg.moe_layers * cfg.num_experts * cfg.hidden_size * int(cfg.add_bias_linear)
+        assert stage_expert_params(cfg, 1, 0, 1, 2) == (experts - bias2) // 2 + bias2
     # distributed optimizer at DP 4, EP 2: dense state / 4, expert state / 2
     t = Training(dtype_bytes=4, sharding="distributed")
     assert (

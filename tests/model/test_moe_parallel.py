@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron import mpu
+from megatron.checkpoint.experts import cut_whole
 from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
@@ -100,6 +101,37 @@ LAYOUTS = [
     ),
     ("cp2-pp2-ep2", 1, 2, 2, False, "alltoall", False, {"cp": 2, "swiglu": True}),
     ("cp2-ep2-distopt", 1, 1, 2, False, "alltoall", True, {"cp": 2, "moe_grouped_gemm": True}),
+    # expert tensor parallelism ("etp": 2 = TP): each expert's FFN split over the TP pair
+    (
+        "tp2-etp2-ep2",
+        2,
+        1,
+        2,
+        False,
+        "alltoall",
+        False,
+        {"etp": 2, "swiglu": True, "add_bias_linear": True},
+    ),
+    (
+        "tp2-sp-etp2-ep2-allgather",
+        2,
+        1,
+        2,
+        True,
+        "allgather",
+        False,
+        {"etp": 2, "add_bias_linear": True, "moe_shared_expert_intermediate_size": 16},
+    ),
+    (
+        "tp2-sp-etp2-distopt",
+        2,
+        1,
+        2,
+        True,
+        "alltoall",
+        True,
+        {"etp": 2, "swiglu": True, "moe_grouped_gemm": True},
+    ),
 ]
 
 
@@ -187,9 +219,10 @@ def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
 
 
 def _local_view(full: torch.Tensor, param, state) -> torch.Tensor:
-    """The part of a one-process tensor this rank holds: its experts, its TP shard."""
+    """The part of a one-process tensor this rank holds: its experts (and their ETP shard),
+    its TP shard."""
     if getattr(param, "expert_parallel", False):
-        full = full.chunk(state.ep_size)[state.ep_rank]
+        return cut_whole(full, param, state)
     if mpu.is_tensor_parallel(param) and state.tp_size > 1:
         full = mpu.shard(
             full, param.partition_dim, state.tp_rank, state.tp_size, param.partition_stride
@@ -202,7 +235,7 @@ def _worker(rank, world):
     report = {}
     for name, tp, pp, ep, sp, dispatcher, distributed, layout_changes in LAYOUTS:
         changes = dict(layout_changes)
-        options = ("moe_grouped_gemm", "recompute", "vp", "cp", "seq_aux")
+        options = ("moe_grouped_gemm", "recompute", "vp", "cp", "seq_aux", "etp")
         run = {k: changes.pop(k) for k in options if k in changes}
         if run.get("seq_aux"):
             changes["moe_router_load_balancing_type"] = "seq_aux_loss"
@@ -217,6 +250,7 @@ def _worker(rank, world):
             sequence_parallel=sp,
             context_parallel_size=cp,
             expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=run.get("etp", 1),
         )
         try:
             mine = range(state.dp_rank * MICRO, (state.dp_rank + 1) * MICRO)
@@ -311,6 +345,37 @@ def _resume_worker(rank, world, argv, save_dir):
             resumed["converted to PP 2"] = _train(rank, world, argv + optim + pp)[0]
         out[bool(optim)] = (straight, resumed)
     out["cp"] = _cp_resume(rank, world, argv, save_dir, straight)
+    out["etp"] = _etp_resume(rank, world, argv, save_dir)
+    return out
+
+
+def _etp_resume(rank, world, argv, save_dir):
+    """The trainer at TP 2 x EP 2 (DP 2) with the default ETP (= TP 2, SwiGLU experts split
+    over the TP pair), both optimizers, saving at step 2; resumed at TP 2 x ETP 1 (the same
+    shards, experts re-cut) and at TP 1 x EP 2 (DP 4, resharded on load)."""
+    import torch.distributed as dist
+
+    from tests.helpers.checkpoints import _checkpoint_at
+    from tests.helpers.training import _train
+
+    out = {}
+    tp2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--swiglu"]
+    for optim in ([], ["--use-distributed-optimizer"]):
+        d = f"{save_dir}/etp{'distributed' if optim else 'plain'}"
+        save = ["--save", d, "--save-interval", "2"]
+        straight, _, _ = _train(rank, world, argv + optim + tp2 + save)
+        if rank == 0:
+            _checkpoint_at(d, 2, f"{d}_at2")
+        dist.barrier()
+        load = ["--load", f"{d}_at2", "--no-load-rng"]
+        etp1 = _train(
+            rank, world, argv + optim + tp2 + load + ["--expert-tensor-parallel-size", "1"]
+        )
+        tp1 = ["--expert-model-parallel-size", "2", "--swiglu"]
+        out[bool(optim)] = (
+            straight,
+            {"ETP 1": etp1[0], "TP 1": _train(rank, world, argv + optim + tp1 + load)[0]},
+        )
     return out
 
 
@@ -359,6 +424,7 @@ def test_expert_parallel_checkpoint_resumes_at_ep1_and_ep2(spawn):
 
     for rank_out in [dict(out["resume"]) for out in spawn]:
         rank_out.pop("cp")  # test_cp_x_ep_trains_as_dp_and_resumes_at_another_cp_and_ep
+        rank_out.pop("etp")  # test_expert_tensor_parallel_checkpoint_resumes_at_etp1_and_tp1
         for key in [k for k in rank_out if isinstance(k, str)]:
             assert all(len(row) > 3 for row in rank_out.pop(key))  # generated from EP = 2
         for distributed, (straight, resumed) in rank_out.items():
@@ -394,3 +460,23 @@ def test_cp_x_ep_trains_as_dp_and_resumes_at_another_cp_and_ep(spawn):
         torch.testing.assert_close(
             torch.tensor(_losses(resumed)), torch.tensor(_losses(straight)[2:]), rtol=2e-5, atol=0
         )
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel_checkpoint_resumes_at_etp1_and_tp1(spawn):
+    """A TP 2 x EP 2 run with its experts split over TP (ETP 2, the default) saves them whole:
+    resumed at ETP 1 and at TP 1 it continues with the uninterrupted losses, either optimizer
+    (the distributed one's expert ranges saved element-indexed in the whole tensors)."""
+    from tests.helpers.training import _losses
+
+    for rank_out in [out["resume"]["etp"] for out in spawn]:
+        for distributed, (straight, resumed) in rank_out.items():
+            for where, history in resumed.items():
+                assert [h["iteration"] for h in history] == [3, 4]
+                torch.testing.assert_close(
+                    torch.tensor(_losses(history)),
+                    torch.tensor(_losses(straight)[2:]),
+                    rtol=2e-5,
+                    atol=0,
+                    msg=lambda m, w=where, d=distributed: f"{w} distributed {d}: {m}",
+                )

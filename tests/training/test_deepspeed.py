@@ -135,12 +135,28 @@ def _ds_cfg(tmp_path, json_body, *extra, world=2):
             ["--num-experts", "4", "--expert-model-parallel-size", "2"],
             "only on its reduce-scatter path",
         ),
+        (
+            "{}",
+            ["--num-experts", "4", "--tensor-model-parallel-size", "2"]
+            + ["--expert-tensor-parallel-size", "2"],
+            "--expert-tensor-parallel-size 2: DeepSpeed's MoE path keeps whole experts",
+        ),
     ],
 )
 def test_contradictions_between_json_and_flags_fail_fast(tmp_path, body, extra, message):
     with pytest.raises(ConfigError) as err:
         build_ds_config(_ds_cfg(tmp_path, body, *extra))
     assert message in str(err.value)
+
+
+def test_experts_stay_whole_over_tp_under_deepspeed_unless_asked(tmp_path):
+    """Megatron-DeepSpeed replicates experts over TP; Megatron-core (our native backend)
+    splits them by default."""
+    moe = ["--num-experts", "4", "--tensor-model-parallel-size", "2"]
+    ds = _ds_cfg(tmp_path, "{}", *moe)
+    assert ds.parallel.expert_tp_size == 1 and build_ds_config(ds)
+    native = parse_args([*BASE, *moe], world_size=2)
+    assert native.parallel.expert_tp_size == 2
 
 
 def test_classic_zero_flags_override_the_json_and_fill_it(tmp_path):
