@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.mpu import ParallelState
-from megatron.mpu.utils import group_size, shard, unshard
+from megatron.mpu.expert_shards import cut_whole, etp_split, whole_shape
+from megatron.mpu.utils import group_size, unshard
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -38,38 +39,6 @@ def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
             if getattr(p, "expert_parallel", False):
                 out[name] = p
     return out
-
-
-def is_etp_split(param: torch.Tensor) -> bool:
-    """Whether this run holds only an ETP shard of expert tensor `param`."""
-    return bool(getattr(param, "expert_tensor_parallel", False))
-
-
-def _etp_split(param: torch.Tensor) -> tuple[int, int] | None:
-    """(dim, stride) along which this run splits `param` over ETP; None when it does not."""
-    if not getattr(param, "expert_tensor_parallel", False):
-        return None
-    return param.expert_partition
-
-
-def whole_shape(param: torch.Tensor, state: ParallelState) -> list[int]:
-    """The shape of the whole expert tensor (all E experts, every ETP shard) `param` is cut
-    from."""
-    shape = list(param.shape)
-    shape[0] *= state.ep_size
-    split = _etp_split(param)
-    if split is not None:
-        shape[split[0]] *= state.etp_size
-    return shape
-
-
-def cut_whole(whole: torch.Tensor, param: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """This rank's part of a whole expert tensor: its EP rank's experts, its ETP shard."""
-    t = whole.chunk(state.ep_size)[state.ep_rank]
-    split = _etp_split(param)
-    if split is not None:
-        t = shard(t, split[0], state.etp_rank, state.etp_size, split[1])
-    return t
 
 
 def expert_offset(param: torch.Tensor, state: ParallelState) -> int:
@@ -84,7 +53,7 @@ def whole_index(param: torch.Tensor, state: ParallelState, lo: int, hi: int) -> 
     """(hi - lo,) the flat indices in the whole tensor of elements [lo, hi) of this rank's
     flattened expert tensor (EP rows and ETP columns); increasing."""
     return whole_flat_index(
-        tuple(param.shape), _etp_split(param), state.ep_rank, state.etp_size, state.etp_rank, lo, hi
+        tuple(param.shape), etp_split(param), state.ep_rank, state.etp_size, state.etp_rank, lo, hi
     )
 
 
@@ -123,7 +92,7 @@ ENTRY_PLACES = ("range", "index")  # the keys of a saved entry that are not opti
 def _gather(t: torch.Tensor, state: ParallelState, param: torch.Tensor | None) -> torch.Tensor:
     """The whole tensor of this rank's part `t` of expert tensor `param`: all-gathered over
     ETP (when split) and EP."""
-    split = _etp_split(param) if param is not None else None
+    split = etp_split(param) if param is not None else None
     if split is not None:
         parts = [torch.empty_like(t) for _ in range(state.etp_size)]
         dist.all_gather(parts, t.contiguous(), group=state.etp_group)

@@ -13,10 +13,10 @@ import zlib
 import torch
 from torch import nn
 
-from megatron.checkpoint.experts import cut_whole, whole_shape
 from megatron.config.schema import ModelConfig
 from megatron.model.transformer import NORM_TYPES
 from megatron.mpu import ParallelState, copy_full_into_param
+from megatron.mpu.expert_shards import cut_whole, whole_shape
 
 # Output projections of residual branches get std / sqrt(2 x num_layers) (GPT-2's scaled init).
 _SCALED_INIT_SUFFIXES = (

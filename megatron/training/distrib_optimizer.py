@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint.experts import expert_offset, is_etp_split, whole_index
+from megatron.checkpoint.experts import expert_offset, whole_index
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState
+from megatron.mpu.expert_shards import is_etp_split
 from megatron.mpu.grads import counts_once
 from megatron.mpu.utils import group_size
 from megatron.training.ddp import DistributedDataParallel

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from megatron.checkpoint.experts import expert_parameters, is_etp_split
+from megatron.checkpoint.experts import expert_parameters
 from megatron.checkpoint.reshard_load import (
     RankTarget,
     SavedLayout,
@@ -28,6 +28,7 @@ from megatron.checkpoint.rng_state import rng_state_dict
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, set_random_seeds
 from megatron.models.registry import vocab_sized_names
+from megatron.mpu.expert_shards import is_etp_split
 
 
 def rank_target(cfg: MegatronConfig, rt: Runtime, model) -> RankTarget:

@@ -289,8 +289,9 @@ def test_expert_shards_and_their_whole_indices(swiglu, bias):
     """Each (EP, ETP) rank's experts are the whole tensor's rows and [gate_r; up_r] columns
     (drawn whole, as at one process), and `whole_index` names exactly those elements (what the
     distributed optimizer saves for an ETP shard)."""
-    from megatron.checkpoint.experts import cut_whole, whole_index
+    from megatron.checkpoint.experts import whole_index
     from megatron.mpu import single_process_state
+    from megatron.mpu.expert_shards import cut_whole
 
     cfg = _cfg(swiglu=swiglu, add_bias_linear=bias, moe_ffn_hidden_size=8)
     whole = _layer(cfg).experts

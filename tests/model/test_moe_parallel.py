@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.checkpoint.experts import cut_whole
 from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
@@ -30,6 +29,7 @@ from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
 from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import context_parallel_slice
+from megatron.mpu.expert_shards import cut_whole
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
