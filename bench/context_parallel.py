@@ -27,9 +27,12 @@ through the explicit fp32 math (--attention-backend unfused) and through the fus
 profiler's memory events, the fuller rank; the inputs are allocated before).
 
 The documents table: the same ring step with fused blocks, causal, and within packed documents
-(--reset-attention-mask) of random lengths averaging each of --doc-lengths tokens: wall time
-(the slower rank) against causal, and how the blocks the causal ring computes went (summed over
-ranks): through the fused kernel (one document), the masked fp32 math, or skipped.
+(--reset-attention-mask) of random lengths averaging each of --doc-lengths tokens, with the
+masked blocks (chunk pairs partly inside a document) through the explicit fp32 math
+(RingAttention(piecewise_documents=False), as before mpu/ring_pieces.py) and piecewise through
+the fused kernel (the default), side by side: wall time (the slower rank), peak bytes (the
+fuller rank), the piecewise step against causal, and how the blocks the causal ring computes
+went (summed over ranks): fused (one document), masked, or skipped.
 """
 
 from __future__ import annotations
@@ -261,9 +264,15 @@ def _ring_step(ring, q, k, v, dout, documents) -> None:
 
 
 def _documents_worker(rank, world, seqs, means, repeats):
-    """{(seq, mean or None): (seconds, block counts)} of one fused ring step on this rank."""
+    """{(seq, mean or None, masked blocks' path): (seconds, peak bytes, block counts)} of one
+    fused ring step on this rank: causal (mean None), and within documents with the masked
+    blocks through the fp32 math or piecewise through the fused kernel."""
     state = initialize_model_parallel(1, context_parallel_size=world)
-    ring, out = cpm.RingAttention(state, "fused"), {}
+    rings = {
+        "math": cpm.RingAttention(state, "fused", piecewise_documents=False),
+        "pieces": cpm.RingAttention(state, "fused"),
+    }
+    out = {}
     for seq in seqs:
         g = torch.Generator().manual_seed(seq + rank)
         shape = (1, BLOCK_HEADS, seq // world, BLOCK_HEAD_DIM)  # (b, h, 2c, d) of this rank
@@ -274,27 +283,40 @@ def _documents_worker(rank, world, seqs, means, repeats):
             if mean is not None:
                 ids = cpm.context_parallel_slice(_packed_ids(seq, mean, seq), rank, world)
                 docs = cpm.gather_documents(ids, state)
-            step = functools.partial(_ring_step, ring, q, k, v, dout, docs)
-            seconds = _median_seconds(step, (q, k, v), repeats)
-            out[seq, mean] = (seconds, _block_counts(docs, rank, world))
+            for path in ("pieces",) if mean is None else ("math", "pieces"):
+                step = functools.partial(_ring_step, rings[path], q, k, v, dout, docs)
+                seconds = _median_seconds(step, (q, k, v), repeats)
+                out[seq, mean, path] = (
+                    seconds,
+                    _peak_bytes(step),
+                    _block_counts(docs, rank, world),
+                )
+                _fresh(q, k, v)
     destroy_model_parallel(state)
     return out
 
 
 def _documents_table(seqs, cps, means, repeats) -> None:
     head = (
-        f"{'seq':>6} {'CP':>3} {'doc len':>8} {'ring s':>8} {'vs causal':>9} "
-        f"{'fused':>6} {'masked':>7} {'skipped':>8}"
+        f"{'seq':>6} {'CP':>3} {'doc len':>8} {'math s':>8} {'pieces s':>8} {'speedup':>8} "
+        f"{'math MiB':>9} {'pieces MiB':>10} {'vs causal':>9} {'fused':>6} {'masked':>7} "
+        f"{'skipped':>8}"
     )
     for cp, ranks in _ring_runs(head, cps, _documents_worker, seqs, means, repeats):
         for seq in seqs:
-            causal = max(r[seq, None][0] for r in ranks)
+            causal = max(r[seq, None, "pieces"][0] for r in ranks)
             for mean in (None, *means):
-                seconds = max(r[seq, mean][0] for r in ranks)
-                n = {k: sum(r[seq, mean][1][k] for r in ranks) for k in ranks[0][seq, mean][1]}
+                paths = ("pieces",) if mean is None else ("math", "pieces")
+                (tm, pm), (tp, pp) = (
+                    (max(r[seq, mean, x][0] for r in ranks), max(r[seq, mean, x][1] for r in ranks))
+                    for x in (paths[0], paths[-1])
+                )
+                counts = ranks[0][seq, mean, "pieces"][2]
+                n = {k: sum(r[seq, mean, "pieces"][2][k] for r in ranks) for k in counts}
                 label = "causal" if mean is None else str(mean)
                 print(
-                    f"{seq:>6} {cp:>3} {label:>8} {seconds:>8.3f} {seconds / causal:>8.2f}x "
+                    f"{seq:>6} {cp:>3} {label:>8} {tm:>8.3f} {tp:>8.3f} {tm / tp:>7.2f}x "
+                    f"{pm / 2**20:>9.1f} {pp / 2**20:>10.1f} {tp / causal:>8.2f}x "
                     f"{n['fused']:>6} {n['masked']:>7} {n['skipped']:>8}"
                 )
 

@@ -15,7 +15,9 @@ dK/dV of its own block.
 Within a step the two query chunks meet the two key chunks: chunk ids qi > kj attend fully,
 qi == kj causally (the diagonal), qi < kj not at all (skipped). With documents
 (--reset-attention-mask, mpu/ring_documents.py) a pair may also be skipped (no document in
-common) or masked (the explicit math with the block's keep mask).
+common) or masked: with fused blocks its dense pieces (a rectangle, or a causal square per
+document) through the fused kernel (mpu/ring_pieces.py), else the explicit math with the
+block's keep mask.
 
 Each block is computed by mpu/ring_blocks.py: PyTorch's fused SDPA kernels that return the LSE
 (flash / memory-efficient on CUDA, the flash kernel for CPU) where the device and dtype have one
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.mpu import ring_pieces
 from megatron.mpu.parallel_state import ParallelState
 from megatron.mpu.ring_blocks import BACKENDS, MATH, block_step, select_blocks
 from megatron.mpu.ring_documents import BlockKind, RingDocuments, causal_kind
@@ -114,10 +117,11 @@ class _Ring:
         ]
         return recv, dist.batch_isend_irecv(ops)
 
-    def pairs(self, step: int, documents: RingDocuments | None):
-        """(query half, key half, the block's keep mask or None, causal) to compute at `step`,
-        with K/V from rank - step; skipped pairs (keys in the future, no document in common)
-        are left out."""
+    def pairs(self, step: int, documents: RingDocuments | None, piecewise: bool):
+        """(query half, key half, mask, causal) to compute at `step`, with K/V from
+        rank - step; skipped pairs (keys in the future, no document in common) are left out.
+        mask: None (unmasked), or for a masked pair its pieces (`piecewise`, see
+        masked_block) or keep mask."""
         src = (self.rank - step) % self.size
         q_ids, k_ids = chunk_ids(self.rank, self.size), chunk_ids(src, self.size)
         for qi, q_chunk in enumerate(q_ids):
@@ -128,8 +132,10 @@ class _Ring:
                     kind = documents.kind(q_chunk, k_chunk)
                 if kind is BlockKind.SKIP:
                     continue
-                keep = documents.keep(q_chunk, k_chunk) if kind is BlockKind.MASKED else None
-                yield qi, kj, keep, kind is BlockKind.CAUSAL
+                mask = None
+                if kind is BlockKind.MASKED:
+                    mask = masked_block(documents, q_chunk, k_chunk, piecewise)
+                yield qi, kj, mask, kind is BlockKind.CAUSAL
 
 
 _KV_TAG, _DKV_TAG = 271, 272
@@ -158,19 +164,31 @@ def _block_settings(q, k, blocks):
     return 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1), blocks.dtype(q.dtype)
 
 
-def _block_forward(blocks, q, k, v, scale, causal, p, keep):
-    """One block through `blocks`; a masked one (keep given) through the fp32 math."""
-    if keep is None:
+def masked_block(documents: RingDocuments, q_chunk: int, k_chunk: int, piecewise: bool):
+    """How a MASKED pair runs: its pieces through the fused kernel (piecewise, and ids that
+    are contiguous runs), else its (b, 1, c, c) keep mask through the fp32 math."""
+    pieces = documents.pieces(q_chunk, k_chunk) if piecewise else None
+    return documents.keep(q_chunk, k_chunk) if pieces is None else pieces
+
+
+def _block_forward(blocks, q, k, v, scale, causal, p, mask):
+    """One block through `blocks`; a masked one by pieces (a tuple) or through the fp32 math
+    with its keep mask (a tensor)."""
+    if mask is None:
         return block_step(blocks, q, k, v, scale, causal, p)
-    return block_step(MATH, q.float(), k.float(), v.float(), scale, causal, p, keep)
+    if isinstance(mask, tuple):
+        return ring_pieces.forward(blocks, q, k, v, scale, p, mask)
+    return block_step(MATH, q.float(), k.float(), v.float(), scale, causal, p, mask)
 
 
-def _block_backward(blocks, q, k, v, dout, out, lse, scale, causal, p, replay, keep):
+def _block_backward(blocks, q, k, v, dout, out, lse, scale, causal, p, replay, mask):
     """(dq, dk, dv) of one block, through what ran its forward."""
-    if keep is None:
+    if mask is None:
         return blocks.backward(q, k, v, dout, out, lse, scale, causal, p, replay)
+    if isinstance(mask, tuple):
+        return ring_pieces.backward(blocks, q, k, v, dout, out, lse, scale, p, replay, mask)
     q, k, v, dout, out = (t.float() for t in (q, k, v, dout, out))
-    return MATH.backward(q, k, v, dout, out, lse, scale, causal, p, replay, keep=keep)
+    return MATH.backward(q, k, v, dout, out, lse, scale, causal, p, replay, keep=mask)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -179,7 +197,7 @@ class _RingAttention(torch.autograd.Function):
     here, dK/dV ringed back home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, p: float, blocks, documents):
+    def forward(ctx, q, k, v, ring: _Ring, p: float, blocks, documents, piecewise: bool):
         # q: (b, h, 2c, d); k, v: (b, g, 2c, d), this rank's chunks; the blocks run in
         # blocks.dtype (fp32 for the math, the model dtype for fused kernels), merges in fp32
         scale, qpg, dtype = _block_settings(q, k, blocks)
@@ -190,9 +208,9 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 kv_next, requests = ring.exchange(kv, _KV_TAG)  # overlaps this step's math
             ks, vs = (_expand(t.to(dtype), qpg).chunk(2, dim=2) for t in kv)
-            for qi, kj, keep, causal in ring.pairs(step, documents):
+            for qi, kj, mask, causal in ring.pairs(step, documents, piecewise):
                 o, s, replay = _block_forward(
-                    blocks, qs[qi], ks[kj], vs[kj], scale, causal, p, keep
+                    blocks, qs[qi], ks[kj], vs[kj], scale, causal, p, mask
                 )
                 replays.append(replay)  # dropout's replay (generator state or philox seed)
                 o = o.float()
@@ -206,14 +224,14 @@ class _RingAttention(torch.autograd.Function):
         # (model dtype, no extra copy) for fused kernels
         ctx.save_for_backward(q, k, v, out if dtype == torch.float32 else result, lse)
         ctx.ring, ctx.p, ctx.blocks, ctx.replays = ring, p, blocks, replays
-        ctx.documents = documents
+        ctx.documents, ctx.piecewise = documents, piecewise
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, p, blocks, replays = ctx.ring, ctx.p, ctx.blocks, iter(ctx.replays)
-        documents = ctx.documents
+        documents, piecewise = ctx.documents, ctx.piecewise
         scale, qpg, dtype = _block_settings(q, k, blocks)
         qs, dos = q.to(dtype).chunk(2, dim=2), dout.to(dtype).contiguous().chunk(2, dim=2)
         outs, lses = out.to(dtype).chunk(2, dim=2), lse.chunk(2, dim=2)
@@ -227,10 +245,10 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = (_expand(t.to(dtype), qpg).chunk(2, dim=2) for t in kv)
             dks = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in ks]
             dvs = [torch.zeros_like(t) for t in dks]
-            for qi, kj, keep, causal in ring.pairs(step, documents):
+            for qi, kj, mask, causal in ring.pairs(step, documents, piecewise):
                 dq_b, dk_b, dv_b = _block_backward(
                     blocks, qs[qi], ks[kj], vs[kj], dos[qi], outs[qi], lses[qi], scale, causal,
-                    p, next(replays), keep,
+                    p, next(replays), mask,
                 )  # fmt: skip
                 dq[qi] += dq_b
                 dks[kj] += dk_b
@@ -246,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next
         _wait(dkv_requests)  # after CP steps the block's gradient is back home
         dk, dv = dkv_in.to(k.dtype).unbind(0)
-        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None, None, None
 
 
 class RingAttention:
@@ -260,14 +278,18 @@ class RingAttention:
 
     `documents` (mpu/ring_documents.py, from gather_documents): causal attention within each
     token's own document (--reset-attention-mask); pairs of chunks with no document in common
-    are skipped, partly masked ones run the explicit fp32 math with their mask, and the rest
-    run as without documents.
+    are skipped, partly masked ones run piecewise through the fused kernel (its dense
+    rectangle or causal squares per sample, mpu/ring_pieces.py) where the blocks are fused,
+    else (or with `piecewise_documents=False`: the benchmark's baseline) the explicit fp32
+    math with their mask; the rest run as without documents.
 
     Dropout (`dropout_p`) draws its masks from the current default generator, as F.dropout
     would (callers fork the RNG tracker around it), and backward replays them. Where the fused
     kernel has no dropout (the CPU's), calls with dropout_p > 0 run the math."""
 
-    def __init__(self, state: ParallelState, backend: str = "auto"):
+    def __init__(
+        self, state: ParallelState, backend: str = "auto", piecewise_documents: bool = True
+    ):
         if state.cp_size < 2:
             raise ValueError("ring attention needs a context-parallel group of 2 or more ranks")
         ranks, r = state.cp_ranks, state.cp_rank
@@ -277,6 +299,7 @@ class RingAttention:
         if backend not in BACKENDS:
             raise ValueError(f"ring attention backend {backend!r}: expected one of {BACKENDS}")
         self.backend = backend
+        self.piecewise_documents = piecewise_documents
 
     def blocks(self, q: torch.Tensor, dropout_p: float = 0.0):
         """The block implementation calls with these queries use."""
@@ -291,5 +314,6 @@ class RingAttention:
                 f"document ids for (b, c) = {tuple(documents.chunks.shape[1:])} chunks given "
                 f"to ring attention over (b, c) = ({q.size(0)}, {c})"
             )
-        p = float(dropout_p)
-        return _RingAttention.apply(q, k, v, self.ring, p, self.blocks(q, p), documents)
+        p, blocks = float(dropout_p), self.blocks(q, float(dropout_p))
+        piecewise = self.piecewise_documents and blocks is not MATH
+        return _RingAttention.apply(q, k, v, self.ring, p, blocks, documents, piecewise)

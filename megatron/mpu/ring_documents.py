@@ -13,8 +13,12 @@ of the sample is one of:
     FULL    j < i and both chunks lie inside one document: every query sees every key; the
             block runs as without documents (the fused kernel where there is one).
     CAUSAL  j == i inside one document: the plain causal diagonal, as without documents.
-    MASKED  anything else: the explicit fp32 math with the keep mask of the block. A query row
-            with no key allowed in the block gets LSE -inf and adds nothing when merged.
+    MASKED  anything else. With fused blocks: per sample a few dense pieces (documents are
+            contiguous: off the diagonal one rectangle, on it one causal square per document
+            segment) through the fused kernel, mpu/ring_pieces.py; with the math blocks (or ids
+            that are not contiguous runs) the explicit fp32 math with the block's keep mask.
+            A query row with no key allowed in the block gets LSE -inf and adds nothing when
+            merged.
 
 A kind holds for the whole micro batch: a pair is FULL (CAUSAL) only if it is in every sample,
 SKIP only if it is in every sample; otherwise MASKED, with each sample's own mask.
@@ -23,9 +27,12 @@ SKIP only if it is in every sample; otherwise MASKED, with each sample's own mas
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+
+from megatron.mpu.ring_pieces import SHORT, TILE, Piece
 
 
 class BlockKind(enum.IntEnum):
@@ -48,6 +55,7 @@ class RingDocuments:
 
     chunks: torch.Tensor  # (2 CP, b, c): the document id of each token of each chunk
     kinds: tuple[tuple[BlockKind, ...], ...]  # kinds[query chunk][key chunk]
+    _pieces: dict = field(default_factory=dict, init=False, repr=False)  # by (q, k) chunk
 
     @classmethod
     def from_sequence(cls, document_ids: torch.Tensor, cp_size: int) -> RingDocuments:
@@ -77,6 +85,86 @@ class RingDocuments:
         elif q_chunk < k_chunk:
             keep = torch.zeros_like(keep)
         return keep.unsqueeze(1)
+
+    def pieces(self, q_chunk: int, k_chunk: int) -> tuple[Piece, ...] | None:
+        """The dense pieces of a MASKED pair (mpu/ring_pieces.py), each over the samples that
+        share its boundaries; None where some sample's ids are not contiguous runs (an id
+        that comes back after another), which only the math with keep() handles."""
+        key = (q_chunk, k_chunk)
+        if key not in self._pieces:
+            self._pieces[key] = self._plan(q_chunk, k_chunk)
+        return self._pieces[key]
+
+    @cached_property
+    def _segments(self) -> list[list[list[tuple[int, int, int]]]] | None:
+        """segments[chunk][sample]: the (start, end, id) runs of equal ids of the chunk; None
+        unless each id is one run of its sample. Two device-to-host copies, once."""
+        n, b, c = self.chunks.shape
+        whole = self.chunks.transpose(0, 1).reshape(b, n * c)  # (b, s)
+        ordered = whole.sort(1).values
+        changes = (whole[:, 1:] != whole[:, :-1]).sum(1)
+        if not torch.equal(changes, (ordered[:, 1:] != ordered[:, :-1]).sum(1)):
+            return None
+        starts = torch.ones_like(self.chunks, dtype=torch.bool)
+        starts[..., 1:] = self.chunks[..., 1:] != self.chunks[..., :-1]
+        where = torch.cat([starts.nonzero(), self.chunks[starts].unsqueeze(1)], 1).tolist()
+        segments = [[[] for _ in range(b)] for _ in range(n)]
+        for chunk, sample, start, doc in where:  # in order of chunk, sample, start
+            runs = segments[chunk][sample]
+            if runs:
+                runs[-1] = (runs[-1][0], start, runs[-1][2])
+            runs.append((start, c, doc))
+        return segments
+
+    def _plan(self, i: int, j: int) -> tuple[Piece, ...] | None:
+        if self._segments is None:
+            return None
+        groups: dict[tuple, list[int]] = {}  # (rows, cols, causal, tile) -> samples
+        for sample in range(self.chunks.size(1)):
+            if i == j:  # a causal square per document segment, short ones tiled
+                for span, tile in _diagonal_spans(self._segments[i][sample]):
+                    groups.setdefault((span, span, not tile, tile), []).append(sample)
+            elif i > j:  # the one document from the key chunk into the query chunk, if any
+                _, r, first = self._segments[i][sample][0]
+                c0, c, last = self._segments[j][sample][-1]
+                if first == last:
+                    groups.setdefault(((0, r), (c0, c), False, False), []).append(sample)
+        return tuple(self._piece(i, *key, samples) for key, samples in groups.items())
+
+    def _piece(self, i, rows, cols, causal, tile, samples) -> Piece:
+        device, b = self.chunks.device, self.chunks.size(1)
+        index = None if len(samples) == b else torch.tensor(samples, device=device)
+        keep = None
+        if tile:  # (n, 1, L, L): causal within the tile's documents
+            ids = self.chunks[i, :, rows[0] : rows[1]]  # (b, L)
+            ids = ids if index is None else ids.index_select(0, index)
+            keep = ids.unsqueeze(2) == ids.unsqueeze(1)
+            keep &= torch.ones(keep.shape[1:], dtype=torch.bool, device=device).tril()
+            keep = keep.unsqueeze(1)
+        return Piece(index, rows, cols, causal, keep)
+
+
+def _diagonal_spans(segments) -> list[tuple[tuple[int, int], bool]]:
+    """The diagonal's pieces from a chunk's (start, end, id) runs: ((start, end), tile?). A
+    segment of SHORT tokens or more is its own causal square; consecutive shorter ones are
+    packed into tiles of up to TILE tokens for the math (a tile of one stays a square)."""
+    spans, tile = [], []
+
+    def close():
+        if tile:
+            spans.append(((tile[0][0], tile[-1][1]), len(tile) > 1))
+            tile.clear()
+
+    for start, end, _ in segments:
+        if end - start >= SHORT:
+            close()
+            spans.append(((start, end), False))
+            continue
+        if tile and end - tile[0][0] > TILE:
+            close()
+        tile.append((start, end))
+    close()
+    return spans
 
 
 def _single(ids: torch.Tensor) -> torch.Tensor:
