@@ -246,8 +246,10 @@ _MOE_RUNS = (
     ("dp4 ep2 bf16 zero1", _EP2 + ["--bf16"] + _DS + ["1"], "dp4 ep2 bf16"),
     ("tp2 ep2 bf16 zero2", _TP2 + _EP2 + ["--bf16"] + _DS + ["2"], "tp2 ep2 bf16"),
 )
-_NATIVE = {"dp4 ep2": _EP2, "tp2 ep2": _TP2 + _EP2, "dp4 ep2 bf16": _EP2 + ["--bf16"]}
-_NATIVE["tp2 ep2 bf16"] = _TP2 + _EP2 + ["--bf16"]
+# Our backend at DeepSpeed's layout: experts whole on each TP rank (ETP 1, DeepSpeed's default).
+_ETP1 = ["--expert-tensor-parallel-size", "1"]
+_NATIVE = {"dp4 ep2": _EP2, "tp2 ep2": _TP2 + _EP2 + _ETP1, "dp4 ep2 bf16": _EP2 + ["--bf16"]}
+_NATIVE["tp2 ep2 bf16"] = _TP2 + _EP2 + _ETP1 + ["--bf16"]
 
 
 def _four_rank_worker(rank, world, argv, moe_argv, save_dir):
