@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -183,14 +184,15 @@ def setup_deepspeed(
         groups = split_expert_param_groups(groups)
     optimizer = _client_optimizer(groups, cfg)
     scheduler = make_scheduler(optimizer)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=ds_config,
-        mpu=None if pipeline else MpuAdapter(rt.state),
-        dist_init_required=False,
-    )
+    with _no_warm_up_step(optimizer, ds_config):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
+            mpu=None if pipeline else MpuAdapter(rt.state),
+            dist_init_required=False,
+        )
     if engine.optimizer is optimizer:  # fp32 without ZeRO: DeepSpeed steps ours unwrapped
         _skip_non_finite_steps(optimizer)
         if experts:
@@ -198,6 +200,31 @@ def setup_deepspeed(
     if pipeline and ds_config.get("wall_clock_breakdown"):
         _tolerate_restarted_backward_timers(engine)
     return engine, scheduler, pipeline
+
+
+@contextlib.contextmanager
+def _no_warm_up_step(optimizer, ds_config: dict):
+    """Around deepspeed.initialize: undo the warm-up step of DeepSpeed's fp16/bf16 wrappers
+    without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer: fp16 or bf16 at ZeRO-0). Their
+    constructor steps our optimizer once with zero gradients to create its states, so Adam's
+    first real update would be its step 2: with m = (1 - b1) g and v = (1 - b2) g^2 the bias
+    corrections 1 - b^2 give m_hat = g / (1 + b1), v_hat = g^2 / (1 + b2), an update ~0.74 of
+    ours at b1 0.9, b2 0.999. That step runs at LR 0 here (AdamW would otherwise decay the
+    fp32 master weights once, and not the model's copy), and the states it made are dropped:
+    the first training step is step 1, as in our backend. ZeRO 1-3 and DeepSpeed's
+    BF16_Optimizer create their states without a step."""
+    if ds_config["zero_optimization"]["stage"] != 0:
+        yield
+        return
+    lrs = [(group, group["lr"]) for group in optimizer.param_groups]
+    for group, _ in lrs:
+        group["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for group, lr in lrs:
+            group["lr"] = lr
+    optimizer.state.clear()  # torch's optimizers create their states again at the first step
 
 
 def _skip_non_finite_steps(optimizer) -> None:
