@@ -4,6 +4,8 @@ Every tokenizer answers the same five questions: how many ids the model must emb
 (`vocab_size`), which id ends a document (`eod`), and how to go text -> ids one document or a
 batch at a time (`tokenize`, `tokenize_batch`) and back (`detokenize`). `tokenize` never adds
 BOS/CLS/SEP: documents are delimited by `eod`, which the preprocessing tool appends itself.
+`detokenize_window` decodes a few ids from the middle of a text (the incremental detokenizer
+that streams a generation, megatron/inference/detokenizer.py).
 
 A tokenizer pickles as its `build_args`, so a worker process rebuilds it from the same files
 instead of receiving a copy of its tables.
@@ -11,6 +13,7 @@ instead of receiving a copy of its tables.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import numbers
@@ -47,6 +50,12 @@ class Tokenizer(ABC):
     """
 
     piece_cut: re.Pattern | None = None
+    # A text whose ids detokenize_window puts before a window: set where detokenize treats the
+    # start of a text specially (SentencePiece drops the leading spaces of its first pieces).
+    window_anchor: str | None = None
+    # Ids whose text may still change with the ids after them: HF's ByteFallback decoder
+    # decodes a run of byte tokens (<0xE4>) as a whole, all U+FFFD if any of it is invalid.
+    byte_run_ids: frozenset[int] = frozenset()
 
     def __init__(self, name: str, build_kwargs: dict, vocab_size: int, eod: int):
         self.name = name
@@ -75,6 +84,21 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def detokenize(self, ids: Iterable[int]) -> str: ...
+
+    def detokenize_window(self, ids: Sequence[int]) -> str:
+        """`ids` decoded as they read in the middle of a text (after text that is not empty):
+        what a text's start gets (SentencePiece drops its leading spaces) is left out. Only
+        the difference between two windows that start at the same id means something."""
+        if self.window_anchor is None:
+            return self.detokenize(ids)
+        head, skip = self._window_head
+        return self.detokenize([*head, *ids])[skip:]
+
+    @functools.cached_property
+    def _window_head(self) -> tuple[list[int], int]:
+        """The anchor's ids and the length of their text."""
+        head = self.tokenize(self.window_anchor)
+        return head, len(self.detokenize(head))
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Many documents at once; backends with a native batch path override this."""
@@ -190,6 +214,8 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
 class HuggingFaceTokenizer(_HFBackedTokenizer):
     """Any `tokenizer.json` (a file or a directory holding one), loaded offline."""
 
+    window_anchor = "a"  # its decoder may strip a text's start (Metaspace, Strip)
+
     def __init__(self, tokenizer_model):
         name = "HuggingFaceTokenizer"
         what = "a tokenizer.json file or a directory that holds one"
@@ -207,6 +233,10 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
                 f"{', '.join(HF_EOD_TOKENS)} is in its vocabulary; add one to the tokenizer"
             )
         super().__init__(name, {"tokenizer_model": path}, tok, found[0])
+        if '"type": "ByteFallback"' in json.dumps(json.loads(tok.to_str()).get("decoder")):
+            byte = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+            vocab = tok.get_vocab(True).items()
+            self.byte_run_ids = frozenset(i for t, i in vocab if byte.fullmatch(t))
 
 
 # Scripts written without spaces between words: BERT's CJK ideograph blocks (the characters its
@@ -281,6 +311,8 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
 
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece `.model` (Llama-style); `sentencepiece` is needed only for this type."""
+
+    window_anchor = "a"  # decode drops the leading '▁' of a text's first pieces
 
     def __init__(self, tokenizer_model):
         name = "SentencePieceTokenizer"

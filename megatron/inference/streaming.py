@@ -9,9 +9,10 @@ streamed request early (its client hung up) does: rank 0 decides, and one byte b
 step (only for streamed requests; rank 0 is not the logits' source under PP) tells the others,
 so every rank leaves the loop after the same step.
 
-Text is held back while it may still change: trailing U+FFFD (a character whose bytes are split
-across tokens) and a tail that begins a stop string (dropped if the stop string completes). So
-the concatenated deltas equal the text a non-streamed request returns.
+Text is held back while it may still change: the text of ids that do not yet end a whole
+character (detokenizer.py, which decodes only a window of the latest ids, so a step costs the
+same at any length) and a tail that begins a stop string (dropped if the stop string
+completes). So the concatenated deltas equal the text a non-streamed request returns.
 
 Events (plain dicts, rank 0 -> the HTTP side):
     {"row", "prompt": ids, "text", ["logprobs", "top"]}          echo: the prompt, first
@@ -28,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-REPLACEMENT = "\ufffd"  # what the tokenizer's detokenize makes of a split UTF-8 character
+from megatron.inference.detokenizer import IncrementalText
 
 
 def _stop_prefix(text: str, stops: list[str]) -> int:
@@ -44,36 +45,48 @@ def _stop_prefix(text: str, stops: list[str]) -> int:
 
 class RowText:
     """One continuation fed a token at a time: what may be sent so far, and how it ended
-    (`finish`: None while running, then "stop" or "length", as ops.complete's results say)."""
+    (`finish`: None while running, then "stop" or "length", as ops.complete's results say).
+
+    Its text is `IncrementalText`'s: settled text, then the pending text that may still change.
+    Only a bounded tail of it is kept: the `keep` characters a stop string may reach back into
+    (the rest was searched and sent), so a step costs the same at any length."""
 
     def __init__(self, tokenizer, stops: list[str], max_tokens: int):
         self.tokenizer, self.stops, self.max_tokens = tokenizer, stops, max_tokens
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the text already handed out
+        self.text = IncrementalText(tokenizer)
+        self.keep = max((len(s) for s in stops), default=1) - 1
+        self.tail = ""  # the settled text's last `keep` characters (fewer at the start)
+        self.start = 0  # where `tail` starts in the whole text
+        self.sent = 0  # characters of the text already handed out (>= start)
         self.finish: str | None = None
 
-    def _send(self, text: str, end: int) -> str:
-        end = max(end, self.sent)
-        delta, self.sent = text[self.sent : end], end
+    def _send(self, window: str, end: int) -> str:
+        """window[sent - start : end], with `window` the whole text from `start` on."""
+        end = max(end, self.sent - self.start)
+        delta = window[self.sent - self.start : end]
+        self.sent = self.start + end
         return delta
 
     def add(self, token: int) -> str:
         """The text to send after `token` ("" while held back); sets `finish` at the end."""
         if token == self.tokenizer.eod:
             self.finish = "stop"
-            text = self.tokenizer.detokenize(self.ids)
-            return self._send(text, len(text))
-        self.ids.append(token)
-        text = self.tokenizer.detokenize(self.ids)
-        hits = [text.find(s) for s in self.stops if s in text]
+            window = self.tail + self.text.pending
+            return self._send(window, len(window))
+        settled = self.tail + self.text.add(token)
+        window = settled + self.text.pending  # the text from `start` on
+        # A stop string wholly inside the previous settled text was found before.
+        hits = [window.find(s) for s in self.stops if s in window]
         if hits:
             self.finish = "stop"
-            return self._send(text, min(hits))
-        if len(self.ids) >= self.max_tokens:
+            return self._send(window, min(hits))
+        if len(self.text.ids) >= self.max_tokens:
             self.finish = "length"
-            return self._send(text, len(text))
-        end = len(text.rstrip(REPLACEMENT))
-        return self._send(text, end - _stop_prefix(text[:end], self.stops))
+            return self._send(window, len(window))
+        delta = self._send(settled, len(settled) - _stop_prefix(settled, self.stops))
+        cut = max(len(settled) - self.keep, 0)
+        self.tail, self.start = settled[cut:], self.start + cut
+        return delta
 
 
 class TokenStream:
