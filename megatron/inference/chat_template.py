@@ -126,14 +126,17 @@ def _with_eos(stops: tuple[str, ...], special: dict) -> tuple[str, ...]:
 
 
 def from_flag(value: str) -> ChatTemplate:
-    """--chat-template: a built-in name or a template file (checked before the model loads)."""
+    """--chat-template: a built-in name, a template file, or (as vLLM takes it) the template
+    itself inline when it is no file and holds Jinja markup; checked before the model loads."""
     if value in BUILTIN:
         source, stops = BUILTIN[value]
         return ChatTemplate(source, f"the built-in {value!r} chat template", stops)
     if not os.path.isfile(value):
+        if "{{" in value or "{%" in value:
+            return ChatTemplate(value, "--chat-template (inline)", _stops_in(value))
         raise ValueError(
             f"--chat-template {value}: no such file and not a built-in template; pass a Jinja "
-            f"template file or one of {', '.join(BUILTIN)}"
+            f"template file, the template inline, or one of {', '.join(BUILTIN)}"
         )
     try:
         with open(value, encoding="utf-8") as f:

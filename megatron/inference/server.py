@@ -147,8 +147,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--chat-template",
         default=None,
-        help="the chat template of /v1/chat/completions: a Jinja file, or a built-in name ("
-        f"{', '.join(BUILTIN)}) (default: the tokenizer's own template, else 'plain')",
+        help="the chat template of /v1/chat/completions: a Jinja file, the Jinja template "
+        f"inline, or a built-in name ({', '.join(BUILTIN)}) (default: the tokenizer's own "
+        "template, else 'plain')",
     )
     add_guard_args(p)
     args = p.parse_args(argv)

@@ -116,6 +116,12 @@ def test_template_files_and_bad_templates(tmp_path, gpt2):
     assert "{{ m.content }" in str(e.value)  # the offending line is quoted
     with pytest.raises(ValueError, match="not a built-in template; .* plain, chatml"):
         from_flag(str(tmp_path / "missing.jinja"))
+    # The template inline, as vLLM takes it; its syntax errors are named the same way.
+    inline = resolve(from_flag(good.read_text()), gpt2)
+    assert inline.render(MESSAGES[1:2]) == template.render(MESSAGES[1:2])
+    assert inline.origin == "--chat-template (inline)" and inline.stops == ("<|end|>",)
+    with pytest.raises(ValueError, match=r"--chat-template \(inline\): .*line 1"):
+        from_flag("{{ m.content }")
     (tmp_path / "latin1.jinja").write_bytes(b"caf\xe9")
     with pytest.raises(ValueError, match="UTF-8"):
         from_flag(str(tmp_path / "latin1.jinja"))
