@@ -1,5 +1,5 @@
 """The FastAPI server on 127.0.0.1 with TP = 2 gloo ranks, through real HTTP clients (httpx,
-the openai package, curl): OpenAI completions with logprobs / echo / stop / seed / n /
+the openai package, curl): OpenAI completions (and chat) with logprobs / echo / stop / seed / n /
 best_of, streamed (server-sent events) and not, Megatron's PUT /api, /health, 50 concurrent
 requests, bad input of every kind, clients that hang up (also mid-stream); and the bounded
 queue on its own."""
@@ -242,7 +242,7 @@ def test_streams_through_the_openai_client_and_curl(server):
 
 
 @pytest.mark.slow
-def test_n_samples_best_of_and_async_streams(server):
+def test_n_samples_best_of_async_streams_and_chat(server):
     openai = pytest.importorskip("openai", reason="openai is not installed ('.[serve]')")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     ask = {"model": "m", "prompt": ["x = 1", "import"], "max_tokens": 6, "seed": 11}
@@ -275,6 +275,20 @@ def test_n_samples_best_of_and_async_streams(server):
     out, finish = asyncio.run(stream_both())
     assert ["".join(out[i]) for i in range(6)] == texts  # the same samples, streamed
     assert all(finish[i] in ("stop", "length") for i in range(6))
+    # Chat on the TP = 2 server: the plain template's prompt (no template in the GPT-2 files),
+    # streamed and not, n samples, equal to the completion of the rendered prompt.
+    messages = [{"role": "user", "content": "import"}]
+    plain = {"prompt": "User: import\n\nAssistant:", "stop": ["\nUser:"]}
+    same = client.completions.create(model="m", **plain, max_tokens=6, n=2, seed=5)
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, n=2, seed=5)
+    assert [c.message.content for c in chat.choices] == [c.text for c in same.choices]
+    pieces: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+        model="m", messages=messages, max_tokens=6, n=2, seed=5, stream=True
+    ):
+        for c in chunk.choices:
+            pieces[c.index] = pieces.get(c.index, "") + (c.delta.content or "")
+    assert [pieces[0], pieces[1]] == [c.message.content for c in chat.choices]
 
 
 def _sse_events(sock: socket.socket, count: int) -> bytes:
