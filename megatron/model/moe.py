@@ -264,9 +264,24 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> 
     return y + bias.repeat_interleave(sizes, dim=0, output_size=y.size(0))
 
 
+def grouped_gemm_path(device: torch.device | str, dtype: torch.dtype) -> str:
+    """How --moe-grouped-gemm multiplies on `device` in `dtype`: "torch._grouped_mm" or
+    "padded bmm". On CUDA torch._grouped_mm has a fused kernel for bf16 on sm90 / sm100 only
+    (elsewhere some torch versions refuse it, others loop over the groups with a host sync),
+    so other CUDA cases take the padded bmm; on the CPU it runs for every dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "padded bmm"
+    device = torch.device(device)
+    if device.type == "cuda":
+        fused = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        return "torch._grouped_mm" if fused else "padded bmm"
+    return "torch._grouped_mm" if device.type == "cpu" else "padded bmm"
+
+
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm needs row strides that are multiples of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    """torch._grouped_mm on this device and dtype (grouped_gemm_path), with row strides that
+    are multiples of 16 bytes."""
+    if x.dtype != w.dtype or grouped_gemm_path(x.device, x.dtype) != "torch._grouped_mm":
         return False
     size = x.element_size()
     return (x.size(1) * size) % 16 == 0 and (w.size(2) * size) % 16 == 0

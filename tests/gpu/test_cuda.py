@@ -32,7 +32,9 @@ from megatron.fused_kernels import TORCH_OPS, select_ops
 from megatron.inference.engine import InferenceModel
 from megatron.inference.evaluation import evaluate_loose_json
 from megatron.inference.generation import SamplingParams, generate
+from megatron.model import moe
 from megatron.model.context import BuildContext
+from megatron.model.moe import set_moe_loss_scale
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu import ring_blocks
 from megatron.training.optimizer import MegatronOptimizer
@@ -428,6 +430,152 @@ def test_whole_gpt_through_the_compiled_kernels(test_device, variant):
     assert_close_rel(loss1, loss0, 1e-4, "loss")
     for name in grads0:
         assert_close_rel(grads1[name], grads0[name], 1e-3, f"grad of {name}")
+
+
+# --- mixture of experts (EP = 1, TP = 1: the multi-rank paths need several GPUs) ------------
+
+MOE = {
+    "gelu": ModelConfig(
+        **{**GPT2.__dict__, "num_experts": 4, "moe_ffn_hidden_size": 96, "moe_z_loss_coeff": 1e-3}
+    ),
+    "swiglu-shared": ModelConfig(
+        **{
+            **LLAMA.__dict__,
+            "num_experts": 4,
+            "moe_ffn_hidden_size": 64,
+            "moe_shared_expert_intermediate_size": 32,
+            "moe_shared_expert_gate": True,
+        }
+    ),
+}
+MOE_AUX = 0.01  # the load-balancing loss joins the backward pass (training mode)
+
+
+class _Routing:
+    """Stands in for moe.route: `record` keeps each call's chosen experts (T, k); `replay`
+    returns them in the same order, with this model's probabilities for them, so a float64
+    reference takes the device's discrete choices (a near tie may fall either way in bf16) and
+    counts how many of its own choices agree."""
+
+    def __init__(self, real):
+        self.real, self.chosen, self.agree, self.total = real, [], 0, 0
+
+    def record(self, logits, m):
+        probs, experts, scores = self.real(logits, m)
+        self.chosen.append(experts.detach().cpu())
+        return probs, experts, scores
+
+    def replay(self, logits, m):
+        _, own, scores = self.real(logits, m)
+        experts = self.chosen.pop(0).to(logits.device)
+        self.agree += int((own.sort(1).values == experts.sort(1).values).all(1).sum())
+        self.total += experts.size(0)
+        return torch.softmax(logits.gather(1, experts), dim=-1), experts, scores
+
+
+def _moe_model(cfg, device, dtype=torch.float32, grouped=False):
+    model = GPTModel(
+        cfg, BuildContext(seed=3, device=device, dtype=dtype, moe_grouped_gemm=grouped)
+    )
+    set_moe_loss_scale(model, 1.0)
+    return model
+
+
+def _moe_grads(model):
+    layer = model.layers["0"].mlp
+    grads = {
+        "embedding": model.embedding.word_embeddings.weight.grad,
+        "router": layer.router.weight.grad,
+        "expert weight1": layer.experts.weight1.grad,
+        "expert weight2": layer.experts.weight2.grad,
+    }
+    if layer.shared_expert is not None:
+        grads["shared expert"] = layer.shared_expert.dense_4h_to_h.weight.grad
+    return grads
+
+
+@pytest.mark.parametrize("experts", ["grouped", "looped"])
+@pytest.mark.parametrize("variant", list(MOE))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_gpt_forward_backward_matches_float64_reference(
+    test_device, monkeypatch, variant, precision, experts
+):
+    """The MoE GPT on the device against the same weights in float64 on the CPU (looped
+    experts there, whose per-token math tests/model/test_moe.py checks): logits, the loss, and
+    gradients that include the aux and z losses'. The reference follows the device's routing."""
+    cfg, dtype = MOE[variant], DTYPES[precision]
+    cfg = ModelConfig(**{**cfg.__dict__, "moe_aux_loss_coeff": MOE_AUX})
+    model = _moe_model(cfg, test_device, dtype, grouped=experts == "grouped")
+    ref = _moe_model(cfg, torch.device("cpu"), torch.float64)
+    ref.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+    tokens, labels = batch(cfg, test_device)
+    routing = _Routing(moe.route)
+    monkeypatch.setattr(moe, "route", routing.record)
+    logits = model(tokens)
+    loss = model(tokens, labels=labels)
+    loss.float().mean().backward()
+    monkeypatch.setattr(moe, "route", routing.replay)
+    ref_logits = ref(tokens.cpu())
+    ref_loss = ref(tokens.cpu(), labels=labels.cpu())
+    ref_loss.mean().backward()
+    assert not routing.chosen and routing.total == 2 * 2 * tokens.numel()  # 2 runs x 2 layers
+    agreement = routing.agree / routing.total
+    assert agreement >= (0.97 if dtype == torch.float32 else 0.85), f"routing {agreement:.1%}"
+    assert logits.dtype == dtype and logits.device == tokens.device
+    vocab = cfg.vocab_size
+    assert_close_rel(logits[..., :vocab], ref_logits[..., :vocab], TOL[dtype], "logits")
+    assert_close_rel(loss, ref_loss, TOL[dtype], "per-token loss")
+    ref_grads = _moe_grads(ref)
+    for name, grad in _moe_grads(model).items():
+        assert grad is not None and grad.device == tokens.device, name
+        want = ref_grads[name][:vocab] if name == "embedding" else ref_grads[name]
+        got = grad[:vocab] if name == "embedding" else grad
+        assert_close_rel(got, want, 4 * TOL[dtype], f"{name} grad ({experts}, {precision})")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_grouped_experts_equal_the_loop_on_the_device(
+    test_device, monkeypatch, record_property, precision
+):
+    """One MoE layer, the same input and weights: --moe-grouped-gemm (on the path that
+    grouped_gemm_path names for this device and dtype, asserted by counting the calls) equals
+    the loop over experts, output and gradients. The path goes into the JUnit XML."""
+    dtype = DTYPES[precision]
+    path = moe.grouped_gemm_path(test_device, dtype)
+    record_property("moe_grouped_gemm_path", f"{test_device} {precision}: {path}")
+    if test_device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        hopper = torch.cuda.get_device_capability(test_device)[0] in (9, 10)
+        assert (path == "torch._grouped_mm") == (hopper and dtype == torch.bfloat16), path
+    calls = {"torch._grouped_mm": 0, "padded bmm": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    if hasattr(torch, "_grouped_mm"):
+        monkeypatch.setattr(torch, "_grouped_mm", counted("torch._grouped_mm", torch._grouped_mm))
+    monkeypatch.setattr(moe, "padded_bmm", counted("padded bmm", moe.padded_bmm))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 32, 64, generator=g).to(test_device, dtype)
+    dout = torch.randn(3, 32, 64, generator=g).to(test_device, dtype)
+    results = []
+    for grouped in (False, True):
+        layer = _moe_model(MOE["swiglu-shared"], test_device, dtype, grouped).layers["0"].mlp
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(dout)
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        results.append((out.detach(), xi.grad, grads))
+    assert calls[path] == 2 and sum(calls.values()) == 2, f"{path} expected: {calls}"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    (out0, dx0, grads0), (out1, dx1, grads1) = results
+    assert_close_rel(out1, out0, tol, f"output ({path})")
+    assert_close_rel(dx1, dx0, tol, f"input grad ({path})")
+    for name, grad in grads0.items():
+        assert_close_rel(grads1[name], grad, tol, f"grad of {name} ({path})")
 
 
 # --- pretrain_gpt2.py, one rank ---------------------------------------------------------------
