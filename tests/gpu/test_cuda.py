@@ -5,9 +5,10 @@ why. Covered: the GPT forward and backward in fp32/bf16/fp16 against a float64 r
 TP layers at TP = 1, fp16 loss scaling, checkpoint save and load with the device RNG, generation
 with the KV cache, evaluation, export to Hugging Face, every Triton kernel compiled against its
 torch reference, the whole GPT through the kernels, ring attention's blocks through the CUDA
-flash / memory-efficient kernels against the explicit math (and their dropout replayed), and
-one-rank runs of pretrain_gpt2.py (NCCL on a GPU) with and without --deepspeed, resumed from
-their checkpoint.
+flash / memory-efficient kernels against the explicit math (and their dropout replayed), the
+MoE GPT (EP = TP = 1) against a float64 reference with grouped and looped experts and the
+grouped GEMM's path on the device, and one-rank runs of pretrain_gpt2.py (NCCL on a GPU) with
+and without --deepspeed, and with MoE, resumed from their checkpoint.
 
 Do not run this module in one pytest process with the kernel tests of the CPU suite on a GPU:
 they set TRITON_INTERPRET=1 when imported, and kernels defined then stay interpreted.
@@ -635,3 +636,27 @@ def test_pretrain_gpt2_fp16_loss_scale_falls_from_its_initial_value(
     scales = [float(x) for x in re.findall(r"loss scale: ([0-9.]+)", out)]
     skipped = [int(x) for x in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
     assert scales[-1] < 2.0**40 and sum(skipped) >= 1, out[-2000:]
+
+
+@pytest.mark.slow
+def test_pretrain_gpt2_one_rank_moe_trains_saves_and_resumes_exactly(
+    test_device,
+    data_prefix,
+    tmp_path,
+):
+    """An MoE GPT (4 experts, top-2, grouped GEMM, aux loss) on one rank: it learns, and 6
+    steps + a resume for 2 give the losses of 8 straight steps (on the CPU bit for bit; on a
+    GPU within bf16 rounding, whose atomics are not deterministic)."""
+    moe_flags = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm"]
+    moe_flags += ["--moe-aux-loss-coeff", "0.01"]
+    out, straight = _pretrain(test_device, data_prefix, tmp_path / "a", *moe_flags, iters=8)
+    assert straight[-1] < straight[0], "the toy corpus is learnable: the loss must fall"
+    assert "load balancing loss:" in out and "expert load max/mean:" in out, out[-2000:]
+    _pretrain(test_device, data_prefix, tmp_path / "b", *moe_flags, iters=6)
+    load = ["--load", str(tmp_path / "b")]
+    out, resumed = _pretrain(test_device, data_prefix, tmp_path / "b", *moe_flags, *load, iters=8)
+    assert re.search(r"iteration\s+7/\s*8", out) and len(resumed) == 2, out[-2000:]
+    if test_device.type == "cuda":
+        assert resumed == pytest.approx(straight[-2:], rel=1e-2), (resumed, straight)
+    else:
+        assert resumed == straight[-2:], (resumed, straight)
