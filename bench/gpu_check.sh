@@ -4,7 +4,8 @@
 #   2 tests     the CUDA test suite (MEGATRON_TEST_DEVICE=cuda pytest tests/gpu/test_cuda.py)
 #   3 kernels   bench/kernels.py: Triton kernels vs torch eager and torch.compile
 #   4 train     GPT-2 small (12 x 768, seq 1024) in bf16 on the demo corpus, pretrain_gpt2.py
-#   5 mfu       bench/mfu.py: ours vs Megatron-core vs Hugging Face GPT-2, bf16
+#   5 moe       bench/moe.py: an MoE GPT's step time and tokens/s, looped vs grouped experts
+#   6 mfu       bench/mfu.py: ours vs Megatron-core vs Hugging Face GPT-2, bf16
 # Each step has its own time limit (`timeout`); a failed step does not stop the others. One
 # table at the end (step, status, seconds, headline figure); full logs under $OUT.
 #
@@ -20,7 +21,7 @@
 # .venv/gpu-check-data; --smoke: under $OUT), MCORE_VERSION (0.19.2 on Python 3.12+,
 # else 0.16.1), MCORE_DIR (.venv/mcore-$MCORE_VERSION-pyX.Y), TRAIN_ITERS (200), BUDGET (570 s
 # for all steps together), T_<STEP> (each step's own limit, seconds: T_INSTALL T_TESTS T_KERNELS
-# T_TRAIN T_MFU). A step that would start with under 30 s of the budget left is not started.
+# T_TRAIN T_MOE T_MFU). A step that would start with under 30 s of the budget left is not started.
 #
 # The wheels, fetched beforehand on any Linux x86-64 machine with network (a CPU-only one is
 # fine), for the GPU machine's Python 3.12 (it already has torch, triton, transformers, numpy,
@@ -51,7 +52,7 @@ cd "$(dirname "$0")/.."
 
 SMOKE=0
 FETCH=0
-STEPS="install,tests,kernels,mfu,train"
+STEPS="install,tests,kernels,mfu,train,moe"
 while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) SMOKE=1 ;;
@@ -102,9 +103,11 @@ unset TRITON_INTERPRET  # the kernels must compile for the GPU (kernels --smoke 
 if [ $SMOKE = 1 ]; then
     export OMP_NUM_THREADS=1  # a loaded small CPU: no thread oversubscription
     : "${T_INSTALL:=120}" "${T_TESTS:=120}" "${T_KERNELS:=120}" "${T_MFU:=150}" "${T_TRAIN:=150}"
+    : "${T_MOE:=60}"
     : "${BUDGET:=3600}"
 else
     : "${T_INSTALL:=120}" "${T_TESTS:=240}" "${T_KERNELS:=180}" "${T_MFU:=540}" "${T_TRAIN:=150}"
+    : "${T_MOE:=90}"
     : "${BUDGET:=570}"
 fi
 SUMMARY="$OUT/summary.tsv"
@@ -207,7 +210,7 @@ do_tests() {
         # A few of the module's CPU tests and its CUDA-only skips: the whole module runs on the
         # CPU in `make test` anyway; here the step itself (pytest, its report) is exercised.
         $PY -m pytest tests/gpu/test_cuda.py -rs -m "not slow" -p no:cacheprovider \
-            -k "tp_layers or rng_state or triton or whole_gpt"
+            -k "tp_layers or rng_state or triton or whole_gpt or moe"
     else
         # -v: the test list with each result, for the record (the report of issue 25)
         MEGATRON_TEST_DEVICE=cuda $PY -m pytest tests/gpu/test_cuda.py -v -rs -p no:cacheprovider \
@@ -292,11 +295,28 @@ print(f"HEADLINE loss {float(field(first, 'lm loss')):.3f} -> {float(field(last,
 PYEOF
 }
 
+# --- 6 moe ----------------------------------------------------------------------------------
+do_moe() {
+    # Dense twin, looped experts, --moe-grouped-gemm (torch._grouped_mm in bf16 on sm90): one
+    # table of ms per step and tokens/s; the load-balance part of bench/moe.py is CPU work.
+    if [ "$SMOKE" = 1 ]; then
+        $PY bench/moe.py --layers 2 --hidden 64 --seq 64 --vocab 256 --expert-ffn 64 --batch 4 \
+            --steps 2 --rounds 1 --no-balance
+    elif cuda_available; then
+        $PY bench/moe.py --device cuda --bf16 --layers 4 --hidden 1024 --heads 16 --seq 1024 \
+            --vocab 32768 --experts 8 --topk 2 --expert-ffn 2048 --batch 8 --steps 10 \
+            --rounds 3 --no-balance
+    else
+        skip "no CUDA device (--smoke steps a toy MoE GPT on the CPU)"
+    fi
+}
+
 echo "gpu_check: steps $STEPS$([ $SMOKE = 1 ] && echo ' (smoke, CPU)'), logs in $OUT"
 step install "$T_INSTALL" do_install
 step tests "$T_TESTS" do_tests
 step kernels "$T_KERNELS" do_kernels
 step train "$T_TRAIN" do_train
+step moe "$T_MOE" do_moe
 step mfu "$T_MFU" do_mfu  # last: the longest; its rows are printed (and saved) as they come
 
 echo

@@ -12,7 +12,7 @@ from megatron.config.schema import ModelConfig
 from megatron.training.log import model_flops_per_sample
 from tests.helpers.paths import ROOT
 
-STEPS = ["install", "tests", "kernels", "train", "mfu"]
+STEPS = ["install", "tests", "kernels", "train", "moe", "mfu"]
 
 
 @pytest.mark.slow
@@ -41,6 +41,7 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
     assert "failed" not in rows["tests"][3]
     assert rows["kernels"][3].startswith("slowest kernel")
     assert rows["train"][3].startswith("loss ") and "tokens/s" in rows["train"][3]
+    assert rows["moe"][3].startswith("MoE step: looped ") and "tokens/s" in rows["moe"][3]
 
     mfu = json.loads((out / "mfu.json").read_text())
     systems = {r["system"]: r for r in mfu["rows"]}
