@@ -34,16 +34,6 @@ _KNOWN = {*_SHARED, *_OWN}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _json_object(body: bytes) -> dict:
-    try:
-        req = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FieldError(None, f"the body is not JSON: {e}") from None
-    if not isinstance(req, dict):
-        raise FieldError(None, "the body must be a JSON object")
-    return req
-
-
 def _content(value, where: str) -> str:
     """A message's content as text: a string, or text parts joined with newlines."""
     if isinstance(value, str):
@@ -126,7 +116,7 @@ def chat_args(
     body: bytes, tokenizer, max_positions: int, vocab_size: int, template: ChatTemplate
 ) -> dict:
     """The validated chat request as the arguments of ops.complete (completion_args' dict)."""
-    req = _json_object(body)
+    req = openai_api.json_object(body)
     unknown = sorted(set(req) - _KNOWN)
     if unknown:
         raise FieldError(unknown[0], f"unknown fields {unknown}")

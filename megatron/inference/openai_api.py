@@ -174,14 +174,20 @@ def _samples(req: dict, prompts: int) -> dict:
     return {"n": n, "best_of": best_of, "stream": stream, "include_usage": usage}
 
 
-def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int) -> dict:
-    """The validated request as the arguments of ops.complete, or FieldError."""
+def json_object(body: bytes) -> dict:
+    """The request body as a JSON object, or FieldError (no field named)."""
     try:
         req = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FieldError(None, f"the body is not JSON: {e}") from None
     if not isinstance(req, dict):
         raise FieldError(None, "the body must be a JSON object")
+    return req
+
+
+def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int) -> dict:
+    """The validated request as the arguments of ops.complete, or FieldError."""
+    req = json_object(body)
     unknown = sorted(set(req) - _KNOWN)
     if unknown:
         raise FieldError(unknown[0], f"unknown fields {unknown}")
