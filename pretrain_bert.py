@@ -13,7 +13,7 @@ import sys
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
-from megatron.initialize import before_exit, shutdown_distributed
+from megatron.initialize import shutdown_distributed
 from megatron.models.registry import get_spec
 from megatron.training.loop import TrainingError, pretrain
 
@@ -32,6 +32,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    before_exit()
-    sys.exit(code)
+    sys.exit(main())

@@ -12,7 +12,7 @@ import sys
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
-from megatron.initialize import before_exit, shutdown_distributed
+from megatron.initialize import shutdown_distributed
 from megatron.models.registry import get_spec
 from megatron.planning.auto import auto_parallel
 from megatron.training.loop import TrainingError, pretrain, resolve_vocab
@@ -45,6 +45,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    before_exit()
-    sys.exit(code)
+    sys.exit(main())

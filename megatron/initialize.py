@@ -13,7 +13,6 @@ the restarted ranks read the dead attempt's addresses and hang or fail to connec
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 from dataclasses import dataclass
@@ -168,12 +167,3 @@ def shutdown_distributed() -> None:
     """Leave the process group cleanly (gloo can abort at interpreter exit otherwise)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def before_exit() -> None:
-    """For an entry point's last line (never for a process that goes on): take every object
-    alive now out of the cyclic GC's reach (gc.freeze). The interpreter's shutdown otherwise
-    runs full collections over the whole torch heap, about 1 CPU-second per rank: the ranks'
-    exit (and so torchrun's restart of a worker group) waited on it, and much longer on a
-    loaded machine. The memory goes back to the OS when the process ends either way."""
-    gc.freeze()

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from megatron.config.cli import parse_args  # noqa: E402
 from megatron.config.rules import validate  # noqa: E402
-from megatron.initialize import before_exit, shutdown_distributed  # noqa: E402
+from megatron.initialize import shutdown_distributed  # noqa: E402
 from megatron.models.gpt.train import forward_step  # noqa: E402
 from megatron.training.loop import pretrain  # noqa: E402
 
@@ -43,4 +43,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    before_exit()
