@@ -127,10 +127,13 @@ class MathBlocks:
 
 
 class _FusedBlocks:
-    """Common ground of the fused kernels: inputs in the model dtype, fp32 LSE."""
+    """Common ground of the fused kernels: inputs in the model dtype, fp32 LSE. Each kernel
+    names the device types PyTorch implements its op for (`devices`) and the dtypes it takes;
+    anything else (another accelerator, float64) runs the explicit math."""
 
     name = ""
     dropout = False
+    devices: tuple[str, ...] = ()
     dtypes: tuple[torch.dtype, ...] = ()
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -138,7 +141,7 @@ class _FusedBlocks:
 
 
 class CpuFlashBlocks(_FusedBlocks):
-    name, dtypes = "cpu-flash", (torch.float32, *_HALF)
+    name, devices, dtypes = "cpu-flash", ("cpu",), (torch.float32, *_HALF)
 
     def forward(self, q, k, v, scale, causal, p):
         if p > 0.0:  # the CPU kernel has no dropout; the ring runs such blocks in the math
@@ -153,7 +156,7 @@ class CpuFlashBlocks(_FusedBlocks):
 
 
 class CudaFlashBlocks(_FusedBlocks):
-    name, dropout, dtypes = "flash", True, _HALF
+    name, dropout, devices, dtypes = "flash", True, ("cuda",), _HALF
 
     def forward(self, q, k, v, scale, causal, p):
         op = torch.ops.aten._scaled_dot_product_flash_attention
@@ -171,7 +174,7 @@ class CudaFlashBlocks(_FusedBlocks):
 
 
 class CudaEfficientBlocks(_FusedBlocks):
-    name, dropout, dtypes = "efficient", True, (torch.float32, *_HALF)
+    name, dropout, devices, dtypes = "efficient", True, ("cuda",), (torch.float32, *_HALF)
 
     def forward(self, q, k, v, scale, causal, p):
         op = torch.ops.aten._scaled_dot_product_efficient_attention
@@ -192,7 +195,13 @@ class CudaEfficientBlocks(_FusedBlocks):
 
 
 MATH = MathBlocks()
-_FUSED = {"cpu": (CpuFlashBlocks(),), "cuda": (CudaFlashBlocks(), CudaEfficientBlocks())}
+# Every fused kernel, in order of preference where several serve a device.
+FUSED_KERNELS = (CpuFlashBlocks(), CudaFlashBlocks(), CudaEfficientBlocks())
+
+
+def fused_for(device_type: str) -> tuple:
+    """The fused kernels that run on `device_type`, in order of preference."""
+    return tuple(b for b in FUSED_KERNELS if device_type in b.devices)
 
 
 def block_step(blocks, q, k, v, scale, causal, p, keep=None):
@@ -231,7 +240,7 @@ def _select(preference: str, device: torch.device, dtype: torch.dtype, head_dim:
     if preference == "math":
         return MATH
     problems = []
-    for blocks in _FUSED.get(device.type, ()):
+    for blocks in fused_for(device.type):
         if dtype not in blocks.dtypes:
             problems.append(f"{blocks.name}: no {dtype}")
             continue

@@ -102,6 +102,10 @@ def test_the_block_backend_is_chosen_by_device_and_dtype(monkeypatch):
         rb.select_blocks("fused", CPU, torch.float64, 64)
     with pytest.raises(ValueError, match="expected one of"):
         rb.select_blocks("flash", CPU, torch.float32, 64)
+    # The kernels declare their devices; a device none names (here "meta") runs the math.
+    assert [b.name for b in rb.fused_for("cpu")] == ["cpu-flash"]
+    assert [b.name for b in rb.fused_for("cuda")] == ["flash", "efficient"]
+    assert rb.select_blocks("auto", torch.device("meta"), torch.float32, 64) is rb.MATH
 
 
 def test_the_chosen_blocks_are_logged_once(capsys):
@@ -123,7 +127,7 @@ class _OffByOnePercent(rb.CpuFlashBlocks):
 
 
 def test_a_kernel_that_disagrees_with_the_math_is_passed_over_with_a_warning(monkeypatch):
-    monkeypatch.setitem(rb._FUSED, "cpu", (_OffByOnePercent(),))
+    monkeypatch.setattr(rb, "FUSED_KERNELS", (_OffByOnePercent(),))
     rb.select_blocks.cache_clear()
     try:
         with pytest.warns(UserWarning, match="broken kernel failed its check.*out differs"):
@@ -146,7 +150,7 @@ def test_cuda_block_kernels_are_called_as_torch_declares_them(kernel):
     """The CUDA kernels' calls on meta tensors (torch's shape functions, no GPU needed): the
     outputs unpacked as declared, the efficient kernel's LSE cut to the real rows and padded back
     for its backward. Their numbers are checked on a GPU in tests/gpu/test_cuda.py."""
-    blocks = {b.name: b for b in rb._FUSED["cuda"]}[kernel]
+    blocks = {b.name: b for b in rb.fused_for("cuda")}[kernel]
     q = torch.empty(2, 4, 40, 64, device="meta", dtype=torch.bfloat16)
     k = v = torch.empty(2, 4, 56, 64, device="meta", dtype=torch.bfloat16)
     out, lse, replay = rb.block_step(blocks, q, k, v, 0.125, False, 0.1)
