@@ -553,3 +553,25 @@ def test_building_the_tokenizer_section_never_touches_the_disk(tmp_path, monkeyp
     found = tok.with_pretrained_files()  # the explicit resolution step
     assert found.tokenizer_type == "GPT2BPETokenizer" and found.vocab_file.endswith("vocab.json")
     assert found.with_pretrained_files() is found and len(calls) == 1
+
+
+def test_recompute_method_and_separate_split_paths_from_the_command_line(tmp_path):
+    """--recompute-method reaches the layers' recompute policy; --train/--valid/--test-data-path
+    reach the data section the dataset builder reads (tests/data/test_gpt_dataset.py)."""
+    from megatron.model.context import BuildContext
+    from megatron.model.parallelize import apply_recompute
+    from megatron.models.gpt.model import GPTModel
+
+    argv = [*BASE, "--recompute-granularity", "full", "--recompute-method", "block"]
+    argv += ["--recompute-num-layers", "2", "--train-data-path", str(tmp_path / "t")]
+    argv += ["--valid-data-path", str(tmp_path / "v"), "--test-data-path", str(tmp_path / "x")]
+    cfg = parse_args(argv, world_size=1)
+    assert (cfg.recompute.method, cfg.recompute.num_layers) == ("block", 2)
+    assert cfg.data.valid_data_path == (str(tmp_path / "v"),)
+    assert cfg.data.test_data_path == (str(tmp_path / "x"),)
+    model = GPTModel(cfg.model, BuildContext(seed=1))
+    apply_recompute(model, cfg.recompute)
+    policies = {m.layer_recompute for m in model.modules() if hasattr(m, "layer_recompute")}
+    assert [(p.method, p.num_layers) for p in policies] == [("block", 2)]
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--recompute-method", "every"], world_size=1)
