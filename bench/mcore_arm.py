@@ -9,7 +9,12 @@ PYTHONPATH = that install and the working directory elsewhere). It builds `GPTMo
 `get_gpt_layer_local_spec()` (Megatron-core's own modules, no Transformer Engine), wraps it as
 Megatron's trainer does (Float16Module, its DistributedDataParallel with an fp32 gradient buffer,
 `get_megatron_optimizer`: fp32 main weights and Adam), and times training steps on the batches
-the spec describes. The API used is the same in megatron-core 0.16 and 0.19.
+the spec describes. The API used is the same in megatron-core 0.16 and 0.19. With spec "te" it
+builds `get_gpt_layer_with_transformer_engine_spec()` instead (Transformer Engine installed).
+
+It runs at the largest micro-batch that fits: on out-of-memory it halves the micro-batch and
+accumulates gradients over as many micro batches as keep the tokens per step (reported as
+`micro_batch`, `accumulation` and the sizes that ran out of memory).
 
 On the CPU it builds the model and reports its parameter count, then stops: Megatron-core's
 forward needs CUDA (its causal mask and global memory buffer are allocated on "cuda").
@@ -47,8 +52,7 @@ def _init_parallel(device_type: str) -> None:
 def build(spec: dict):
     """(model as Megatron's trainer wraps it, optimizer or None on CPU, parameter count)."""
     import torch
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = spec["device"] == "cuda"
@@ -70,9 +74,13 @@ def build(spec: dict):
         use_cpu_initialization=not cuda,
         recompute_granularity="selective" if spec["recompute"] else None,
     )
+    if spec.get("te"):
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec()
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(),
+        layer_spec,
         vocab_size=spec["vocab"],  # already padded by bench/mfu.py, as Megatron's trainer pads
         max_sequence_length=spec["seq"],
         share_embeddings_and_output_weights=True,
@@ -120,25 +128,67 @@ def run(spec: dict) -> dict:
         )
         return out
 
+    texts = _batches(spec)
+    seconds, micro, oom = largest_fitting(
+        spec["batch"], lambda m: _time_steps(spec, model, optimizer, texts, m)
+    )
+    out["out_of_memory"] = oom
+    if seconds is None:
+        out["error"] = f"out of memory at micro-batch {'/'.join(map(str, oom))}"
+        return out
+    out["step_s"], out["micro_batch"], out["accumulation"] = seconds, micro, spec["batch"] // micro
+    out["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def largest_fitting(batch: int, attempt):
+    """(attempt(micro)'s value, micro, the micro-batches that ran out of memory), halving the
+    micro-batch from `batch` on each out-of-memory error; (None, 0, [...]) when 1 does not fit."""
+    import torch
+
+    oom = []
+    micro = batch
+    while micro >= 1:
+        try:
+            return attempt(micro), micro, oom
+        except torch.OutOfMemoryError:
+            oom.append(micro)
+        # Out of the except block: the failed step's frames (and activations) are released.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        micro //= 2
+    return None, 0, oom
+
+
+def _batches(spec: dict):
+    """The same four (b, s + 1) token batches as the other arms (bench/mfu_common.batches:
+    same generator, same order), on the GPU."""
+    import torch
+
     g = torch.Generator().manual_seed(spec["data_seed"])
-    shape = (spec["batch"], spec["seq"])
-    # The same four (tokens, labels) batches as the other arms (same generator, same order).
-    batches = []
-    for _ in range(4):
-        tokens = torch.randint(0, spec["vocab"], shape, generator=g)
-        labels = torch.randint(0, spec["vocab"], shape, generator=g)
-        batches.append((tokens.cuda(), labels.cuda()))
-    position_ids = torch.arange(spec["seq"], device="cuda").expand(shape)
+    shape = (spec["batch"], spec["seq"] + 1)
+    return [torch.randint(0, spec["vocab"], shape, generator=g).cuda() for _ in range(4)]
+
+
+def _time_steps(spec: dict, model, optimizer, texts, micro: int) -> float:
+    """Median seconds of a step of spec["batch"] samples as batch / micro micro batches."""
+    import torch
+
+    accumulation = spec["batch"] // micro
+    position_ids = torch.arange(spec["seq"], device="cuda").expand(micro, spec["seq"])
 
     def step(i: int) -> None:
-        tokens, labels = batches[i % len(batches)]
+        text = texts[i % len(texts)]  # (b, s + 1)
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = model(tokens, position_ids, None, labels=labels)  # (b, s) per-token losses
-        losses.float().mean().backward()
+        for chunk in text.split(micro):  # (micro, s + 1) each
+            tokens, labels = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+            losses = model(tokens, position_ids, None, labels=labels)  # (micro, s) per token
+            (losses.float().mean() / accumulation).backward()
         model.finish_grad_sync()
         optimizer.step()
 
+    torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(spec["warmup"] + spec["steps"]):
         torch.cuda.synchronize()
@@ -147,9 +197,7 @@ def run(spec: dict) -> dict:
         torch.cuda.synchronize()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
-    out["step_s"] = statistics.median(times)
-    out["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
+    return statistics.median(times)
 
 
 def main() -> None:

@@ -45,11 +45,16 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
 
     mfu = json.loads((out / "mfu.json").read_text())
     systems = {r["system"]: r for r in mfu["rows"]}
-    assert set(systems) == {"ours", "mcore", "hf"}
-    for name in ("ours", "hf"):
+    variants = [f"ours ({v})" for v in mfu["variants"] if v != "default"]
+    assert set(systems) == {"ours", *variants, "trainer", "mcore", "mcore+TE", "hf"}
+    for name in ("ours", "ours (compile)", "trainer", "hf"):
         r = systems[name]
-        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu_989"] > 0, r
-        assert r["params"] == systems["ours"]["params"]
+        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu_989_full"] > r["mfu_989"] > 0
+        assert r.get("params", systems["ours"]["params"]) == systems["ours"]["params"], name
+    for name in variants:  # measured, refused by the trainer, or a flag this checkout lacks
+        r = systems[name]
+        assert "step_s" in r or "refused" in r or r.get("error_kind") == "unknown-flag", r
+    assert "source distribution only" in systems["mcore+TE"]["skipped"]
     if rows["install"][1] == "ok":  # megatron-core installed: its model built, same size
         assert "forward needs CUDA" in systems["mcore"]["skipped"]
         assert f"{systems['ours']['params']:,} parameters equal ours" in systems["mcore"]["skipped"]
