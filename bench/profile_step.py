@@ -1,11 +1,11 @@
 """Where a training step's time goes: GPU kernels by category, and how busy the GPU is.
 
-    python bench/profile_step.py [--layers 12 --hidden 768 --heads 12 --seq 1024 --batch 16]
-                                 [--kernel torch_compile=true ...] [--steps 5] [--trace FILE]
+    python bench/profile_step.py [--shape gpt2-small-b16] [--flags='--torch-compile ...']
+                                 [--steps 5] [--trace FILE]
     python bench/profile_step.py --smoke        (the CPU: a tiny shape, CPU ops)
 
-Builds our single-process stack as bench/mfu.py does (GPTModel + DDP buffer + MegatronOptimizer,
-bf16 on CUDA) with the KernelConfig fields given by `--kernel NAME=VALUE`, runs warm-up steps,
+Builds the trainer's own step as bench/mfu.py does (pretrain_gpt2.py's parser and
+build_backend, bf16) with the extra trainer flags of `--flags`, runs warm-up steps,
 then profiles `--steps` steps with torch.profiler. Prints, per category (matmul, attention,
 norm, activation, cross-entropy, optimizer, copies/elementwise, communication, other), the
 device time per step and its share, then the 20 longest kernels, and the GPU busy fraction:
@@ -17,8 +17,8 @@ near 100%, only faster or fewer kernels do.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import shlex
 import sys
 import time
 from collections import defaultdict
@@ -28,9 +28,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.train_step import build_ours  # noqa: E402
-from megatron.config.schema import KernelConfig, ModelConfig  # noqa: E402
-from megatron.fused_kernels import select_ops  # noqa: E402
 
 # First match wins: (category, substrings of a kernel's lower-cased name).
 CATEGORIES = [
@@ -54,27 +51,6 @@ def category(name: str) -> str:
         if any(k in low for k in keys):
             return cat
     return "other"
-
-
-def parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
-def kernel_config(pairs: list[str]) -> KernelConfig:
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
-    kw = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--kernel {pair}: KernelConfig has no field {name!r} ({fields})")
-        kw[name] = parse_value(value)
-    return KernelConfig(**kw)
 
 
 def device_events(prof, device: torch.device):
@@ -111,61 +87,39 @@ def report(events, steps: int, wall_s: float) -> None:
     )
 
 
+def build(shape_name: str, flags: str, device: torch.device, steps: int):
+    """The trainer's own step (bench/mfu_ours.py: the flags go through pretrain_gpt2.py's
+    parser and build_backend) and an endless iterator over the shape's batches."""
+    from bench.mfu_common import SHAPES, batches, model_config
+    from bench.mfu_ours import build_step, parse_config, shape_argv
+
+    shape = SHAPES[shape_name]
+    cfg = parse_config(shape_argv(shape, steps) + shlex.split(flags))
+    step, _, note = build_step(cfg, device)
+    texts = batches(shape, model_config(shape).padded_vocab_size(1), device)
+
+    def iterator():
+        while True:
+            for text in texts:  # (b, s + 1)
+                yield {"text": text}
+
+    return step, iterator(), note
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--kernel", action="append", default=[], help="KernelConfig NAME=VALUE")
+    p.add_argument("--shape", default="gpt2-small-b16", help="a shape of bench/mfu_common.py")
+    p.add_argument("--flags", default="", help="pretrain_gpt2.py flags, e.g. '--torch-compile'")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--trace", help="write a chrome trace here")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shape")
+    p.add_argument("--smoke", action="store_true", help="CPU, the tiny shape")
     args = p.parse_args(argv)
     if args.smoke:
-        args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab = (
-            2,
-            64,
-            4,
-            32,
-            2,
-            1000,
-        )
-        args.warmup, args.steps = 1, 2
+        args.shape, args.warmup, args.steps = "tiny", 1, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        seq_length=args.seq,
-        max_position_embeddings=args.seq,
-        vocab_size=args.vocab,
-        make_vocab_size_divisible_by=128,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    kernels = kernel_config(args.kernel)
-    ops = select_ops(kernels, device)
-    print(f"device {device}; {ops.describe()}; torch_compile={kernels.torch_compile}", flush=True)
-    step = build_ours(cfg, device, dtype, ops=ops, torch_compile=kernels.torch_compile)
-    g = torch.Generator().manual_seed(0)
-    data = [
-        tuple(
-            torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-            for _ in range(2)
-        )
-        for _ in range(4)
-    ]
-
-    def batches():
-        while True:
-            yield from data
-
-    it = batches()
+    step, it, note = build(args.shape, args.flags, device, args.warmup + args.steps)
+    print(f"device {device}; {args.shape}; flags: {args.flags or '(defaults)'}; {note}", flush=True)
     for _ in range(args.warmup):
         step(it)
     activities = [torch.profiler.ProfilerActivity.CPU]
