@@ -225,6 +225,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
             "number of model chunks, or no pipeline parallelism",
         )
     _validate_v1_kernels(cfg)
+    _validate_linear_cross_entropy(cfg)
     validate_batch(cfg.training, par.data_parallel_size)
     validate_data(cfg.data)
     _validate_distributed_optimizer(cfg)
@@ -280,6 +281,27 @@ def _validate_v1_kernels(cfg: MegatronConfig) -> None:
             "given with --cross-entropy-loss-fusion, whose kernel already keeps no fp32 logits "
             "(and accumulates in fp32)",
             "choose one of them",
+        )
+
+
+def _validate_linear_cross_entropy(cfg: MegatronConfig) -> None:
+    """--cross-entropy-fusion-impl linear fuses the GPT model's own output layer and loss."""
+    if cfg.kernels.cross_entropy_fusion_impl != "linear":
+        return
+    flag = "--cross-entropy-fusion-impl linear"
+    if cfg.kernels.fp16_lm_cross_entropy:
+        fail(
+            flag,
+            "given with --fp16-lm-cross-entropy; the fused loss keeps no fp32 logits already "
+            "(and its chunks' math is fp32)",
+            "drop --fp16-lm-cross-entropy",
+        )
+    if cfg.deepspeed.enabled and cfg.parallel.pipeline_model_parallel_size > 1:
+        fail(
+            flag,
+            "DeepSpeed's pipeline engine computes the loss from the last layer's logits",
+            "use --cross-entropy-fusion-impl native with --deepspeed and pipeline stages, or "
+            "our own pipeline (drop --deepspeed)",
         )
 
 

@@ -41,6 +41,13 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "mixture of experts is trained, logged and converted for the GPT only",
             "drop it, or pretrain an MoE GPT with pretrain_gpt2.py",
         )
+    if cfg.kernels.cross_entropy_fusion_impl != "native":
+        fail(
+            "--cross-entropy-fusion-impl",
+            "the fused output layer + loss is the GPT's; BERT's MLM head adds a bias and a "
+            "transform of its own",
+            "drop it (or give native)",
+        )
     if cfg.data.uses_documents:
         fail(
             "--reset-position-ids/--reset-attention-mask/--eod-mask-loss",

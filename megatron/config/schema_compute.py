@@ -67,6 +67,16 @@ class KernelConfig(Section):
     cross_entropy_loss_fusion: bool = setting(
         False, "Triton vocab-parallel cross-entropy without fp32 logits"
     )
+    cross_entropy_fusion_impl: str = setting(
+        "native",
+        "native: the output layer's logits (tokens x vocab / TP), then the cross-entropy; "
+        "linear: the output layer and the vocab-parallel cross-entropy fused over chunks of "
+        "tokens (about 512 MiB of fp32 logits each), so the whole logits and their fp32 copy "
+        "never exist (the chunk's logits are computed again in backward: one more output-layer "
+        "matmul). With --cross-entropy-loss-fusion the chunks' elementwise part runs in its "
+        "Triton kernels. Megatron-core's flag of the same name (its te impl is not offered)",
+        choices=("native", "linear"),
+    )
     torch_compile: bool = setting(False, "torch.compile each transformer layer")
     moe_grouped_gemm: bool = setting(
         False,

@@ -9,7 +9,9 @@ math that is used everywhere else and serves as the reference.
 Ops: the attention core (`--attention-backend sdpa|fused|unfused`; fused = Triton scaled causal
 softmax, or scaled masked softmax under a document mask), residual-add + LayerNorm/RMSNorm,
 bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel cross-entropy that never materializes fp32
-logits.
+logits; `--cross-entropy-fusion-impl linear` fuses the output layer into the cross-entropy over
+chunks of tokens (megatron.mpu.linear_cross_entropy), its elementwise part through the same
+Triton kernels when the cross-entropy above is Triton.
 """
 
 from __future__ import annotations
@@ -44,12 +46,17 @@ class FusedOps:
     # --bias-dropout-fusion: "compile" (each block's bias + dropout + residual add as one
     # torch.compile'd function, see megatron.model.transformer) or "torch" (separate ops).
     bias_dropout_add: str = "torch"
+    # --cross-entropy-fusion-impl: "native" (the logits, then the cross-entropy above) or
+    # "linear" (output layer + cross-entropy over chunks of tokens, no (tokens, V/p) logits).
+    cross_entropy_fusion_impl: str = "native"
     # Precision modes (KernelConfig), not implementations: --attention-softmax-in-fp32 and
     # --fp16-lm-cross-entropy (loss in the logits' dtype instead of fp32).
     softmax_in_fp32: bool = False
     fp16_lm_cross_entropy: bool = False
 
     def describe(self) -> str:
+        linear = " (fused with the output layer, in chunks of tokens)"
+        linear = linear if self.cross_entropy_fusion_impl == "linear" else ""
         attn = {
             "sdpa": "torch SDPA",
             "unfused": "torch matmul + softmax",
@@ -58,7 +65,8 @@ class FusedOps:
         return (
             f"fused kernels: attention = {attn}; add+norm = {self.add_norm}; "
             f"bias+gelu = {self.bias_gelu}; swiglu = {self.swiglu}; "
-            f"cross-entropy = {self.cross_entropy}; bias+dropout+add = {self.bias_dropout_add}"
+            f"cross-entropy = {self.cross_entropy}{linear}; "
+            f"bias+dropout+add = {self.bias_dropout_add}"
         )
 
     # --- the ops themselves ---
@@ -118,6 +126,30 @@ class FusedOps:
             logits, target, group, upcast=not self.fp16_lm_cross_entropy
         )
 
+    def linear_cross_entropy(self, x, weight, target, group, sequence_parallel, num_valid):
+        """--cross-entropy-fusion-impl linear: per-token loss of x's logits against `weight`
+        (this rank's vocab slice), chunk by chunk; the chunks' elementwise part in Triton where
+        the cross-entropy is."""
+        from megatron.mpu.linear_cross_entropy import (
+            TORCH_CHUNK_OPS,
+            linear_vocab_parallel_cross_entropy,
+        )
+
+        chunk_ops = TORCH_CHUNK_OPS
+        if self.cross_entropy == "triton":
+            from megatron.fused_kernels.triton_linear_cross_entropy import TRITON_CHUNK_OPS
+
+            chunk_ops = TRITON_CHUNK_OPS
+        return linear_vocab_parallel_cross_entropy(
+            x,
+            weight,
+            target,
+            group,
+            sequence_parallel=sequence_parallel,
+            num_valid=num_valid,
+            ops=chunk_ops,
+        )
+
 
 TORCH_OPS = FusedOps()
 
@@ -153,6 +185,7 @@ def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
         softmax_in_fp32=cfg.attention_softmax_in_fp32,
         fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
         bias_dropout_add="compile" if cfg.bias_dropout_fusion else "torch",
+        cross_entropy_fusion_impl=cfg.cross_entropy_fusion_impl,
         **chosen,
     )
 

@@ -84,6 +84,7 @@ def training_of(cfg: MegatronConfig) -> Training:
         recompute_method=cfg.recompute.method,
         recompute_num_layers=cfg.recompute.num_layers,
         attention_backend=cfg.kernels.attention_backend,
+        cross_entropy_fusion_impl=cfg.kernels.cross_entropy_fusion_impl,
     )
 
 

@@ -37,8 +37,9 @@ the distributed optimizer shards over DP x CP.
 Selective recompute drops the attention core; full recompute keeps each group's input (D u,
 / t with SP) and rebuilds one group of layers at a time in backward (the recompute working set).
 The first virtual stage adds the token and position ids and the embedding's dropout mask, the
-last the final norm, the fp32 logits 4 s b V / t and the labels. Pipeline stages hold the
-activations of the micro batches in flight, simulated with the schedule's own action order.
+last the final norm, the fp32 logits 4 s b V / t (with --cross-entropy-fusion-impl linear, an
+fp32 log-sum-exp per token instead) and the labels. Pipeline stages hold the activations of the
+micro batches in flight, simulated with the schedule's own action order.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class Training:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     attention_backend: str = "sdpa"
+    cross_entropy_fusion_impl: str = "native"  # linear: no logits kept, a log-sum-exp per token
 
 
 @dataclass(frozen=True)
@@ -288,11 +290,15 @@ def embedding_extra_bytes(m: ModelConfig, lay: Layout, dev: Device) -> int:
 
 def head_extra_bytes(m: ModelConfig, lay: Layout, t: Training) -> int:
     """Last virtual stage: the final norm's input and output and statistics, the fp32 logits
-    the vocab-parallel loss keeps (s b V / t), the labels and the loss mask."""
+    the vocab-parallel loss keeps (s b V / t), the labels and the loss mask; with
+    --cross-entropy-fusion-impl linear an fp32 log-sum-exp per token instead of the logits."""
     s, b, tp = m.seq_length, lay.micro_batch, lay.tp
     sp = tp if lay.sequence_parallel else 1
+    norm = 2 * layer_input_bytes(m, lay, t) + 8 * s * b // sp
+    if t.cross_entropy_fusion_impl == "linear":
+        return norm + 4 * s * b + 8 * s * b  # the log-sum-exp, the labels
     logits = 4 * s * b * m.padded_vocab_size(tp) // tp
-    return 2 * layer_input_bytes(m, lay, t) + 8 * s * b // sp + logits + 17 * s * b
+    return norm + logits + 17 * s * b
 
 
 def chunk_activation_bytes(

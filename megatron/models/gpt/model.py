@@ -108,11 +108,24 @@ class OutputHead(nn.Module):
     def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
         return self.logits(self.final_layernorm(x), word_embeddings)
 
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, ops, word_embeddings=None):
+        """Per-token loss (b, s) fp32 from h (b, s, h) or (b, s/p, h): the final norm, then the
+        output layer and the vocab-parallel cross-entropy fused over chunks of tokens
+        (--cross-entropy-fusion-impl linear; the padding masked there, by `num_valid`)."""
+        x = self.final_layernorm(x)
+        weight = word_embeddings if self.output_layer is None else self.output_layer.weight
+        if not self.sequence_parallel:  # backward: all-reduce dL/dx over TP
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        return ops.linear_cross_entropy(
+            x, weight, labels, self.tp_group, self.sequence_parallel, self.num_valid
+        )
+
     def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
         """The projection after the final norm, with the padding masked: the only place that
-        masks it (DeepSpeed's pipeline layers, whose final norm is a layer of its own, call
-        this too). Sequence parallel: x is (b, s/p, h) and is all-gathered here (backward:
-        reduce-scatter), so the logits and the vocab-parallel loss see the whole sequence."""
+        masks the logits it returns (DeepSpeed's pipeline layers, whose final norm is a layer of
+        its own, call this too; `loss` masks its chunks). Sequence parallel: x is (b, s/p, h)
+        and is all-gathered here (backward: reduce-scatter), so the logits and the
+        vocab-parallel loss see the whole sequence."""
         if self.output_layer is not None:
             logits = self.output_layer(x)
         elif self.sequence_parallel:  # (b, s/p, h) -> (b, s, V / p)
@@ -231,6 +244,8 @@ class GPTModel(nn.Module):
             )
         if not self.post_process:
             return x
+        if labels is not None and self.ops.cross_entropy_fusion_impl == "linear":
+            return self.head.loss(x, labels, self.ops, self.word_embeddings_weight())
         logits = self.head(x, self.word_embeddings_weight())
         if labels is None:
             return logits
