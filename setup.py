@@ -11,6 +11,7 @@ WANDB = ["wandb"]
 DATA = ["pyarrow>=12", "datasets"]  # Parquet and datasets.save_to_disk inputs to preprocessing
 PROGRESS = ["tqdm"]  # progress bars when attached to a terminal (plain lines otherwise)
 DEMO = ["matplotlib"]  # the loss plot of `make demo` (tools/plot_losses.py)
+FP8 = ["torchao==0.18.0"]  # --fp8-format (built against torch 2.11; its float8 training is Python)
 
 setup(
     name="megatron-3d",
@@ -46,6 +47,7 @@ setup(
             *DATA,
             *PROGRESS,
             *DEMO,
+            *FP8,  # the fp8 tests run torchao's emulation on the CPU
         ],
         # tools/run_text_generation_server.py (and its tests: httpx, openai)
         "serve": SERVE,
@@ -56,6 +58,8 @@ setup(
         "data": DATA,
         "progress": PROGRESS,
         "demo": DEMO,
+        # --fp8-format (imported only when given)
+        "fp8": FP8,
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

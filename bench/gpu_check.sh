@@ -35,7 +35,7 @@
 #   pip download -d $W --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
 #       pytest pytest-timeout hjson ninja psutil py-cpuinfo "pydantic>=2" msgpack einops \
-#       setuptools wheel
+#       setuptools wheel torchao==0.18.0
 #   # DeepSpeed is a source distribution only. Either build its pure-Python wheel here (no CUDA
 #   # op is compiled; DeepSpeed picks its accelerator when it runs; needs torch installed):
 #   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w $W
@@ -77,7 +77,7 @@ if [ $FETCH = 1 ]; then  # the commands of the header, on a machine with network
         megatron-core==0.19.2
     $PY -m pip download -d "$W" "${TAGS[@]}" --platform manylinux_2_28_x86_64 \
         --platform manylinux2014_x86_64 pytest pytest-timeout hjson ninja psutil py-cpuinfo \
-        "pydantic>=2" msgpack einops setuptools wheel
+        "pydantic>=2" msgpack einops setuptools wheel torchao==0.18.0
     DS_BUILD_OPS=0 $PY -m pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w "$W"
     ls -l "$W"
     exit 0
@@ -213,7 +213,8 @@ do_tests() {
             -k "tp_layers or rng_state or triton or whole_gpt or moe"
     else
         # -v: the test list with each result, for the record (the report of issue 25)
-        MEGATRON_TEST_DEVICE=cuda $PY -m pytest tests/gpu/test_cuda.py -v -rs -p no:cacheprovider \
+        MEGATRON_TEST_DEVICE=cuda $PY -m pytest tests/gpu/test_cuda.py tests/gpu/test_fp8_cuda.py \
+            -v -rs -p no:cacheprovider \
             --junitxml "$OUT/tests.xml"
     fi
     local rc=$?

@@ -23,6 +23,7 @@ from megatron.config.declare import fail
 from megatron.config.deepspeed_json import build_ds_config, with_ds_json
 from megatron.config.rules_bert import refuse_bert_settings, validate_bert
 from megatron.config.rules_data import validate_data
+from megatron.config.rules_fp8 import validate_fp8
 from megatron.config.rules_moe import validate_moe
 from megatron.config.rules_training import validate_batch, validate_training
 from megatron.config.schema import (
@@ -216,6 +217,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
             )
     if cfg.precision.fp16 and cfg.precision.bf16:
         fail("--fp16/--bf16", "both are set", "choose one mixed-precision mode")
+    validate_fp8(cfg)
     problem = layer_sharing_problem(m, pp, vlayers)
     if problem:
         fail(

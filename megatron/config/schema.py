@@ -360,6 +360,27 @@ class PrecisionConfig(Section):
 
     fp16: bool = setting(False, "fp16 weights/activations, loss scaling")
     bf16: bool = setting(False, "bf16 weights/activations")
+    fp8_format: str | None = setting(
+        None,
+        "float8 GEMMs in the transformer layers' linears (torchao's float8 training; needs "
+        "--bf16, a GPU of compute capability 8.9+ and torchao): e4m3 = every operand e4m3; "
+        "hybrid = e4m3 forward, e5m2 gradients (more range, less precision); embeddings, "
+        "output head, norms, attention and the weights stay bf16 (default: off, all bf16)",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_recipe: str | None = setting(
+        None,
+        "float8 scaling with --fp8-format, recomputed from each tensor at every step: "
+        "tensorwise = one scale per tensor (fastest); rowwise = one per row, power-of-two "
+        "scales (more accurate). Megatron-core's delayed, mxfp8 and blockwise (Transformer "
+        "Engine recipes) are refused (default: tensorwise)",
+        choices=("tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"),
+    )
+
+    @property
+    def fp8_scaling(self) -> str:
+        """--fp8-recipe, or its default (tensorwise)."""
+        return self.fp8_recipe or "tensorwise"
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -7,11 +7,12 @@ computes but never its weights is applied here afterwards, always in this order:
    (their gradients are summed over TP before the optimizer steps);
 2. activation recompute: selective (the core attention of each `*.self_attention`) or full
    (the transformer layers of each chunk, uniform groups or the first N);
-3. torch.compile: each transformer layer `layers.<n>` compiled as a module (its parameter
+3. float8 (--fp8-format): the transformer layers' linears get float8 GEMMs (megatron.model.fp8);
+4. torch.compile: each transformer layer `layers.<n>` compiled as a module (its parameter
    names, hence checkpoints, are unchanged).
 
-Compile comes last so it traces the recompute the layers will run (as torchtitan applies TP,
-activation checkpointing, then compile).
+Compile comes last so it traces the recompute and the float8 casts the layers will run (as
+torchtitan applies TP, float8, activation checkpointing, then compile).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from megatron.config.schema import RecomputeConfig
+from megatron.config.schema import PrecisionConfig, RecomputeConfig
+from megatron.model.fp8 import apply_fp8
 from megatron.model.moe import MoELayer
 from megatron.model.recompute import LayerRecompute
 from megatron.model.transformer import NORM_TYPES, ParallelAttention, TransformerLayer
@@ -36,12 +38,17 @@ def parallelize(
     *,
     torch_compile: bool = False,
     checkpoint_impl: Callable | None = None,
+    precision: PrecisionConfig | None = None,
 ) -> nn.Module:
     """`model`: ModelChunks or one chunk (or a piece of one: a DeepSpeed pipeline layer).
-    Returns it, transformed in place."""
+    Returns it, transformed in place. `precision`: its --fp8-format, if any, is applied (and
+    logged on rank 0)."""
     apply_sequence_parallel(model, state)
     if recompute is not None:
         apply_recompute(model, recompute, checkpoint_impl)
+    report = apply_fp8(model, precision) if precision is not None else None
+    if report is not None and state.rank == 0:
+        print(report.describe(), flush=True)
     if torch_compile:
         apply_compile(model)
     return model

@@ -11,6 +11,10 @@ along the sequence (backward: reduce-scatter), a row-parallel one reduce-scatter
 slices (row-parallel bias, norm weights) gets a gradient from s / p tokens only; it is marked
 `sequence_parallel = True`, and its gradient is summed over TP before the optimizer
 (megatron.mpu.grads.all_reduce_sequence_parallel_grads).
+
+`fp8`: a linear whose `fp8` slot holds a Float8Matmul (megatron.mpu.fp8; set by
+megatron.model.fp8.apply_fp8) computes its local GEMMs in float8; the collectives around them
+are unchanged.
 """
 
 from __future__ import annotations
@@ -110,31 +114,46 @@ class _GatheredLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, fp8):
+        ctx.group, ctx.has_bias, ctx.fp8 = group, bias is not None, fp8
         ctx.save_for_backward(x, weight)
-        return F.linear(all_gather_sequence(x, group), weight, bias)  # (b, s, out / p)
+        full = all_gather_sequence(x, group)  # (b, s, h)
+        if fp8 is None:
+            return F.linear(full, weight, bias)  # (b, s, out / p)
+        y = fp8.forward_mm(full, weight)
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if ctx.fp8 is not None:  # both products from the float8 math
+            full = all_gather_sequence(x, ctx.group)  # (b, s, h), again
+            grad_full, grad_w = ctx.fp8.backward_mm(grad, full, weight)
+            grad_x = reduce_scatter_sequence(grad_full, ctx.group)  # (b, s/p, h)
+        if ctx.fp8 is None and ctx.needs_input_grad[0]:
             grad_x = reduce_scatter_sequence(grad.matmul(weight), ctx.group)  # (b, s/p, h)
-        if ctx.needs_input_grad[1]:
+        if ctx.fp8 is None and ctx.needs_input_grad[1]:
             full = all_gather_sequence(x, ctx.group)  # (b, s, h), again
             grad_w = grad.reshape(-1, grad.size(-1)).t().matmul(full.reshape(-1, full.size(-1)))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.size(-1)).sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
-def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias, group) -> torch.Tensor:
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, fp8=None) -> torch.Tensor:
+    """X W^T + b on this rank, in float8 when `fp8` (a megatron.mpu.fp8.Float8Matmul) is given."""
+    if fp8 is None:
+        return F.linear(x, weight, bias)
+    return fp8.linear(x, weight, bias)
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, fp8=None) -> torch.Tensor:
     """Sequence-parallel X (b, s/p, h) all-gathered into X A^T + b, keeping only the slice for
     backward (see _GatheredLinear); `weight` is this rank's (out / p, h) shard."""
     if group_size(group) == 1:
-        return F.linear(x, weight, bias)
-    return _GatheredLinear.apply(x, weight, bias, group)
+        return local_linear(x, weight, bias, fp8)
+    return _GatheredLinear.apply(x, weight, bias, group, fp8)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -165,6 +184,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
+        self.fp8 = None  # a Float8Matmul: float8 GEMMs (megatron.model.fp8.apply_fp8)
         local = divide(output_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local, input_size, **kw))
@@ -178,8 +198,9 @@ class ColumnParallelLinear(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.sequence_parallel:  # x: (b, s/p, h)
-            return gathered_linear(x, self.weight, bias, self.group)
-        return F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight, bias)
+            return gathered_linear(x, self.weight, bias, self.group, self.fp8)
+        x = copy_to_tensor_model_parallel_region(x, self.group)
+        return local_linear(x, self.weight, bias, self.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x, self.bias)  # (..., output_size / p)
@@ -220,6 +241,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel = group, input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
+        self.fp8 = None  # a Float8Matmul: float8 GEMMs (megatron.model.fp8.apply_fp8)
         local = divide(input_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(output_size, local, **kw))
@@ -242,7 +264,7 @@ class RowParallelLinear(nn.Module):
         """The reduced X A only, for a caller that adds b itself (--bias-dropout-fusion)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)  # (b, s, h) partial sum of this rank's shard
+        y = local_linear(x, self.weight, None, self.fp8)  # (b, s, h) partial sum of the shard
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(y, self.group)  # (b, s/p, h)
         return reduce_from_tensor_model_parallel_region(y, self.group)

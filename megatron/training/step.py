@@ -75,6 +75,7 @@ def build_parallelized_model(cfg: MegatronConfig, rt: Runtime, model_provider, c
         cfg.recompute,
         torch_compile=cfg.kernels.torch_compile,
         checkpoint_impl=checkpoint_impl,
+        precision=cfg.precision,
     )
 
 
