@@ -3,7 +3,8 @@
 #   make demo   create .venv, install, run the CPU demo
 # `make test-fast` skips the tests marked `slow` (multi-rank, subprocess, over a second).
 # `make gpu-check` runs the whole GPU check on a CUDA machine (docs/gpu.md; no venv there: the
-# machine's python3 and the wheels in shared/wheels); `make gpu-smoke` runs it on the CPU.
+# machine's python3 and the wheels in shared/wheels, which `make gpu-prepare` fetches beforehand);
+# `make gpu-smoke` runs it on the CPU.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -13,7 +14,7 @@ BIN    := $(VENV)/bin
 CPU_TORCH ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint demo clean gpu-check gpu-smoke
+.PHONY: setup test test-fast lint demo clean gpu-check gpu-smoke gpu-prepare
 
 setup: $(STAMP)
 
@@ -43,6 +44,10 @@ lint: $(STAMP)
 
 gpu-check:
 	bash bench/gpu_check.sh
+
+# On a machine with network, before a GPU call: the wheels and the training data into shared/.
+gpu-prepare: $(STAMP)
+	PYTHON=$(BIN)/python bash bench/gpu_check.sh --prepare
 
 gpu-smoke: $(STAMP)
 	PYTHON=$(BIN)/python bash bench/gpu_check.sh --smoke

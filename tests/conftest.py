@@ -6,6 +6,7 @@ import subprocess
 import pytest
 import torch
 
+from tests.helpers.process_guard import refusing
 from tests.helpers.serving import make_checkpoint
 from tests.helpers.training import counting_corpus
 
@@ -117,19 +118,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fast_tests_start_no_process(request, monkeypatch):
-    """A test not marked slow that starts a process fails, naming what to mark."""
+    """A test not marked slow that starts a process fails, naming what to mark; a library's own
+    process start (Triton's `ldconfig -p`, a compiler) is let through (tests/helpers/
+    process_guard.py)."""
     if request.node.get_closest_marker("slow") is not None:
         yield
         return
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(
-            f"{request.node.nodeid} starts a process but is not marked slow (the automatic "
-            "marking in tests/conftest.py did not see it): add @pytest.mark.slow"
-        )
-
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    nodeid = request.node.nodeid
+    popen, process = subprocess.Popen, multiprocessing.process.BaseProcess
+    monkeypatch.setattr(popen, "_execute_child", refusing(nodeid, popen._execute_child))
+    monkeypatch.setattr(process, "start", refusing(nodeid, process.start))
     yield
 
 

@@ -12,6 +12,12 @@ bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel cross-entropy that never mate
 logits; `--cross-entropy-fusion-impl linear` fuses the output layer into the cross-entropy over
 chunks of tokens (megatron.mpu.linear_cross_entropy), its elementwise part through the same
 Triton kernels when the cross-entropy above is Triton.
+
+A kernel that fails its self-check (a compile or launch error, or a disagreement with its torch
+twin) falls back to torch with a warning; under strict mode (`select_ops(..., strict=True)`, or
+MEGATRON_KERNELS_STRICT=1 in the environment, which reaches the trainer's processes too) it
+raises instead, chained to the original error: what tests and benchmarks that expect the
+compiled kernels use, so a fallback cannot pass for a measurement.
 """
 
 from __future__ import annotations
@@ -154,9 +160,26 @@ class FusedOps:
 TORCH_OPS = FusedOps()
 
 
-def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
-    """Pick each op's implementation from the device and the --no-*-fusion flags."""
+STRICT_ENV = "MEGATRON_KERNELS_STRICT"
+_REFUSED = f"strict mode (strict=True or {STRICT_ENV}=1) refuses the torch fallback"
+
+
+def strict_from_env() -> bool:
+    """MEGATRON_KERNELS_STRICT: 1 = a Triton kernel that fails its check raises (default 0)."""
+    value = os.environ.get(STRICT_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{STRICT_ENV}={value!r}: use 1 (raise) or 0 (warn and use torch)")
+    return value == "1"
+
+
+def select_ops(
+    cfg: KernelConfig, device: torch.device | str, *, strict: bool | None = None
+) -> FusedOps:
+    """Pick each op's implementation from the device and the --no-*-fusion flags. Where Triton
+    can run, a kernel failing its self-check falls back to torch with a warning, or raises when
+    `strict` (default: MEGATRON_KERNELS_STRICT)."""
     device = torch.device(device)
+    strict = strict_from_env() if strict is None else strict
     triton = triton_available(device)
     if cfg.attention_backend == "fused" and not triton:
         raise ValueError(
@@ -173,7 +196,7 @@ def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
     }
     chosen = {}
     for op, enabled in wanted.items():
-        chosen[op] = "triton" if enabled and triton and _self_check(op, device) else "torch"
+        chosen[op] = "triton" if enabled and triton and _self_check(op, device, strict) else "torch"
     if cfg.attention_backend == "fused" and chosen["softmax"] != "triton":
         if cfg.masked_softmax_fusion:
             raise RuntimeError(
@@ -190,9 +213,10 @@ def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
     )
 
 
-def _self_check(op: str, device: torch.device) -> bool:
+def _self_check(op: str, device: torch.device, strict: bool = False) -> bool:
     """Run the Triton op once on a small input against its torch twin; False (with a warning)
-    if it fails to compile or disagrees, so a bad kernel never silently trains a model."""
+    if it fails to compile or disagrees, so a bad kernel never silently trains a model. Strict:
+    raise instead, from the original error."""
     import warnings
 
     from megatron.fused_kernels import checks
@@ -200,14 +224,14 @@ def _self_check(op: str, device: torch.device) -> bool:
     try:
         ok = checks.CHECKS[op](device)
     except Exception as e:  # a compile or launch failure: fall back, never crash the run
-        warnings.warn(
-            f"Triton {op} kernel unavailable on {device} ({type(e).__name__}: {e}); "
-            "using the torch implementation",
-            stacklevel=3,
-        )
+        problem = f"Triton {op} kernel unavailable on {device} ({type(e).__name__}: {e})"
+        if strict:
+            raise RuntimeError(f"{problem}; {_REFUSED}") from e
+        warnings.warn(f"{problem}; using the torch implementation", stacklevel=3)
         return False
     if not ok:
-        warnings.warn(
-            f"Triton {op} kernel disagrees with torch on {device}; using torch", stacklevel=3
-        )
+        problem = f"Triton {op} kernel disagrees with torch on {device}"
+        if strict:
+            raise RuntimeError(f"{problem}; {_REFUSED}")
+        warnings.warn(f"{problem}; using torch", stacklevel=3)
     return ok

@@ -63,6 +63,50 @@ def test_dispatch_picks_triton_under_the_interpreter_and_torch_without_it(monkey
         select_ops(FUSED, torch.device("cpu"))
 
 
+def _failing_checks(monkeypatch):
+    """Triton 'runs' here, the add+norm check raises, the bias+gelu one disagrees."""
+    from megatron import fused_kernels
+    from megatron.fused_kernels import checks
+
+    def compile_error(device):
+        raise OSError("ptxas: not found")
+
+    monkeypatch.setattr(fused_kernels, "triton_available", lambda device: True)
+    fake = {op: (lambda device: True) for op in checks.CHECKS}
+    fake.update(add_norm=compile_error, bias_gelu=lambda device: False)
+    monkeypatch.setattr(checks, "CHECKS", fake)
+
+
+def test_a_kernel_failing_its_check_warns_and_falls_back_by_default(monkeypatch):
+    _failing_checks(monkeypatch)
+    monkeypatch.delenv("MEGATRON_KERNELS_STRICT", raising=False)
+    with pytest.warns(UserWarning) as warned:
+        ops = select_ops(KERNELS, "cpu")
+    assert [str(w.message) for w in warned] == [
+        "Triton add_norm kernel unavailable on cpu (OSError: ptxas: not found); using the torch "
+        "implementation",
+        "Triton bias_gelu kernel disagrees with torch on cpu; using torch",
+    ]
+    assert (ops.add_norm, ops.bias_gelu, ops.swiglu) == ("torch", "torch", "triton")
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_strict_mode_raises_with_the_original_error_instead(monkeypatch, how):
+    _failing_checks(monkeypatch)
+    strict = {"strict": True} if how == "argument" else {}
+    if how == "environment":
+        monkeypatch.setenv("MEGATRON_KERNELS_STRICT", "1")
+    with pytest.raises(RuntimeError, match="add_norm kernel unavailable.*strict mode") as e:
+        select_ops(KERNELS, "cpu", **strict)
+    assert isinstance(e.value.__cause__, OSError)
+    off = dataclasses.replace(KERNELS, layer_norm_fusion=False)
+    with pytest.raises(RuntimeError, match="bias_gelu kernel disagrees with torch.*strict mode"):
+        select_ops(off, "cpu", **strict)
+    monkeypatch.setenv("MEGATRON_KERNELS_STRICT", "yes")
+    with pytest.raises(ValueError, match="MEGATRON_KERNELS_STRICT='yes': use 1"):
+        select_ops(KERNELS, "cpu")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_model_through_triton_kernels_equals_the_torch_path(name):

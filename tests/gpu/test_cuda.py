@@ -316,6 +316,10 @@ def test_ring_attention_picks_a_fused_kernel_on_cuda(test_device):
 # --- Triton kernels, compiled -----------------------------------------------------------------
 
 
+# Every Triton op on: the softmax through the fused attention backend, the cross-entropy opt-in.
+FUSED_KERNELS = KernelConfig(attention_backend="fused", cross_entropy_loss_fusion=True)
+
+
 def _kernel_modules():
     from megatron.fused_kernels import (
         triton_activations,
@@ -344,6 +348,11 @@ def test_triton_kernels_are_compiled_not_interpreted(test_device):
     assert len(kernels) >= 4, kernels
     interpreted = [k for k, v in kernels.items() if isinstance(v, InterpretedFunction)]
     assert not interpreted, f"defined under TRITON_INTERPRET=1: {interpreted}"
+    # Each op passes its self-check on the device: strict mode raises the check's own error
+    # (a compile failure, a disagreement) instead of warning and falling back to torch.
+    fused = select_ops(FUSED_KERNELS, test_device, strict=True)
+    picked = (fused.softmax, fused.add_norm, fused.bias_gelu, fused.swiglu, fused.cross_entropy)
+    assert picked == ("triton",) * 5, fused.describe()
 
 
 def _kernel_cases(device, dtype):
@@ -414,9 +423,7 @@ def test_whole_gpt_through_the_compiled_kernels(test_device, variant):
     needs_cuda(test_device, "compiled Triton kernels (the CPU interpreter: test_fused_model.py)")
     pytest.importorskip("triton", reason="Triton is not installed")
     cfg = VARIANTS[variant]
-    fused = select_ops(
-        KernelConfig(attention_backend="fused", cross_entropy_loss_fusion=True), test_device
-    )
+    fused = select_ops(FUSED_KERNELS, test_device, strict=True)
     picked = (fused.softmax, fused.add_norm, fused.bias_gelu, fused.swiglu, fused.cross_entropy)
     assert picked == ("triton",) * 5, fused.describe()
     tokens, labels = batch(cfg, test_device)
@@ -594,6 +601,8 @@ def _pretrain(device, corpus, save, *extra, iters=6, precision=None):
     cmd = [sys.executable, "pretrain_gpt2.py", *argv, "--save", str(save), "--save-interval", "3"]
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER}
     env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0) if device.type == "cuda" else ""
+    if device.type == "cuda":  # a kernel failing its check stops the run, not a silent fallback
+        env["MEGATRON_KERNELS_STRICT"] = "1"
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr}"
     losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", done.stdout)]

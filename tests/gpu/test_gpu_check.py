@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -12,22 +13,31 @@ from megatron.config.schema import ModelConfig
 from megatron.training.log import model_flops_per_sample
 from tests.helpers.paths import ROOT
 
-STEPS = ["install", "tests", "kernels", "train", "moe", "mfu"]
+STEPS = ["install", "tests", "kernels", "mfu_small", "train", "mfu", "moe"]
 
 
-@pytest.mark.slow
-def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
-    out = tmp_path / "gpu_check"
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run(
-        ["bash", "bench/gpu_check.sh", "--smoke"],
+def _gpu_check(*args, env):
+    return subprocess.run(
+        ["bash", "bench/gpu_check.sh", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
+    """As on the GPU: --prepare first (the data; the wheels need no fetching on the CPU), then
+    every step, with the logs apart from $OUT (which keeps the one archive of them)."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "LOGS": str(logs)}
+    env.pop("TRITON_INTERPRET", None)
+    prepared = _gpu_check("--smoke", "--prepare", env=env)
+    assert prepared.returncode == 0, f"{prepared.stdout[-3000:]}\n{prepared.stderr[-2000:]}"
+    assert (out / "data" / "corpus_text_document.idx").exists()
+    done = _gpu_check("--smoke", env=env)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
     table = done.stdout.split("gpu_check summary")[-1].splitlines()
     rows = {line.split()[0]: line.split(None, 3) for line in table[2:] if line[:1].isalpha()}
@@ -36,14 +46,25 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
     for name, (_, status, seconds, *headline) in rows.items():
         assert status in ("ok", "skipped"), f"{name}: {status} {headline}"
         assert int(seconds) >= 0 and headline, name
-        assert (out / f"{name}.log").exists()
+        assert (logs / f"{name}.log").exists()
     assert rows["tests"][1] == "ok" and "passed" in rows["tests"][3]
     assert "failed" not in rows["tests"][3]
+    assert "created: 2/2 workers" in (logs / "tests.log").read_text()
     assert rows["kernels"][3].startswith("slowest kernel")
     assert rows["train"][3].startswith("loss ") and "tokens/s" in rows["train"][3]
+    assert "training data ready in" in (logs / "train.log").read_text(), "not the prepared data"
     assert rows["moe"][3].startswith("MoE step: looped ") and "tokens/s" in rows["moe"][3]
+    assert rows["mfu_small"][3].startswith("MFU") and rows["mfu"][3].startswith("MFU")
+    assert json.loads((logs / "mfu_small.json").read_text())["rows"]
 
-    mfu = json.loads((out / "mfu.json").read_text())
+    # Every log in one archive in $OUT, beside the table.
+    with tarfile.open(out / "gpu_check_logs.tgz") as tar:
+        archived = {os.path.basename(n) for n in tar.getnames()}
+    expected = {f"{n}.log" for n in STEPS} | {"tests.xml", "mfu_small.json", "mfu.json"}
+    assert expected | {"summary.tsv"} <= archived, archived
+    assert (out / "summary.tsv").read_text() == (logs / "summary.tsv").read_text()
+
+    mfu = json.loads((logs / "mfu.json").read_text())
     systems = {r["system"]: r for r in mfu["rows"]}
     variants = [f"ours ({v})" for v in mfu["variants"] if v != "default"]
     assert set(systems) == {"ours", *variants, "trainer", "mcore", "mcore+TE", "hf"}
@@ -60,6 +81,24 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
         assert f"{systems['ours']['params']:,} parameters equal ours" in systems["mcore"]["skipped"]
     else:
         assert "registry could not be reached" in rows["install"][3]
+
+
+@pytest.mark.slow
+def test_gpu_check_refuses_what_it_would_not_run(tmp_path):
+    """An unknown step, a pointless flag combination and a shape bench/mfu.py lacks fail with
+    the fix, instead of running something else or nothing."""
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    done = _gpu_check("--steps", "install,mfu-small", env=env)
+    assert done.returncode == 2 and "--steps mfu-small: no such step" in done.stderr
+    done = _gpu_check("--smoke", "--fetch-wheels", env=env)
+    assert done.returncode == 2 and "Fix: --fetch-wheels alone" in done.stderr
+    done = _gpu_check("--smoke", "--steps", "mfu", env={**env, "MFU_SHAPES": "gpt-13b"})
+    assert done.returncode == 1, done.stdout
+    assert "FAIL(2)" in done.stdout and "bench/mfu.py has no shape ['gpt-13b']" in done.stdout
+    assert "Fix: set MFU_SHAPES" in (tmp_path / "mfu.log").read_text()
+    done = _gpu_check("--smoke", "--steps", "mfu", env={**env, "MFU_ARGS": "--no-such-flag"})
+    assert done.returncode == 1 and "FAIL(2)" in done.stdout, done.stdout
+    assert "unrecognized arguments: --no-such-flag" in (tmp_path / "mfu.log").read_text()
 
 
 @pytest.mark.parametrize("swiglu, groups", [(False, None), (True, 2)])
