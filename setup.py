@@ -11,6 +11,8 @@ WANDB = ["wandb"]
 DATA = ["pyarrow>=12", "datasets"]  # Parquet and datasets.save_to_disk inputs to preprocessing
 PROGRESS = ["tqdm"]  # progress bars when attached to a terminal (plain lines otherwise)
 DEMO = ["matplotlib"]  # the loss plot of `make demo` (tools/plot_losses.py)
+# --kernel-library liger (pure Triton; its own requirements are torch and triton only)
+LIGER = ["liger-kernel>=0.8.5; platform_system == 'Linux'"]
 
 setup(
     name="megatron-3d",
@@ -40,6 +42,7 @@ setup(
             "transformers",  # checks HF exports (tests/checkpoint/test_convert_checkpoint.py)
             "safetensors",  # HF weight files (megatron/models/gpt/hf.py)
             "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
+            *LIGER,  # its ops are tested against ours in the interpreter
             *SERVE,
             *EVAL,
             *WANDB,
@@ -56,6 +59,7 @@ setup(
         "data": DATA,
         "progress": PROGRESS,
         "demo": DEMO,
+        "liger": LIGER,
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },
