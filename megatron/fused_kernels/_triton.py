@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 
 import torch
@@ -23,6 +24,11 @@ jit = triton.jit if HAS_TRITON else (lambda fn: fn)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Read when the kernels are defined, as triton.jit reads it: they run in the CPU interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# MEGATRON_KERNEL_AUTOTUNE=0: each row width gets one fixed config instead of the fastest of
+# several timed on the first call. Timing can pick differently on different ranks, and the
+# configs sum a row in different orders (last-bit differences): with tensor parallelism and no
+# sequence parallelism the replicated norm weights are updated on each rank from its own sums.
+AUTOTUNE = os.environ.get("MEGATRON_KERNEL_AUTOTUNE", "1") != "0"
 
 
 def check_kernel_input(t: torch.Tensor, what: str, fallback: str) -> None:
@@ -88,14 +94,18 @@ def reduction_programs(device: torch.device, per_sm: int = 1) -> int:
 def bounded_configs(configs, tile_elements, per_thread=(4, 32)):
     """The configs whose tile (`tile_elements(config)` values) gives each thread between
     per_thread[0] and per_thread[1] values: enough to vectorize and hide latency, few enough to
-    stay in registers. Never empty: else the one config nearest that range."""
+    stay in registers. Never empty: else the one config nearest that range. With AUTOTUNE off,
+    the one kept config nearest the middle of the range."""
 
     def load(c):
         return tile_elements(c) / (32 * c.num_warps)  # 32 threads a warp
 
     low, high = per_thread
     kept = [c for c in configs if low <= load(c) <= high]
-    if kept:
-        return kept
-    too_big = all(load(c) > high for c in configs)
-    return [min(configs, key=load) if too_big else max(configs, key=load)]
+    if not kept:
+        too_big = all(load(c) > high for c in configs)
+        return [min(configs, key=load) if too_big else max(configs, key=load)]
+    if not AUTOTUNE:  # one config, the same on every rank: the middle load, the most warps
+        middle = math.sqrt(low * high)
+        return [min(kept, key=lambda c: (abs(math.log(load(c) / middle)), -c.num_warps))]
+    return kept

@@ -100,6 +100,16 @@ def test_gpu_configs_pruned_to_a_register_budget(kernel, width):
         assert min(per_thread) >= 4, per_thread
 
 
+@pytest.mark.parametrize("kernel", NORM_KERNELS + ACT_KERNELS, ids=lambda k: k.fn.__name__)
+def test_without_autotuning_each_width_gets_one_fixed_config(monkeypatch, kernel):
+    monkeypatch.setattr(_triton, "AUTOTUNE", False)
+    for width in (33, 768, 3072, 16384):
+        first, again = (
+            kernel.gpu_prune(kernel.gpu_configs, {}, **_meta(kernel, width)) for _ in "ab"
+        )
+        assert len(first) == 1 and first[0] is again[0]
+
+
 def test_bounded_configs_falls_back_to_the_nearest_config():
     configs = [triton.Config({"R": r}, num_warps=4) for r in (1, 2)]
     tiny = _triton.bounded_configs(configs, lambda c: c.kwargs["R"], per_thread=(4, 8))
