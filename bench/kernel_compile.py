@@ -1,4 +1,4 @@
-"""Compile every autotuned Triton kernel config for a GPU target, without a GPU.
+"""Compile every Triton kernel config (norms, activations, softmax) for a GPU, without a GPU.
 
     .venv/bin/python bench/kernel_compile.py [--arch 90] [--dtype bf16] [--first-only]
 
@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from megatron.fused_kernels import triton_activations as acts  # noqa: E402
 from megatron.fused_kernels import triton_norms as norms  # noqa: E402
+from megatron.fused_kernels import triton_softmax as softmax  # noqa: E402
 
 # (label, autotuned kernel, {arg: type or constexpr value}, the prune function's kwargs)
 # Types as Triton's signature strings; every int and pointer is taken as 16-divisible, as the
@@ -69,6 +70,21 @@ def _act_cases(dtype, n_cols):
     yield "SwiGLU bwd", acts._swiglu_bwd_kernel, sw_bwd, block
 
 
+def _softmax_cases(dtype, n_cols):
+    """The causal softmax (plain triton.jit: one config, the module's launch heuristic)."""
+    p = f"*{dtype}"
+    block, warps = softmax._launch_config(n_cols)
+    ints = ("n_cols", "sq", "heads", "m_stride_b", "m_stride_h", "m_stride_q", "m_stride_k")
+    fwd = {"x_ptr": p, "y_ptr": p, "mask_ptr": p, **dict.fromkeys(ints, "i32")}
+    fwd.update({"causal_offset": "i32", "scale": "fp32"})
+    meta = {"BLOCK": block, "ONE_BLOCK": n_cols <= block}
+    cfg = triton.Config({}, num_warps=warps)
+    causal = {**meta, "HAS_MASK": False, "CAUSAL": True}
+    yield "softmax fwd", softmax._softmax_fwd_kernel, fwd, causal, [cfg]
+    bwd = {"y_ptr": p, "dy_ptr": p, "dx_ptr": p, "n_cols": "i32", "scale": "fp32"}
+    yield "softmax bwd", softmax._softmax_bwd_kernel, bwd, meta, [cfg]
+
+
 def _resources(cubin: bytes) -> str:
     """'REG:n STACK:n' of the kernel in `cubin`, from cuobjdump (bundled with Triton)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -85,8 +101,8 @@ def _resources(cubin: bytes) -> str:
 
 
 def compile_config(kernel, signature, meta, cfg, target):
-    """The compiled kernel of `kernel` (an Autotuner) for one config."""
-    jit_fn = kernel.fn
+    """The compiled kernel of `kernel` (an Autotuner, or a plain JITFunction) for one config."""
+    jit_fn = kernel.fn if hasattr(kernel, "configs") else kernel  # an Autotuner wraps it
     constants = {**meta, **cfg.kwargs}
     sig = {name: signature.get(name, "constexpr") for name in jit_fn.arg_names}
     attrs = {
@@ -109,9 +125,13 @@ def main():
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
     for hidden in map(int, args.widths.split(",")):
-        cases = [*_norm_cases(args.dtype, hidden), *_act_cases(args.dtype, 4 * hidden)]
-        for label, kernel, signature, meta in cases:
-            configs = kernel.gpu_prune(kernel.gpu_configs, {}, **meta)
+        cases = [
+            *((*case, None) for case in _norm_cases(args.dtype, hidden)),
+            *((*case, None) for case in _act_cases(args.dtype, 4 * hidden)),
+            *_softmax_cases(args.dtype, hidden),  # as a key length (768 .. 2048)
+        ]
+        for label, kernel, signature, meta, fixed in cases:
+            configs = fixed or kernel.gpu_prune(kernel.gpu_configs, {}, **meta)
             for cfg in configs[:1] if args.first_only else configs:
                 what = f"{label:16s} {hidden:6d} {cfg.kwargs} warps {cfg.num_warps:2d}"
                 try:

@@ -2,6 +2,7 @@
 that ships in Triton's wheel build what the first call on the GPU would (bench/kernel_compile.py,
 one config per kernel and width here; the script alone builds them all)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ptxas() -> Path | None:
-    try:
-        import triton
-    except ImportError:
+    """Triton's bundled ptxas, found without importing triton here (at collection: the other
+    kernel tests must import it first, under TRITON_INTERPRET=1)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    path = Path(spec.submodule_search_locations[0]) / "backends" / "nvidia" / "bin" / "ptxas"
     return path if path.exists() else None
 
 
@@ -34,5 +36,5 @@ def test_every_kernel_compiles_for_sm90():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert len(compiled) == 2 * 8, done.stdout  # 2 widths x 8 kernels (fwd and bwd of 4 ops)
+    assert len(compiled) == 2 * 10, done.stdout  # 2 widths x fwd and bwd of 5 ops
     assert "0 configs failed to compile for sm_90" in done.stdout
