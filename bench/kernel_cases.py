@@ -2,14 +2,7 @@
 must move at least (each input read once, each output written once; the small vectors, per-row
 statistics and partial sums are left out).
 
-    op               forward traffic                backward traffic
-    causal softmax   x -> y                  2 T    y, dy -> dx                 3 T
-    add + LayerNorm  x, residual -> h, y     4 T    dy, h, dh -> dx             4 T
-    add + RMSNorm    x, residual -> h, y     4 T    dy, h, dh -> dx             4 T
-    bias + GeLU      x -> y                  2 T    x, dy -> dx                 3 T
-    SwiGLU           x (2f) -> y (f)         3 T/2  x, dy -> dx                 5 T/2
-    cross-entropy    logits -> loss          1 T    logits -> dlogits           2 T
-(T = bytes of the op's main input, x or the logits; SwiGLU's x holds [gate | up].)
+The minimum traffic per op is TRAFFIC below (bench/kernels.py prints it with its table).
 
 Eager is the model's own torch path for the op (bf16 LayerNorm after a torch add; the fp32
 RMSNorm math of model.transformer.RMSNorm; F.gelu of x + b; silu(gate) * up; the vocab-parallel
@@ -33,6 +26,16 @@ from megatron.fused_kernels import triton_softmax as softmax
 from megatron.mpu import vocab_parallel_cross_entropy
 
 EPS = 1e-5
+TRAFFIC = """\
+op               forward traffic                backward traffic
+causal softmax   x -> y                  2 T    y, dy -> dx                 3 T
+add + LayerNorm  x, residual -> h, y     4 T    dy, h, dh -> dx             4 T
+add + RMSNorm    x, residual -> h, y     4 T    dy, h, dh -> dx             4 T
+bias + GeLU      x -> y                  2 T    x, dy -> dx                 3 T
+SwiGLU           x (2f) -> y (f)         3 T/2  x, dy -> dx                 5 T/2
+cross-entropy    logits -> loss          1 T    logits -> dlogits           2 T
+(T = bytes of the op's main input, x or the logits; SwiGLU's x holds [gate | up].)
+"""
 IMPLS = ("ours", "liger", "eager", "compile")
 
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernel_cases import IMPLS, cases  # noqa: E402
+from bench.kernel_cases import IMPLS, TRAFFIC, cases  # noqa: E402
 from megatron.fused_kernels import liger  # noqa: E402
 
 DEVICE = torch.device("cpu" if "--smoke" in sys.argv else "cuda")
@@ -262,7 +262,8 @@ def main():
         for row in measure(case, passes, notes):
             rows.append(row)
             print(fmt_row(row, peak), file=sys.stderr, flush=True)
-    print("\n" + header())
+    print(f"\n% of copy bandwidth counts each pass's minimum traffic:\n{TRAFFIC}")
+    print(header())
     for row in rows:
         print(fmt_row(row, peak))
     for what, why in notes.items():
@@ -270,7 +271,23 @@ def main():
     summary(rows, peak, args, dtype, with_liger)
 
 
+def worst_by_op(rows, peak) -> None:
+    """The final table: per op and pass, each implementation's lowest % of copy bandwidth over
+    the shapes (the number the goal is about)."""
+    print(f"\n{'op':15s} {'pass':7s} | lowest % of copy bandwidth over the shapes")
+    print(f"{'':23s} | " + " ".join(f"{i:>8s}" for i in IMPLS))
+    keys = dict.fromkeys((r["op"], r["pass"]) for r in rows)
+    for op, p in keys:
+        group = [r for r in rows if (r["op"], r["pass"]) == (op, p)]
+        cells = []
+        for impl in IMPLS:
+            shares = [share(r, impl, peak) for r in group if impl in r["t"]]
+            cells.append(f"{min(shares):7.0f}%" if shares else f"{'-':>8s}")
+        print(f"{op:15s} {p:7s} | {' '.join(cells)}")
+
+
 def summary(rows, peak, args, dtype, with_liger):
+    worst_by_op(rows, peak)
     ours = [r for r in rows if "ours" in r["t"]]
     worst = min(ours, key=lambda r: share(r, "ours", peak), default=None)
     slower = [
