@@ -12,6 +12,8 @@ DATA = ["pyarrow>=12", "datasets"]  # Parquet and datasets.save_to_disk inputs t
 PROGRESS = ["tqdm"]  # progress bars when attached to a terminal (plain lines otherwise)
 DEMO = ["matplotlib"]  # the loss plot of `make demo` (tools/plot_losses.py)
 FP8 = ["torchao==0.18.0"]  # --fp8-format (built against torch 2.11; its float8 training is Python)
+# --kernel-library liger (pure Triton; its own requirements are torch and triton only)
+LIGER = ["liger-kernel>=0.8.5; platform_system == 'Linux'"]
 
 setup(
     name="megatron-3d",
@@ -41,6 +43,7 @@ setup(
             "transformers",  # checks HF exports (tests/checkpoint/test_convert_checkpoint.py)
             "safetensors",  # HF weight files (megatron/models/gpt/hf.py)
             "triton; platform_system == 'Linux'",  # kernel tests run in its CPU interpreter
+            *LIGER,  # its ops are tested against ours in the interpreter
             *SERVE,
             *EVAL,
             *WANDB,
@@ -60,6 +63,7 @@ setup(
         "demo": DEMO,
         # --fp8-format (imported only when given)
         "fp8": FP8,
+        "liger": LIGER,
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

@@ -64,6 +64,15 @@ class KernelConfig(Section):
         },
     )
     bias_swiglu_fusion: bool = setting(True, "torch SwiGLU")
+    kernel_library: str = setting(
+        "ours",
+        "whose Triton kernels run the fused ops: ours (megatron/fused_kernels), or liger "
+        "(Liger-Kernel's residual add + RMSNorm, LayerNorm after a torch residual add, and "
+        "SwiGLU; needs pip install liger-kernel; bias + GeLU, softmax and cross-entropy stay "
+        "ours). An op Liger's kernel fails its start-up check on falls back to ours, with a "
+        "warning; the --no-*-fusion flags still pick torch",
+        choices=("ours", "liger"),
+    )
     cross_entropy_loss_fusion: bool = setting(
         False, "Triton vocab-parallel cross-entropy without fp32 logits"
     )

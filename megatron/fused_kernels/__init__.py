@@ -11,7 +11,8 @@ softmax, or scaled masked softmax under a document mask), residual-add + LayerNo
 bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel cross-entropy that never materializes fp32
 logits; `--cross-entropy-fusion-impl linear` fuses the output layer into the cross-entropy over
 chunks of tokens (megatron.mpu.linear_cross_entropy), its elementwise part through the same
-Triton kernels when the cross-entropy above is Triton.
+Triton kernels when the cross-entropy above is Triton. `--kernel-library liger` takes the norms
+and SwiGLU from Liger-Kernel instead (liger.py).
 
 A kernel that fails its self-check (a compile or launch error, or a disagreement with its torch
 twin) falls back to torch with a warning; under strict mode (`select_ops(..., strict=True)`, or
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.config.schema import KernelConfig
-from megatron.fused_kernels import reference
+from megatron.fused_kernels import liger, reference
 
 
 def triton_available(device: torch.device) -> bool:
@@ -41,7 +42,8 @@ def triton_available(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class FusedOps:
-    """The implementation picked for each op ("triton" or "torch"), plus the attention path."""
+    """The implementation picked for each op ("triton": ours, "liger": Liger-Kernel's, or
+    "torch"), plus the attention path."""
 
     attention_backend: str = "sdpa"  # sdpa | fused | unfused
     softmax: str = "torch"
@@ -94,15 +96,23 @@ class FusedOps:
             return scaled_masked_softmax(scores, ~keep, scale)
         return reference.torch_scaled_masked_softmax(scores, keep, scale)
 
-    # The next three run only where dispatch chose Triton; the torch path keeps the model's
-    # plain `x + residual; norm(x)` and `gelu(linear(x))`.
+    # The next three run only where dispatch chose a kernel (add_norm / bias_gelu != "torch");
+    # the torch path keeps the model's plain `x + residual; norm(x)` and `gelu(linear(x))`.
 
     def add_layer_norm(self, x, residual, weight, bias, eps):
+        if self.add_norm == "liger":
+            from megatron.fused_kernels import liger
+
+            return liger.add_layer_norm(x, residual, weight, bias, eps)
         from megatron.fused_kernels.triton_norms import fused_add_layer_norm
 
         return fused_add_layer_norm(x, residual, weight, bias, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
+        if self.add_norm == "liger":
+            from megatron.fused_kernels import liger
+
+            return liger.add_rms_norm(x, residual, weight, eps)
         from megatron.fused_kernels.triton_norms import fused_add_rms_norm
 
         return fused_add_rms_norm(x, residual, weight, eps)
@@ -113,6 +123,10 @@ class FusedOps:
         return bias_gelu(x, bias, approximate)
 
     def swiglu_act(self, x):
+        if self.swiglu == "liger":
+            from megatron.fused_kernels import liger
+
+            return liger.swiglu(x)
         if self.swiglu == "triton":
             from megatron.fused_kernels.triton_activations import swiglu
 
@@ -175,12 +189,15 @@ def strict_from_env() -> bool:
 def select_ops(
     cfg: KernelConfig, device: torch.device | str, *, strict: bool | None = None
 ) -> FusedOps:
-    """Pick each op's implementation from the device and the --no-*-fusion flags. Where Triton
-    can run, a kernel failing its self-check falls back to torch with a warning, or raises when
-    `strict` (default: MEGATRON_KERNELS_STRICT)."""
+    """Pick each op's implementation from the device, --kernel-library and the --no-*-fusion
+    flags: the library's kernel, else ours, else torch (each kernel passing its self-check). A
+    kernel failing its check falls back with a warning, or raises when `strict` (default:
+    MEGATRON_KERNELS_STRICT)."""
     device = torch.device(device)
     strict = strict_from_env() if strict is None else strict
     triton = triton_available(device)
+    if cfg.kernel_library == "liger":
+        _check_liger(device)
     if cfg.attention_backend == "fused" and not triton:
         raise ValueError(
             "--attention-backend fused needs Triton on a CUDA device (or TRITON_INTERPRET=1 on "
@@ -196,7 +213,10 @@ def select_ops(
     }
     chosen = {}
     for op, enabled in wanted.items():
-        chosen[op] = "triton" if enabled and triton and _self_check(op, device, strict) else "torch"
+        candidates = ["triton"] if enabled and triton else []
+        if cfg.kernel_library == "liger" and op in liger.OPS and candidates:
+            candidates.insert(0, "liger")
+        chosen[op] = next((c for c in candidates if _self_check(op, device, c, strict)), "torch")
     if cfg.attention_backend == "fused" and chosen["softmax"] != "triton":
         if cfg.masked_softmax_fusion:
             raise RuntimeError(
@@ -213,25 +233,40 @@ def select_ops(
     )
 
 
-def _self_check(op: str, device: torch.device, strict: bool = False) -> bool:
-    """Run the Triton op once on a small input against its torch twin; False (with a warning)
-    if it fails to compile or disagrees, so a bad kernel never silently trains a model. Strict:
-    raise instead, from the original error."""
+def _check_liger(device: torch.device) -> None:
+    reason = liger.missing_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--kernel-library liger runs Liger-Kernel's Triton kernels, which need a CUDA "
+            f"device (this run is on {device}). Fix: --kernel-library ours (the torch ops run "
+            "here), or TRITON_INTERPRET=1 to run Triton's CPU interpreter"
+        )
+
+
+def _self_check(op: str, device: torch.device, impl: str = "triton", strict: bool = False) -> bool:
+    """Run the op's `impl` kernel ("triton": ours, or "liger") once on a small input against
+    its torch twin; False (with a warning) if it fails to compile or disagrees, so a bad kernel
+    never silently trains a model (the next implementation in line is checked instead).
+    Strict: raise instead, from the original error."""
     import warnings
 
     from megatron.fused_kernels import checks
 
+    name = {"triton": "Triton", "liger": "Liger-Kernel's"}[impl]
+    fallback = "ours" if impl == "liger" else "the torch implementation"
     try:
-        ok = checks.CHECKS[op](device)
+        ok = checks.CHECKS[impl][op](device)
     except Exception as e:  # a compile or launch failure: fall back, never crash the run
-        problem = f"Triton {op} kernel unavailable on {device} ({type(e).__name__}: {e})"
+        problem = f"{name} {op} kernel unavailable on {device} ({type(e).__name__}: {e})"
         if strict:
             raise RuntimeError(f"{problem}; {_REFUSED}") from e
-        warnings.warn(f"{problem}; using the torch implementation", stacklevel=3)
+        warnings.warn(f"{problem}; using {fallback}", stacklevel=3)
         return False
     if not ok:
-        problem = f"Triton {op} kernel disagrees with torch on {device}"
+        problem = f"{name} {op} kernel disagrees with torch on {device}"
         if strict:
             raise RuntimeError(f"{problem}; {_REFUSED}")
-        warnings.warn(f"{problem}; using torch", stacklevel=3)
+        warnings.warn(f"{problem}; using {fallback}", stacklevel=3)
     return ok

@@ -1,5 +1,5 @@
-"""One small forward + backward per Triton op against its float32-accumulating torch twin (in
-the same module), run once at model build."""
+"""One small forward + backward per kernel against its float32-accumulating torch twin (in the
+triton_* module), run once at model build: ours ("triton") and Liger-Kernel's ("liger")."""
 
 from __future__ import annotations
 
@@ -36,17 +36,20 @@ def _softmax(device):
     )
 
 
-def _add_norm(device):
+def _add_norm(device, kernels=None):
+    """add + LayerNorm and add + RMSNorm with a residual, as the model calls them (each width
+    is autotuned on a GPU's first call: one shape keeps the start-up short)."""
     from megatron.fused_kernels import triton_norms as n
 
+    layer_norm, rms_norm = kernels or (n.fused_add_layer_norm, n.fused_add_rms_norm)
     x, res = torch.randn(3, 33, device=device), torch.randn(3, 33, device=device)
     w, b = torch.randn(33, device=device), torch.randn(33, device=device)
     return _compare(
-        lambda *t: n.fused_add_layer_norm(*t, 1e-5),
+        lambda *t: layer_norm(*t, 1e-5),
         lambda *t: n.torch_add_layer_norm(*t, 1e-5),
         [x, res, w, b],
     ) and _compare(
-        lambda *t: n.fused_add_rms_norm(*t, 1e-5),
+        lambda *t: rms_norm(*t, 1e-5),
         lambda *t: n.torch_add_rms_norm(*t, 1e-5),
         [x, res, w],
     )
@@ -66,10 +69,11 @@ def _bias_gelu(device):
     )
 
 
-def _swiglu(device):
+def _swiglu(device, kernel=None):
     from megatron.fused_kernels import triton_activations as a
 
-    return _compare(a.swiglu, a.torch_swiglu, [torch.randn(3, 2 * 20, device=device)])
+    x = torch.randn(3, 2 * 20, device=device)
+    return _compare(kernel or a.swiglu, a.torch_swiglu, [x])
 
 
 def _cross_entropy(device):
@@ -84,10 +88,25 @@ def _cross_entropy(device):
     )
 
 
-CHECKS = {
-    "softmax": _softmax,
-    "add_norm": _add_norm,
-    "bias_gelu": _bias_gelu,
-    "swiglu": _swiglu,
-    "cross_entropy": _cross_entropy,
+def _liger_add_norm(device):
+    from megatron.fused_kernels import liger
+
+    return _add_norm(device, (liger.add_layer_norm, liger.add_rms_norm))
+
+
+def _liger_swiglu(device):
+    from megatron.fused_kernels import liger
+
+    return _swiglu(device, liger.swiglu)
+
+
+CHECKS = {  # implementation: {op: check}
+    "triton": {
+        "softmax": _softmax,
+        "add_norm": _add_norm,
+        "bias_gelu": _bias_gelu,
+        "swiglu": _swiglu,
+        "cross_entropy": _cross_entropy,
+    },
+    "liger": {"add_norm": _liger_add_norm, "swiglu": _liger_swiglu},
 }

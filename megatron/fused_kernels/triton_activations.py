@@ -9,8 +9,11 @@ swiglu: x = [gate | up] along the last dim, y = silu(gate) * up, silu(g) = g * s
   Backward: dgate = dy * up * s * (1 + g * (1 - s)) with s = sigmoid(g); dup = dy * silu(g).
 
 Elementwise math in fp32, outputs in the input dtype. Kernels work on (BLOCK_R, BLOCK_C) tiles of
-the (rows, cols) view; the bias-gradient kernel walks a chunk of rows per program and writes a
-per-chunk partial sum that torch adds up (a (chunks, cols) fp32 buffer, chunks <= 256).
+the (rows, cols) view, every tensor read once and written once; BLOCK_R and num_warps are
+autotuned per row width and dtype on the first call. The backward of bias + GeLU runs a fixed
+number of programs (one per SM) per column block, each walking a chunk of rows and keeping its
+bias-gradient partial sum in fp32, one row of a (programs, cols) buffer that one torch sum
+finishes (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -20,16 +23,32 @@ import torch.nn.functional as F
 
 from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
     HAS_TRITON,
+    autotune,
+    bounded_configs,
     check_kernel_input,
+    config,
+    reduction_programs,
     tl,
     triton,
 )
 from megatron.fused_kernels._triton import jit as _jit
 
-# Columns per tile, and elements per tile (rows = TILE // columns); tests lower MAX_BLOCK.
+# Columns per tile (narrower rows: next_power_of_2 of the row); tests lower it.
 MAX_BLOCK = 1024
-TILE = 4096
-_MAX_CHUNKS = 256
+_CONFIGS = [config(w, BLOCK_R=r) for r in (1, 2, 4, 8, 16, 32) for w in (2, 4, 8, 16)]
+
+
+def _tuned(key, per_thread=(8, 32)):
+    """Autotuned over BLOCK_R and num_warps (BLOCK_C is the host's: _block_c), the tiles
+    giving each thread `per_thread` values (fewer where the loop keeps accumulators)."""
+
+    def prune(configs, named_args, **kwargs):
+        block_c = {**named_args, **kwargs}["BLOCK_C"]
+        return bounded_configs(
+            configs, lambda c: c.kwargs["BLOCK_R"] * block_c, per_thread=per_thread
+        )
+
+    return autotune(_CONFIGS, config(4, BLOCK_R=4), key=key, prune=prune)
 
 
 @_jit
@@ -48,6 +67,7 @@ def _tanh_gelu_t(z):
     return 2.0 * tl.sigmoid(2.0 * u) - 1.0
 
 
+@_tuned(["n_cols", "TANH"])
 @_jit
 def _bias_gelu_fwd_kernel(
     x_ptr,
@@ -55,9 +75,9 @@ def _bias_gelu_fwd_kernel(
     y_ptr,
     n_rows,
     n_cols,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
     TANH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     rows, cols, keep = _tile(n_rows, n_cols, tl.program_id(0) * BLOCK_R, BLOCK_R, BLOCK_C)
     offs = rows * n_cols + cols
@@ -70,6 +90,7 @@ def _bias_gelu_fwd_kernel(
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=keep)
 
 
+@_tuned(["n_cols", "TANH"], per_thread=(4, 16))
 @_jit
 def _bias_gelu_bwd_kernel(
     x_ptr,
@@ -79,20 +100,23 @@ def _bias_gelu_bwd_kernel(
     db_part_ptr,
     n_rows,
     n_cols,
-    chunk_rows,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    rows_per_program,
     TANH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    """dx for rows [chunk * chunk_rows, +chunk_rows) of one column block, and their sum of dz."""
-    chunk = tl.program_id(0)
+    """dx of rows [pid * rows_per_program, +rows_per_program) in one column block, and their
+    sum of dz (this program's row of the partial bias gradient)."""
+    pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    bias = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    bias = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for r in range(0, chunk_rows, BLOCK_R):  # chunk_rows is a multiple of BLOCK_R
-        rows, tile_cols, keep = _tile(n_rows, n_cols, chunk * chunk_rows + r, BLOCK_R, BLOCK_C)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    for start in range(first, last, BLOCK_R):
+        rows, tile_cols, keep = _tile(last, n_cols, start, BLOCK_R, BLOCK_C)
         offs = rows * n_cols + tile_cols
-        z = tl.load(x_ptr + offs, mask=keep, other=0.0).to(tl.float32) + bias[None, :]
+        z = tl.load(x_ptr + offs, mask=keep, other=0.0).to(tl.float32) + bias
         dy = tl.load(dy_ptr + offs, mask=keep, other=0.0).to(tl.float32)
         if TANH:
             t = _tanh_gelu_t(z)
@@ -104,11 +128,12 @@ def _bias_gelu_bwd_kernel(
             dz = dy * (cdf + z * pdf)  # 0 off the tensor (dy loaded as 0)
         tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=keep)
         acc += dz
-    tl.store(db_part_ptr + chunk * n_cols + cols, tl.sum(acc, 0), mask=cols < n_cols)
+    tl.store(db_part_ptr + pid * n_cols + cols, tl.sum(acc, axis=0), mask=cols < n_cols)
 
 
+@_tuned(["f"])
 @_jit
-def _swiglu_fwd_kernel(x_ptr, y_ptr, n_rows, f, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _swiglu_fwd_kernel(x_ptr, y_ptr, n_rows, f, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
     rows, cols, keep = _tile(n_rows, f, tl.program_id(0) * BLOCK_R, BLOCK_R, BLOCK_C)
     offs = rows * f + cols  # into y / dy: (rows, f)
     x_offs = rows * (2 * f) + cols  # into x: (rows, 2f), gate at x_offs, up at x_offs + f
@@ -118,9 +143,10 @@ def _swiglu_fwd_kernel(x_ptr, y_ptr, n_rows, f, BLOCK_R: tl.constexpr, BLOCK_C: 
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=keep)
 
 
+@_tuned(["f"])
 @_jit
 def _swiglu_bwd_kernel(
-    x_ptr, dy_ptr, dx_ptr, n_rows, f, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr, dy_ptr, dx_ptr, n_rows, f, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr
 ):
     rows, cols, keep = _tile(n_rows, f, tl.program_id(0) * BLOCK_R, BLOCK_R, BLOCK_C)
     offs = rows * f + cols
@@ -135,16 +161,14 @@ def _swiglu_bwd_kernel(
     tl.store(dx_ptr + x_offs + f, du.to(dx_ptr.dtype.element_ty), mask=keep)
 
 
-def _tile_shape(n_rows: int, n_cols: int) -> tuple[int, int]:
-    block_c = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
-    block_r = min(max(TILE // block_c, 1), triton.next_power_of_2(n_rows))
-    return block_r, block_c
+def _block_c(n_cols: int) -> int:
+    return min(triton.next_power_of_2(n_cols), MAX_BLOCK)
 
 
 def _tile_grid(n_rows: int, n_cols: int):
-    block_r, block_c = _tile_shape(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
-    return grid, {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": 8}
+    """The grid of a (BLOCK_R, BLOCK_C) tiling of (n_rows, n_cols); BLOCK_R is autotuned."""
+    block_c = _block_c(n_cols)
+    return lambda meta: (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(n_cols, block_c))
 
 
 def _check(x: torch.Tensor) -> None:
@@ -154,13 +178,14 @@ def _check(x: torch.Tensor) -> None:
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, tanh: bool):
-        x = x.contiguous()
+        x, bias = x.contiguous(), bias.contiguous()
         y = torch.empty_like(x)
         n_cols = x.shape[-1]
         n_rows = x.numel() // n_cols
         if n_rows:
-            grid, meta = _tile_grid(n_rows, n_cols)
-            _bias_gelu_fwd_kernel[grid](x, bias.contiguous(), y, n_rows, n_cols, TANH=tanh, **meta)
+            _bias_gelu_fwd_kernel[_tile_grid(n_rows, n_cols)](
+                x, bias, y, n_rows, n_cols, TANH=tanh, BLOCK_C=_block_c(n_cols)
+            )
         ctx.save_for_backward(x, bias)
         ctx.tanh = tanh
         return y
@@ -172,25 +197,24 @@ class _BiasGelu(torch.autograd.Function):
         n_cols = x.shape[-1]
         n_rows = x.numel() // n_cols
         dx = torch.empty_like(x)
-        block_r, block_c = _tile_shape(n_rows, n_cols)
-        chunk_rows = triton.cdiv(triton.cdiv(n_rows, _MAX_CHUNKS), block_r) * block_r
-        chunks = triton.cdiv(n_rows, chunk_rows)
-        db_part = torch.zeros(chunks, n_cols, dtype=torch.float32, device=x.device)
-        if n_rows:
-            _bias_gelu_bwd_kernel[(chunks, triton.cdiv(n_cols, block_c))](
-                x,
-                bias.contiguous(),
-                dy,
-                dx,
-                db_part,
-                n_rows,
-                n_cols,
-                chunk_rows,
-                BLOCK_R=block_r,
-                BLOCK_C=block_c,
-                TANH=ctx.tanh,
-                num_warps=8,
-            )
+        if not n_rows:
+            return dx, torch.zeros_like(bias), None
+        per_program = triton.cdiv(n_rows, reduction_programs(x.device))
+        programs = triton.cdiv(n_rows, per_program)
+        db_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
+        block_c = _block_c(n_cols)
+        _bias_gelu_bwd_kernel[(programs, triton.cdiv(n_cols, block_c))](
+            x,
+            bias,
+            dy,
+            dx,
+            db_part,
+            n_rows,
+            n_cols,
+            per_program,
+            TANH=ctx.tanh,
+            BLOCK_C=block_c,
+        )
         return dx, db_part.sum(0).to(bias.dtype), None
 
 
@@ -202,8 +226,7 @@ class _SwiGLU(torch.autograd.Function):
         y = x.new_empty(*x.shape[:-1], f)
         n_rows = y.numel() // f
         if n_rows:
-            grid, meta = _tile_grid(n_rows, f)
-            _swiglu_fwd_kernel[grid](x, y, n_rows, f, **meta)
+            _swiglu_fwd_kernel[_tile_grid(n_rows, f)](x, y, n_rows, f, BLOCK_C=_block_c(f))
         ctx.save_for_backward(x)
         return y
 
@@ -215,8 +238,7 @@ class _SwiGLU(torch.autograd.Function):
         dx = torch.empty_like(x)
         n_rows = dy.numel() // f
         if n_rows:
-            grid, meta = _tile_grid(n_rows, f)
-            _swiglu_bwd_kernel[grid](x, dy, dx, n_rows, f, **meta)
+            _swiglu_bwd_kernel[_tile_grid(n_rows, f)](x, dy, dx, n_rows, f, BLOCK_C=_block_c(f))
         return dx
 
 

@@ -7,10 +7,14 @@ Backward, with xhat = (h - mean) * rstd (mean = 0 for RMSNorm), N = row length a
   dh = rstd * (g - xhat * mean(xhat * g) - mean(g)) + dh_in   (no mean(g) term for RMSNorm)
   dw = sum_rows(dy * xhat),  db = sum_rows(dy);  dx = dresidual = dh.
 
-Statistics in fp32, y computed from h as rounded to its storage dtype (so y is exactly the norm
-of the returned h). Forward and dh: one program per row, looping over column blocks. dw / db:
-a second kernel over (row chunk, column block) tiles writes per-chunk partial sums, which torch
-adds up (a (chunks, N) fp32 buffer, chunks <= 256).
+Statistics in fp32 (mean and rstd saved by the forward), y computed from h as rounded to its
+storage dtype (so y is exactly the norm of the returned h). A row is one masked block of
+next_power_of_2(N) columns, held in registers: every tensor is read once and written once.
+Forward: each program takes ROWS rows. Backward: a fixed number of programs (a few per SM) each
+walk a contiguous chunk of rows ROWS at a time, writing dh and keeping dw / db as fp32 partial
+sums, one row of a (programs, N) buffer each, which one torch sum finishes (deterministic, no
+atomics). ROWS and num_warps are autotuned per row width and dtype on the first call.
+Rows wider than MAX_COLS take the torch twins (no model has such a hidden size).
 """
 
 from __future__ import annotations
@@ -20,27 +24,34 @@ import torch.nn.functional as F
 
 from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
     HAS_TRITON,
+    autotune,
+    bounded_configs,
     check_kernel_input,
+    config,
+    reduction_programs,
     tl,
     triton,
 )
 from megatron.fused_kernels._triton import jit as _jit
 
-# Columns per loop step of the row kernels (hidden sizes up to this are one block); tests lower it.
-MAX_BLOCK = 4096
-_DW_BLOCK_R, _DW_BLOCK_C, _DW_MAX_CHUNKS = 32, 128, 256
+MAX_COLS = 16384
+_CONFIGS = [config(w, ROWS=r) for r in (1, 2, 4, 8, 16) for w in (2, 4, 8, 16)]
 
 
-@_jit
-def _load_h(x_row, r_row, cols, keep, HAS_RESIDUAL: tl.constexpr):
-    """h = x + residual for one block, rounded to the storage dtype, returned in fp32."""
-    h = tl.load(x_row + cols, mask=keep, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_row + cols, mask=keep, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-    return h.to(tl.float32)
+def _prune(per_thread):
+    def prune(configs, named_args, **kwargs):
+        block = {**named_args, **kwargs}["BLOCK_N"]
+        return bounded_configs(configs, lambda c: c.kwargs["ROWS"] * block, per_thread=per_thread)
+
+    return prune
 
 
+@autotune(
+    _CONFIGS,
+    config(4, ROWS=2),
+    key=["n_cols", "HAS_RESIDUAL", "HAS_BIAS", "IS_RMS"],
+    prune=_prune((8, 32)),
+)
 @_jit
 def _norm_fwd_kernel(
     x_ptr,
@@ -51,52 +62,47 @@ def _norm_fwd_kernel(
     y_ptr,
     mean_ptr,
     rstd_ptr,
+    n_rows,
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_RMS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * n_cols
-    r_row = r_ptr + row * n_cols
-    mean = 0.0
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok, col_ok = rows < n_rows, cols < n_cols
+    keep = row_ok[:, None] & col_ok[None, :]  # (ROWS, BLOCK_N)
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    h = tl.load(x_ptr + offs, mask=keep, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs, mask=keep, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # rounded as torch's x + r
+        tl.store(h_ptr + offs, h, mask=keep)
+    xc = h.to(tl.float32)  # 0 off the tensor
     if not IS_RMS:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            acc += _load_h(x_row, r_row, cols, cols < n_cols, HAS_RESIDUAL)
-        mean = tl.sum(acc, 0) / n_cols
-        tl.store(mean_ptr + row, mean)
-
-    # Two-pass variance (not E[h^2] - E[h]^2, which cancels badly); this pass also writes h.
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        keep = cols < n_cols
-        h = _load_h(x_row, r_row, cols, keep, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            tl.store(h_ptr + row * n_cols + cols, h.to(h_ptr.dtype.element_ty), mask=keep)
-        d = tl.where(keep, h - mean, 0.0)
-        acc += d * d
-    rstd = tl.rsqrt(tl.sum(acc, 0) / n_cols + eps)
-    tl.store(rstd_ptr + row, rstd)
-
-    # h is recomputed from x and residual rather than read back from h_ptr: no store -> load
-    # ordering to rely on within the program.
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        keep = cols < n_cols
-        h = _load_h(x_row, r_row, cols, keep, HAS_RESIDUAL)
-        y = (h - mean) * rstd * tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=keep)
+        mean = tl.sum(xc, axis=1) / n_cols
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+        xc = tl.where(keep, xc - mean[:, None], 0.0)  # two-pass variance: no cancellation
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=keep)
 
 
+@autotune(
+    _CONFIGS,
+    config(4, ROWS=2),
+    key=["n_cols", "HAS_DH_IN", "HAS_BIAS", "IS_RMS"],
+    prune=_prune((4, 16)),
+)
 @_jit
-def _norm_bwd_dh_kernel(
+def _norm_bwd_kernel(
     dy_ptr,
     h_ptr,
     w_ptr,
@@ -104,119 +110,110 @@ def _norm_bwd_dh_kernel(
     rstd_ptr,
     dh_in_ptr,
     dh_ptr,
-    n_cols,
-    HAS_DH_IN: tl.constexpr,
-    IS_RMS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    dy_row = dy_ptr + row * n_cols
-    h_row = h_ptr + row * n_cols
-    rstd = tl.load(rstd_ptr + row)
-    mean = 0.0
-    if not IS_RMS:
-        mean = tl.load(mean_ptr + row)
-
-    acc_xg = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_g = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        keep = cols < n_cols
-        h = tl.load(h_row + cols, mask=keep, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        g = w * tl.load(dy_row + cols, mask=keep, other=0.0).to(tl.float32)  # 0 off the row
-        acc_xg += (h - mean) * rstd * g
-        acc_g += g
-    c_xg = tl.sum(acc_xg, 0) / n_cols
-    c_g = 0.0
-    if not IS_RMS:
-        c_g = tl.sum(acc_g, 0) / n_cols
-
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        keep = cols < n_cols
-        h = tl.load(h_row + cols, mask=keep, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        g = w * tl.load(dy_row + cols, mask=keep, other=0.0).to(tl.float32)
-        dh = rstd * (g - (h - mean) * rstd * c_xg - c_g)
-        if HAS_DH_IN:
-            dh += tl.load(dh_in_ptr + row * n_cols + cols, mask=keep, other=0.0).to(tl.float32)
-        tl.store(dh_ptr + row * n_cols + cols, dh.to(dh_ptr.dtype.element_ty), mask=keep)
-
-
-@_jit
-def _norm_bwd_dw_kernel(
-    dy_ptr,
-    h_ptr,
-    mean_ptr,
-    rstd_ptr,
     dw_part_ptr,
     db_part_ptr,
     n_rows,
     n_cols,
-    chunk_rows,
+    rows_per_program,
+    HAS_DH_IN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_RMS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """Partial dw (and db) of rows [chunk * chunk_rows, +chunk_rows) for one column block."""
-    chunk = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_keep = cols < n_cols
-    acc_w = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for r in range(0, chunk_rows, BLOCK_R):  # chunk_rows is a multiple of BLOCK_R
-        rows = chunk * chunk_rows + r + tl.arange(0, BLOCK_R)
-        row_keep = rows < n_rows
-        keep = row_keep[:, None] & col_keep[None, :]
-        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]  # (BLOCK_R, BLOCK_C)
-        dy = tl.load(dy_ptr + offs, mask=keep, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + offs, mask=keep, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_keep, other=0.0)
-        if IS_RMS:
-            xhat = h * rstd[:, None]
-        else:
-            mean = tl.load(mean_ptr + rows, mask=row_keep, other=0.0)
-            xhat = (h - mean[:, None]) * rstd[:, None]
+    """dh of rows [pid * rows_per_program, +rows_per_program), and their dw / db sums."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_N)
+    acc_w = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    for start in range(first, last, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_ok = rows < last
+        keep = row_ok[:, None] & col_ok[None, :]  # (ROWS, BLOCK_N)
+        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=keep, other=0.0).to(tl.float32)  # 0 off the tensor
+        xhat = tl.load(h_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+        if not IS_RMS:
+            xhat -= tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        xhat *= rstd
+        g = dy * w
+        dh = g - xhat * (tl.sum(xhat * g, axis=1) / n_cols)[:, None]
+        if not IS_RMS:
+            dh -= (tl.sum(g, axis=1) / n_cols)[:, None]
+        dh *= rstd
+        if HAS_DH_IN:
+            dh += tl.load(dh_in_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+        tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=keep)
         acc_w += dy * xhat
         if HAS_BIAS:
             acc_b += dy
-    tl.store(dw_part_ptr + chunk * n_cols + cols, tl.sum(acc_w, 0), mask=col_keep)
+    tl.store(dw_part_ptr + pid * n_cols + cols, tl.sum(acc_w, axis=0), mask=col_ok)
     if HAS_BIAS:
-        tl.store(db_part_ptr + chunk * n_cols + cols, tl.sum(acc_b, 0), mask=col_keep)
+        tl.store(db_part_ptr + pid * n_cols + cols, tl.sum(acc_b, axis=0), mask=col_ok)
 
 
-def _row_launch_config(n_cols: int) -> tuple[int, int]:
-    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
-    return block, min(max(block // 256, 1), 8)
+def _forward(x, residual, weight, bias, eps, is_rms):
+    """(y, h, mean, rstd); mean is unused (never written or read) for RMSNorm."""
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols
+    h = torch.empty_like(x) if residual is not None else x
+    y = torch.empty_like(x)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    if n_rows:
+        _norm_fwd_kernel[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](
+            x,
+            x if residual is None else residual,
+            h,
+            weight,
+            weight if bias is None else bias,
+            y,
+            mean,
+            rstd,
+            n_rows,
+            n_cols,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            HAS_BIAS=bias is not None,
+            IS_RMS=is_rms,
+            BLOCK_N=triton.next_power_of_2(n_cols),
+        )
+    return y, h, mean, rstd
 
 
-def _weight_grads(dy, h, mean, rstd, has_bias, is_rms):
-    """(dw, db) in fp32 from the per-chunk partial sums; db is None without a bias."""
-    n_rows, n_cols = h.shape
-    chunk_rows = triton.cdiv(n_rows, _DW_MAX_CHUNKS)
-    chunk_rows = triton.cdiv(chunk_rows, _DW_BLOCK_R) * _DW_BLOCK_R
-    chunks = triton.cdiv(n_rows, chunk_rows)
-    dw_part = torch.empty(chunks, n_cols, dtype=torch.float32, device=h.device)
+def _backward(dy, dh_in, h, weight, mean, rstd, has_bias, is_rms):
+    """(dh, dw, db) with dw, db in fp32 (db None without a bias)."""
+    n_cols = h.shape[-1]
+    n_rows = h.numel() // n_cols
+    per_program = triton.cdiv(n_rows, reduction_programs(h.device, per_sm=2))
+    programs = triton.cdiv(n_rows, per_program)
+    dh = torch.empty_like(h)
+    dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=h.device)
     db_part = torch.empty_like(dw_part) if has_bias else dw_part
-    grid = (chunks, triton.cdiv(n_cols, _DW_BLOCK_C))
-    _norm_bwd_dw_kernel[grid](
+    _norm_bwd_kernel[(programs,)](
         dy,
         h,
+        weight,
         mean,
         rstd,
+        dy if dh_in is None else dh_in,
+        dh,
         dw_part,
         db_part,
         n_rows,
         n_cols,
-        chunk_rows,
+        per_program,
+        HAS_DH_IN=dh_in is not None,
         HAS_BIAS=has_bias,
         IS_RMS=is_rms,
-        BLOCK_R=_DW_BLOCK_R,
-        BLOCK_C=_DW_BLOCK_C,
+        BLOCK_N=triton.next_power_of_2(n_cols),
     )
-    return dw_part.sum(0), (db_part.sum(0) if has_bias else None)
+    return dh, dw_part.sum(0), (db_part.sum(0) if has_bias else None)
 
 
 class _AddNorm(torch.autograd.Function):
@@ -225,72 +222,25 @@ class _AddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, is_rms):
         ctx.set_materialize_grads(False)
-        n_cols = x.shape[-1]
         x = x.contiguous()
-        has_residual = residual is not None
-        h = torch.empty_like(x) if has_residual else x
-        y = torch.empty_like(x)
-        n_rows = x.numel() // n_cols
-        # mean is unused (never written or read) for RMSNorm; rstd is per row
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        if n_rows:
-            block, warps = _row_launch_config(n_cols)
-            _norm_fwd_kernel[(n_rows,)](
-                x,
-                residual.contiguous() if has_residual else x,
-                h,
-                weight,
-                bias if bias is not None else weight,
-                y,
-                mean,
-                rstd,
-                n_cols,
-                float(eps),
-                HAS_RESIDUAL=has_residual,
-                HAS_BIAS=bias is not None,
-                IS_RMS=is_rms,
-                BLOCK=block,
-                num_warps=warps,
-            )
+        residual = None if residual is None else residual.contiguous()
+        y, h, mean, rstd = _forward(x, residual, weight, bias, eps, is_rms)
         ctx.save_for_backward(h, weight, mean, rstd)
-        ctx.flags = (has_residual, bias is not None, is_rms)
+        ctx.flags = (residual is not None, bias is not None, is_rms)
         ctx.weight_dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return (y, h) if has_residual else y
+        return (y, h) if residual is not None else y
 
     @staticmethod
     def backward(ctx, dy, dh_in=None):
         h, weight, mean, rstd = ctx.saved_tensors
         has_residual, has_bias, is_rms = ctx.flags
-        n_cols = h.shape[-1]
-        n_rows = h.numel() // n_cols
-        if dy is None or n_rows == 0:  # y unused: only h's own gradient flows
+        if dy is None or h.numel() == 0:  # y unused: only h's own gradient flows
             dh = torch.zeros_like(h) if dh_in is None else dh_in
             return dh, (dh if has_residual else None), None, None, None, None
-        dy = dy.contiguous()
-        dh = torch.empty_like(h)
-        block, warps = _row_launch_config(n_cols)
-        _norm_bwd_dh_kernel[(n_rows,)](
-            dy,
-            h,
-            weight,
-            mean,
-            rstd,
-            dy if dh_in is None else dh_in.contiguous(),
-            dh,
-            n_cols,
-            HAS_DH_IN=dh_in is not None,
-            IS_RMS=is_rms,
-            BLOCK=block,
-            num_warps=warps,
-        )
-        dw = db = None
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            dw, db = _weight_grads(
-                dy.view(n_rows, n_cols), h.view(n_rows, n_cols), mean, rstd, has_bias, is_rms
-            )
-            dw = dw.to(ctx.weight_dtypes[0])
-            db = None if db is None else db.to(ctx.weight_dtypes[1])
+        dh_in = None if dh_in is None else dh_in.contiguous()
+        dh, dw, db = _backward(dy.contiguous(), dh_in, h, weight, mean, rstd, has_bias, is_rms)
+        dw = dw.to(ctx.weight_dtypes[0]) if ctx.needs_input_grad[2] else None
+        db = db.to(ctx.weight_dtypes[1]) if db is not None and ctx.needs_input_grad[3] else None
         return dh, (dh if has_residual else None), dw, db, None, None
 
 
@@ -314,6 +264,8 @@ def fused_add_layer_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = x + residual (or x), y = LayerNorm(h) * weight + bias over the last dim."""
     _check(x, residual, weight)
+    if x.shape[-1] > MAX_COLS:
+        return torch_add_layer_norm(x, residual, weight, bias, eps)
     out = _AddNorm.apply(x, residual, weight, bias, eps, False)
     return (out, x) if residual is None else out
 
@@ -323,6 +275,8 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = x + residual (or x), y = h / sqrt(mean(h^2) + eps) * weight."""
     _check(x, residual, weight)
+    if x.shape[-1] > MAX_COLS:
+        return torch_add_rms_norm(x, residual, weight, eps)
     out = _AddNorm.apply(x, residual, weight, None, eps, True)
     return (out, x) if residual is None else out
 

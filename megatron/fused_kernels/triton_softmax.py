@@ -5,7 +5,8 @@ y = softmax(scale * x, with masked keys set to -inf); a row whose keys are all m
 have y = 0, so one backward kernel serves both the mask-tensor and the causal variant.
 
 Math is in fp32 whatever the input dtype; y is stored in the input dtype. One program per row of
-keys, looping over column blocks: an online max / sum-of-exps pass, then a normalising pass.
+keys: a row of up to MAX_BLOCK keys is read once and kept in registers; a longer one is walked in
+column blocks, an online max / sum-of-exps pass, then a normalising pass.
 The module imports without Triton: the torch references are the fallback on such machines.
 """
 
@@ -66,6 +67,7 @@ def _softmax_fwd_kernel(
     HAS_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row = (b * heads + h) * sq + q
     q = row % sq
@@ -75,53 +77,72 @@ def _softmax_fwd_kernel(
     # Broadcast mask dims have stride 0; without a mask these are all 0 and m_row is unused.
     m_row = mask_ptr + (bh // heads) * m_stride_b + (bh % heads) * m_stride_h + q * m_stride_q
     last_key = q + causal_offset  # causal: keys j > q + (sk - sq) are masked
-
-    run_max = float("-inf")
-    run_sum = 0.0
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_BLOCK:  # the whole row stays in registers: read once
+        cols = tl.arange(0, BLOCK)
         z = _scaled_row_block(
             x_row, m_row, m_stride_k, cols, n_cols, last_key, scale, HAS_MASK, CAUSAL
         )
-        new_max = tl.maximum(run_max, tl.max(z, 0))
-        # While every key so far is masked the max is -inf; shift by 0 then (all exps are 0).
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
-        run_max = new_max
-    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-    # run_sum >= 1 (the max key contributes exp(0)) unless every key is masked; then it is 0 and
-    # so is every exp, and the clamp turns 0/0 into 0.
-    inv_sum = 1.0 / tl.maximum(run_sum, 1.0)
-
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        z = _scaled_row_block(
-            x_row, m_row, m_stride_k, cols, n_cols, last_key, scale, HAS_MASK, CAUSAL
-        )
-        y = tl.exp(z - shift) * inv_sum
+        row_max = tl.max(z, 0)
+        e = tl.exp(z - tl.where(row_max == float("-inf"), 0.0, row_max))  # all masked: 0s
+        y = e * (1.0 / tl.maximum(tl.sum(e, 0), 1.0))
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+    else:
+        run_max = float("-inf")
+        run_sum = 0.0
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = _scaled_row_block(
+                x_row, m_row, m_stride_k, cols, n_cols, last_key, scale, HAS_MASK, CAUSAL
+            )
+            new_max = tl.maximum(run_max, tl.max(z, 0))
+            # While every key so far is masked the max is -inf; shift by 0 then (all exps are 0).
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift), 0)
+            run_max = new_max
+        shift = tl.where(run_max == float("-inf"), 0.0, run_max)
+        # run_sum >= 1 (the max key contributes exp(0)) unless every key is masked; then it is 0 and
+        # so is every exp, and the clamp turns 0/0 into 0.
+        inv_sum = 1.0 / tl.maximum(run_sum, 1.0)
+
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = _scaled_row_block(
+                x_row, m_row, m_stride_k, cols, n_cols, last_key, scale, HAS_MASK, CAUSAL
+            )
+            y = tl.exp(z - shift) * inv_sum
+            tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 @_jit
-def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_cols, scale, BLOCK: tl.constexpr):
+def _softmax_bwd_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_cols, scale, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * n_cols
     dy_row = dy_ptr + row * n_cols
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_BLOCK:  # the whole row stays in registers: read once
+        cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
         y = tl.load(y_row + cols, mask=keep, other=0.0).to(tl.float32)
         dy = tl.load(dy_row + cols, mask=keep, other=0.0).to(tl.float32)
-        acc += y * dy
-    dot = tl.sum(acc, 0)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        keep = cols < n_cols
-        y = tl.load(y_row + cols, mask=keep, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=keep, other=0.0).to(tl.float32)
-        dx = scale * y * (dy - dot)
+        dx = scale * y * (dy - tl.sum(y * dy, 0))
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=keep)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            keep = cols < n_cols
+            y = tl.load(y_row + cols, mask=keep, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=keep, other=0.0).to(tl.float32)
+            acc += y * dy
+        dot = tl.sum(acc, 0)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            keep = cols < n_cols
+            y = tl.load(y_row + cols, mask=keep, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=keep, other=0.0).to(tl.float32)
+            dx = scale * y * (dy - dot)
+            tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=keep)
 
 
 def _launch_config(n_cols: int) -> tuple[int, int]:
@@ -164,6 +185,7 @@ def _forward(
         HAS_MASK=mask is not None,
         CAUSAL=causal,
         BLOCK=block,
+        ONE_BLOCK=sk <= block,
         num_warps=warps,
     )
     return y
@@ -177,7 +199,7 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
     sk = y.shape[-1]
     block, warps = _launch_config(sk)
     _softmax_bwd_kernel[(y.numel() // sk,)](
-        y, dy, dx, sk, float(scale), BLOCK=block, num_warps=warps
+        y, dy, dx, sk, float(scale), BLOCK=block, ONE_BLOCK=sk <= block, num_warps=warps
     )
     return dx
 

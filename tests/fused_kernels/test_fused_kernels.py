@@ -24,60 +24,25 @@ from megatron.fused_kernels import triton_activations as act  # noqa: E402
 from megatron.fused_kernels import triton_cross_entropy as ce  # noqa: E402
 from megatron.fused_kernels import triton_norms as norms  # noqa: E402
 from megatron.fused_kernels import triton_softmax as sm  # noqa: E402
+from tests.fused_kernels.compare import (  # noqa: E402
+    TOL,
+    as_tuple,
+    assert_close,
+    check_against_float64,
+    forward_backward,
+)
 
-MODULES = (sm, norms, act, ce)
+# The modules whose rows loop over (or are tiled in) MAX_BLOCK-column blocks; the norms hold a
+# whole row in one block.
+BLOCKED = (sm, act, ce)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 COLS = (1, 7, 100, 257, 1000)
-# Max error allowed, relative to the largest reference value. The float64 reference sees the
-# very same input values, so the error is the kernel's own rounding: in fp32, accumulation over
-# <= 1000 terms and fp32 exp/erf (worst seen 4e-7); in half precision, rounding of the stored
-# outputs and intermediates (h, the saved softmax y), a few units of the unit roundoff 2^-11
-# (fp16: worst seen 7e-4) or 2^-8 (bf16: worst seen 8e-3). Each bound leaves a margin >= 2.5x.
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    for module in MODULES:
+    for module in BLOCKED:
         monkeypatch.setattr(module, "MAX_BLOCK", 128)
-
-
-def _as_tuple(out):
-    return out if isinstance(out, tuple) else (out,)
-
-
-def _assert_close(actual, expected, tol, what):
-    assert not torch.isnan(actual).any(), f"{what}: NaN"
-    scale = expected.abs().max().clamp_min(1e-6)
-    err = (actual.double() - expected).abs().max()
-    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol:g} x {scale:.3g}"
-
-
-def _forward_backward(fn, inputs, upstream=None):
-    """Outputs and input grads of fn; upstream grads default to random ones of the outputs."""
-    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
-    outs = _as_tuple(fn(*leaves))
-    if upstream is None:
-        upstream = [torch.randn(o.shape).to(o.dtype) for o in outs]
-    torch.autograd.backward(outs, [u.to(o.dtype) for u, o in zip(upstream, outs, strict=True)])
-    grads = [t.grad if t.is_floating_point() else None for t in leaves]
-    return [o.detach() for o in outs], grads, upstream
-
-
-def check_against_float64(kernel, reference, inputs, dtype):
-    """kernel(*inputs) vs reference(*inputs in float64): outputs, dtypes and every input grad."""
-    outs, grads, upstream = _forward_backward(kernel, inputs)
-    wide = [t.double() if t.is_floating_point() else t for t in inputs]
-    ref_outs, ref_grads, _ = _forward_backward(reference, wide, [u.double() for u in upstream])
-    tol = TOL[dtype]
-    for i, (out, ref) in enumerate(zip(outs, ref_outs, strict=True)):
-        assert out.shape == ref.shape
-        _assert_close(out, ref, tol, f"output {i}")
-    for i, (grad, ref) in enumerate(zip(grads, ref_grads, strict=True)):
-        if ref is not None:
-            assert grad is not None and grad.dtype == inputs[i].dtype
-            _assert_close(grad, ref, tol, f"grad of input {i}")
-    return outs, grads
 
 
 # --- softmax ---------------------------------------------------------------------------------
@@ -192,9 +157,9 @@ def test_fused_add_rms_norm(dtype, cols, with_residual):
     assert [o.dtype for o in outs] == [dtype, dtype]
 
 
-def test_norm_weight_grads_over_many_row_chunks(monkeypatch):
-    # 8-row chunks: 5 partial dw sums, the last one ragged; no bias
-    monkeypatch.setattr(norms, "_DW_BLOCK_R", 8)
+def test_norm_weight_grads_over_many_row_chunks():
+    # 4 programs of 10 rows (the interpreter's count), 2 rows a step: partial dw sums over
+    # ragged chunks; no bias
     x, residual, weight, _ = _norm_inputs(torch.float32, 9, rows=(37,))
     check_against_float64(
         lambda x, r, w: norms.fused_add_layer_norm(x, r, w, None, 1e-5),
@@ -228,9 +193,8 @@ def test_bias_gelu_tanh_form(dtype):
     assert not torch.allclose(tanh.float(), act.bias_gelu(x, bias).float(), atol=1e-6)
 
 
-def test_bias_gelu_bias_grad_over_many_row_chunks(monkeypatch):
-    # 8 x 8 tiles: 5 chunks of 8 rows with partial bias-grad sums, the last one ragged
-    monkeypatch.setattr(act, "TILE", 64)
+def test_bias_gelu_bias_grad_over_many_row_chunks():
+    # 4 programs of 10 rows, 4 rows a step: partial bias-grad sums over ragged chunks
     x, bias = torch.randn(37, 7), torch.randn(7)
     check_against_float64(act.bias_gelu, act.torch_bias_gelu, [x, bias], torch.float32)
 
@@ -321,13 +285,13 @@ def test_expanded_upstream_gradient(op):
     """A stride-0 upstream gradient (as out.sum().backward() gives) is read correctly."""
     kernel, reference, make_inputs = OPS[op]
     inputs = make_inputs()
-    upstream = [torch.randn(o.shape[-1]).expand(o.shape) for o in _as_tuple(kernel(*inputs))]
-    _, grads, _ = _forward_backward(kernel, inputs, upstream)
+    upstream = [torch.randn(o.shape[-1]).expand(o.shape) for o in as_tuple(kernel(*inputs))]
+    _, grads, _ = forward_backward(kernel, inputs, upstream)
     wide = [t.double() if t.is_floating_point() else t for t in inputs]
-    _, ref_grads, _ = _forward_backward(reference, wide, [u.double() for u in upstream])
+    _, ref_grads, _ = forward_backward(reference, wide, [u.double() for u in upstream])
     for got, want in zip(grads, ref_grads, strict=True):
         if want is not None:
-            _assert_close(got, want, TOL[torch.float32], op)
+            assert_close(got, want, TOL[torch.float32], op)
 
 
 # --- the references against the float64 formulas ---------------------------------------------

@@ -6,6 +6,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
+import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -113,7 +115,12 @@ def test_model_through_triton_kernels_equals_the_torch_path(name):
     cfg = VARIANTS[name]
     tokens = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(3))
     results = []
-    for ops in (None, select_ops(FUSED, "cpu"), FusedOps(attention_backend="unfused")):
+    variants = [None, select_ops(FUSED, "cpu"), FusedOps(attention_backend="unfused")]
+    if importlib.util.find_spec("liger_kernel") is not None:  # Liger's SwiGLU (its norms: ours)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Liger's norms cannot run in the interpreter
+            variants.append(select_ops(dataclasses.replace(FUSED, kernel_library="liger"), "cpu"))
+    for ops in variants:
         model = GPTModel(cfg, BuildContext(seed=5, ops=ops))
         loss = model(tokens, labels=tokens).mean()
         loss.backward()
