@@ -31,6 +31,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 AUTOTUNE = os.environ.get("MEGATRON_KERNEL_AUTOTUNE", "1") != "0"
 
 
+def fix_configs() -> None:
+    """One config per row width from now on (as MEGATRON_KERNEL_AUTOTUNE=0): what the trainer
+    asks for under tensor parallelism, so every TP rank sums its rows in the same order. Read
+    when a kernel first meets a width (the autotuner's prune), so it must run before that."""
+    global AUTOTUNE
+    AUTOTUNE = False
+
+
 def check_kernel_input(t: torch.Tensor, what: str, fallback: str) -> None:
     """Triton present and `t` in a dtype the kernels take; `fallback` names the torch twin."""
     if not HAS_TRITON:

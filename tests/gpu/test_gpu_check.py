@@ -64,10 +64,14 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
     assert expected | {"summary.tsv"} <= archived, archived
     assert (out / "summary.tsv").read_text() == (logs / "summary.tsv").read_text()
 
+    # mfu_small runs every variant (MFU_SMALL_VARIANTS' default), mfu the default and best.
+    small = json.loads((logs / "mfu_small.json").read_text())
+    ran = {r["system"] for r in small["rows"]}
+    assert {f"ours ({v})" for v in small["variants"] if v != "default"} <= ran, ran
     mfu = json.loads((logs / "mfu.json").read_text())
-    systems = {r["system"]: r for r in mfu["rows"]}
-    variants = [f"ours ({v})" for v in mfu["variants"] if v != "default"]
-    assert set(systems) == {"ours", *variants, "trainer", "mcore", "mcore+TE", "hf"}
+    systems = {r["system"]: r for r in mfu["rows"] + small["rows"]}
+    variants = [s for s in systems if s.startswith("ours (")]
+    assert {"ours", "ours (best)", "trainer", "mcore", "mcore+TE", "hf"} <= set(systems)
     for name in ("ours", "ours (compile)", "trainer", "hf"):
         r = systems[name]
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu_989_full"] > r["mfu_989"] > 0
