@@ -34,8 +34,9 @@
 # flags for both steps, e.g. "--warmup 2 --steps 5"),
 # MEGATRON_KERNELS_STRICT (1: a Triton kernel failing its self-check raises, never falls back
 # to torch unseen), BUDGET (570 s for all steps), T_<STEP> (each step's limit, seconds:
-# T_INSTALL T_TESTS T_KERNELS T_MFU_SMALL T_TRAIN T_MFU T_MOE). A step that would start with
-# under 30 s of the budget left is not started.
+# T_INSTALL T_TESTS T_PROFILE T_KERNELS T_MFU_SMALL T_TRAIN T_MFU T_MOE), PROFILE_SHAPE
+# (gpt2-small-b16) and PROFILE_FLAGS (';'-separated trainer flag lists: ";--torch-compile").
+# A step that would start with under 30 s of the budget left is not started.
 #
 # Packages already importable on the machine are left alone: only the missing ones go into
 # $GPU_DEPS (pip --target, --no-deps: torch is never reinstalled). megatron-core goes into a
@@ -48,7 +49,7 @@ cd "$(dirname "$0")/.."
 SMOKE=0
 PREPARE=0
 FETCH=0
-ORDER="install,tests,kernels,mfu_small,train,mfu,moe"
+ORDER="install,tests,profile,kernels,mfu_small,train,mfu,moe"
 STEPS=$ORDER
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -113,18 +114,22 @@ unset TRITON_INTERPRET  # the kernels must compile for the GPU (kernels --smoke 
 : "${MFU_SMALL_VARIANTS:=default,best,compile,cudagraphs,fused-linear-ce,liger,fp8,fp8-rowwise}"
 : "${MFU_SHAPES:=gpt-1.3b,gpt2-medium,gpt-2.7b}" "${MFU_VARIANTS:=default,best}"
 : "${MFU_SMALL_SYSTEMS:=}" "${MFU_SYSTEMS:=}" "${MFU_ARGS:=}"
+: "${PROFILE_SHAPE:=gpt2-small-b16}" "${PROFILE_FLAGS:=;--torch-compile}"
 if [ $SMOKE = 1 ]; then
     export OMP_NUM_THREADS=1  # a loaded small CPU: no thread oversubscription
     : "${T_INSTALL:=120}" "${T_TESTS:=180}" "${T_KERNELS:=120}" "${T_MFU_SMALL:=400}"
+    : "${T_PROFILE:=60}"
     : "${T_TRAIN:=150}" "${T_MFU:=300}" "${T_MOE:=60}" "${BUDGET:=3600}" "${TEST_WORKERS:=2}"
 else
     # On one H100 (2026-11-26) the 41 CUDA tests took 69 s with 4 workers.
     : "${T_INSTALL:=90}" "${T_TESTS:=150}" "${T_KERNELS:=120}" "${T_MFU_SMALL:=180}"
+    : "${T_PROFILE:=90}"
     : "${T_TRAIN:=90}" "${T_MFU:=240}" "${T_MOE:=60}" "${BUDGET:=570}" "${TEST_WORKERS:=4}"
 fi
 export PY OUT LOGS WHEELS GPU_DEPS MCORE_VERSION MCORE_DIR SMOKE TRAIN_ITERS GPU_CHECK_DATA \
     DATA_BYTES DATA_VOCAB TEST_WORKERS MEGATRON_KERNELS_STRICT MFU_SMALL_SHAPES \
-    MFU_SMALL_VARIANTS MFU_SHAPES MFU_VARIANTS MFU_SMALL_SYSTEMS MFU_SYSTEMS MFU_ARGS
+    MFU_SMALL_VARIANTS MFU_SHAPES MFU_VARIANTS MFU_SMALL_SYSTEMS MFU_SYSTEMS MFU_ARGS \
+    PROFILE_SHAPE PROFILE_FLAGS
 # shellcheck source=bench/gpu_check_steps.sh
 source bench/gpu_check_steps.sh
 
@@ -186,6 +191,7 @@ step() {
 echo "gpu_check: steps $STEPS$([ $SMOKE = 1 ] && echo ' (smoke, CPU)'), logs in $LOGS"
 step install "$T_INSTALL" do_install
 step tests "$T_TESTS" do_tests
+step profile "$T_PROFILE" do_profile
 step kernels "$T_KERNELS" do_kernels
 step mfu_small "$T_MFU_SMALL" do_mfu_small  # rows are printed (and saved) as they come
 step train "$T_TRAIN" do_train

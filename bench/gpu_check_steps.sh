@@ -144,6 +144,25 @@ do_tests() {
     return $rc
 }
 
+# --- profile ----------------------------------------------------------------------------------
+# Where GPT-2 small's step time goes (bench/profile_step.py: kernels by category, GPU busy
+# fraction), once per entry of PROFILE_FLAGS (';'-separated lists of pretrain_gpt2.py flags;
+# an empty entry is the defaults).
+do_profile() {
+    local rc=0 flags
+    if [ "$SMOKE" = 1 ]; then
+        $PY bench/profile_step.py --smoke
+        return $?
+    fi
+    cuda_available || { skip "no CUDA device (--smoke profiles a toy GPT on the CPU)"; return 0; }
+    IFS=';' read -r -a flags <<< "$PROFILE_FLAGS"
+    for f in "${flags[@]}"; do
+        echo "---- profile: ${f:-(defaults)}"
+        $PY bench/profile_step.py --shape "$PROFILE_SHAPE" --flags="$f" || rc=$?
+    done
+    return $rc
+}
+
 # --- kernels ----------------------------------------------------------------------------------
 do_kernels() {
     if [ "$SMOKE" = 1 ]; then

@@ -13,7 +13,7 @@ from megatron.config.schema import ModelConfig
 from megatron.training.log import model_flops_per_sample
 from tests.helpers.paths import ROOT
 
-STEPS = ["install", "tests", "kernels", "mfu_small", "train", "mfu", "moe"]
+STEPS = ["install", "tests", "profile", "kernels", "mfu_small", "train", "mfu", "moe"]
 
 
 def _gpu_check(*args, env):
@@ -51,6 +51,7 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
     assert "failed" not in rows["tests"][3]
     assert "created: 2/2 workers" in (logs / "tests.log").read_text()
     assert rows["kernels"][3].startswith("slowest kernel")
+    assert rows["profile"][1] == "ok" and rows["profile"][3].startswith("busy ")
     assert rows["train"][3].startswith("loss ") and "tokens/s" in rows["train"][3]
     assert "training data ready in" in (logs / "train.log").read_text(), "not the prepared data"
     assert rows["moe"][3].startswith("MoE step: looped ") and "tokens/s" in rows["moe"][3]
