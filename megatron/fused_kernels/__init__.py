@@ -8,8 +8,9 @@ math that is used everywhere else and serves as the reference.
 
 Ops: the attention core (`--attention-backend sdpa|fused|unfused`; fused = Triton scaled causal
 softmax, or scaled masked softmax under a document mask), residual-add + LayerNorm/RMSNorm,
-bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel cross-entropy that never materializes fp32
-logits.
+bias + GeLU, SwiGLU, and a vocab-parallel cross-entropy that never materializes fp32 logits
+(on by default where it runs). Under --torch-compile only the cross-entropy stays Triton: the
+other ops are left to Inductor, which fuses them with their neighbours.
 """
 
 from __future__ import annotations
@@ -48,17 +49,24 @@ class FusedOps:
     # --fp16-lm-cross-entropy (loss in the logits' dtype instead of fp32).
     softmax_in_fp32: bool = False
     fp16_lm_cross_entropy: bool = False
+    # --sdpa-backend: the kernel SDPA runs (megatron.model.sdpa); "auto": cudnn first.
+    sdpa_backend: str = "auto"
+    # --torch-compile: the chunks run compiled, so the norms, activations and softmax stay
+    # torch ops that Inductor fuses with their neighbours (a Triton call would be opaque to it).
+    compiled: bool = False
 
     def describe(self) -> str:
         attn = {
-            "sdpa": "torch SDPA",
+            "sdpa": f"torch SDPA ({self.sdpa_backend})",
             "unfused": "torch matmul + softmax",
             "fused": f"matmul + {self.softmax} scaled causal softmax",
         }[self.attention_backend]
+        compiled = "; torch.compile fuses the torch ops" if self.compiled else ""
         return (
             f"fused kernels: attention = {attn}; add+norm = {self.add_norm}; "
             f"bias+gelu = {self.bias_gelu}; swiglu = {self.swiglu}; "
             f"cross-entropy = {self.cross_entropy}; bias+dropout+add = {self.bias_dropout_add}"
+            f"{compiled}"
         )
 
     # --- the ops themselves ---
@@ -111,7 +119,9 @@ class FusedOps:
                 vocab_parallel_cross_entropy_fused,
             )
 
-            return vocab_parallel_cross_entropy_fused(logits, target, group)
+            # Under --torch-compile the kernel runs between graphs, as it is (one graph break
+            # at the end of the chunk), not traced into them.
+            return _outside_graphs(vocab_parallel_cross_entropy_fused)(logits, target, group)
         from megatron.mpu import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(
@@ -120,6 +130,15 @@ class FusedOps:
 
 
 TORCH_OPS = FusedOps()
+_OPAQUE = {}
+
+
+def _outside_graphs(fn):
+    """`fn` as torch.compile runs it: eagerly, between graphs (torch.compiler.disable, made
+    once per function)."""
+    if fn not in _OPAQUE:
+        _OPAQUE[fn] = torch.compiler.disable(fn)
+    return _OPAQUE[fn]
 
 
 def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
@@ -132,17 +151,19 @@ def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
             "the CPU). Fix: pip install triton, or use --attention-backend sdpa"
         )
 
+    eager = not cfg.torch_compile  # compiled: Inductor fuses these ops itself
     wanted = {
-        "softmax": cfg.masked_softmax_fusion,
-        "add_norm": cfg.layer_norm_fusion,
-        "bias_gelu": cfg.bias_gelu_fusion,
-        "swiglu": cfg.bias_swiglu_fusion,
-        "cross_entropy": cfg.cross_entropy_loss_fusion,
+        "softmax": cfg.masked_softmax_fusion and eager,
+        "add_norm": cfg.layer_norm_fusion and eager,
+        "bias_gelu": cfg.bias_gelu_fusion and eager,
+        "swiglu": cfg.bias_swiglu_fusion and eager,
+        # --fp16-lm-cross-entropy asks for the loss in the logits' dtype: the torch one
+        "cross_entropy": cfg.cross_entropy_loss_fusion and not cfg.fp16_lm_cross_entropy,
     }
     chosen = {}
     for op, enabled in wanted.items():
         chosen[op] = "triton" if enabled and triton and _self_check(op, device) else "torch"
-    if cfg.attention_backend == "fused" and chosen["softmax"] != "triton":
+    if cfg.attention_backend == "fused" and eager and chosen["softmax"] != "triton":
         if cfg.masked_softmax_fusion:
             raise RuntimeError(
                 "--attention-backend fused: the Triton softmax failed its check "
@@ -153,6 +174,8 @@ def select_ops(cfg: KernelConfig, device: torch.device | str) -> FusedOps:
         softmax_in_fp32=cfg.attention_softmax_in_fp32,
         fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
         bias_dropout_add="compile" if cfg.bias_dropout_fusion else "torch",
+        sdpa_backend=cfg.sdpa_backend,
+        compiled=cfg.torch_compile,
         **chosen,
     )
 
