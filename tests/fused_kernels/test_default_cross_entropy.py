@@ -10,10 +10,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron.config.cli import parse_args  # noqa: E402
-from megatron.config.schema import KernelConfig, ModelConfig  # noqa: E402
+from megatron.config.schema import KernelConfig  # noqa: E402
 from megatron.fused_kernels import select_ops  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
+from tests.helpers.models import tiny_gpt  # noqa: E402
 from tests.helpers.training import BASE  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
@@ -36,16 +37,7 @@ def test_the_triton_cross_entropy_is_the_default_where_it_runs(monkeypatch):
 
 
 def test_under_torch_compile_the_kernel_runs_between_graphs_with_eager_results():
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=12,
-        vocab_size=60,
-        make_vocab_size_divisible_by=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = tiny_gpt(hidden_size=32, num_attention_heads=4, seq_length=12)
     ops = select_ops(KernelConfig(torch_compile=True), "cpu")
     assert (ops.cross_entropy, ops.add_norm) == ("triton", "torch")
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))

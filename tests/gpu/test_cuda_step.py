@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megatron.config.schema import KernelConfig, ModelConfig, OptimizerConfig
+from megatron.config.schema import KernelConfig, OptimizerConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
@@ -25,17 +25,9 @@ from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
+from tests.helpers.models import tiny_gpt
 
-GPT2 = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    seq_length=64,
-    vocab_size=100,
-    make_vocab_size_divisible_by=16,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+GPT2 = tiny_gpt(num_attention_heads=4, seq_length=64, make_vocab_size_divisible_by=16)
 
 
 def needs_cuda(device: torch.device, why: str) -> None:

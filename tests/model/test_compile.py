@@ -6,24 +6,15 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import KernelConfig, ModelConfig, RecomputeConfig
+from megatron.config.schema import KernelConfig, RecomputeConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.model.sdpa import attention_report, sdpa_choice, sdpa_report
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker
+from tests.helpers.models import tiny_gpt
 
-BASE = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=8,
-    seq_length=16,
-    vocab_size=100,
-    make_vocab_size_divisible_by=8,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
 LLAMA = dict(
     position_embedding_type="rope",
     normalization="RMSNorm",
@@ -49,7 +40,7 @@ def _model(cfg, recompute=None):
     ],
 )
 def test_the_whole_chunk_compiles_without_graph_breaks(name, extra, recompute, documents):
-    cfg = ModelConfig(**BASE, **extra)
+    cfg = tiny_gpt(**extra)
     model = _model(cfg, RecomputeConfig(granularity=recompute))
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     docs = torch.tensor([[0] * 8 + [1] * 8] * 2) if documents else None
@@ -59,7 +50,7 @@ def test_the_whole_chunk_compiles_without_graph_breaks(name, extra, recompute, d
 
 
 def test_chunks_are_compiled_as_modules_keeping_their_names():
-    cfg = ModelConfig(**BASE)
+    cfg = tiny_gpt()
     state = mpu.single_process_state()
     plain = build_model(cfg, BuildContext(seed=3))
     model = parallelize(
@@ -100,7 +91,7 @@ def test_sdpa_backend_selects_the_kernel_around_our_calls_and_logs_it():
     assert sdpa_choice("cudnn", q, q, q, is_causal=True) is None
     line = sdpa_report("auto", 4, 16, 8, torch.float32, "cpu")
     assert line.startswith("SDPA backend: flash (auto: the first of cudnn, flash, efficient, math")
-    cfg = ModelConfig(**BASE)
+    cfg = tiny_gpt()
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     state = mpu.single_process_state()
     losses = {}

@@ -13,19 +13,10 @@ from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
+from tests.helpers.models import TINY as BASE
 from tests.helpers.reference_gpt import RefGPT, load_from_megatron
 
 # vocab 100 pads to 104 / 112 / 128 at TP 1 / 2 / 4: the padding differs, the model must not.
-BASE = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=8,
-    seq_length=16,
-    vocab_size=100,
-    make_vocab_size_divisible_by=8,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
 VARIANTS = {
     "gpt2": ModelConfig(**BASE),
     "rope-rmsnorm-swiglu-gqa-untied": ModelConfig(
