@@ -8,11 +8,11 @@ update together (and fp16 lowers its loss scale). The same happens, in every pre
 caller reports a non-finite loss or the gradient norm is not finite (finite gradients whose
 squares overflow): Adam would otherwise turn such a step into a full-size update of every weight.
 
-The decision stays on the device where the torch optimizer takes it as an input (fused AdamW's
-`found_inf`: the kernel leaves weights, moments and step count as they were), unless a dynamic
-fp16 loss scale needs it on the host: then step() returns device tensors (updated?, norm) and
-the host never waits for the gradients; the caller reads them when it logs. Elsewhere (SGD,
-apex, --cpu-optimizer, dynamic loss scaling) the host reads the decision once per step.
+Where the torch optimizer takes the decision as an input (fused AdamW's `found_inf`: its kernel
+then leaves weights, moments and step count as they were), the decision stays on the device:
+step() returns device tensors (updated?, norm), the host never waits for the gradients, and the
+caller reads them when it logs. Elsewhere (SGD, apex, --cpu-optimizer, and a dynamic fp16 loss
+scale, whose next value the host needs) the host reads the decision once per step.
 
 `cpu_offload` (--cpu-optimizer) keeps the fp32 masters and the optimizer states on the CPU for
 every precision: the inf/NaN check and clipping run on the gradients where they are, then the
