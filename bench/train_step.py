@@ -87,16 +87,22 @@ def build_ours(
     builder=None,
     fwd=None,
     recompute=None,
+    cuda_graph: bool = False,
 ):
     """One train_step of our stack; `builder`/`fwd`: another family's (bench/bert_step.py);
-    `recompute`: a RecomputeConfig (bench/mfu.py's largest shape uses selective recompute)."""
+    `recompute`: a RecomputeConfig (bench/mfu.py's largest shape uses selective recompute);
+    `cuda_graph` (with `torch_compile`): the compiled chunk replayed as CUDA graphs."""
     state = single_process_state()
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, 1)
     rt = Runtime(state=state, device=device, rng_tracker=tracker)
     ctx = BuildContext(state, seed=1, device=device, dtype=dtype, rng_tracker=tracker, ops=ops)
     model = parallelize(
-        (builder or build_model)(cfg, ctx), state, recompute, torch_compile=torch_compile
+        (builder or build_model)(cfg, ctx),
+        state,
+        recompute,
+        torch_compile=torch_compile,
+        cuda_graph=cuda_graph,
     )
     ddp = DistributedDataParallel(model, None)
     opt = MegatronOptimizer(

@@ -22,6 +22,7 @@ from megatron.config.compat_v1 import V1_DEFAULT_TOKENIZER, validate_compat
 from megatron.config.declare import fail
 from megatron.config.deepspeed_json import build_ds_config, with_ds_json
 from megatron.config.rules_bert import refuse_bert_settings, validate_bert
+from megatron.config.rules_compute import validate_compute
 from megatron.config.rules_data import validate_data
 from megatron.config.rules_fp8 import validate_fp8
 from megatron.config.rules_moe import validate_moe
@@ -226,7 +227,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
             "use --param-sharing-style spaced with --num-unique-layers a multiple of the "
             "number of model chunks, or no pipeline parallelism",
         )
-    _validate_v1_kernels(cfg)
+    validate_compute(cfg)
     _validate_linear_cross_entropy(cfg)
     validate_batch(cfg.training, par.data_parallel_size)
     validate_data(cfg.data)
@@ -266,23 +267,6 @@ def _validate_distributed_optimizer(cfg: MegatronConfig) -> None:
             "--overlap-param-gather",
             "overlaps the all-gather of the distributed optimizer's weights, which is off",
             "add --use-distributed-optimizer or drop --overlap-param-gather",
-        )
-
-
-def _validate_v1_kernels(cfg: MegatronConfig) -> None:
-    k = cfg.kernels
-    if k.fp16_lm_cross_entropy and not (cfg.precision.fp16 or cfg.precision.bf16):
-        fail(
-            "--fp16-lm-cross-entropy",
-            "given without --fp16/--bf16: the logits are fp32 already",
-            "add --fp16 (as Megatron-LM v1.x required) or drop the flag",
-        )
-    if k.fp16_lm_cross_entropy and k.cross_entropy_loss_fusion:
-        fail(
-            "--fp16-lm-cross-entropy",
-            "given with --cross-entropy-loss-fusion, whose kernel already keeps no fp32 logits "
-            "(and accumulates in fp32)",
-            "choose one of them",
         )
 
 

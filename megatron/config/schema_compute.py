@@ -74,7 +74,46 @@ class KernelConfig(Section):
         choices=("ours", "liger"),
     )
     cross_entropy_loss_fusion: bool = setting(
-        False, "Triton vocab-parallel cross-entropy without fp32 logits"
+        True,
+        "torch vocab-parallel cross-entropy (fp32 logits); default: the Triton kernel without "
+        "fp32 logits where it runs and passes its check (CUDA, or TRITON_INTERPRET=1), torch "
+        "elsewhere and with --fp16-lm-cross-entropy; the choice is logged",
+        shortcuts={
+            "--cross-entropy-loss-fusion": (
+                True,
+                "Megatron-core spelling of the default: the Triton cross-entropy where it runs",
+            )
+        },
+    )
+    torch_compile: bool = setting(
+        False,
+        "torch.compile each model chunk's forward as one module: embedding, transformer layers, "
+        "head and vocab-parallel loss, TP collectives included (graph breaks only where Dynamo "
+        "cannot trace: dropout's RNG-tracker forks, MoE routing, --overlap-param-gather's "
+        "waits); the norms and activations "
+        "then run as torch ops Inductor fuses, the Triton cross-entropy between the graphs",
+    )
+    torch_compile_backend: str = setting(
+        "inductor",
+        "backend of --torch-compile: inductor (generated kernels), or aot_eager / eager "
+        "(trace only, no code generation: fast, for tests and debugging)",
+        choices=("inductor", "aot_eager", "eager"),
+    )
+    enable_cuda_graph: bool = setting(
+        False,
+        "replay each compiled chunk's forward and backward as CUDA graphs (torch.compile "
+        "mode='reduce-overhead', CUDA graph trees): removes the per-kernel launch cost of small "
+        "models. Needs --torch-compile with the inductor backend, a CUDA device, one pipeline "
+        "stage, TP = CP = 1, no MoE, no dropout, no activation recompute, no --deepspeed, no "
+        "--overlap-param-gather",
+    )
+    sdpa_backend: str = setting(
+        "auto",
+        "the kernel of --attention-backend sdpa: cudnn, flash, efficient or math (refused at "
+        "model build where it cannot run the model's attention); auto: the first of cudnn, "
+        "flash, efficient, math that can (torch's default order where it cannot be set). The "
+        "choice is logged",
+        choices=("auto", "cudnn", "flash", "efficient", "math"),
     )
     cross_entropy_fusion_impl: str = setting(
         "native",
@@ -86,7 +125,6 @@ class KernelConfig(Section):
         "Triton kernels. Megatron-core's flag of the same name (its te impl is not offered)",
         choices=("native", "linear"),
     )
-    torch_compile: bool = setting(False, "torch.compile each transformer layer")
     moe_grouped_gemm: bool = setting(
         False,
         "MoE: each layer's experts as one grouped matmul (torch._grouped_mm where it runs, else "

@@ -166,7 +166,10 @@ class LoggingConfig(Section):
     log_interval: int = setting(100, "iterations between log lines", min=1)
     tensorboard_dir: str | None = setting(None, "write TensorBoard scalars here")
     timing_log_level: int = setting(
-        0, "0: iteration time; 1: + forward/backward/optimizer; 2: everything", choices=(0, 1, 2)
+        0,
+        "0: iteration time (no device sync); 1: + forward/backward/optimizer; 2: everything "
+        "(1 and 2 synchronize the device around each timed phase)",
+        choices=(0, 1, 2),
     )
     peak_tflops: float | None = setting(
         None, "peak TFLOP/s of one device, for MFU (default: known GPUs)"

@@ -8,11 +8,13 @@ math that is used everywhere else and serves as the reference.
 
 Ops: the attention core (`--attention-backend sdpa|fused|unfused`; fused = Triton scaled causal
 softmax, or scaled masked softmax under a document mask), residual-add + LayerNorm/RMSNorm,
-bias + GeLU, SwiGLU, and (opt-in) a vocab-parallel cross-entropy that never materializes fp32
-logits; `--cross-entropy-fusion-impl linear` fuses the output layer into the cross-entropy over
-chunks of tokens (megatron.mpu.linear_cross_entropy), its elementwise part through the same
-Triton kernels when the cross-entropy above is Triton. `--kernel-library liger` takes the norms
-and SwiGLU from Liger-Kernel instead (liger.py).
+bias + GeLU, SwiGLU, and a vocab-parallel cross-entropy that never materializes fp32 logits
+(on by default where it runs); `--cross-entropy-fusion-impl linear` fuses the output layer into
+the cross-entropy over chunks of tokens (megatron.mpu.linear_cross_entropy), its elementwise
+part through the same Triton kernels when the cross-entropy above is Triton. `--kernel-library
+liger` takes the norms and SwiGLU from Liger-Kernel instead (liger.py). Under --torch-compile
+only the cross-entropy stays Triton: the other ops are left to Inductor, which fuses them with
+their neighbours.
 
 A kernel that fails its self-check (a compile or launch error, or a disagreement with its torch
 twin) falls back to torch with a warning; under strict mode (`select_ops(..., strict=True)`, or
@@ -61,20 +63,26 @@ class FusedOps:
     # --fp16-lm-cross-entropy (loss in the logits' dtype instead of fp32).
     softmax_in_fp32: bool = False
     fp16_lm_cross_entropy: bool = False
+    # --sdpa-backend: the kernel SDPA runs (megatron.model.sdpa); "auto": cudnn first.
+    sdpa_backend: str = "auto"
+    # --torch-compile: the chunks run compiled, so the norms, activations and softmax stay
+    # torch ops that Inductor fuses with their neighbours (a Triton call would be opaque to it).
+    compiled: bool = False
 
     def describe(self) -> str:
         linear = " (fused with the output layer, in chunks of tokens)"
         linear = linear if self.cross_entropy_fusion_impl == "linear" else ""
         attn = {
-            "sdpa": "torch SDPA",
+            "sdpa": f"torch SDPA ({self.sdpa_backend})",
             "unfused": "torch matmul + softmax",
             "fused": f"matmul + {self.softmax} scaled causal softmax",
         }[self.attention_backend]
+        compiled = "; torch.compile fuses the torch ops" if self.compiled else ""
         return (
             f"fused kernels: attention = {attn}; add+norm = {self.add_norm}; "
             f"bias+gelu = {self.bias_gelu}; swiglu = {self.swiglu}; "
             f"cross-entropy = {self.cross_entropy}{linear}; "
-            f"bias+dropout+add = {self.bias_dropout_add}"
+            f"bias+dropout+add = {self.bias_dropout_add}{compiled}"
         )
 
     # --- the ops themselves ---
@@ -139,7 +147,9 @@ class FusedOps:
                 vocab_parallel_cross_entropy_fused,
             )
 
-            return vocab_parallel_cross_entropy_fused(logits, target, group)
+            # Under --torch-compile the kernel runs between graphs, as it is (one graph break
+            # at the end of the chunk), not traced into them.
+            return _outside_graphs(vocab_parallel_cross_entropy_fused)(logits, target, group)
         from megatron.mpu import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(
@@ -172,6 +182,15 @@ class FusedOps:
 
 
 TORCH_OPS = FusedOps()
+_OPAQUE = {}
+
+
+def _outside_graphs(fn):
+    """`fn` as torch.compile runs it: eagerly, between graphs (torch.compiler.disable, made
+    once per function)."""
+    if fn not in _OPAQUE:
+        _OPAQUE[fn] = torch.compiler.disable(fn)
+    return _OPAQUE[fn]
 
 
 STRICT_ENV = "MEGATRON_KERNELS_STRICT"
@@ -204,12 +223,14 @@ def select_ops(
             "the CPU). Fix: pip install triton, or use --attention-backend sdpa"
         )
 
+    eager = not cfg.torch_compile  # compiled: Inductor fuses these ops itself
     wanted = {
-        "softmax": cfg.masked_softmax_fusion,
-        "add_norm": cfg.layer_norm_fusion,
-        "bias_gelu": cfg.bias_gelu_fusion,
-        "swiglu": cfg.bias_swiglu_fusion,
-        "cross_entropy": cfg.cross_entropy_loss_fusion,
+        "softmax": cfg.masked_softmax_fusion and eager,
+        "add_norm": cfg.layer_norm_fusion and eager,
+        "bias_gelu": cfg.bias_gelu_fusion and eager,
+        "swiglu": cfg.bias_swiglu_fusion and eager,
+        # --fp16-lm-cross-entropy asks for the loss in the logits' dtype: the torch one
+        "cross_entropy": cfg.cross_entropy_loss_fusion and not cfg.fp16_lm_cross_entropy,
     }
     chosen = {}
     for op, enabled in wanted.items():
@@ -217,7 +238,7 @@ def select_ops(
         if cfg.kernel_library == "liger" and op in liger.OPS and candidates:
             candidates.insert(0, "liger")
         chosen[op] = next((c for c in candidates if _self_check(op, device, c, strict)), "torch")
-    if cfg.attention_backend == "fused" and chosen["softmax"] != "triton":
+    if cfg.attention_backend == "fused" and eager and chosen["softmax"] != "triton":
         if cfg.masked_softmax_fusion:
             raise RuntimeError(
                 "--attention-backend fused: the Triton softmax failed its check "
@@ -229,6 +250,8 @@ def select_ops(
         fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
         bias_dropout_add="compile" if cfg.bias_dropout_fusion else "torch",
         cross_entropy_fusion_impl=cfg.cross_entropy_fusion_impl,
+        sdpa_backend=cfg.sdpa_backend,
+        compiled=cfg.torch_compile,
         **chosen,
     )
 

@@ -70,7 +70,9 @@ def load_model_for_inference(
         ops=select_ops(kernels, rt.device) if kernels is not None else TORCH_OPS,
     )
     model = spec.model_provider(None)(model_cfg, ctx)  # the architecture alone
-    parallelize(model, st, torch_compile=kernels is not None and kernels.torch_compile)
+    compiled = kernels is not None and kernels.torch_compile
+    backend = kernels.torch_compile_backend if compiled else "inductor"
+    parallelize(model, st, torch_compile=compiled, compile_backend=backend)
     model.load_state_dict(shard["model"])
     tok = _build_tokenizer({**args.get("tokenizer", {}), **(tokenizer or {})}, model_cfg)
     return model, tok, model_cfg, iteration

@@ -8,8 +8,10 @@ computes but never its weights is applied here afterwards, always in this order:
 2. activation recompute: selective (the core attention of each `*.self_attention`) or full
    (the transformer layers of each chunk, uniform groups or the first N);
 3. float8 (--fp8-format): the transformer layers' linears get float8 GEMMs (megatron.model.fp8);
-4. torch.compile: each transformer layer `layers.<n>` compiled as a module (its parameter
-   names, hence checkpoints, are unchanged).
+4. torch.compile: each model chunk compiled as one module (nn.Module.compile: its parameter
+   names, hence checkpoints, are unchanged), so one graph holds the embedding, every
+   transformer layer, the head and the vocab-parallel loss; with `cuda_graph` Inductor replays
+   it as CUDA graphs (mode "reduce-overhead", CUDA graph trees).
 
 Compile comes last so it traces the recompute and the float8 casts the layers will run (as
 torchtitan applies TP, float8, activation checkpointing, then compile).
@@ -25,7 +27,8 @@ from megatron.config.schema import PrecisionConfig, RecomputeConfig
 from megatron.model.fp8 import apply_fp8
 from megatron.model.moe import MoELayer
 from megatron.model.recompute import LayerRecompute
-from megatron.model.transformer import NORM_TYPES, ParallelAttention, TransformerLayer
+from megatron.model.stages import ModelChunks
+from megatron.model.transformer import NORM_TYPES, ParallelAttention
 from megatron.mpu import ParallelState, mark_sequence_parallel
 
 POSITION_TABLE = "position_embeddings.weight"
@@ -37,6 +40,8 @@ def parallelize(
     recompute: RecomputeConfig | None = None,
     *,
     torch_compile: bool = False,
+    compile_backend: str = "inductor",
+    cuda_graph: bool = False,
     checkpoint_impl: Callable | None = None,
     precision: PrecisionConfig | None = None,
 ) -> nn.Module:
@@ -50,7 +55,9 @@ def parallelize(
     if report is not None and state.rank == 0:
         print(report.describe(), flush=True)
     if torch_compile:
-        apply_compile(model)
+        apply_compile(model, compile_backend, cuda_graph)
+    elif cuda_graph:
+        raise ValueError("--enable-cuda-graph replays the compiled chunks: add --torch-compile")
     return model
 
 
@@ -89,9 +96,29 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig, impl=None) -> 
                 module.layer_recompute = policy
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile every transformer layer as a module (nn.Module.compile): the module's call runs
-    compiled, its parameters keep their names."""
-    for _, module in model.named_modules():
-        if isinstance(module, TransformerLayer):
-            module.compile()
+def apply_compile(model: nn.Module, backend: str = "inductor", cuda_graph: bool = False) -> None:
+    """Compile each model chunk as a module (nn.Module.compile): the chunk's call runs compiled,
+    its parameters keep their names. `cuda_graph`: Inductor's CUDA graph trees replay the
+    compiled forward and backward (a CUDA device and the inductor backend)."""
+    if cuda_graph:
+        _check_cuda_graph_device(model, backend)
+    chunks = model.chunks if isinstance(model, ModelChunks) else [model]
+    for chunk in chunks:
+        if cuda_graph:
+            chunk.compile(backend=backend, mode="reduce-overhead")
+        else:
+            chunk.compile(backend=backend)
+
+
+def _check_cuda_graph_device(model: nn.Module, backend: str) -> None:
+    if backend != "inductor":
+        raise ValueError(
+            f"--enable-cuda-graph captures Inductor's code; --torch-compile-backend {backend} "
+            "generates none. Fix: --torch-compile-backend inductor, or drop --enable-cuda-graph"
+        )
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(
+            f"--enable-cuda-graph needs a CUDA device; this model is on {device}. Fix: drop "
+            "--enable-cuda-graph (--torch-compile alone runs on any device)"
+        )

@@ -32,6 +32,8 @@ def run_layers(layers, x, position_ids, mask, recompute: LayerRecompute | None, 
             x = layer(x, *extra)
         return x
     n, impl = recompute.num_layers, recompute.impl
+    if not any(getattr(layer, "uses_rng_tracker", True) for layer in layers):
+        tracker = None  # nothing to replay: a plain checkpoint, which torch.compile can trace
     if recompute.method == "block":
         for i, layer in enumerate(layers):
             x = checkpoint(layer, tracker, x, *extra, impl=impl) if i < n else layer(x, *extra)

@@ -21,6 +21,7 @@ from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.masks import CAUSAL, AttentionMask, MaskType
 from megatron.model.moe import MoELayer
+from megatron.model.sdpa import sdpa_context
 from megatron.mpu import (
     ColumnParallelLinear,
     ParallelState,
@@ -218,7 +219,9 @@ class ParallelAttention(nn.Module):
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
         if self.recompute_core and self.training:  # --recompute-granularity selective
-            ctx = checkpoint(self._core_attention, self.rng_tracker, q, k, v, mask)
+            # the tracker's streams are replayed only where the core draws from them (dropout)
+            tracker = self.rng_tracker if self.dropout > 0 else None
+            ctx = checkpoint(self._core_attention, tracker, q, k, v, mask)
         else:
             ctx = self._core_attention(q, k, v, mask)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
@@ -244,13 +247,14 @@ class ParallelAttention(nn.Module):
                 else:  # padding, documents (or a KV-cache prefix)
                     probs = self.ops.masked_softmax(scores, mask.keep, scale)  # fp32 inside
                 return torch.matmul(F.dropout(probs, p), v)
-            if mask.type is not MaskType.CAUSAL:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.keep, dropout_p=p)
-            if q.size(2) == 1:  # one query at the end of the keys sees them all
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
-            # SDPA's is_causal aligns the queries to the start: right only when s_q == s_k
-            # (KV caches with several new queries pass an ARBITRARY mask)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            with sdpa_context(self.ops.sdpa_backend):  # --sdpa-backend's kernel
+                if mask.type is not MaskType.CAUSAL:
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.keep, dropout_p=p)
+                if q.size(2) == 1:  # one query at the end of the keys sees them all
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+                # SDPA's is_causal aligns the queries to the start: right only when s_q == s_k
+                # (KV caches with several new queries pass an ARBITRARY mask)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
     def _fp32_softmax(self, dtype: torch.dtype) -> bool:
         """SDPA's softmax precision is its kernel's choice: under fp16/bf16 the v1.x precision
@@ -350,6 +354,10 @@ class TransformerLayer(nn.Module):
         # --num-experts: a router and experts instead of the MLP (every --moe-layer-freq-th)
         moe = cfg.is_moe_layer(layer_number - 1)
         self.mlp = MoELayer(cfg, ctx) if moe else ParallelMLP(cfg, ctx)
+        # Draws from the RNG tracker's streams (activation recompute must replay them only
+        # then): attention dropout, and residual dropout on sequence-parallel slices.
+        forks = cfg.attention_dropout > 0 or (ctx.state.sequence_parallel and self.hidden_dropout)
+        self.uses_rng_tracker = ctx.rng_tracker is not None and bool(forks)
 
     def forward(
         self,

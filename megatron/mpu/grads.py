@@ -35,6 +35,18 @@ def counts_once(param: torch.Tensor, tp_rank: int) -> bool:
     return split or tp_rank == 0
 
 
+def per_tensor_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each gradient's norm, accumulated in float32 or wider: fp32/fp64 gradients (our DDP's
+    main_grad) in one fused kernel per dtype (torch._foreach_norm, as torch's clip_grad_norm_),
+    others one by one, upcast."""
+    wide = [g for g in grads if g.dtype == _acc(g)]
+    narrow = [g for g in grads if g.dtype != _acc(g)]
+    out = []
+    for dtype in sorted({g.dtype for g in wide}, key=str):
+        out += list(torch._foreach_norm([g for g in wide if g.dtype == dtype], norm_type))
+    return out + [torch.linalg.vector_norm(g, norm_type, dtype=_acc(g)) for g in narrow]
+
+
 def grad_norm(
     parameters: Iterable[torch.Tensor],
     *,
@@ -60,9 +72,7 @@ def grad_norm(
             local = [g.abs().max().to(_acc(g)) for g in grads]
             part = torch.stack(local).max() if local else torch.zeros((), device=device)
         else:
-            local = [
-                torch.linalg.vector_norm(g, norm_type, dtype=_acc(g)) ** norm_type for g in grads
-            ]
+            local = [n**norm_type for n in per_tensor_norms(grads, norm_type)]
             part = torch.stack(local).sum() if local else torch.zeros((), device=device)
         if experts and group_size(expert_group) > 1:
             dist.all_reduce(part, op=op, group=expert_group)

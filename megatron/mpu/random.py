@@ -90,6 +90,10 @@ def checkpoint(function: Callable, tracker: RNGStatesTracker | None, *args, impl
     first pass left them. `impl(fn, *args)`: another checkpoint implementation (DeepSpeed's,
     with activation partitioning / CPU offload); default torch's non-reentrant one.
     """
+    if tracker is None and impl is None:  # nothing to replay: torch's, as torch.compile traces
+        return torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+        )
     entry_states = tracker.get_states() if tracker is not None else None
     calls = 0
 

@@ -35,8 +35,10 @@ class StepResult(TypedDict):
 
     lm_loss: torch.Tensor | float  # the global batch's mean loss; a device scalar the loop
     # reads on the host only when it logs (so steps that do not log never wait for the device)
-    updated: bool  # False: the step was skipped (inf/NaN gradients, fp16 overflow)
-    grad_norm: float | None  # None where the backend cannot tell
+    # False: the step was skipped (inf/NaN gradients or loss, fp16 overflow). A 0-d bool
+    # tensor when the skip was decided on the device: the loop reads it with the loss.
+    updated: bool | torch.Tensor
+    grad_norm: float | None | torch.Tensor  # None where the backend cannot tell (device: NaN)
     other_losses: NotRequired[dict[str, torch.Tensor | float]]  # e.g. {"nsp loss": ...}
 
 
@@ -61,6 +63,12 @@ class TrainerBackend(abc.ABC):
     def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> StepResult:
         """Forward and backward over `num_micro_batches` micro batches, then one optimizer and
         LR-schedule step (unless skipped)."""
+
+    def take_back_schedule(self, steps: int) -> None:
+        """`steps` steps whose skip was decided on the device (StepResult["updated"] a tensor)
+        turned out skipped: undo the LR schedule's step taken for each, so skipped steps never
+        advance it (the loop calls this when it reads them, before any save)."""
+        self.scheduler.take_back(steps)
 
     @abc.abstractmethod
     def evaluate(self, data_iterator, eval_iters: int, num_micro_batches: int) -> float:

@@ -38,7 +38,7 @@ from megatron.checkpoint.experts import expert_offset, whole_index
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState
 from megatron.mpu.expert_shards import is_etp_split
-from megatron.mpu.grads import counts_once
+from megatron.mpu.grads import counts_once, per_tensor_norms
 from megatron.mpu.utils import group_size
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.optimizer import (
@@ -135,11 +135,10 @@ class DistributedOptimizer(MegatronOptimizer):
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the whole model's gradient: every element counted once over all ranks."""
         tp_rank = self.state.tp_rank
-        squares = [
-            torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-            for g, pc in zip(grads, self.pieces, strict=True)
-            if counts_once(pc.param, tp_rank)
+        counted = [
+            g for g, pc in zip(grads, self.pieces, strict=True) if counts_once(pc.param, tp_rank)
         ]
+        squares = [n.float() ** 2 for n in per_tensor_norms(counted, 2.0)]  # fused per dtype
         total = torch.stack(squares).sum() if squares else torch.zeros(())
         total = total.to(self.ddp.grad_buffer.device)
         for group in (self.ddp.dp_group, self.state.mp_group):
@@ -156,17 +155,23 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.clip_grad > 0 and grads:  # on the device; a skipped step's grads are dropped
             coef = (self.clip_grad / (norm.double() + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, torch.where(torch.isfinite(norm), coef, 1.0))
+        if self.skip_on_device:
+            return self._update_unless(flag, norm)
         found_inf, norm = read_skip_and_norm(flag, norm)  # the step's one host read
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
             return False, norm
         self.optimizer.step()
-        if self.half:
-            for pc, main in self._pairs():
-                self.ddp.param_buffer[pc.buf_lo : pc.buf_hi].copy_(main)
-        self.ddp.start_param_sync(overlap=self.overlap_param_gather)
+        self._after_update()
         return True, norm
+
+    def _after_update(self) -> None:
+        """The updated shard into the param buffer (half models), then all-gathered over DP."""
+        if self.half and self.pieces:  # one fused copy of every piece
+            views = [self.ddp.param_buffer[pc.buf_lo : pc.buf_hi] for pc in self.pieces]
+            torch._foreach_copy_(views, self.mains)
+        self.ddp.start_param_sync(overlap=self.overlap_param_gather)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -161,6 +161,12 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
             self.num_steps += increment
         self._apply()
 
+    def take_back(self, steps: int) -> None:
+        """Undo `steps` bare step() calls (their optimizer steps turned out skipped)."""
+        _check(steps >= 0, f"take_back needs steps >= 0, got {steps}")
+        self.num_steps -= steps * self.default_increment
+        self._apply()
+
     def _apply(self) -> None:
         self.last_epoch = self.num_steps
         lr = self.get_lr()

@@ -4,7 +4,6 @@ logging, checkpoints and exit conditions. pretrain_gpt2.py is a thin wrapper aro
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import signal
 import sys
@@ -23,7 +22,7 @@ from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.models.registry import DEFAULT_FAMILY, ModelSpec, get_spec
-from megatron.training.backend import StepResult, TrainerBackend
+from megatron.training.backend import TrainerBackend
 from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
 from megatron.training.log import (
     build_metrics_sinks,
@@ -39,6 +38,7 @@ from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
 from megatron.training.timers import Timers
+from megatron.training.window import Window
 
 
 class TrainingError(RuntimeError):
@@ -173,51 +173,6 @@ def build_backend(
     return NativeBackend(cfg, rt, forward_step_func, model_provider)
 
 
-@dataclass
-class _Window:
-    """What happened since the last log line. The losses stay on the device until `read`, so a
-    step that does not log never waits for the device on their account."""
-
-    iters: int = 0
-    seconds: float = 0.0
-    skipped: int = 0
-    grad_norm: float | None = None
-    steps: list[tuple[dict, StepResult]] = field(default_factory=list)  # (history row, result)
-
-    def add(self, step: StepResult, seconds: float, row: dict) -> None:
-        self.iters += 1
-        self.seconds += seconds
-        self.skipped += not step["updated"]
-        if step["grad_norm"] is not None:
-            self.grad_norm = step["grad_norm"]
-        self.steps.append((row, step))
-
-    def read(self) -> dict:
-        """One host read for the whole window: fills the history rows with floats and returns
-        the mean finite loss, the count of non-finite ones and the other losses' means."""
-        names = sorted({n for _, st in self.steps for n in st.get("other_losses", {})})
-        flat = [st["lm_loss"] for _, st in self.steps]
-        flat += [
-            st.get("other_losses", {}).get(n, float("nan")) for n in names for _, st in self.steps
-        ]
-        device = next((v.device for v in flat if isinstance(v, torch.Tensor)), "cpu")
-        as_one = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in flat]
-        values = torch.stack(as_one).tolist() if flat else []  # the one device-to-host copy
-        losses, n = values[: len(self.steps)], len(self.steps)
-        others = {}
-        for i, name in enumerate(names):
-            col = values[n * (i + 1) : n * (i + 2)]
-            others[name] = sum(col) / max(self.iters, 1)
-            for (row, _), v in zip(self.steps, col, strict=True):
-                row[name] = v
-        for (row, _), v in zip(self.steps, losses, strict=True):
-            row["lm_loss"] = v
-        finite = [v for v in losses if math.isfinite(v)]
-        loss = sum(finite) / len(finite) if finite else float("nan")
-        self.steps = []
-        return {"loss": loss, "nan": len(losses) - len(finite), "others": others}
-
-
 class _TrainLoop:
     def __init__(self, cfg: MegatronConfig, rt: Runtime, backend: TrainerBackend, out):
         self.cfg, self.rt, self.backend, self.out = cfg, rt, backend, out
@@ -257,24 +212,26 @@ class _TrainLoop:
         cfg, t = self.cfg, self.cfg.training
         result = TrainResult(iteration=state.iteration, exit_reason="finished")
         start_time = time.monotonic()
-        window = _Window()
+        window = Window()
         while not self._done(state):
             gbs = self._iteration(state, train_iter, window, result)
             if self.rt.heartbeat is not None and self.rt.heartbeat.lost:
                 raise TrainingError(self.rt.heartbeat.lost)
             if state.iteration % cfg.logging.log_interval == 0:
                 self._log(state, gbs, window)
-                window = _Window()
+                window = Window()
             if valid_iter is not None and t.eval_iters and state.iteration % t.eval_interval == 0:
+                self._settle(window)  # the steps' device time goes to the window, not to eval
                 self._validate(state, valid_iter, result, "validation")
-            reason = self._exit_reason(state, start_time)
+            reason = self._exit_reason(state, start_time, window)
             interval = cfg.checkpoint.save_interval
             if reason or (interval and state.iteration % interval == 0) or self._done(state):
+                self._settle(window)  # the LR schedule saved takes back the skipped steps
                 self._save(state)
             if reason:
                 result.exit_reason = reason
                 break
-        window.read()  # the steps after the last log line: their history rows get floats
+        self._settle(window)  # the steps after the last log line: their history rows get floats
         if result.exit_reason == "finished" and t.eval_iters:
             if valid_iter is not None and state.iteration % t.eval_interval:
                 self._validate(state, valid_iter, result, "validation")  # not just done
@@ -283,7 +240,7 @@ class _TrainLoop:
         result.iteration = state.iteration
         return result
 
-    def _iteration(self, state: TrainState, train_iter, window: _Window, result) -> int:
+    def _iteration(self, state: TrainState, train_iter, window: Window, result) -> int:
         gbs = self.micro.global_batch_at(state.consumed_train_samples)
         tic = time.perf_counter()
         self.profiler.before_step(state.iteration)
@@ -297,25 +254,39 @@ class _TrainLoop:
         state.consumed_train_samples += gbs
         row = {
             "iteration": state.iteration,
-            "lm_loss": None,  # filled in when the window is read (at the next log line)
-            "grad_norm": step["grad_norm"],
-            "updated": step["updated"],
-            "lr": self.backend.lr,
+            # filled in when the window is settled (at the latest at the next log line)
+            "lm_loss": None,
+            "grad_norm": None,
+            "updated": None,
+            "lr": self.backend.lr,  # of the next step
             "loss_scale": self.backend.loss_scale,
         }
         result.history.append(row)
         window.add(step, time.perf_counter() - tic, row)
-        self.skipped_in_a_row = 0 if step["updated"] else self.skipped_in_a_row + 1
-        limit = self.cfg.training.max_skipped_in_a_row
-        if self.skipped_in_a_row >= limit:
-            raise TrainingError(
-                f"{self.skipped_in_a_row} iterations in a row were skipped (inf/NaN gradients "
-                f"or loss) up to iteration {state.iteration}; the run is diverging. Lower --lr, "
-                "check the data, or raise --max-skipped-in-a-row"
-            )
+        if len(window.pending) >= self.cfg.training.max_skipped_in_a_row:
+            self._settle(window)
         return gbs
 
-    def _exit_reason(self, state: TrainState, start_time: float) -> str | None:
+    def _settle(self, window: Window) -> None:
+        """Read the pending steps (one host read): take back the LR schedule of those skipped
+        on the device, and stop the run after --max-skipped-in-a-row skips in a row."""
+        tic = time.perf_counter()
+        settled = window.settle()  # waits for the device: that time is the steps'
+        window.seconds += time.perf_counter() - tic
+        if settled.device_skips:
+            self.backend.take_back_schedule(settled.device_skips)
+            settled.rows[-1]["lr"] = self.backend.lr  # the lr the next step will run with
+        limit = self.cfg.training.max_skipped_in_a_row
+        for row in settled.rows:
+            self.skipped_in_a_row = 0 if row["updated"] else self.skipped_in_a_row + 1
+            if self.skipped_in_a_row >= limit:
+                raise TrainingError(
+                    f"{self.skipped_in_a_row} iterations in a row were skipped (inf/NaN "
+                    f"gradients or loss) up to iteration {row['iteration']}; the run is "
+                    "diverging. Lower --lr, check the data, or raise --max-skipped-in-a-row"
+                )
+
+    def _exit_reason(self, state: TrainState, start_time: float, window: Window) -> str | None:
         t = self.cfg.training
         if t.exit_interval and state.iteration % t.exit_interval == 0:
             return "exit-interval"
@@ -324,7 +295,9 @@ class _TrainLoop:
         over_time = bool(t.exit_duration_in_mins) and (
             time.monotonic() - start_time > 60.0 * t.exit_duration_in_mins
         )
+        tic = time.perf_counter()  # the ranks' agreement waits for the step's device work
         signal_any, time_any = _any_rank([self.signal.received, over_time], self.rt.device)
+        window.seconds += time.perf_counter() - tic
         if signal_any:
             self._print(f" exiting on SIGTERM at iteration {state.iteration} (saving first)")
             return "signal"
@@ -355,15 +328,16 @@ class _TrainLoop:
             {f"{split} lm-loss": loss}, state.iteration, state.consumed_train_samples
         )
 
-    def _log(self, state: TrainState, gbs: int, w: _Window) -> None:
+    def _log(self, state: TrainState, gbs: int, w: Window) -> None:
+        self._settle(w)  # before the clock is read: the window's time includes its device work
         iters = max(w.iters, 1)
         sec = w.seconds / iters
-        read = w.read()
+        read = w.summary()
         loss = read["loss"]
         tokens_per_s = gbs * self.cfg.model.seq_length / max(sec, 1e-9)
         tflops = gbs * self.flops_per_sample / max(sec, 1e-9) / self.rt.state.world_size / 1e12
         mfu = 100.0 * tflops / self.peak if self.peak else None
-        grad_norm = w.grad_norm
+        grad_norm = read["grad_norm"]
         lr = self.backend.lr
         self._print(
             iteration_line(
@@ -376,7 +350,7 @@ class _TrainLoop:
                 loss=loss,
                 loss_scale=self.backend.loss_scale,
                 grad_norm=grad_norm,
-                skipped=w.skipped,
+                skipped=read["skipped"],
                 nan=read["nan"],
                 tokens_per_s=tokens_per_s,
                 tflops=tflops,

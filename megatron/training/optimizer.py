@@ -8,6 +8,12 @@ update together (and fp16 lowers its loss scale). The same happens, in every pre
 caller reports a non-finite loss or the gradient norm is not finite (finite gradients whose
 squares overflow): Adam would otherwise turn such a step into a full-size update of every weight.
 
+Where the torch optimizer takes the decision as an input (fused AdamW's `found_inf`: its kernel
+then leaves weights, moments and step count as they were), the decision stays on the device:
+step() returns device tensors (updated?, norm), the host never waits for the gradients, and the
+caller reads them when it logs. Elsewhere (SGD, apex, --cpu-optimizer, and a dynamic fp16 loss
+scale, whose next value the host needs) the host reads the decision once per step.
+
 `cpu_offload` (--cpu-optimizer) keeps the fp32 masters and the optimizer states on the CPU for
 every precision: the inf/NaN check and clipping run on the gradients where they are, then the
 clipped gradients are copied to the CPU, the step runs there, and the weights are copied back.
@@ -109,10 +115,17 @@ def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
             return FusedAdam(groups, adam_w_mode=True, **kw)
     except ImportError:
         pass
-    try:  # torch's fused kernel (CUDA, and CPU since torch 2.4)
+    try:  # torch's fused kernel (CUDA, and CPU since torch 2.4): one pass, takes found_inf
         return torch.optim.AdamW(groups, fused=True, **kw)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer skips its update on a device flag (`optimizer.found_inf`, 0-d, 1.0 =
+    skip): torch's fused AdamW. Not fused SGD: a first step skipped that way leaves its momentum
+    buffer uninitialized (torch 2.13 on the CPU)."""
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
 
 _PARALLEL_ATTRS = (
@@ -174,6 +187,12 @@ class MegatronOptimizer:
         self.scaler = make_grad_scaler(cfg, params_dtype)
 
     @property
+    def skip_on_device(self) -> bool:
+        """Whether step() decides the skip on the device (no host read; see the module doc)."""
+        dynamic = isinstance(self.scaler, DynamicGradScaler)
+        return takes_found_inf(self.optimizer) and not dynamic and not self.offload
+
+    @property
     def param_groups(self):
         return self.optimizer.param_groups
 
@@ -203,9 +222,11 @@ class MegatronOptimizer:
         return flag
 
     @torch.no_grad()
-    def step(self, *, loss: torch.Tensor | None = None) -> tuple[bool, float | None]:
+    def step(self, *, loss: torch.Tensor | None = None) -> tuple[Flag, Norm]:
         """Update unless a gradient, the gradient norm or the loss (a device scalar, equal on
-        every rank) is inf/NaN; skipping is global. The host waits for the device once."""
+        every rank) is inf/NaN; skipping is global. Returns (updated?, grad norm): python
+        values after one host read, or with `skip_on_device` 0-d device tensors (the norm NaN
+        where a python one would be None)."""
         try:
             return self._step(loss)
         finally:
@@ -245,6 +266,8 @@ class MegatronOptimizer:
             model_parallel_group=self.state.mp_group,
             expert_group=self.state.ep_group,
         )
+        if self.skip_on_device:
+            return self._update_unless(flag, norm)
         found_inf, norm = read_skip_and_norm(flag, norm)  # the step's one host read
         if self.scaler is not None:
             self.scaler.update(found_inf)
@@ -254,10 +277,34 @@ class MegatronOptimizer:
             for (_, main_p), carrier in zip(self._pairs(), carriers, strict=True):
                 main_p.grad = carrier.grad.to(main_p.device)  # the clipped gradient, on the CPU
         self.optimizer.step()
-        if self.masters:
-            for model_p, main_p in self._pairs():
-                model_p.copy_(main_p)
+        self._after_update()
         return True, norm
+
+    def _update_unless(self, flag: torch.Tensor, norm: torch.Tensor):
+        """The update, skipped on the device where `flag` (the gradients' and loss's inf/NaN
+        check) or the norm says so: fused AdamW's found_inf leaves everything as it was, and
+        the copies after it then copy unchanged weights. Returns device (updated?, norm)."""
+        skip = torch.maximum(flag.reshape(()), (~torch.isfinite(norm)).to(flag.dtype))
+        self.optimizer.found_inf = skip  # 0-d, 1.0 = skip; read by torch's fused AdamW
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.found_inf = None
+        self._after_update()
+        nan = torch.full_like(norm, float("nan"))  # "no norm" (python None), as the host path
+        return skip == 0, torch.where(flag.reshape(()) > 0, nan, norm)
+
+    def _after_update(self) -> None:
+        """The updated fp32 masters into the model's weights (half models, offload), in one
+        fused copy per device (masters on the CPU: per tensor, across devices)."""
+        if not self.masters:
+            return
+        pairs = list(self._pairs())
+        if self.offload:
+            for model_p, main_p in pairs:
+                model_p.copy_(main_p)
+        elif pairs:
+            torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -282,6 +329,10 @@ class MegatronOptimizer:
         if self.masters and "fp32_from_fp16_params" in sd:
             for (_, main_p), saved in zip(self._pairs(), sd["fp32_from_fp16_params"], strict=True):
                 main_p.copy_(saved)
+
+
+Flag = bool | torch.Tensor  # updated?: a python bool, or a 0-d bool tensor on the device
+Norm = float | None | torch.Tensor  # the grad norm: a python value, or a 0-d device tensor
 
 
 def read_skip_and_norm(flag: torch.Tensor, norm: torch.Tensor) -> tuple[bool, float | None]:

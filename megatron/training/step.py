@@ -22,6 +22,7 @@ from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.parallelize import parallelize
+from megatron.model.sdpa import attention_report
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
 from megatron.training.backend import (
@@ -67,8 +68,20 @@ def build_parallelized_model(cfg: MegatronConfig, rt: Runtime, model_provider, c
     transformations in their fixed order (megatron.model.parallelize)."""
     cpu_init = cfg.distributed.use_cpu_initialization
     ctx = build_context(cfg, rt, torch.device("cpu") if cpu_init else None)
+    k, dtype = cfg.kernels, cfg.precision.params_dtype
+    sdpa = attention_report(cfg.model, ctx.ops, rt.state, dtype, rt.device)  # raises if unfit
     if rt.state.rank == 0:
         print(f" {ctx.ops.describe()}", file=sys.stderr, flush=True)
+        if sdpa is not None:
+            print(f" {sdpa}", file=sys.stderr, flush=True)
+        if k.torch_compile:
+            graphs = ", replayed as CUDA graphs" if k.enable_cuda_graph else ""
+            print(
+                f" torch.compile ({k.torch_compile_backend}): each model chunk as one module "
+                f"(embedding, layers, head and loss){graphs}",
+                file=sys.stderr,
+                flush=True,
+            )
     model = model_provider(cfg.model, ctx)
     if cpu_init:
         model.to(rt.device)  # --use-cpu-initialization: built on the CPU, then moved
@@ -76,7 +89,9 @@ def build_parallelized_model(cfg: MegatronConfig, rt: Runtime, model_provider, c
         model,
         rt.state,
         cfg.recompute,
-        torch_compile=cfg.kernels.torch_compile,
+        torch_compile=k.torch_compile,
+        compile_backend=k.torch_compile_backend,
+        cuda_graph=k.enable_cuda_graph,
         checkpoint_impl=checkpoint_impl,
         precision=cfg.precision,
     )
@@ -210,8 +225,11 @@ def train_step(
     timers("optimizer", 1).start()
     updated, grad_norm = optimizer.step(loss=loss)
     timers("optimizer", 1).stop()
-    if updated:
-        scheduler.step()  # by its default_increment: 1 iteration, or the global batch
+    # by its default_increment: 1 iteration, or the global batch. A device flag (the skip
+    # decided on the device) is not read here: the schedule steps, and the loop takes it back
+    # when it reads a skip (TrainerBackend.take_back_schedule).
+    if isinstance(updated, torch.Tensor) or updated:
+        scheduler.step()
     result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
     others = other_losses(forward_step_func, stats, rt)
     others.update(moe_step_stats(model, rt.state, _model_config(model)))  # {} without MoE

@@ -1,9 +1,12 @@
 """Named wall-clock timers with levels, reported like Megatron's `--timing-log-level`.
 
 Level 0 timers are always on (the iteration); level 1 adds forward/backward/optimizer; level 2
-everything else (e.g. data loading, gradient all-reduce). CUDA work is synchronized before a
-timer reads the clock, so times mean the device's time, not the launch time. While --profile's
-window is open every timer, of any level, is also a named range (training/profiling.py).
+everything else (e.g. data loading, gradient all-reduce). With --timing-log-level 1 or 2, CUDA
+work is synchronized before a timer reads the clock, so times mean the device's time, not the
+launch time; at level 0 (the default) nothing is synchronized, so a step never waits for the
+device on a timer's account (the log line's time per iteration is measured by the loop, which
+waits for the device once per log line). While --profile's window is open every timer, of any
+level, is also a named range (training/profiling.py).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import torch
 
 
 class _Timer:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, sync: bool = True):
         self.device, self.elapsed_s, self._start = device, 0.0, None
+        self.sync = sync and device.type == "cuda"
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.sync:
             torch.cuda.synchronize(self.device)
 
     def start(self) -> None:
@@ -70,7 +74,7 @@ class Timers:
         timer = (
             self._null
             if level > self.log_level
-            else self._timers.setdefault(name, _Timer(self.device))
+            else self._timers.setdefault(name, _Timer(self.device, sync=self.log_level > 0))
         )
         return timer if self.ranges is None else _RangedTimer(timer, name, self.ranges)
 

@@ -13,19 +13,10 @@ from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
+from tests.helpers.models import TINY as BASE
 from tests.helpers.reference_gpt import RefGPT, load_from_megatron
 
 # vocab 100 pads to 104 / 112 / 128 at TP 1 / 2 / 4: the padding differs, the model must not.
-BASE = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=8,
-    seq_length=16,
-    vocab_size=100,
-    make_vocab_size_divisible_by=8,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
 VARIANTS = {
     "gpt2": ModelConfig(**BASE),
     "rope-rmsnorm-swiglu-gqa-untied": ModelConfig(
@@ -230,8 +221,8 @@ def test_recompute_is_applied_after_building_by_name_and_changes_no_number(granu
         torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0)
 
 
-@pytest.mark.slow  # torch.compile of two layers: ~20 s on 2 cores
-def test_compile_is_applied_to_the_layers_as_modules_keeping_their_names():
+@pytest.mark.slow  # Inductor compiles the whole model: ~20 s on 2 cores
+def test_compile_is_applied_to_the_chunk_as_a_module_keeping_its_names():
     from megatron.model.parallelize import parallelize
 
     cfg = ModelConfig(**BASE)
@@ -240,8 +231,8 @@ def test_compile_is_applied_to_the_layers_as_modules_keeping_their_names():
     model = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
     parallelize(model, mpu.single_process_state(), torch_compile=True)
     assert list(model.state_dict()) == list(plain.state_dict())
-    assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
-    assert "forward" not in vars(model.layers["0"]), "the module is compiled, not its forward"
+    assert model._compiled_call_impl is not None, "the chunk, head and loss included"
+    assert "forward" not in vars(model), "the module is compiled, not its forward"
     (l0, g0), (l1, g1) = (
         _loss_and_grads(plain, tokens, labels),
         _loss_and_grads(model, tokens, labels),

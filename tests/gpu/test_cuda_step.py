@@ -1,0 +1,145 @@
+"""The training step's speed switches on a GPU: `MEGATRON_TEST_DEVICE=cuda pytest
+tests/gpu/test_cuda_step.py` (bench/gpu_check.sh). With the default (cpu) the same tests run on
+the CPU where that means something, and the CUDA-only parts skip saying why. Covered: steps that
+do not log never synchronize with the device (torch.cuda.set_sync_debug_mode("error")), an
+inf/NaN step skipped on the device; the whole compiled chunk replayed as CUDA graphs
+(--torch-compile --enable-cuda-graph) training like eager; every --sdpa-backend SDPA can run
+giving the math backend's loss and gradients, and the one auto picks.
+"""
+
+import math
+
+import pytest
+import torch
+
+from megatron.config.schema import KernelConfig, OptimizerConfig
+from megatron.fused_kernels import select_ops
+from megatron.initialize import Runtime
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
+from megatron.model.sdpa import attention_report
+from megatron.models.gpt.model import GPTModel, build_model
+from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state
+from megatron.training.ddp import DistributedDataParallel
+from megatron.training.learning_rates import AnnealingLR
+from megatron.training.optimizer import MegatronOptimizer
+from megatron.training.step import train_step
+from megatron.training.timers import Timers
+from tests.helpers.models import tiny_gpt
+
+GPT2 = tiny_gpt(num_attention_heads=4, seq_length=64, make_vocab_size_divisible_by=16)
+
+
+def needs_cuda(device: torch.device, why: str) -> None:
+    if device.type != "cuda":
+        pytest.skip(f"CUDA only: {why} (MEGATRON_TEST_DEVICE=cuda runs it)")
+
+
+def _trainer(device, kernels: KernelConfig, dtype=torch.bfloat16):
+    """step(poison: bool) -> (loss, updated?, grad norm), device values; and the model."""
+    state = single_process_state()
+    tracker = RNGStatesTracker(device)
+    tracker.add(MODEL_PARALLEL_RNG, 1)
+    rt = Runtime(state=state, device=device, rng_tracker=tracker)
+    ops = select_ops(kernels, device)
+    ctx = BuildContext(state, seed=1, device=device, dtype=dtype, rng_tracker=tracker, ops=ops)
+    model = parallelize(
+        build_model(GPT2, ctx),
+        state,
+        torch_compile=kernels.torch_compile,
+        compile_backend=kernels.torch_compile_backend,
+        cuda_graph=kernels.enable_cuda_graph,
+    )
+    ddp = DistributedDataParallel(model, None)
+    opt = MegatronOptimizer(
+        model, OptimizerConfig(lr=1e-3), params_dtype=dtype, state=state, clip_grad=1.0
+    )
+    sched = AnnealingLR(opt.optimizer, max_lr=1e-3, warmup_steps=2, decay_steps=100)
+    g = torch.Generator().manual_seed(5)
+    text = torch.randint(0, GPT2.vocab_size, (16, 4, GPT2.seq_length + 1), generator=g)
+    batches = [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in text]  # made up front
+    timers, calls = Timers(0, device), {"n": 0}
+
+    def step(poison: bool = False):
+        def forward_step(_, chunk):
+            tokens, labels = batches[calls["n"] % len(batches)]
+            calls["n"] += 1
+
+            def loss_func(per_token):
+                loss = per_token.mean() * (math.nan if poison else 1.0)
+                return loss, {"lm loss": loss.detach()}
+
+            return chunk(tokens, labels=labels), loss_func
+
+        result = train_step(forward_step, None, ddp, opt, sched, 2, rt, timers)
+        return result["lm_loss"], result["updated"], result["grad_norm"]
+
+    return step, model
+
+
+def test_steps_that_do_not_log_never_wait_for_the_device(test_device):
+    step, model = _trainer(test_device, KernelConfig())
+    step(), step()  # warm-up: Triton's first launches, Adam's state
+    on_cuda = test_device.type == "cuda"
+    if on_cuda:
+        torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+    try:
+        results = [step(), step(poison=True)]
+        before = [p.detach().clone() for p in model.parameters()]
+        results.append(step(poison=True))
+        after = [p.detach().clone() for p in model.parameters()]
+        results.append(step())
+    finally:
+        if on_cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    updated = [bool(u) for _, u, _ in results]
+    assert updated == [True, False, False, True]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), "skip moved"
+    assert math.isfinite(float(results[-1][0])) and math.isnan(float(results[1][2]))
+
+
+@pytest.mark.slow  # Inductor compiles the forward and backward (about a minute)
+def test_cuda_graphs_of_the_compiled_chunk_train_like_eager(test_device):
+    needs_cuda(test_device, "CUDA graphs")
+    losses = {}
+    for name, kernels in {
+        "eager": KernelConfig(),
+        "compiled + CUDA graphs": KernelConfig(torch_compile=True, enable_cuda_graph=True),
+    }.items():
+        step, _ = _trainer(test_device, kernels)
+        losses[name] = [float(step()[0]) for _ in range(6)]
+    eager, graphs = losses["eager"], losses["compiled + CUDA graphs"]
+    assert len(set(graphs)) > 1, f"the compiled run must train: {graphs}"
+    torch.testing.assert_close(graphs, eager, rtol=2e-2, atol=0)  # bf16 rounding of the fusions
+
+
+def test_each_sdpa_backend_that_runs_gives_the_math_backends_loss_and_gradients(test_device):
+    dtype = torch.bfloat16 if test_device.type == "cuda" else torch.float32
+    tokens = torch.randint(0, GPT2.vocab_size, (2, GPT2.seq_length), device=test_device)
+    state, results, refused = single_process_state(), {}, {}
+    for backend in ("math", "cudnn", "flash", "efficient", "auto"):
+        ops = select_ops(KernelConfig(sdpa_backend=backend), test_device)
+        try:
+            report = attention_report(GPT2, ops, state, dtype, test_device)
+        except ValueError as e:
+            refused[backend] = str(e)
+            continue
+        model = GPTModel(GPT2, BuildContext(seed=3, device=test_device, dtype=dtype, ops=ops))
+        loss = model(tokens, labels=tokens).float().mean()
+        loss.backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters()}
+        results[backend] = (report, loss.detach(), grads)
+    assert "math" in results and "auto" in results, refused
+    chosen = results["auto"][0].split()[2]  # "SDPA backend: <name> (auto: ..."
+    assert chosen in results, f"auto picked {chosen}, which its own named run refused"
+    if test_device.type == "cuda":
+        assert chosen != "math", f"auto fell back to the math kernel on a GPU: {results['auto']}"
+    _, loss0, grads0 = results["math"]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for backend, (report, loss, grads) in results.items():
+        assert backend == "auto" or f"SDPA backend: {backend}" in report, report
+        torch.testing.assert_close(loss, loss0, rtol=tol, atol=tol, msg=backend)
+        for name, g in grads.items():
+            scale = grads0[name].abs().max().clamp_min(1e-6)
+            err = (g - grads0[name]).abs().max()
+            assert err <= 5 * tol * scale, f"{backend} {name}: {err:.3g} vs {scale:.3g}"
