@@ -136,6 +136,7 @@ do_tests() {
     # test_cuda.py: the model, kernels and trainer; the fp8 and fused linear + cross-entropy
     # modules skip on the CPU (they need float8 GEMMs / a CUDA device).
     MEGATRON_TEST_DEVICE=$device $PY -m pytest tests/gpu/test_cuda.py tests/gpu/test_fp8_cuda.py \
+        tests/gpu/test_cuda_step.py \
         tests/gpu/test_cuda_linear_cross_entropy.py -n "$TEST_WORKERS" -vv -rs \
         -p no:cacheprovider --junitxml "$LOGS/tests.xml" "${select[@]}"
     local rc=$?
