@@ -17,7 +17,6 @@ from megatron.checkpoint.async_save import AsyncSaver
 from megatron.config.lr_schedule import schedule_steps
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
-from megatron.fused_kernels._triton import fix_configs as fix_kernel_configs
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
@@ -50,7 +49,9 @@ def build_context(cfg: MegatronConfig, rt: Runtime, device=None) -> BuildContext
     """This rank's BuildContext for the run: its place in the grid, the seed, device, dtype,
     dropout streams and the kernels --attention-backend etc. chose."""
     if rt.state.tp_size > 1:  # the same kernel configs, hence the same sums, on every TP rank
-        fix_kernel_configs()
+        from megatron.fused_kernels._triton import fix_configs  # imports triton: only here
+
+        fix_configs()
     return BuildContext(
         state=rt.state,
         seed=cfg.training.seed,

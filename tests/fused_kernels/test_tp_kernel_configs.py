@@ -2,14 +2,22 @@
 rank on its own and may pick differently; the configs sum rows in different orders, and the
 replicated norm weights would drift apart by last bits): the trainer turns autotuning off."""
 
-from types import SimpleNamespace
+import os
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from megatron.config.cli import parse_args
-from megatron.fused_kernels import _triton
-from megatron.training.step import build_context
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megatron.config.cli import parse_args  # noqa: E402
+from megatron.fused_kernels import _triton  # noqa: E402
+from megatron.training.step import build_context  # noqa: E402
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+
+pytestmark = pytest.mark.triton  # keeps TRITON_INTERPRET=1 (see conftest)
 
 ARGV = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
