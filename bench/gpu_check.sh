@@ -35,7 +35,8 @@
 # MEGATRON_KERNELS_STRICT (1: a Triton kernel failing its self-check raises, never falls back
 # to torch unseen), BUDGET (570 s for all steps), T_<STEP> (each step's limit, seconds:
 # T_INSTALL T_TESTS T_PROFILE T_KERNELS T_MFU_SMALL T_TRAIN T_MFU T_MOE), PROFILE_SHAPE
-# (gpt2-small-b16) and PROFILE_FLAGS (';'-separated trainer flag lists: ";--torch-compile").
+# (gpt2-small-b16) and PROFILE_FLAGS (';'-separated trainer flag lists: ";--torch-compile"),
+# KERNELS_ARGS (more bench/kernels.py flags, e.g. "--ops norms --widths 768").
 # A step that would start with under 30 s of the budget left is not started.
 #
 # Packages already importable on the machine are left alone: only the missing ones go into
@@ -114,7 +115,7 @@ unset TRITON_INTERPRET  # the kernels must compile for the GPU (kernels --smoke 
 : "${MFU_SMALL_VARIANTS:=default,best,compile,cudagraphs,fused-linear-ce,liger,fp8,fp8-rowwise}"
 : "${MFU_SHAPES:=gpt-1.3b,gpt2-medium,gpt-2.7b}" "${MFU_VARIANTS:=default,best}"
 : "${MFU_SMALL_SYSTEMS:=}" "${MFU_SYSTEMS:=}" "${MFU_ARGS:=}"
-: "${PROFILE_SHAPE:=gpt2-small-b16}" "${PROFILE_FLAGS:=;--torch-compile}"
+: "${PROFILE_SHAPE:=gpt2-small-b16}" "${PROFILE_FLAGS:=;--torch-compile}" "${KERNELS_ARGS:=}"
 if [ $SMOKE = 1 ]; then
     export OMP_NUM_THREADS=1  # a loaded small CPU: no thread oversubscription
     : "${T_INSTALL:=120}" "${T_TESTS:=180}" "${T_KERNELS:=120}" "${T_MFU_SMALL:=400}"
@@ -129,7 +130,7 @@ fi
 export PY OUT LOGS WHEELS GPU_DEPS MCORE_VERSION MCORE_DIR SMOKE TRAIN_ITERS GPU_CHECK_DATA \
     DATA_BYTES DATA_VOCAB TEST_WORKERS MEGATRON_KERNELS_STRICT MFU_SMALL_SHAPES \
     MFU_SMALL_VARIANTS MFU_SHAPES MFU_VARIANTS MFU_SMALL_SYSTEMS MFU_SYSTEMS MFU_ARGS \
-    PROFILE_SHAPE PROFILE_FLAGS
+    PROFILE_SHAPE PROFILE_FLAGS KERNELS_ARGS
 # shellcheck source=bench/gpu_check_steps.sh
 source bench/gpu_check_steps.sh
 

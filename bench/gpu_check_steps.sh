@@ -169,7 +169,9 @@ do_kernels() {
     if [ "$SMOKE" = 1 ]; then
         $PY bench/kernels.py --smoke
     elif cuda_available; then
-        $PY bench/kernels.py
+        local more
+        read -r -a more <<< "$KERNELS_ARGS"
+        $PY bench/kernels.py "${more[@]}"
     else
         skip "no CUDA device: the kernel benchmark needs one (--smoke runs it on the CPU)"
     fi

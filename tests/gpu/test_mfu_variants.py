@@ -21,7 +21,11 @@ EXPECTED = {
     "compile": {("kernels", "torch_compile"): True},
     "cudagraphs": {("kernels", "torch_compile"): True, ("kernels", "enable_cuda_graph"): True},
     "fused-linear-ce": {("kernels", "cross_entropy_fusion_impl"): "linear"},
-    "fp8": {("precision", "fp8_format"): "e4m3", ("precision", "fp8_recipe"): "tensorwise"},
+    "fp8": {
+        ("precision", "fp8_format"): "e4m3",
+        ("precision", "fp8_recipe"): "tensorwise",
+        ("kernels", "torch_compile"): True,
+    },
     "fp8-rowwise": {("precision", "fp8_format"): "e4m3", ("precision", "fp8_recipe"): "rowwise"},
     "liger": {("kernels", "kernel_library"): "liger"},
 }
