@@ -201,7 +201,7 @@ def end_to_end(dtype, smoke: bool, with_liger: bool) -> list[tuple[str, float]]:
         if smoke and k.torch_compile:
             print("  (smoke: torch.compile per layer skipped: inductor takes minutes on a CPU)")
             continue
-        ops = select_ops(k, DEVICE)
+        ops = select_ops(k, DEVICE, follow_table=False)  # each label's own kernels
         step = build_ours(cfg, DEVICE, dtype, ops=ops, torch_compile=k.torch_compile)
         batches = iter(lambda: (tokens, tokens), None)
         if not smoke:

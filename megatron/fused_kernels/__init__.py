@@ -68,6 +68,15 @@ class FusedOps:
     # --torch-compile: the chunks run compiled, so the norms, activations and softmax stay
     # torch ops that Inductor fuses with their neighbours (a Triton call would be opaque to it).
     compiled: bool = False
+    # add + LayerNorm where it differs from add_norm (which then serves RMSNorm only): the
+    # dispatch keeps torch's LayerNorm where our kernel measured slower (SLOWER_THAN_TORCH).
+    add_layer_norm_impl: str | None = None
+
+    def add_norm_impl(self, rms: bool) -> str:
+        """The implementation of residual add + the model's norm (RMSNorm or LayerNorm)."""
+        if rms or self.add_layer_norm_impl is None:
+            return self.add_norm
+        return self.add_layer_norm_impl
 
     def describe(self) -> str:
         linear = " (fused with the output layer, in chunks of tokens)"
@@ -78,8 +87,11 @@ class FusedOps:
             "fused": f"matmul + {self.softmax} scaled causal softmax",
         }[self.attention_backend]
         compiled = "; torch.compile fuses the torch ops" if self.compiled else ""
+        layer_norm = ""
+        if self.add_layer_norm_impl not in (None, self.add_norm):
+            layer_norm = f" (LayerNorm: {self.add_layer_norm_impl}, measured faster here)"
         return (
-            f"fused kernels: attention = {attn}; add+norm = {self.add_norm}; "
+            f"fused kernels: attention = {attn}; add+norm = {self.add_norm}{layer_norm}; "
             f"bias+gelu = {self.bias_gelu}; swiglu = {self.swiglu}; "
             f"cross-entropy = {self.cross_entropy}{linear}; "
             f"bias+dropout+add = {self.bias_dropout_add}{compiled}"
@@ -205,8 +217,22 @@ def strict_from_env() -> bool:
     return value == "1"
 
 
+# Where our Triton kernel measured slower than torch's own ops on a CUDA GPU, forward + backward
+# (bench/kernels.py on one H100, 2026-11-26, ../shared/gpu-runs/2026-11-26-h100-wave4): add +
+# LayerNorm 0.767 ms against eager's 0.189 at 8192 x 768 (0.648 against 0.202 at 8192 x 2048),
+# bias + GeLU 0.597 against 0.196 at 8192 x 3072 (0.601 against 0.470 at 8192 x 8192). Our add +
+# RMSNorm (0.660 against 0.914) and SwiGLU (0.350 against 0.430) were faster and stay. The
+# dispatch follows the table: on CUDA these ops run torch's unless `follow_table=False` (the
+# CUDA tests of the kernels themselves).
+SLOWER_THAN_TORCH = {"cuda": frozenset({"add_layer_norm", "bias_gelu"})}
+
+
 def select_ops(
-    cfg: KernelConfig, device: torch.device | str, *, strict: bool | None = None
+    cfg: KernelConfig,
+    device: torch.device | str,
+    *,
+    strict: bool | None = None,
+    follow_table: bool = True,
 ) -> FusedOps:
     """Pick each op's implementation from the device, --kernel-library and the --no-*-fusion
     flags: the library's kernel, else ours, else torch (each kernel passing its self-check). A
@@ -238,6 +264,10 @@ def select_ops(
         if cfg.kernel_library == "liger" and op in liger.OPS and candidates:
             candidates.insert(0, "liger")
         chosen[op] = next((c for c in candidates if _self_check(op, device, c, strict)), "torch")
+    slower = SLOWER_THAN_TORCH.get(device.type, frozenset()) if follow_table else frozenset()
+    if "bias_gelu" in slower and chosen["bias_gelu"] == "triton":
+        chosen["bias_gelu"] = "torch"
+    layer_norm = "torch" if "add_layer_norm" in slower and chosen["add_norm"] == "triton" else None
     if cfg.attention_backend == "fused" and eager and chosen["softmax"] != "triton":
         if cfg.masked_softmax_fusion:
             raise RuntimeError(
@@ -252,6 +282,7 @@ def select_ops(
         cross_entropy_fusion_impl=cfg.cross_entropy_fusion_impl,
         sdpa_backend=cfg.sdpa_backend,
         compiled=cfg.torch_compile,
+        add_layer_norm_impl=layer_norm,
         **chosen,
     )
 

@@ -372,7 +372,7 @@ class TransformerLayer(nn.Module):
             x = normed
         if self.bias_dropout_fusion:
             attn_bias = self.self_attention.dense.bias
-            if self.ops.add_norm != "torch":  # the residual add goes into the norm's kernel
+            if self._fuses_add_norm():  # the residual add goes into the norm's kernel
                 zero = torch.zeros((), dtype=attn.dtype, device=attn.device)
                 y, x = self._add_norm(self._fused(attn, attn_bias, zero), x)
             else:
@@ -381,7 +381,7 @@ class TransformerLayer(nn.Module):
             out = self.mlp(y)
             bias = None if isinstance(self.mlp, MoELayer) else self.mlp.dense_4h_to_h.bias
             return self._fused(out, bias, y if self.post_ln_residual else x)
-        if self.ops.add_norm != "torch":  # residual add + norm in one kernel (or Liger's)
+        if self._fuses_add_norm():  # residual add + norm in one kernel (or Liger's)
             y, x = self._add_norm(self._dropout(attn), x)
             return (y if self.post_ln_residual else x) + self._dropout(self.mlp(y))
         x = x + self._dropout(attn)
@@ -400,6 +400,10 @@ class TransformerLayer(nn.Module):
             return x
         with self.residual_rng():
             return F.dropout(x, p)
+
+    def _fuses_add_norm(self) -> bool:
+        rms = isinstance(self.post_attention_layernorm, RMSNorm)
+        return self.ops.add_norm_impl(rms) != "torch"
 
     def _add_norm(self, x, residual):
         norm = self.post_attention_layernorm

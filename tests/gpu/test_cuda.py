@@ -350,7 +350,7 @@ def test_triton_kernels_are_compiled_not_interpreted(test_device):
     assert not interpreted, f"defined under TRITON_INTERPRET=1: {interpreted}"
     # Each op passes its self-check on the device: strict mode raises the check's own error
     # (a compile failure, a disagreement) instead of warning and falling back to torch.
-    fused = select_ops(FUSED_KERNELS, test_device, strict=True)
+    fused = select_ops(FUSED_KERNELS, test_device, strict=True, follow_table=False)
     picked = (fused.softmax, fused.add_norm, fused.bias_gelu, fused.swiglu, fused.cross_entropy)
     assert picked == ("triton",) * 5, fused.describe()
 
@@ -423,7 +423,7 @@ def test_whole_gpt_through_the_compiled_kernels(test_device, variant):
     needs_cuda(test_device, "compiled Triton kernels (the CPU interpreter: test_fused_model.py)")
     pytest.importorskip("triton", reason="Triton is not installed")
     cfg = VARIANTS[variant]
-    fused = select_ops(FUSED_KERNELS, test_device, strict=True)
+    fused = select_ops(FUSED_KERNELS, test_device, strict=True, follow_table=False)
     picked = (fused.softmax, fused.add_norm, fused.bias_gelu, fused.swiglu, fused.cross_entropy)
     assert picked == ("triton",) * 5, fused.describe()
     tokens, labels = batch(cfg, test_device)
