@@ -394,6 +394,49 @@ def test_imports_follow_the_layers():
                 assert f"megatron.inference.{cli} " not in text, f"{path} imports {cli}"
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """megatron module -> the megatron modules it imports (anywhere in the file, lazy too)."""
+    import ast
+
+    root = ROOT / "megatron"
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = ("megatron", *path.relative_to(root).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                # `from pkg import submodule` imports the submodule; `from pkg import name`, pkg.
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [s if s in files else node.module for s in subs]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {n for n in names if n in files and n != name}
+    return graph
+
+
+def test_no_module_imports_round_a_circle():
+    """A circle (a imports b imports a), even through an import inside a function, means the
+    two are one unit or something they share belongs in a third module below both."""
+    graph, done = _module_graph(), set()
+
+    def visit(name, path):
+        if name in path:
+            circle = path[path.index(name) :] + [name]
+            raise AssertionError(f"modules import round a circle: {' -> '.join(circle)}")
+        if name not in done:
+            for dep in sorted(graph[name]):
+                visit(dep, [*path, name])
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
 def test_tests_mirror_the_package_and_import_no_test_module():
     """tests/<package>/ for megatron/<package>/ (plus the folders of what sits outside the
     package); what test modules share lives in tests/helpers/ or a conftest.py."""
