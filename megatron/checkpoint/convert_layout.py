@@ -23,7 +23,7 @@ from megatron.checkpoint.resharding import (
     write_layout,
 )
 from megatron.checkpoint.storage import CheckpointError, checkpoint_dir
-from megatron.models.registry import vocab_sized_names
+from megatron.model.families import vocab_sized_names
 
 CONVERTED_NOTE = (
     "note: the optimizer state (Adam moments, fp32 main weights, loss scale) was converted "

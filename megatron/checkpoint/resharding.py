@@ -39,15 +39,15 @@ from megatron.checkpoint.storage import (
     save_shard,
 )
 from megatron.config.schema import ModelConfig, model_config_from_saved
+from megatron.model import families as registry
 from megatron.model.stages import stage_layer_range
 from megatron.model.weights import WORD_EMBEDDINGS
-from megatron.models import registry
 from megatron.mpu import partition_of
 from megatron.mpu.utils import shard, unshard
 
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 # Model families: a checkpoint's args["model_family"] (absent: the default family), or the one
-# its tensor names tell (megatron.models.registry asks each family).
+# its tensor names tell (megatron.model.families asks each family).
 
 
 def model_family(args: dict) -> str:

@@ -10,9 +10,9 @@ from megatron.checkpoint.storage import CheckpointError
 from megatron.config.schema import KernelConfig, TokenizerConfig, model_config_from_saved
 from megatron.data.tokenizers import build_tokenizer
 from megatron.fused_kernels import TORCH_OPS, select_ops
+from megatron.model import families as registry
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
-from megatron.models import registry
 
 
 def load_model_for_inference(

@@ -49,6 +49,7 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
+from megatron.model.mlp import ParallelMLP
 from megatron.mpu.mappings import (
     all_gather_rows,
     all_gather_sequence,
@@ -317,8 +318,6 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
-        from megatron.model.transformer import ParallelMLP  # transformer.py imports this file
-
         self.cfg, self.state = cfg, ctx.state
         self.dispatcher = ctx.moe_dispatcher
         self.router = Router(cfg, ctx)

@@ -21,7 +21,7 @@ from megatron.config.tokenizer_files import check_tokenizer_files
 from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
-from megatron.models.registry import DEFAULT_FAMILY, ModelSpec, get_spec
+from megatron.model.families import DEFAULT_FAMILY, ModelSpec, get_spec
 from megatron.training.backend import TrainerBackend
 from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
 from megatron.training.log import (
@@ -108,7 +108,7 @@ def pretrain(
 ) -> TrainResult:
     """Train as the config says; returns the per-iteration history (the last rank logs it).
 
-    `family`: the model family's spec (megatron.models.registry; None: the default family),
+    `family`: the model family's spec (megatron.model.families; None: the default family),
     which gives the model, the datasets, the forward step and the rules the config is validated
     by (megatron.config.rules.validate(cfg, family.purpose); a validated config passes
     unchanged); `forward_step_func` replaces the family's (tests wrap it)."""

@@ -27,7 +27,7 @@ from megatron.checkpoint.resharding import partition_record, split_rule
 from megatron.checkpoint.rng_state import rng_state_dict
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, set_random_seeds
-from megatron.models.registry import vocab_sized_names
+from megatron.model.families import vocab_sized_names
 from megatron.mpu.expert_shards import is_etp_split
 
 

@@ -334,15 +334,16 @@ _MAY_IMPORT = {
     "planning": {"config.schema", "config.rules", "pipeline_order"},
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
-    # The generic code names no model family: it asks megatron.models.registry for one by name.
-    "checkpoint": {"config.schema", "model", "models.registry", "mpu"},
+    # The generic code names no model family: it reads the families' registrations in
+    # megatron.model.families, on its own floor (megatron.models sits above it).
+    "checkpoint": {"config.schema", "model", "mpu"},
     "inference": {"checkpoint", "config.inference", "config.rules", "config.schema", "data"}
     | {"fused_kernels"}
     | {"initialize", "progress"}
-    | {"model", "models.registry", "mpu"},
+    | {"model", "mpu"},
 }
-# Above them: the trainer (which may use any layer below it, and of megatron.models only the
-# registry) and the model families, each of which may use everything but another family.
+# Above them: the trainer (which may use any layer below it, but nothing of megatron.models)
+# and the model families, each of which may use everything but another family.
 _GENERIC_ABOVE = ("training",)
 
 
@@ -375,7 +376,8 @@ def test_imports_follow_the_layers():
         imports = _megatron_imports(path)
         families = {i for i in imports if i.startswith("models.") and i != "models.registry"}
         if package in _GENERIC_ABOVE:
-            assert not families, f"{path} imports the model families {sorted(families)}"
+            above = {i for i in imports if i.startswith("models")}
+            assert not above, f"{path} imports {sorted(above)}: read megatron.model.families"
         if package == "models" and len(parts) > 2:  # megatron/models/<family>/...
             others = {f for f in families if f != f"models.{parts[1]}"}
             assert not others, f"{path} imports another family's code: {sorted(others)}"
@@ -392,6 +394,49 @@ def test_imports_follow_the_layers():
         for cli in ("generate_cli", "evaluate_cli", "server"):
             if path.stem != cli:
                 assert f"megatron.inference.{cli} " not in text, f"{path} imports {cli}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """megatron module -> the megatron modules it imports (anywhere in the file, lazy too)."""
+    import ast
+
+    root = ROOT / "megatron"
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = ("megatron", *path.relative_to(root).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                # `from pkg import submodule` imports the submodule; `from pkg import name`, pkg.
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [s if s in files else node.module for s in subs]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {n for n in names if n in files and n != name}
+    return graph
+
+
+def test_no_module_imports_round_a_circle():
+    """A circle (a imports b imports a), even through an import inside a function, means the
+    two are one unit or something they share belongs in a third module below both."""
+    graph, done = _module_graph(), set()
+
+    def visit(name, path):
+        if name in path:
+            circle = path[path.index(name) :] + [name]
+            raise AssertionError(f"modules import round a circle: {' -> '.join(circle)}")
+        if name not in done:
+            for dep in sorted(graph[name]):
+                visit(dep, [*path, name])
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
 
 
 def test_tests_mirror_the_package_and_import_no_test_module():

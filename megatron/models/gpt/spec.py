@@ -1,11 +1,11 @@
-"""The GPT family's registration (megatron.models.registry)."""
+"""The GPT family's registration (megatron.model.families)."""
 
 from __future__ import annotations
 
+from megatron.model.families import ModelSpec, register
 from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
 from megatron.models.gpt import hf, train
 from megatron.models.gpt.model import GPTModel
-from megatron.models.registry import ModelSpec
 
 
 def _hf_export(full_state, args, out_dir, tokenizer_files=None) -> str:
@@ -21,19 +21,21 @@ def _deepspeed_pipeline(cfg, rt, checkpoint_fn):
     return build_pipeline_module(cfg, rt, checkpoint_fn)
 
 
-SPEC = ModelSpec(
-    name="gpt",
-    model_provider=train.model_provider,
-    datasets_provider=train.datasets_provider,
-    forward_step=train.make_forward_step,
-    reference_model=lambda cfg, family: GPTModel(cfg),
-    checkpoint_families=("gpt",),
-    family_of_names=lambda names: "gpt",
-    vocab_sized=(WORD_EMBEDDINGS, OUTPUT_WEIGHTS),
-    deepspeed_pipeline=_deepspeed_pipeline,
-    hf_export=_hf_export,
-    hf_import=lambda hf_dir, hf_config: hf.from_hf(hf_dir),
-    hf_model_types=("gpt2", "llama", "mixtral", "qwen2_moe"),
-    causal_lm=True,
-    purpose="train-gpt",
+SPEC = register(
+    ModelSpec(
+        name="gpt",
+        model_provider=train.model_provider,
+        datasets_provider=train.datasets_provider,
+        forward_step=train.make_forward_step,
+        reference_model=lambda cfg, family: GPTModel(cfg),
+        checkpoint_families=("gpt",),
+        family_of_names=lambda names: "gpt",
+        vocab_sized=(WORD_EMBEDDINGS, OUTPUT_WEIGHTS),
+        deepspeed_pipeline=_deepspeed_pipeline,
+        hf_export=_hf_export,
+        hf_import=lambda hf_dir, hf_config: hf.from_hf(hf_dir),
+        hf_model_types=("gpt2", "llama", "mixtral", "qwen2_moe"),
+        causal_lm=True,
+        purpose="train-gpt",
+    )
 )
