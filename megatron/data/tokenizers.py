@@ -56,6 +56,10 @@ class Tokenizer(ABC):
     # Ids whose text may still change with the ids after them: HF's ByteFallback decoder
     # decodes a run of byte tokens (<0xE4>) as a whole, all U+FFFD if any of it is invalid.
     byte_run_ids: frozenset[int] = frozenset()
+    # The most characters of text one id can stand for (byte-level BPE: its longest token's
+    # bytes), so a text of more than n * max_token_chars characters has more than n ids.
+    # None where one id may stand for any amount of text (an unknown-word id).
+    max_token_chars: int | None = None
 
     def __init__(self, name: str, build_kwargs: dict, vocab_size: int, eod: int):
         self.name = name
@@ -189,6 +193,9 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         tok.decoder = decoders.ByteLevel()
         kwargs = {"vocab_file": vocab_file, "merge_file": merge_file}
         super().__init__(name, kwargs, tok, vocab["<|endoftext|>"])
+        # Byte-level: one character of a vocab entry is one byte, and a text character is at
+        # least one byte.
+        self.max_token_chars = max(len(token) for token in vocab)
         self._fast = TiktokenBPE.build(vocab, merges)
         self._fast_checked = False
 

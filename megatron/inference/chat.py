@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from megatron.inference import openai_api
 from megatron.inference.chat_template import ChatTemplate, TemplateRefused
 from megatron.inference.openai_api import MAX_LOGPROBS, MAX_STOPS, FieldError
+from megatron.inference.prompt_tokens import tokenize_within, too_long
 
 # Passed on to completion_args unchanged: the same name means the same thing there.
 _SHARED = ("model", "temperature", "top_p", "top_k", "seed", "user", "n", "stream")
@@ -113,24 +114,33 @@ def _max_tokens(req: dict, prompt_len: int, max_positions: int) -> int:
 
 
 def chat_args(
-    body: bytes, tokenizer, max_positions: int, vocab_size: int, template: ChatTemplate
+    body: bytes,
+    tokenizer,
+    max_positions: int,
+    vocab_size: int,
+    template: ChatTemplate,
+    served: str = "megatron",
 ) -> dict:
-    """The validated chat request as the arguments of ops.complete (completion_args' dict)."""
+    """The validated chat request as the arguments of ops.complete (completion_args' dict;
+    `served` as there)."""
     req = openai_api.json_object(body)
     unknown = sorted(set(req) - _KNOWN)
     if unknown:
         raise FieldError(unknown[0], f"unknown fields {unknown}")
     messages = parse_messages(req.get("messages"))
     try:
-        prompt = tokenizer.tokenize(template.render(messages))
+        rendered = template.render(messages)
     except TemplateRefused as e:
         raise FieldError("messages", str(e)) from None
-    if not prompt or len(prompt) >= max_positions:
-        raise FieldError(
-            "messages",
-            f"the conversation is {len(prompt)} tokens once rendered by {template.origin}; "
-            f"the model's context is {max_positions} positions, with room for the reply",
-        )
+    prompt = tokenize_within(tokenizer, rendered, max_positions - 1)  # room for the reply
+    if not prompt:
+        what = f"the conversation rendered by {template.origin}"
+        if prompt is None:
+            why = f"the model's context of {max_positions} positions, less one for the reply"
+            message = too_long(what, max_positions - 1, why)
+        else:
+            message = f"{what} has no tokens; the reply needs a prompt"
+        raise FieldError("messages", message)
     stops = openai_api.parse_stops(req.get("stop"))
     if len(stops) + len(template.stops) > MAX_STOPS:
         most = MAX_STOPS - len(template.stops)
@@ -148,7 +158,7 @@ def chat_args(
     )
     try:
         return openai_api.completion_args(
-            json.dumps(completion).encode(), tokenizer, max_positions, vocab_size
+            json.dumps(completion).encode(), tokenizer, max_positions, vocab_size, served
         )
     except FieldError as e:
         if e.field == "max_tokens" and req.get("max_completion_tokens") is not None:

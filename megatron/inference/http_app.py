@@ -266,7 +266,9 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         def parse(body: bytes) -> dict:
-            return openai_api.completion_args(body, tokenizer, model.max_positions, vocab)
+            return openai_api.completion_args(
+                body, tokenizer, model.max_positions, vocab, model_name
+            )
 
         respond = openai_api.completion_response
         return await openai_route(request, parse, respond, lambda c: c, "completion")
@@ -274,7 +276,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         def parse(body: bytes) -> dict:
-            return chat.chat_args(body, tokenizer, model.max_positions, vocab, template)
+            return chat.chat_args(body, tokenizer, model.max_positions, vocab, template, model_name)
 
         return await openai_route(
             request, parse, chat.chat_response, chat.chat_chunks, "chat completion"

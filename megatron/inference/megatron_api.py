@@ -11,6 +11,7 @@ import json
 import math
 
 from megatron.inference.generation import SamplingParams
+from megatron.inference.prompt_tokens import tokenize_within, too_long
 
 MAX_PROMPTS = 128
 MAX_TOKENS = 4096
@@ -109,8 +110,16 @@ def params_of(req: dict) -> SamplingParams:
 
 def check_length(req: dict, tokenizer, limit: int) -> None:
     """Refuse (never truncate) a request whose prompt + tokens_to_generate exceeds the model's
-    positions; checked on rank 0 so followers never see it."""
-    longest = max(len(tokenizer.tokenize(p)) for p in req["prompts"])
+    positions; checked on rank 0 so followers never see it, and without tokenizing more of a
+    prompt than can fit (prompt_tokens)."""
+    lengths = []
+    for p in req["prompts"]:
+        ids = tokenize_within(tokenizer, p, limit)
+        if ids is None:
+            why = f"the model's context of {limit} positions"
+            raise BadRequest(too_long("a prompt", limit, why))
+        lengths.append(len(ids))
+    longest = max(lengths)
     if longest + req["tokens_to_generate"] > limit:
         raise BadRequest(
             f"the longest prompt has {longest} tokens and 'tokens_to_generate' is "

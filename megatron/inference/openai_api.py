@@ -11,7 +11,12 @@ per generated token returned, best first; not with stream), stream (server-sent 
 text_completion chunk per token, a last one per choice with its finish_reason, then
 `data: [DONE]`), stream_options.include_usage. This is what lm-eval's `local-completions`
 model and the openai client send. Everything else is refused with a 400 naming the field
-(never silently ignored).
+(never silently ignored). A missing or null model is the served one.
+
+A generated end-of-document token is a token of its choice (in logprobs and usage, finish_reason
+"stop"), not text, as OpenAI and vLLM return it: with echo the logprobs hold the prompt and
+every generated token, which lm-eval's log-likelihoods count on. A prompt string longer than
+the context is refused before it is tokenized in full (prompt_tokens).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from megatron.inference.megatron_api import (
     MIN_TEMPERATURE,
     BadRequest,
 )
+from megatron.inference.prompt_tokens import tokenize_within, too_long
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
@@ -70,8 +76,9 @@ def _is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _prompts(value, tokenizer, vocab_size: int) -> list[list[int]]:
-    """The prompt field as lists of ids (strings are tokenized)."""
+def _prompts(value, tokenizer, vocab_size: int, max_positions: int) -> list[list[int]]:
+    """The prompt field as lists of ids (strings are tokenized, and refused past the context
+    before they are tokenized in full)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value:
@@ -83,7 +90,11 @@ def _prompts(value, tokenizer, vocab_size: int) -> list[list[int]]:
     out = []
     for p in value:
         if isinstance(p, str) and p:
-            out.append(tokenizer.tokenize(p))
+            ids = tokenize_within(tokenizer, p, max_positions)
+            if ids is None:
+                why = f"the model's context of {max_positions} positions"
+                raise FieldError("prompt", too_long("a 'prompt' string", max_positions, why))
+            out.append(ids)
         elif isinstance(p, list) and p and all(is_int(t) and 0 <= t < vocab_size for t in p):
             out.append(p)
         else:
@@ -185,8 +196,12 @@ def json_object(body: bytes) -> dict:
     return req
 
 
-def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int) -> dict:
-    """The validated request as the arguments of ops.complete, or FieldError."""
+def completion_args(
+    body: bytes, tokenizer, max_positions: int, vocab_size: int, served: str = "megatron"
+) -> dict:
+    """The validated request as the arguments of ops.complete, or FieldError. A request that
+    names no model (lm-eval sends "model": null unless model= is given) gets `served`, the
+    server's one model (as single-model servers do)."""
     req = json_object(body)
     unknown = sorted(set(req) - _KNOWN)
     if unknown:
@@ -194,11 +209,11 @@ def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int)
     for name, only in _ONLY.items():
         if name in req and req[name] is not None and req[name] != only:
             raise FieldError(name, f"'{name}' is not supported (only {json.dumps(only)})")
-    if not isinstance(req.get("model", ""), str):
-        raise FieldError("model", "'model' must be a string")
+    if not isinstance(req.get("model") or "", str):  # missing or null: the served model
+        raise FieldError("model", "'model' must be a string (or left out: the served model)")
     if not isinstance(req.get("echo", False), bool):
         raise FieldError("echo", "'echo' must be true or false")
-    prompts = _prompts(req.get("prompt"), tokenizer, vocab_size)
+    prompts = _prompts(req.get("prompt"), tokenizer, vocab_size, max_positions)
     max_tokens = _int(req, "max_tokens", 16, 0, max_positions)
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > max_positions:
@@ -216,7 +231,7 @@ def completion_args(body: bytes, tokenizer, max_positions: int, vocab_size: int)
         "seed": seed if seed is not None else int(uuid.uuid4().int % (2**63)),
         "logprobs": _int(req, "logprobs", None, 0, MAX_LOGPROBS),
         "echo": req.get("echo", False),
-        "model": req.get("model") or "megatron",
+        "model": req.get("model") or served,
         **_sampling(req),
     }
 

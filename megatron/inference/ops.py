@@ -78,12 +78,14 @@ def score(model: Model, sequences: list[list[int]], top_n: int = 0, batch_size: 
 
 
 def _cut(model: Model, new: list[int], stops: list[str]) -> tuple[list[int], str, str]:
-    """(kept ids, text, finish reason) of one continuation: the end-of-document token and
-    anything from the first stop string on are removed, as OpenAI does."""
+    """(kept ids, text, finish reason) of one continuation, as OpenAI and vLLM do: a generated
+    end-of-document token stays in the ids (a token with its log-probability, so echo +
+    logprobs always hold the prompt and max_tokens generated tokens: lm-eval drops the last
+    one as the generated one) and is left out of the text; anything from the first stop
+    string on is removed from both."""
     eod = model.tokenizer.eod
     if new and new[-1] == eod:
-        new = new[:-1]
-        return new, model.tokenizer.detokenize(new), "stop"
+        return new, model.tokenizer.detokenize(new[:-1]), "stop"
     text = model.tokenizer.detokenize(new)
     hits = [text.find(s) for s in stops if s in text]
     if not hits:
@@ -131,13 +133,10 @@ def _echo(model: Model, args: dict, best_of: int, stream: TokenStream | None) ->
             stream.put({"row": row, **event, **(scored[i] if scored else {})})
 
 
-def _best(model: Model, rows, full, results: list[dict], top_n: int) -> None:
+def _best(model: Model, rows, results: list[dict], top_n: int) -> None:
     """Score each continuation (its log-probabilities, with top_n alternatives) and rank it by
     the mean log-probability of its generated tokens, end of document included."""
-    eod = model.tokenizer.eod
-    ended = [len(seq) > len(p) and seq[-1] == eod for p, seq in zip(rows, full, strict=True)]
-    tails = [[eod] if e else [] for e in ended]
-    seqs = [p + r["ids"] + t for p, r, t in zip(rows, results, tails, strict=True)]
+    seqs = [p + r["ids"] for p, r in zip(rows, results, strict=True)]
     for p, r, s in zip(rows, results, score(model, seqs, top_n), strict=True):
         r.update(s)
         new = s["logprobs"][len(p) - 1 :]  # log p of each generated token
@@ -175,7 +174,7 @@ def complete(model: Model, args: dict, stream: TokenStream | None = None) -> lis
         ids, text, reason = _cut(model, seq[len(prompt) :], args["stop"])
         results.append({"ids": ids, "text": text, "finish_reason": reason})
     if not streaming and (args["logprobs"] is not None or best_of > n):
-        _best(model, rows, full, results, args["logprobs"] or 0)
+        _best(model, rows, results, args["logprobs"] or 0)
     if best_of > n:
         groups = [results[i : i + best_of] for i in range(0, len(results), best_of)]
         results = [r for g in groups for r in sorted(g, key=lambda r: -r["rank"])[:n]]

@@ -16,7 +16,8 @@ completes). So the concatenated deltas equal the text a non-streamed request ret
 
 Events (plain dicts, rank 0 -> the HTTP side):
     {"row", "prompt": ids, "text", ["logprobs", "top"]}          echo: the prompt, first
-    {"row", "token": id, "text": delta, ["logprob", "top"]}      one per generated token
+    {"row", "token": id, "text": delta, ["logprob", "top"]}      one per generated token, end
+                                                                 of document included
     {"row", "finish_reason": "stop" | "length", "text": rest}    once per row, last
     {"end": results} or {"error": message}                       last (http_app.Scheduler)
 """
@@ -154,9 +155,8 @@ class RowsHook:
         return stop
 
     def _emit(self, row: int, token: int, delta: str, logits: torch.Tensor, finish) -> None:
-        if token == self.rows[row].tokenizer.eod:  # no text of its own: it ends the row
-            self.stream.put({"row": row, "finish_reason": finish, "text": delta})
-            return
+        # The end-of-document token too is a token (with its log-probability), as in the
+        # plain answer; its text is only what was held back before it.
         event = {"row": row, "token": token, "text": delta}
         if self.top_n is not None:
             lp = logits.float().log_softmax(-1)  # (V,): the model's, before temperature

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron.checkpoint.storage import finalize_checkpoint, save_shard
@@ -47,9 +48,23 @@ def fixture_tokenizer():
     )
 
 
-def make_checkpoint(root: Path, cfg: ModelConfig = CFG, seed: int = 5) -> str:
-    """A GPT saved the way the trainer saves it (iteration 7), with the fixture GPT-2 BPE."""
+def lean_to_eod(state: dict, strength: float = 5.0) -> None:
+    """Shift (in place) a GPT's final-norm bias toward the end-of-document embedding, which the
+    tied output layer scores: with CFG, seed 5 and 5.0, end-of-document is the greedy next
+    token at about half the positions (after 13 of the 21 texts of test_lm_eval's
+    QUESTIONS). A model that predicts end-of-document, from random weights."""
+    e = state["embedding.word_embeddings.weight"][fixture_tokenizer().eod]
+    state["head.final_layernorm.bias"] += strength * e / e.norm()
+
+
+def make_checkpoint(
+    root: Path, cfg: ModelConfig = CFG, seed: int = 5, edit: Callable | None = None
+) -> str:
+    """A GPT saved the way the trainer saves it (iteration 7), with the fixture GPT-2 BPE;
+    `edit(state_dict)` may change its weights in place first (e.g. lean_to_eod)."""
     model = GPTModel(cfg, BuildContext(seed=seed))
+    if edit is not None:
+        edit(model.state_dict())
     args = {
         "model": cfg.__dict__,
         "tensor_model_parallel_size": 1,

@@ -166,7 +166,7 @@ BAD = [
         "messages[0].content[0]",
         "'image_url' part",
     ),
-    ({"messages": [{"role": "user", "content": "x " * 100}]}, "messages", "context is 64"),
+    ({"messages": [{"role": "user", "content": "x " * 100}]}, "messages", "context of 64"),
     ({"messages": MESSAGES, "stream": 1}, "stream", "true or false"),
     ({"messages": MESSAGES, "stream_options": {}}, "stream_options", "with 'stream': true"),
     ({"messages": MESSAGES, "logprobs": 2}, "logprobs", "true or false"),

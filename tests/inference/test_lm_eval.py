@@ -2,21 +2,33 @@
 the same multiple-choice accuracy and log-likelihoods as lm-eval's hf model on the HF export,
 the same rolling log-likelihood, and runs generate_until; with rolling=megatron its perplexity
 equals tools/evaluate.py's; lm-eval's local-completions model through our server's
-/v1/completions scores and generates like them. Fully offline: local task YAMLs over local
-JSONL files."""
+/v1/completions, with the model_args docs/inference.md gives, scores and generates like them.
+The model leans to end-of-document (serving.lean_to_eod): the greedy next token after most
+choices is end-of-document, which the server must return as a token (lm-eval drops the last
+token of each answer as the generated one). Fully offline: local task YAMLs over local JSONL
+files."""
 
 import glob
 import json
 import math
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
-from tests.helpers.serving import Server, convert, make_checkpoint, rank_env
+from tests.helpers.serving import (
+    Server,
+    convert,
+    fixture_tokenizer,
+    lean_to_eod,
+    make_checkpoint,
+    rank_env,
+)
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
 pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate ('.[eval]')")
@@ -124,9 +136,47 @@ def _lm_eval(model: str, model_args: str, tasks: str, task_dir: Path, out: Path)
     ]
 
 
+def _documented_model_args(url: str, hf: Path) -> str:
+    """The model_args of docs/inference.md's local-completions command, pointed at this test's
+    server and HF export, with this model's context (63: one token past each window of 64)."""
+    doc = (ROOT / "docs" / "inference.md").read_text()
+    found = re.search(r"lm_eval --model local-completions --model_args (\S+?)`", doc)
+    assert found, "docs/inference.md lost its lm-eval local-completions command"
+    args = dict(kv.split("=", 1) for kv in found.group(1).split(","))
+    assert set(args) == {"base_url", "model", "tokenizer", "tokenizer_backend", "max_length"}
+    args["base_url"] = args["base_url"].replace("http://127.0.0.1:5000", url)
+    args.update(tokenizer=str(hf), max_length="63")
+    return ",".join(f"{k}={v}" for k, v in args.items())
+
+
+def _ends_of_document(url: str) -> int:
+    """How many QUESTIONS' texts the model ends with end-of-document, asked as lm-eval asks for
+    a log-likelihood (ids, echo, logprobs, one greedy token; "model": null, as lm-eval sends
+    without model=): every answer holds the prompt and one generated token."""
+    tok = fixture_tokenizer()
+    prompts = [tok.tokenize(q) + tok.tokenize(c) for q, choices, _ in QUESTIONS for c in choices]
+    body = {"model": None, "prompt": prompts, "max_tokens": 1, "temperature": 0}
+    body.update(echo=True, logprobs=1, seed=1)
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer = json.load(response)
+    assert answer["model"] == "megatron"  # the served model
+    assert answer["usage"]["completion_tokens"] == len(prompts)
+    ended = 0
+    for c, ids in zip(answer["choices"], prompts, strict=True):
+        assert len(c["logprobs"]["token_logprobs"]) == len(ids) + 1
+        if c["finish_reason"] == "stop":
+            assert c["logprobs"]["tokens"][-1] == "<|endoftext|>"
+            assert c["text"] == tok.detokenize(ids)  # the end of document is not text
+            ended += 1
+    return ended
+
+
 @pytest.mark.slow
 def test_megatron_model_matches_the_hf_export_and_evaluate_py(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "ckpt")
+    ckpt = make_checkpoint(tmp_path / "ckpt", edit=lean_to_eod)
     pp2, hf = tmp_path / "pp2", tmp_path / "hf_model"
     convert(["--load", ckpt, "--save", str(pp2), "--target-pipeline-model-parallel-size", "2"])
     convert(["--load", ckpt, "--to-hf", str(hf)])
@@ -150,13 +200,13 @@ def test_megatron_model_matches_the_hf_export_and_evaluate_py(tmp_path):
     gen = _samples(ours, "local_gen")
     assert len(gen) == len(QUESTIONS) and all(isinstance(s["resps"][0][0], str) for s in gen)
 
-    # lm-eval's local-completions model against our server's /v1/completions (as with vLLM):
-    # the same log-likelihoods and accuracy as the hf model, the same greedy generations as
-    # the in-process megatron model. max_length 63: it asks for one token past each window.
+    # lm-eval's local-completions model against our server's /v1/completions (as with vLLM),
+    # run as docs/inference.md says: the same log-likelihoods and accuracy as the hf model
+    # (most answers end the document), the same greedy generations as the in-process model.
     server = Server(ckpt)
     try:
-        url = f"base_url={server.url}/v1/completions,model=megatron,tokenizer={hf},"
-        api_args = url + "tokenizer_backend=huggingface,max_length=63,num_concurrent=2"
+        assert _ends_of_document(server.url) >= len(QUESTIONS)
+        api_args = _documented_model_args(server.url, hf)
         api = tmp_path / "api"
         _run(
             hf_cmd + _lm_eval("local-completions", api_args, "local_mc,local_gen", tasks, api),

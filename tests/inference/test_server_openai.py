@@ -121,7 +121,7 @@ BAD = [
     ({"prompt": "x", "stream": "yes"}, "stream", "'stream'"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "'stream'"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown fields"),
-    ({"prompt": "x " * 500_000}, "max_tokens", "context of 2048"),  # a 1 MB prompt
+    ({"prompt": "x " * 500_000}, "prompt", "context of 2048"),  # a 1 MB prompt
 ]
 
 

@@ -16,7 +16,7 @@ from megatron.inference.ops import Model, complete
 from megatron.inference.streaming import RowText
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import build_model
-from tests.helpers.serving import CFG, fixture_tokenizer
+from tests.helpers.serving import CFG, fixture_tokenizer, lean_to_eod
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,15 @@ def tokenizer():
 def model(tokenizer):
     state = mpu.single_process_state()
     chunks = build_model(CFG, BuildContext(state, seed=5))
+    return Model(InferenceModel(chunks, state, CFG.vocab_size, CFG.hidden_size), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def eod_model(tokenizer):
+    """The model of `model`, leaning to end-of-document (it ends about half the positions)."""
+    state = mpu.single_process_state()
+    chunks = build_model(CFG, BuildContext(state, seed=5))
+    lean_to_eod(chunks[0].state_dict())
     return Model(InferenceModel(chunks, state, CFG.vocab_size, CFG.hidden_size), tokenizer)
 
 
@@ -200,3 +209,35 @@ def test_chunks_and_their_framing(model):
 
 async def _all(agen):
     return [x async for x in agen]
+
+
+def test_a_generated_end_of_document_is_a_token_not_text(eod_model):
+    """As OpenAI and vLLM: the end-of-document token that ends a choice is in its logprobs
+    (with its log-probability) and usage, streamed or not, but not in its text; so echo +
+    logprobs hold the prompt and every generated token (what lm-eval's log-likelihoods
+    count on: it drops the last token as the generated one)."""
+    tok = eod_model.tokenizer
+    prompts = ["The quick brown fox", "def add(a, b):", "import", "for i in range(10):"]
+    args = _args(eod_model, prompt=prompts, temperature=0, echo=True, logprobs=1, max_tokens=8)
+    results = complete(eod_model, args)
+    body = openai_api.completion_response(args, results, tok)
+    ended = 0
+    for i, (r, c) in enumerate(zip(results, body["choices"], strict=True)):
+        prompt = args["prompts"][i]
+        assert len(c["logprobs"]["tokens"]) == len(prompt) + len(r["ids"])
+        if r["ids"][-1] == tok.eod:
+            ended += 1
+            assert c["finish_reason"] == "stop" and c["logprobs"]["tokens"][-1] == "<|endoftext|>"
+            assert c["text"] == tok.detokenize(prompt + r["ids"][:-1])  # not in the text
+    assert ended >= 2, [r["ids"] for r in results]
+    assert body["usage"]["completion_tokens"] == sum(len(r["ids"]) for r in results)
+    stream = _Stream()
+    complete(eod_model, {**args, "stream": True}, stream)
+    texts, _ = _texts(stream.events, len(results))
+    for i, r in enumerate(results):
+        tokens = [e for e in stream.events if e["row"] == i and "token" in e]
+        assert [e["token"] for e in tokens] == r["ids"]
+        got = torch.tensor([e["logprob"] for e in tokens])
+        want = torch.tensor(r["logprobs"][len(args["prompts"][i]) - 1 :])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert texts[i] == body["choices"][i]["text"]
