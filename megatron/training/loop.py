@@ -33,7 +33,11 @@ from megatron.training.log import (
     validation_line,
 )
 from megatron.training.microbatches import MicroBatchCalculator
-from megatron.training.preflight import check_deepspeed_precision, check_save_dir
+from megatron.training.preflight import (
+    check_deepspeed_precision,
+    check_load_dir,
+    check_save_dir,
+)
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
@@ -114,6 +118,7 @@ def pretrain(
     unchanged); `forward_step_func` replaces the family's (tests wrap it)."""
     family = family or get_spec(DEFAULT_FAMILY)
     cfg = validate(cfg, family.purpose)
+    check_load_dir(cfg.checkpoint.load, cfg.checkpoint.save)
     check_save_dir(cfg.checkpoint.save)
     check_deepspeed_precision(cfg)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab

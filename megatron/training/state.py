@@ -52,6 +52,7 @@ from megatron.training.distrib_optimizer import (
     distributed_to_plain,
     plain_parameter_names,
 )
+from megatron.training.preflight import starts_fresh_by_design
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
@@ -177,8 +178,9 @@ def resume(
     kw = {} if agree is None else {"agree": agree}
     iteration, value = load_newest_intact(c.load, read, **kw)
     if iteration is None:
-        if rt.state.rank == 0:
-            print(f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr)
+        if rt.state.rank == 0:  # loudly unless --load X --save X asked for a fresh start
+            warn = "" if starts_fresh_by_design(c.load, c.save) else "warning: --load: "
+            print(f"{warn}no checkpoint in {c.load}: starting from scratch", file=sys.stderr)
         return TrainState()
     saved = restore(iteration, value)
     if rt.state.rank == 0:
