@@ -22,6 +22,7 @@ from megatron.checkpoint.storage import CheckpointError, checkpoint_dir
 from megatron.config.schema import MegatronConfig
 from megatron.model.moe import moe_layers
 from megatron.training.backend import StepResult, TrainerBackend
+from megatron.training.checkpoint_args import check_model_args
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
 from megatron.training.deepspeed.moe import (
     check_expert_layout,
@@ -146,6 +147,7 @@ class DeepSpeedBackend(TrainerBackend):
         )
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load this checkpoint")
+        check_model_args(client or {}, self.cfg, directory)  # before any step runs
         if self.experts:
             refresh = c.no_load_optim or c.finetune  # the optimizer's fp32 copies came from DP 0
             load_experts(self.engine, directory, self.rt.state, refresh_masters=refresh)
