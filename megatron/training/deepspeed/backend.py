@@ -108,7 +108,7 @@ class DeepSpeedBackend(TrainerBackend):
             self.rt,
         )
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState) -> bool:
         client = checkpoint_entries(self.cfg, self.rt, state)
         tag = os.path.basename(checkpoint_dir(self.cfg.checkpoint.save, state.iteration))
         error = None
@@ -123,6 +123,7 @@ class DeepSpeedBackend(TrainerBackend):
         except OSError as e:
             error = e
         commit(self.cfg, self.rt, state.iteration, error, layout="deepspeed")
+        return True
 
     def load(self) -> TrainState:
         return resume(self.cfg, self.rt, self._verify, self._load_engine)
