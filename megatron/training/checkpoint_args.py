@@ -72,8 +72,8 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
             was, now = _as_flag(flag, saved_model[name]), _as_flag(flag, current[name])
             raise CheckpointError(
                 f"{path}: the checkpoint's MoE router was trained with {was}, but this run has "
-                f"{now}; resuming would send tokens to other experts, or weigh them otherwise, "
-                f"than they were trained with. Fix: resume with {was}, or pass --finetune to "
+                f"{now}; resuming would route tokens otherwise than the experts were trained "
+                f"with. Fix: resume with {was}, or pass --finetune to "
                 "start a new run from these weights (iteration 0, fresh optimizer) with the "
                 "new router"
             )
