@@ -10,8 +10,10 @@ checksums, then the pointer) needs every rank's files and collectives, so it run
 training thread: at the start of each later step the ranks agree (one scalar all-reduce, only
 while a save is in flight) whether every writer is done, and commit then. A writer that failed
 makes that commit raise the usual CheckpointError naming the rank and file, on every rank, at
-that step. At most one save is in flight: the next save step, the end of training and a SIGTERM
-exit first wait for the writer and commit. A SIGKILL at any moment leaves the pointer on the
+that step, noting that the staged iteration never committed. The trainer logs a save as staged
+when it is staged and as saved only once its commit is done (`take_committed`). At most one
+save is in flight: the next save step, the end of training and a SIGTERM exit first wait for
+the writer and commit. A SIGKILL at any moment leaves the pointer on the
 previous complete checkpoint (the commit never ran) and at worst temp files the next save of
 that iteration removes.
 
@@ -27,6 +29,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from megatron.checkpoint.storage import CheckpointError
+
 
 class AsyncSaver:
     """At most one checkpoint write in flight on a background thread; its commit runs on the
@@ -41,6 +45,7 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._commit: Callable[[BaseException | None], None] | None = None
         self.iteration: int | None = None
+        self._committed: list[int] = []  # iterations committed since `take_committed`
 
     def stage(self, state, key: str = "state"):
         """A host copy of `state` (nested containers of tensors and plain values) that later
@@ -102,11 +107,28 @@ class AsyncSaver:
         self._thread.join()
         self._finish()
 
+    def take_committed(self) -> list[int]:
+        """The iterations whose save has committed (durable, the pointer on them) since the
+        last call: the trainer logs "saved" for them only now, not when they were staged."""
+        done, self._committed = self._committed, []
+        return done
+
     def _finish(self) -> None:
         self._thread.join()
-        commit, error = self._commit, self._error
+        commit, error, iteration = self._commit, self._error, self.iteration
         self._commit, self._error, self._thread, self.iteration = None, None, None, None
-        commit(error)  # raises the agreed CheckpointError if any rank's write failed
+        try:
+            commit(error)  # raises the agreed CheckpointError if any rank's write failed
+        except Exception as e:
+            # The save was announced as staged: say that it never became a checkpoint.
+            note = (
+                f" [--async-save: iteration {iteration} was staged in memory, but its "
+                "background save did not commit]"
+            )
+            if isinstance(e, CheckpointError):
+                raise type(e)(f"{e}{note}") from e
+            raise CheckpointError(f"{type(e).__name__}: {e}{note}") from e
+        self._committed.append(iteration)
 
 
 def _copy_into(src, cache):

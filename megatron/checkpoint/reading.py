@@ -23,6 +23,7 @@ from megatron.checkpoint.storage import (
     ShardIntegrityError,
     checkpoint_dir,
     file_crc32,
+    incomplete_reason,
     is_complete,
     iteration_dirs,
     read_marker,
@@ -82,7 +83,9 @@ def resolve_load_iteration(
         where = checkpoint_dir(root, it)
         if it in damaged:
             return f"{where} is damaged ({'; '.join(damaged[it])})"
-        return f"{where} is {'incomplete (no valid marker)' if it in dirs else 'missing'}"
+        if it not in dirs:
+            return f"{where} is missing"
+        return f"{where} is incomplete: {incomplete_reason(dirs[it])}"
 
     if iteration is not None:
         if iteration in complete:
@@ -188,7 +191,10 @@ def _verify_shard(root: str, iteration: int, path: str) -> None:
         raise ShardIntegrityError(
             f"{os.path.join(directory, MARKER_NAME)} is unreadable: {e}"
         ) from e
-    actual_size = os.path.getsize(path)
+    try:
+        actual_size = os.path.getsize(path)
+    except FileNotFoundError as e:
+        raise ShardIntegrityError(f"{path} is missing (its checkpoint's marker lists it)") from e
     if size is not None and actual_size != size:
         raise ShardIntegrityError(
             f"{path} is unreadable or truncated: {actual_size} bytes, but its checkpoint's "
@@ -235,6 +241,28 @@ def verify_checkpoint_files(
             _verify_shard(root, iteration, os.path.join(directory, rel))
 
 
+def _missing_file(root: str, iteration: int, path: str, rank, name: str) -> CheckpointError:
+    """What a missing shard file means: with its rank directory there, a file lost (an
+    optimizer file not copied, say); without it, another TP x PP layout than the saved one."""
+    directory = checkpoint_dir(root, iteration)
+    present = sorted(shard_files(directory))
+    if os.path.isdir(os.path.dirname(path)):
+        what = "shard" if name == SHARD_NAME else "optimizer state file"
+        fix = "" if name == SHARD_NAME else ", or resume the weights alone with --no-load-optim"
+        return CheckpointError(
+            f"missing checkpoint {what} {path}: its rank directory is there but the file is not "
+            f"({directory} holds {present or 'no shards'}); the checkpoint of iteration "
+            f"{iteration} lost a file after it was saved. Fix: copy the file from where the "
+            f"checkpoint was written{fix}"
+        )
+    tp_rank, pp_rank, pp_size = rank
+    return CheckpointError(
+        f"missing checkpoint shard {path} (TP rank {tp_rank}, PP rank {pp_rank} of "
+        f"{pp_size}); {directory} holds {present or 'no shards'}. The "
+        "TP/PP sizes probably differ from those the checkpoint was saved with."
+    )
+
+
 def load_shard(
     root: str,
     iteration: int,
@@ -253,13 +281,7 @@ def load_shard(
     where another rank checked the file already (verify_checkpoint_files shared out)."""
     path = shard_path(root, iteration, tp_rank, pp_rank, pp_size, name)
     if not os.path.isfile(path):
-        directory = checkpoint_dir(root, iteration)
-        present = sorted(shard_files(directory))
-        raise CheckpointError(
-            f"missing checkpoint shard {path} (TP rank {tp_rank}, PP rank {pp_rank} of "
-            f"{pp_size}); {directory} holds {present or 'no shards'}. The "
-            "TP/PP sizes probably differ from those the checkpoint was saved with."
-        )
+        raise _missing_file(root, iteration, path, (tp_rank, pp_rank, pp_size), name)
     if verify:
         _verify_shard(root, iteration, path)
     try:

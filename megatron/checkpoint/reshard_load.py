@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.checkpoint.experts import ENTRY_PLACES, saved_elements, whole_flat_index
-from megatron.checkpoint.reading import load_shard, marker_layout
+from megatron.checkpoint.reading import load_shard, marker_files, marker_layout
 from megatron.checkpoint.storage import (
     DISTRIB_OPTIM_NAME,
     SHARD_NAME,
@@ -118,20 +118,28 @@ def find_shard_layout(root: str, iteration: int) -> tuple[int, int]:
 
 
 def read_layout(root: str, iteration: int) -> SavedLayout:
-    """The layout `iteration` was saved at: its marker's record, else its shard directories."""
+    """The layout `iteration` was saved at: its marker's record (checked against the shard
+    files the marker lists), else its shard directories."""
     record = marker_layout(root, iteration)
     if record is None:
         return SavedLayout(*find_shard_layout(root, iteration), recorded=False)
     where = os.path.join(checkpoint_dir(root, iteration), "complete")
     version = record.get("version")
-    if not isinstance(version, int) or version > LAYOUT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(
+            f"{where}: its layout record's version is {version!r} ({type(version).__name__}), "
+            f"not a version this code writes (the integer {LAYOUT_VERSION}): the marker was "
+            f'edited or written by another tool. Fix: set "version": {LAYOUT_VERSION} there, '
+            'or delete its "layout" entry to fall back to the shard directories'
+        )
+    if version > LAYOUT_VERSION:
         raise LayoutVersionError(
-            f"{where} records checkpoint layout version {version!r}, but this code reads "
+            f"{where} records checkpoint layout version {version}, but this code reads "
             f"versions up to {LAYOUT_VERSION}: the checkpoint was written by a newer version. "
             "Load it with that version (or convert it there with tools/convert_checkpoint.py)."
         )
     try:
-        return SavedLayout(
+        layout = SavedLayout(
             tp=int(record["tensor_model_parallel_size"]),
             pp=int(record["pipeline_model_parallel_size"]),
             vp=record.get("virtual_pipeline_model_parallel_size"),
@@ -143,6 +151,29 @@ def read_layout(root: str, iteration: int) -> SavedLayout:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: its layout record is malformed ({e!r})") from e
+    _check_record_against_files(root, iteration, layout, where)
+    return layout
+
+
+def _check_record_against_files(root: str, iteration: int, layout: SavedLayout, where) -> None:
+    """The record's TP x PP must be that of the mp_rank_* shard files the marker lists: a
+    record that lies would cut every tensor wrong (a raw `size mismatch`, or worse)."""
+    ranks, dirs = set(), []
+    for rel in marker_files(root, iteration):
+        match = _RANK_DIR.fullmatch(rel.split("/")[0])
+        if match and rel.endswith("/" + SHARD_NAME):
+            ranks.add((int(match.group(1)), int(match.group(2) or 0)))
+            dirs.append(rel.split("/")[0])
+    if not ranks:  # another library's layout (DeepSpeed's files): nothing to compare
+        return
+    tp, pp = max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1
+    if (tp, pp) != (layout.tp, layout.pp) or len(ranks) != tp * pp:
+        raise CheckpointError(
+            f"{where}: its layout record says TP{layout.tp} x PP{layout.pp}, but the marker "
+            f"lists the shards of {', '.join(dirs)} (TP{tp} x PP{pp}): the record was edited "
+            f"or copied from another checkpoint. Fix: set tensor_model_parallel_size {tp} "
+            f'and pipeline_model_parallel_size {pp} there, or delete its "layout" entry'
+        )
 
 
 @dataclass(frozen=True)

@@ -384,22 +384,36 @@ def read_marker(directory: str) -> dict | None:
 
 def is_complete(directory: str) -> bool:
     """The marker parses and every shard it lists is present with the recorded size."""
+    return incomplete_reason(directory) is None
+
+
+def incomplete_reason(directory: str) -> str | None:
+    """Why `directory` is not a complete checkpoint, naming the file at fault; None if it is."""
+    where = os.path.join(directory, MARKER_NAME)
     try:
         marker = read_marker(directory)
-        if marker is None:
-            raise FileNotFoundError(directory)
-        shards = marker["shards"]
-    except FileNotFoundError:
+    except (OSError, ValueError) as e:
+        return f"its completion marker {where} is unreadable ({e})"
+    if marker is None:
         # Converters write `release/` without our marker; trust it when it holds shards.
-        return os.path.basename(directory) == RELEASE and bool(shard_files(directory))
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    try:
-        return bool(shards) and all(
-            os.path.getsize(os.path.join(directory, rel)) == size for rel, size in shards.items()
-        )
-    except (OSError, TypeError, AttributeError):
-        return False
+        if os.path.basename(directory) == RELEASE and shard_files(directory):
+            return None
+        return f"it has no completion marker {where} (its save never committed)"
+    shards = marker.get("shards") if isinstance(marker, dict) else None
+    if not isinstance(shards, dict) or not shards:
+        return f"its completion marker {where} lists no shard files"
+    for rel, size in shards.items():
+        path = os.path.join(directory, rel)
+        try:
+            actual = os.path.getsize(path)
+        except OSError:
+            return f"{path} is missing (its completion marker lists it)"
+        if actual != size:
+            return (
+                f"{path} is {actual} bytes, but its completion marker recorded {size} "
+                "(truncated or overwritten after the save)"
+            )
+    return None
 
 
 def _apply_retention(root: str, iteration: int, keep: int) -> None:

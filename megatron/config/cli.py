@@ -11,6 +11,7 @@ command line < `-o section.key=value`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import os
 import sys
@@ -34,8 +35,31 @@ def config_tree() -> Tree:
     return Tree(MegatronConfig)
 
 
+def unrecognized(extras: Sequence[str], *parsers: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments: ..." with the closest flag `parsers` know for each
+    unknown one (`--hiden-size`: did you mean --hidden-size?)."""
+    known = sorted({o for p in parsers for o in p._option_string_actions if o.startswith("--")})
+    hints = []
+    for arg in extras:
+        flag = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        if flag.startswith("-") and close:
+            hints.append(f"{flag}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" * bool(hints))
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose unknown-flag error suggests the closest known flag."""
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(extras, self))
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         description="Megatron-style GPT pretraining (tensor x pipeline x data parallel). "
         "Settings come from the defaults, then -c FILE, then the flags, then -o.",
         allow_abbrev=False,

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 
+from megatron.config.cli import unrecognized
 from megatron.config.declare import Tree
 from megatron.config.schema import (
     ConfigError,
@@ -85,9 +86,10 @@ def parse_with_training_flags(parser: argparse.ArgumentParser, argv=None):
     """(tool args, {config path: value} of the training flags given). The tool's own flags win
     (e.g. its --seq-length); the rest must be training flags an inference run can honour."""
     args, rest = parser.parse_known_args(argv)
-    ns, unknown = _training_parser().parse_known_args(rest)
+    training = _training_parser()
+    ns, unknown = training.parse_known_args(rest)
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.error(unrecognized(unknown, parser, training))
     given = _tree().given(ns)
     shape = {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)} - {"model.seq_length"}
     for path in given:

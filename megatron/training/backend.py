@@ -75,8 +75,15 @@ class TrainerBackend(abc.ABC):
         """The mean loss of `eval_iters` global batches, without gradients."""
 
     @abc.abstractmethod
-    def save(self, state: TrainState) -> None:
-        """Write a complete, crash-safe checkpoint of `state.iteration` to --save."""
+    def save(self, state: TrainState) -> bool:
+        """Write a complete, crash-safe checkpoint of `state.iteration` to --save. True: it is
+        committed on return; False: only staged in memory (--async-save), committed at a later
+        step, and then listed by `committed_saves`."""
+
+    def committed_saves(self) -> list[int]:
+        """The iterations whose staged save has committed since the last call (none for a
+        backend that only saves synchronously)."""
+        return []
 
     def wait_for_save(self) -> None:
         """Block until a checkpoint still being written (--async-save) is committed; backends

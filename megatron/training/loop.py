@@ -33,7 +33,11 @@ from megatron.training.log import (
     validation_line,
 )
 from megatron.training.microbatches import MicroBatchCalculator
-from megatron.training.preflight import check_deepspeed_precision, check_save_dir
+from megatron.training.preflight import (
+    check_deepspeed_precision,
+    check_load_dir,
+    check_save_dir,
+)
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
@@ -114,6 +118,7 @@ def pretrain(
     unchanged); `forward_step_func` replaces the family's (tests wrap it)."""
     family = family or get_spec(DEFAULT_FAMILY)
     cfg = validate(cfg, family.purpose)
+    check_load_dir(cfg.checkpoint.load, cfg.checkpoint.save)
     check_save_dir(cfg.checkpoint.save)
     check_deepspeed_precision(cfg)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
@@ -140,6 +145,7 @@ def pretrain(
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.metrics)
         result = loop.run(state, *iters)
         backend.wait_for_save()  # an --async-save in flight: committed before we return
+        loop.announce_commits()
         if hasattr(backend.model, "finish_param_sync"):  # an --overlap-param-gather in flight
             backend.model.finish_param_sync()
         result.model = backend.model
@@ -248,6 +254,7 @@ class _TrainLoop:
         step = self.backend.train_step(
             train_iter, self.micro.num_micro_batches(state.consumed_train_samples), self.timers
         )
+        self.announce_commits()  # an --async-save the step's start committed
         self.timers("iteration").stop()
         state.iteration += 1
         self.profiler.after_step(state.iteration)
@@ -307,11 +314,25 @@ class _TrainLoop:
         if not self.cfg.checkpoint.save:
             return
         self.timers("save-checkpoint", 0).start()
-        self.backend.save(state)
+        durable = self.backend.save(state)
         self.timers("save-checkpoint", 0).stop()
-        self._print(
-            f" saved checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
-        )
+        self.announce_commits()  # the previous --async-save, committed before this one
+        where = self.cfg.checkpoint.save
+        if durable:
+            self._print(f" saved checkpoint at iteration {state.iteration} to {where}")
+        else:  # "saved" only once the commit makes it durable
+            self._print(
+                f" staged checkpoint at iteration {state.iteration} in memory (--async-save); "
+                f"writing it to {where} in the background"
+            )
+
+    def announce_commits(self) -> None:
+        """A "saved" line for each --async-save that has committed since the last call."""
+        for iteration in self.backend.committed_saves():
+            self._print(
+                f" saved checkpoint at iteration {iteration} to {self.cfg.checkpoint.save} "
+                "(background write committed)"
+            )
 
     def _validate(self, state, data_iter, result, split: str) -> None:
         num_micro = self.micro.num_micro_batches(state.consumed_train_samples)

@@ -4,6 +4,7 @@ costs the user that time."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import tempfile
 from collections.abc import Callable
@@ -34,6 +35,35 @@ def check_save_dir(save: str | None) -> None:
             f"{': ' + e.filename if e.filename and e.filename != save else ''}). Fix: pass a "
             "writable directory, or fix its permissions / mount"
         ) from None
+
+
+def starts_fresh_by_design(load: str | None, save: str | None) -> bool:
+    """`--load X --save X`: Megatron's idiom for "resume if X holds a checkpoint, else start
+    a new run there" (the same command restarts a job, first attempt included)."""
+    return bool(load and save) and os.path.realpath(load) == os.path.realpath(save)
+
+
+def check_load_dir(load: str | None, save: str | None) -> None:
+    """--load must name an existing directory: a mistyped path would otherwise train from
+    scratch and exit 0. Only `--load X --save X` may name one that does not exist yet."""
+    if not load or starts_fresh_by_design(load, save):
+        return
+    if os.path.isdir(load):
+        return
+    if os.path.exists(load):
+        raise CheckpointError(
+            f"--load {load}: is a file, not a checkpoint directory. Fix: pass the directory "
+            "that holds latest_checkpointed_iteration.txt (the --save of the earlier run)"
+        )
+    parent = os.path.dirname(os.path.abspath(load))
+    siblings = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+    close = difflib.get_close_matches(os.path.basename(os.path.normpath(load)), siblings, n=1)
+    hint = f"did you mean {os.path.join(os.path.dirname(load), close[0])}? " if close else ""
+    raise CheckpointError(
+        f"--load {load}: no such directory, so there is nothing to resume from. Fix: {hint}"
+        "check the path; to start a new run drop --load, or pass --load and --save the same "
+        "directory (resumed when it holds a checkpoint, started from scratch when it does not)"
+    )
 
 
 def deepspeed_dtype_supported(name: str) -> bool:

@@ -16,8 +16,6 @@ atomic pointer and crash safety: megatron.checkpoint.storage.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from megatron.checkpoint.rng_state import rng_state_dict, set_rng_state
 from megatron.checkpoint.storage import (
     DISTRIB_OPTIM_NAME,
     CheckpointError,
+    checkpoint_dir,
     finalize_checkpoint,
     remove_stale_optimizer_shards,
     save_shard,
@@ -47,34 +46,16 @@ from megatron.checkpoint.storage import (
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
 from megatron.training import reshard
+from megatron.training.checkpoint_args import check_model_args, checkpoint_args
 from megatron.training.distrib_optimizer import (
     _plain_order,
     distributed_to_plain,
     plain_parameter_names,
 )
+from megatron.training.preflight import starts_fresh_by_design
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0
-# Fields of ModelConfig that change parameter shapes: a resume must match them.
-SHAPE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "max_position_embeddings",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "position_embedding_type",
-    "normalization",
-    "swiglu",
-    "add_bias_linear",
-    "untie_embeddings_and_output_weights",
-)
-
-
-_TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 @dataclass
@@ -84,22 +65,6 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-
-
-def checkpoint_args(cfg: MegatronConfig) -> dict:
-    p = cfg.parallel
-    return {
-        "model": dataclasses.asdict(cfg.model),
-        # Absolute paths: tools load the tokenizer from wherever they are started.
-        "tokenizer": {
-            k: os.path.abspath(v) if k in _TOKENIZER_FILES and v else v
-            for k, v in dataclasses.asdict(cfg.data.tokenizer).items()
-        },
-        "tensor_model_parallel_size": p.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-        "padded_vocab_size": cfg.model.padded_vocab_size(p.tensor_model_parallel_size),
-        "params_dtype": str(cfg.precision.params_dtype),
-    }
 
 
 def _gather(outcome):
@@ -177,8 +142,9 @@ def resume(
     kw = {} if agree is None else {"agree": agree}
     iteration, value = load_newest_intact(c.load, read, **kw)
     if iteration is None:
-        if rt.state.rank == 0:
-            print(f" no checkpoint in --load {c.load}; starting from iteration 0", file=sys.stderr)
+        if rt.state.rank == 0:  # loudly unless --load X --save X asked for a fresh start
+            warn = "" if starts_fresh_by_design(c.load, c.save) else "warning: --load: "
+            print(f"{warn}no checkpoint in {c.load}: starting from scratch", file=sys.stderr)
         return TrainState()
     saved = restore(iteration, value)
     if rt.state.rank == 0:
@@ -286,17 +252,6 @@ def all_ranks_true(flag: bool, device) -> bool:
     return bool(t.item())
 
 
-def _check_shapes(saved: dict, cfg: MegatronConfig, path: str) -> None:
-    saved_model = saved.get("args", {}).get("model", {})
-    current = dataclasses.asdict(cfg.model)
-    for name in SHAPE_FIELDS:
-        if name in saved_model and saved_model[name] != current[name]:
-            raise CheckpointError(
-                f"{path}: the checkpoint was saved with {name}={saved_model[name]!r} but this run "
-                f"has {current[name]!r}; pass the same model flags (or convert the checkpoint)"
-            )
-
-
 def load_training_state(
     cfg: MegatronConfig, rt: Runtime, model, optimizer, scheduler
 ) -> TrainState:
@@ -335,7 +290,7 @@ def load_training_state(
         if isinstance(value, SavedLayout):
             return restore_resharded(iteration, value)
         shard = value
-        _check_shapes(shard, cfg, c.load)
+        check_model_args(shard, cfg, checkpoint_dir(c.load, iteration))
         if list(shard["model"]) != list(model.state_dict()):  # other model chunks (no record)
             return restore_resharded(iteration, read_layout(c.load, iteration))
         model.load_state_dict(local_experts(shard["model"], model, st))  # this EP/ETP rank's
@@ -353,7 +308,8 @@ def load_training_state(
 
     def restore_resharded(iteration: int, saved: SavedLayout) -> dict:
         shards, entries = reshard.open_checkpoint(cfg, c.load, iteration, saved)
-        _check_shapes(entries, cfg, c.load)  # a named error before any tensor is cut
+        # a named error before any tensor is cut
+        check_model_args(entries, cfg, checkpoint_dir(c.load, iteration))
         _require(entries, c, iteration)
         optim = with_optim and "optimizer" in entries
         state, optim_state = reshard.read_resharded(cfg, rt, model, shards, optim)

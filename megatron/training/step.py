@@ -299,12 +299,16 @@ class NativeBackend(TrainerBackend):
             self.schedule,
         )
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState) -> bool:
         if self.saver is not None:
             self.saver.wait()  # at most one save in flight
         save_training_state(
             self.cfg, self.rt, self.model, self.optimizer, self.scheduler, state, self.saver
         )
+        return self.saver is None  # --async-save: staged now, committed at a later step
+
+    def committed_saves(self) -> list[int]:
+        return self.saver.take_committed() if self.saver is not None else []
 
     def wait_for_save(self) -> None:
         if self.saver is not None:

@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,6 +137,17 @@ def test_load_missing_shard_names_file_and_layout(tmp_path):
     assert "mp_rank_01" in msg and "mp_rank_00/model_optim_rng.pt" in msg and "TP/PP" in msg
 
 
+def test_a_missing_optimizer_file_is_named_as_one_not_as_another_layout(tmp_path):
+    _save(tmp_path, 3, tp_size=1)
+    name = storage.DISTRIB_OPTIM_NAME.format(dp_rank=1)
+    with pytest.raises(CheckpointError) as err:
+        load_shard(tmp_path, 3, tp_rank=0, pp_rank=0, pp_size=1, name=name)
+    msg = str(err.value)
+    path = shard_path(tmp_path, 3, 0, 0, 1, name)
+    assert msg.startswith(f"missing checkpoint optimizer state file {path}"), msg
+    assert "--no-load-optim" in msg and "TP/PP" not in msg
+
+
 # ---------------------------------------------------------------------------- SIGKILL mid-save
 
 _CHILD = """
@@ -239,9 +251,16 @@ def test_marker_with_wrong_shard_size_is_incomplete(tmp_path):
     _save(tmp_path, 1)
     _save(tmp_path, 2)
     shard = shard_path(tmp_path, 2, 0, 0, 1)
+    size = os.path.getsize(shard)
     Path(shard).write_bytes(Path(shard).read_bytes()[:100])  # truncated after the commit
-    with pytest.warns(UserWarning, match="iteration 2.*incomplete.*iteration 1"):
+    # The marker is valid: the message names the truncated file and both sizes.
+    why = re.escape(f"{shard} is 100 bytes, but its completion marker recorded {size}")
+    with pytest.warns(UserWarning, match=f"iteration 2.*incomplete: {why}.*iteration 1"):
         assert resolve_load_iteration(tmp_path) == 1
+    shutil.rmtree(checkpoint_dir(tmp_path, 1))
+    with pytest.raises(CheckpointError, match=f"incomplete: {why}") as err:
+        resolve_load_iteration(tmp_path)
+    assert "no valid marker" not in str(err.value)
 
 
 def test_no_complete_checkpoint_is_an_error_not_a_fresh_start(tmp_path):

@@ -323,6 +323,33 @@ def test_a_layout_record_from_a_newer_version_is_refused(saved_tp2_pp2, tmp_path
         marker.write_text(original)
 
 
+def _edit_layout_record(root, tmp_path, **fields) -> str:
+    """A copy of the checkpoint at `root` whose marker's layout record has `fields` changed."""
+    copy = str(tmp_path / "edited")
+    shutil.copytree(root, copy)
+    marker = Path(checkpoint_dir(copy, 5)) / MARKER_NAME
+    record = json.loads(marker.read_text())
+    record["layout"].update(fields)
+    marker.write_text(json.dumps(record))
+    return str(marker)
+
+
+def test_a_layout_record_that_lies_or_has_a_string_version_is_named(saved_tp2_pp2, tmp_path):
+    _, _, root = saved_tp2_pp2
+    marker = _edit_layout_record(root, tmp_path / "tp1", tensor_model_parallel_size=1)
+    with pytest.raises(CheckpointError) as err:  # not a raw `size mismatch` at load_state_dict
+        read_layout(str(tmp_path / "tp1" / "edited"), 5)
+    msg = str(err.value)
+    assert msg.startswith(f"{marker}: its layout record says TP1 x PP2") and "TP2 x PP2" in msg
+    assert "mp_rank_01_001" in msg
+    marker = _edit_layout_record(root, tmp_path / "str", version="1")
+    with pytest.raises(CheckpointError) as err:
+        read_layout(str(tmp_path / "str" / "edited"), 5)
+    msg = str(err.value)
+    assert msg.startswith(f"{marker}: its layout record's version is '1' (str)"), msg
+    assert "newer version" not in msg and not isinstance(err.value, LayoutVersionError)
+
+
 def test_the_layout_record_carries_ep_and_the_resume_line_names_an_ep_change(tmp_path):
     from megatron.checkpoint.reshard_load import SavedLayout
     from megatron.training.reshard import same_shard_changes

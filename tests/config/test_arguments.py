@@ -132,6 +132,18 @@ def test_each_rule_fails_fast_naming_the_flag_and_fix(extra, world, flag):
     assert flag in str(err.value) and "Fix:" in str(err.value)
 
 
+def test_a_misspelled_flag_gets_did_you_mean(capsys):
+    argv = [*BASE, "--hiden-size", "64", "--moe-router-top-k=2", "--no-such-thing", "1"]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=1)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(
+        "unrecognized arguments: --hiden-size 64 --moe-router-top-k=2 --no-such-thing 1 "
+        "(--hiden-size: did you mean --hidden-size?; "
+        "--moe-router-top-k: did you mean --moe-router-topk?)"
+    ), last
+
+
 def test_unknown_choice_is_rejected_by_argparse(capsys):
     with pytest.raises(SystemExit):
         parse_args([*BASE, "--normalization", "BatchNorm"], world_size=1)

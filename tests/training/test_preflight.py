@@ -92,3 +92,30 @@ def test_pretrain_gpt2_refuses_fp16_with_deepspeed_before_start_up(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --fp16 with --deepspeed: DeepSpeed's engine does not support")
     assert "fused kernels" not in done.stdout  # stopped before the model was built
+
+
+def test_a_mistyped_load_directory_is_refused_unless_load_and_save_are_one(tmp_path, capsys):
+    """--load naming no directory would train from scratch and exit 0: refused, with the close
+    name beside it; --load X --save X (Megatron's first-run idiom) starts fresh, saying so once."""
+    from types import SimpleNamespace
+
+    from megatron.checkpoint.storage import CheckpointError
+    from megatron.training.state import resume
+
+    (tmp_path / "run-a").mkdir()
+    typo = str(tmp_path / "run-b")
+    with pytest.raises(CheckpointError) as err:
+        preflight.check_load_dir(typo, str(tmp_path / "new"))
+    msg = str(err.value)
+    assert msg.startswith(f"--load {typo}: no such directory") and "--load and --save" in msg
+    assert f"did you mean {tmp_path / 'run-a'}?" in msg
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint directory"):
+        preflight.check_load_dir(str(tmp_path / "file"), None)
+    fresh = str(tmp_path / "fresh")
+    preflight.check_load_dir(fresh, fresh + "/")  # the idiom: no error
+    rt = SimpleNamespace(state=SimpleNamespace(rank=0))
+    for save, said in ((fresh, ""), (str(tmp_path / "other"), "warning: --load: ")):
+        cfg = parse_args([*TRAIN, "--load", fresh, "--save", save], world_size=1)
+        assert resume(cfg, rt, read=None, restore=None).iteration == 0
+        assert capsys.readouterr().err == f"{said}no checkpoint in {fresh}: starting from scratch\n"

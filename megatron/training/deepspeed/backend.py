@@ -22,6 +22,7 @@ from megatron.checkpoint.storage import CheckpointError, checkpoint_dir
 from megatron.config.schema import MegatronConfig
 from megatron.model.moe import moe_layers
 from megatron.training.backend import StepResult, TrainerBackend
+from megatron.training.checkpoint_args import check_model_args
 from megatron.training.deepspeed.engine import ds_evaluate, ds_train_step, setup_deepspeed
 from megatron.training.deepspeed.moe import (
     check_expert_layout,
@@ -107,7 +108,7 @@ class DeepSpeedBackend(TrainerBackend):
             self.rt,
         )
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState) -> bool:
         client = checkpoint_entries(self.cfg, self.rt, state)
         tag = os.path.basename(checkpoint_dir(self.cfg.checkpoint.save, state.iteration))
         error = None
@@ -122,6 +123,7 @@ class DeepSpeedBackend(TrainerBackend):
         except OSError as e:
             error = e
         commit(self.cfg, self.rt, state.iteration, error, layout="deepspeed")
+        return True
 
     def load(self) -> TrainState:
         return resume(self.cfg, self.rt, self._verify, self._load_engine)
@@ -146,6 +148,7 @@ class DeepSpeedBackend(TrainerBackend):
         )
         if path is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load this checkpoint")
+        check_model_args(client or {}, self.cfg, directory)  # before any step runs
         if self.experts:
             refresh = c.no_load_optim or c.finetune  # the optimizer's fp32 copies came from DP 0
             load_experts(self.engine, directory, self.rt.state, refresh_masters=refresh)

@@ -1,0 +1,85 @@
+"""The model and tokenizer arguments every checkpoint records (`checkpoint_args`: tools load a
+checkpoint without repeating them) and their check on resume (`check_model_args`): the
+parameter shapes must match, and so must an MoE model's router, unless --finetune."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megatron.checkpoint.storage import CheckpointError
+from megatron.config.schema import MegatronConfig
+
+# Fields of ModelConfig that change parameter shapes: a resume must match them.
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "max_position_embeddings",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+)
+
+
+# MoE router settings a checkpoint records that change what its experts see: a resume keeps
+# them; --finetune (a new run from the weights) may change them, as Megatron-LM's check of the
+# checkpoint's arguments is skipped with --finetune too.
+ROUTER_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax")
+
+_TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
+
+
+def checkpoint_args(cfg: MegatronConfig) -> dict:
+    p = cfg.parallel
+    return {
+        "model": dataclasses.asdict(cfg.model),
+        # Absolute paths: tools load the tokenizer from wherever they are started.
+        "tokenizer": {
+            k: os.path.abspath(v) if k in _TOKENIZER_FILES and v else v
+            for k, v in dataclasses.asdict(cfg.data.tokenizer).items()
+        },
+        "tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "padded_vocab_size": cfg.model.padded_vocab_size(p.tensor_model_parallel_size),
+        "params_dtype": str(cfg.precision.params_dtype),
+    }
+
+
+def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
+    """The checkpoint's recorded model arguments against this run's: shapes must match; so must
+    an MoE model's router settings, unless --finetune starts a new run from the weights."""
+    saved_model = saved.get("args", {}).get("model", {})
+    current = dataclasses.asdict(cfg.model)
+    for name in SHAPE_FIELDS:
+        if name in saved_model and saved_model[name] != current[name]:
+            raise CheckpointError(
+                f"{path}: the checkpoint was saved with {name}={saved_model[name]!r} but this run "
+                f"has {current[name]!r}; pass the same model flags (or convert the checkpoint)"
+            )
+    if cfg.checkpoint.finetune or not cfg.model.moe or saved_model.get("num_experts") is None:
+        return
+    for name in ROUTER_FIELDS:
+        if name in saved_model and saved_model[name] != current[name]:
+            flag = "--" + name.replace("_", "-")
+            was, now = _as_flag(flag, saved_model[name]), _as_flag(flag, current[name])
+            raise CheckpointError(
+                f"{path}: the checkpoint's MoE router was trained with {was}, but this run has "
+                f"{now}; resuming would route tokens otherwise than the experts were trained "
+                f"with. Fix: resume with {was}, or pass --finetune to "
+                "start a new run from these weights (iteration 0, fresh optimizer) with the "
+                "new router"
+            )
+
+
+def _as_flag(flag: str, value) -> str:
+    if isinstance(value, bool):
+        return flag if value else f"no {flag}"
+    return f"{flag} {value}"
