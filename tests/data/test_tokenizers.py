@@ -280,3 +280,25 @@ def test_fast_gpt2_engine_matches_hf_and_falls_back_on_disagreement(monkeypatch)
     with pytest.warns(UserWarning, match="tiktoken disagrees"):
         bad_flat, _ = tok.tokenize_batch_arrays(texts)
     assert bad_flat.tolist() == flat.tolist() and tok._fast is None
+
+
+def test_gpt2_bpe_with_no_files_is_gpt2s_own_offline():
+    # nanoGPT / HF users expect `gpt2` with nothing to download: the package ships OpenAI's files.
+    tok = build_tokenizer("GPT2BPETokenizer")
+    assert tok.tokenize("Hello world") == [15496, 995]
+    assert tok.eod == 50256 and tok.vocab_size == 50257
+    assert pickle.loads(pickle.dumps(tok)).tokenize("Hello world") == [15496, 995]
+
+
+def test_gpt2_builtin_files_are_checked_by_sha256(tmp_path, monkeypatch):
+    from megatron.data import gpt2_files
+
+    for name in gpt2_files.SHA256:
+        (tmp_path / name).write_bytes((gpt2_files.ASSETS / name).read_bytes() + b"\n")
+    monkeypatch.setattr(gpt2_files, "ASSETS", tmp_path)
+    gpt2_files.builtin_gpt2_files.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"vocab.json: sha256 .* is not GPT-2's"):
+            gpt2_files.builtin_gpt2_files()
+    finally:
+        gpt2_files.builtin_gpt2_files.cache_clear()
