@@ -23,6 +23,7 @@ TOKENIZER_TYPES = (
     "BertWordPieceCase",
     "NullTokenizer",
     "WhitespaceTokenizer",
+    "CharTokenizer",
 )
 
 

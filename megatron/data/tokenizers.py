@@ -456,5 +456,9 @@ def build_tokenizer(
         return NullTokenizer(vocab_size)
     if tokenizer_type == "WhitespaceTokenizer":
         return WhitespaceTokenizer(vocab_file)
+    if tokenizer_type == "CharTokenizer":
+        from megatron.data.char_tokenizer import CharTokenizer  # it builds on this module
+
+        return CharTokenizer(vocab_file)
     valid = ", ".join(TOKENIZER_TYPES)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is unknown; choose one of {valid}")

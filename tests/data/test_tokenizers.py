@@ -302,3 +302,11 @@ def test_gpt2_builtin_files_are_checked_by_sha256(tmp_path, monkeypatch):
             gpt2_files.builtin_gpt2_files()
     finally:
         gpt2_files.builtin_gpt2_files.cache_clear()
+
+
+def test_train_bpe_says_why_the_vocab_is_smaller_than_asked(tmp_path, capsys):
+    corpus = _write(tmp_path, "tiny.txt", "to be or not to be\n" * 20)
+    argv = ["--input", str(corpus), "--type", "bpe", "--vocab-size", "32000"]
+    assert train_tokenizer.main([*argv, "--output-dir", str(tmp_path / "tok")]) == 0
+    err = capsys.readouterr().err
+    assert "not the 32,000 asked for: the corpus has no more pairs" in err, err
