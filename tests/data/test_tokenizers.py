@@ -310,3 +310,12 @@ def test_train_bpe_says_why_the_vocab_is_smaller_than_asked(tmp_path, capsys):
     assert train_tokenizer.main([*argv, "--output-dir", str(tmp_path / "tok")]) == 0
     err = capsys.readouterr().err
     assert "not the 32,000 asked for: the corpus has no more pairs" in err, err
+
+
+def test_setup_py_ships_gpt2s_files():
+    from megatron.data import gpt2_files
+
+    setup_py = (ROOT / "setup.py").read_text(encoding="utf-8")
+    assert 'package_data={"megatron.data": ["assets/gpt2/*"]}' in setup_py
+    shipped = {p.name for p in gpt2_files.ASSETS.glob("*")}
+    assert set(gpt2_files.SHA256) | {"LICENSE"} <= shipped
