@@ -23,6 +23,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    # GPT-2's vocab.json / merges.txt (OpenAI, MIT): --tokenizer-type GPT2BPETokenizer offline
+    package_data={"megatron.data": ["assets/gpt2/*"]},
     # Ranges only: a GPU user keeps the CUDA build of torch they already have.
     install_requires=[
         "torch>=2.3",

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # 3D parallelism (TP x PP x DP) with torchrun on one node or several.
 #   one node, 8 GPUs:  TP=2 PP=2 -> DP=2
-#     bash examples/pretrain_gpt2_3d.sh
+#     DATA=data/my-corpus_text_document bash examples/pretrain_gpt2_3d.sh
 #   four nodes:  run on each node with its NODE_RANK (DP = 32 / (TP x PP))
 #     NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 TP=4 PP=4 bash examples/pretrain_gpt2_3d.sh
-#   CPU smoke test of the layout (8 gloo ranks, tiny model):
-#     GPUS_PER_NODE=8 SMOKE=1 bash examples/pretrain_gpt2_3d.sh
+#   CPU smoke test of the same layout (8 gloo ranks, tiny model, 20 iterations, a minute or
+#   two on 2 cores): it writes its own small corpus into smoke_out/ and needs nothing else
+#     SMOKE=1 bash examples/pretrain_gpt2_3d.sh
+# The tokenizer is GPT-2's own (shipped in the package) unless VOCAB and MERGES name files.
+# Other settings: GPUS_PER_NODE, MASTER_PORT, VP_LAYERS, CKPT, TRAIN_ITERS, LOG_INTERVAL,
+# PYTHON; extra arguments are passed on to pretrain_gpt2.py.
 set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-$([ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3)}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -15,30 +21,50 @@ MASTER_PORT=${MASTER_PORT:-6000}
 TP=${TP:-2}
 PP=${PP:-2}
 VP_LAYERS=${VP_LAYERS:-}   # e.g. 3: interleaved schedule, 3 layers per virtual stage
-DATA=${DATA:-data/my-corpus_text_document}
-VOCAB=${VOCAB:-gpt2-vocab.json}
-MERGES=${MERGES:-gpt2-merges.txt}
-CKPT=${CKPT:-checkpoints/gpt2-1.3b-3d}
+SMOKE=${SMOKE:-0}
 
-MODEL=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
-       --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 512 --bf16
-       --recompute-granularity selective)
-if [ "${SMOKE:-0}" = 1 ]; then
+TOKENIZER=(--tokenizer-type GPT2BPETokenizer)
+if [ -n "${VOCAB:-}" ] || [ -n "${MERGES:-}" ]; then
+    TOKENIZER+=(--vocab-file "${VOCAB:?VOCAB and MERGES go together}"
+                --merge-file "${MERGES:?VOCAB and MERGES go together}")
+fi
+
+if [ "$SMOKE" = 1 ]; then
+    SMOKE_DIR=${SMOKE_DIR:-smoke_out}
+    DATA=${DATA:-$SMOKE_DIR/corpus_text_document}
+    CKPT=${CKPT:-$SMOKE_DIR/checkpoints}
+    TRAIN_ITERS=${TRAIN_ITERS:-20}
+    LOG_INTERVAL=${LOG_INTERVAL:-5}
+    if [ ! -f "$DATA.idx" ]; then  # a small corpus: the Python standard library's sources
+        mkdir -p "$SMOKE_DIR"
+        PYTHONPATH="$ROOT" "$PY" -c "from megatron.data.stdlib_corpus import write_stdlib_corpus \
+as w; w('$SMOKE_DIR/corpus.jsonl', 400_000)"
+        "$PY" "$ROOT/tools/preprocess_data.py" --input "$SMOKE_DIR/corpus.jsonl" \
+            --output-prefix "$SMOKE_DIR/corpus" "${TOKENIZER[@]}" --append-eod
+    fi
+    rm -rf "$CKPT"  # a fresh run each time (--load would find the last one finished)
     MODEL=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
            --micro-batch-size 2 --global-batch-size 16 --distributed-backend gloo --num-workers 0)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 8 ranks on a few cores: one thread each
+else
+    DATA=${DATA:?pass DATA=PREFIX of your .bin/.idx (tools/preprocess_data.py), or SMOKE=1}
+    CKPT=${CKPT:-checkpoints/gpt2-1.3b-3d}
+    MODEL=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
+           --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 512 --bf16
+           --recompute-granularity selective)
 fi
 INTERLEAVE=()
 [ -n "$VP_LAYERS" ] && INTERLEAVE=(--num-layers-per-virtual-pipeline-stage "$VP_LAYERS")
 
-torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    pretrain_gpt2.py \
+# `python -m torch.distributed.run` is torchrun, found without activating the venv.
+"$PY" -m torch.distributed.run --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" \
+    --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    "$ROOT/pretrain_gpt2.py" \
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${INTERLEAVE[@]}" \
     "${MODEL[@]}" \
     --train-iters "${TRAIN_ITERS:-300000}" --lr 2.0e-4 --min-lr 2.0e-5 --lr-decay-style cosine \
     --lr-warmup-fraction 0.01 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
-    --data-path "$DATA" --split 949,50,1 \
-    --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" \
+    --data-path "$DATA" --split 949,50,1 "${TOKENIZER[@]}" \
     --log-interval "${LOG_INTERVAL:-100}" --eval-interval 1000 --eval-iters 10 \
     --save "$CKPT" --load "$CKPT" --save-interval 2000 --exit-signal-handler \
     --timing-log-level 1 "$@"

@@ -8,7 +8,8 @@
 Takes every training flag (or a run config) for the model, batch and precision; every layout
 the training rules accept is listed (megatron/planning), those that fit first, fastest first.
 Context parallelism is enumerated too (--context-parallel-size N fixes it). Exit 1 with the
-smallest fix when no layout is valid or none fits.
+smallest fix when no layout is valid or none fits. With no arguments it plans EXAMPLE (the
+first command above) and says so.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from megatron.config.schema import ConfigError  # noqa: E402
 from megatron.planning.enumerate import Search, best_plan  # noqa: E402
 from megatron.planning.memory import Device, GiB  # noqa: E402
 from megatron.planning.timing import Hardware  # noqa: E402
+
+# The first command of the module doc: a 1.3B GPT on one node of 8 32-GiB GPUs.
+EXAMPLE = (
+    "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024 "
+    "--vocab-size 50304 --global-batch-size 512 --bf16 "
+    "--world-size 8 --gpus-per-node 8 --gpu-memory 32 --peak-tflops 125"
+).split()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +68,15 @@ def _terms(p) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print(
+            "No model given: planning the example, a 1.3B GPT on 8 GPUs of 32 GiB:\n"
+            f"  python tools/plan_parallel.py {' '.join(EXAMPLE)}\n"
+            "Give your model's flags (or -c RUN.yaml), --world-size and --gpu-memory; "
+            "--help lists every flag.\n"
+        )
+        argv = EXAMPLE
     ns = _parser().parse_args(argv)
     try:
         cfg = resolve(ns, ns.world_size)

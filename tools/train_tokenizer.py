@@ -15,6 +15,10 @@ WordPiece) write `vocab.txt` for `--tokenizer-type BertWordPieceCase` (or
 `BertWordPieceLowerCase` with `--lowercase`); their special tokens default to BERT's
 ([PAD] [UNK] [CLS] [SEP] [MASK]; [SEP] ends a document).
 
+`--type char-level` (nanoGPT's shakespeare_char: every character of the corpus a token, spaces
+and newlines kept, ids by code point, then `<|endoftext|>`) writes `vocab.json` for
+`--tokenizer-type CharTokenizer`; it has no size or frequency to choose.
+
 Inputs are `.jsonl` (one object a line, text under `--json-keys`), `.json` (an array of strings
 or objects) or plain text (any other name), each optionally `.gz`; they are read lazily, never
 all at once.
@@ -35,6 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data import vocab_builder  # noqa: E402
+from megatron.data.char_tokenizer import CHAR_EOD, char_vocab  # noqa: E402
 
 CHUNK_CHARS = 1 << 20  # .json arrays are decoded from chunks of this many characters
 TXT_BLOCK_CHARS = 1 << 16  # .txt lines are grouped so BPE sees newlines with their context
@@ -50,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, help=".jsonl/.json/.txt files, or .gz")
     p.add_argument(
         "--type",
-        choices=("bpe", "sentencepiece", "char", "wordpiece"),
+        choices=("bpe", "sentencepiece", "char", "wordpiece", "char-level"),
         required=True,
-        help="model type",
+        help="model type (char-level: every character a token, spaces and newlines kept, "
+        "nanoGPT's shakespeare_char, for --tokenizer-type CharTokenizer)",
     )
     p.add_argument(
         "--vocab-size",
@@ -176,9 +182,22 @@ def train_bpe(docs: Iterator[str], args: argparse.Namespace, out: Path) -> list[
         show_progress=sys.stderr.isatty(),
     )
     tok.train_from_iterator(docs, trainer=trainer)
+    _say_if_smaller(tok.get_vocab_size(), args)
     written = [Path(p) for p in tok.model.save(str(out))]  # vocab.json, merges.txt
     tok.save(str(out / "tokenizer.json"))
     return [*written, out / "tokenizer.json"]
+
+
+def _say_if_smaller(got: int, args: argparse.Namespace) -> None:
+    """BPE stops merging when no pair is left that occurs --min-frequency times: say so, with
+    the numbers, instead of leaving a smaller vocab to be found later."""
+    if got < args.vocab_size:
+        print(
+            f"note: the vocab has {got:,} tokens, not the {args.vocab_size:,} asked for: the "
+            f"corpus has no more pairs that occur at least --min-frequency {args.min_frequency} "
+            "times to merge (a larger corpus, or a lower --min-frequency, gives more)",
+            file=sys.stderr,
+        )
 
 
 def _lines(docs: Iterator[str], errors: list[Exception]) -> Iterator[str]:
@@ -234,6 +253,12 @@ def _check(args: argparse.Namespace) -> None:
     for path in args.input:
         if not os.path.isfile(path):
             raise InputError(f"--input {path}: no such file")
+    if args.type == "char-level":
+        if args.vocab_size is not None or args.min_frequency is not None:
+            raise InputError(
+                "--type char-level keeps every character: drop --vocab-size and --min-frequency"
+            )
+        return
     if args.min_frequency is None:
         args.min_frequency = 1 if args.type == "char" else 2
     if args.min_frequency < 1:
@@ -278,11 +303,20 @@ def train_wordpiece(docs: Iterator[str], args: argparse.Namespace, out: Path) ->
     )
 
 
+def train_char_level(docs: Iterator[str], args: argparse.Namespace, out: Path) -> list[Path]:
+    vocab = char_vocab(docs)
+    path = out / "vocab.json"
+    path.write_text(json.dumps(vocab, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
+    print(f"{len(vocab) - 1} characters + {CHAR_EOD}")
+    return [path]
+
+
 TRAINERS = {
     "bpe": train_bpe,
     "sentencepiece": train_sentencepiece,
     "char": train_char,
     "wordpiece": train_wordpiece,
+    "char-level": train_char_level,
 }
 
 

@@ -36,6 +36,8 @@ def validate_training(cfg: MegatronConfig) -> None:
         fail("--lr", "a positive peak learning rate is required", "pass e.g. --lr 1.5e-4")
     if o.min_lr > o.lr:
         fail("--min-lr", f"{o.min_lr} is not in [0, --lr {o.lr}]", "lower --min-lr")
+    if o.lr_warmup_init > o.lr:
+        fail("--lr-warmup-init", f"{o.lr_warmup_init} is above --lr {o.lr}", "lower it")
     _validate_lr_schedule(o, t, cfg.parallel.data_parallel_size)
     if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
         fail(

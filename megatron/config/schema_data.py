@@ -23,6 +23,7 @@ TOKENIZER_TYPES = (
     "BertWordPieceCase",
     "NullTokenizer",
     "WhitespaceTokenizer",
+    "CharTokenizer",
 )
 
 
@@ -38,7 +39,9 @@ class TokenizerConfig(Section):
         choices=TOKENIZER_TYPES,
     )
     vocab_file: str | None = setting(
-        None, "vocab.json (GPT-2 BPE / whitespace vocab) or vocab.txt (BERT WordPiece)"
+        None,
+        "vocab.json (GPT-2 BPE / whitespace / character vocab) or vocab.txt (BERT WordPiece); "
+        "GPT2BPETokenizer with neither file uses GPT-2's own, shipped in the package",
     )
     merge_file: str | None = setting(None, "merges.txt of a GPT-2 BPE tokenizer")
     tokenizer_model: str | None = setting(

@@ -93,6 +93,12 @@ class OptimizerConfig(Section):
     lr_decay_samples: int | None = setting(
         None, "samples to decay over (default --train-samples)", min=1
     )
+    lr_warmup_init: float = setting(
+        0.0,
+        "lr of the first update when warming up (Megatron-LM's flag; the warmup runs linearly "
+        "from it to --lr, and the first update uses it: 0 by default, as in Megatron-LM)",
+        min=0,
+    )
     lr_warmup_iters: int = setting(0, "linear warmup iterations", min=0)
     lr_warmup_samples: int = setting(0, "linear warmup samples", min=0)
     lr_warmup_fraction: float | None = setting(

@@ -26,8 +26,14 @@ def check_tokenizer_files(cfg: MegatronConfig) -> None:
     tok = cfg.data.tokenizer
     if tok.tokenizer_type != "GPT2BPETokenizer":
         return
+    if not tok.vocab_file and not tok.merge_file:
+        return  # GPT-2's own files, shipped in the package (megatron/data/gpt2_files.py)
     for flag, path in (("--vocab-file", tok.vocab_file), ("--merge-file", tok.merge_file)):
         if not path:
-            fail(flag, "GPT2BPETokenizer needs it", f"pass {flag} (GPT-2 vocab.json / merges.txt)")
+            fail(
+                flag,
+                "GPT2BPETokenizer needs both files or neither",
+                f"pass {flag} too, or neither file for GPT-2's own (shipped in the package)",
+            )
         if not os.path.isfile(path):
             fail(flag, f"{path}: no such file", f"pass the path of an existing file to {flag}")

@@ -32,6 +32,7 @@ from megatron.config.declare import add_section_args, section_from_args
 from megatron.config.schema import TokenizerConfig
 from megatron.data.preprocess_inputs import (
     TEXT,
+    TXT_DOCUMENTS,
     BadRecord,
     Chunk,
     ProgressFile,
@@ -67,6 +68,7 @@ class ChunkResult:
     bad: list[BadRecord]
     per_key: dict[str, KeyResult] = field(default_factory=dict)
     documents: int = 0
+    blank_lines: int = 0  # of a one-document-per-line input, left out by the reader
 
 
 _TOKENIZER = None
@@ -82,7 +84,7 @@ def _init_worker(tokenizer_type: str, tokenizer_kwargs: dict, options: dict) -> 
 def encode_chunk(chunk: Chunk) -> ChunkResult:
     """Decode, check and tokenize one chunk (runs in a worker)."""
     keys, dtype = _OPTIONS["keys"], _OPTIONS["dtype"]
-    result = ChunkResult(bad=list(chunk.bad))
+    result = ChunkResult(bad=list(chunk.bad), blank_lines=chunk.blank_lines)
     docs: dict[str, list[str]] = {k: [] for k in keys}
     for line, payload in chunk.items:
         record, reason = decode_record(chunk.kind, payload, keys)
@@ -274,6 +276,7 @@ def _encode_in_order(chunks, workers: int, init_args):
 class Stats:
     documents: int = 0
     empty: int = 0
+    blank_lines: int = 0
     tokens: int = 0
     bad: list[BadRecord] = field(default_factory=list)
     bad_count: int = 0
@@ -283,6 +286,7 @@ class Stats:
         r = result.per_key.get(first_key)
         self.documents += len(r.seqs_per_doc) if r is not None else 0
         self.empty += r.empty if r is not None else 0
+        self.blank_lines += result.blank_lines
         self.tokens += int(sum(len(x.tokens) for x in result.per_key.values()))
         self.bad_count += len(result.bad)
         self.bad.extend(result.bad[: max(0, _MAX_REPORTED - len(self.bad))])
@@ -330,7 +334,12 @@ def run(args: argparse.Namespace) -> int:
     outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl)
     progress, stats = ProgressFile(), Stats()
     total = sum(input_size(p) for p in paths)
-    chunks = read_chunks(paths, args.chunk_bytes, progress, args.txt_paragraphs, keys)
+    if args.txt_paragraphs and args.txt_documents not in ("line", "paragraph"):
+        raise ValueError(
+            f"--txt-paragraphs contradicts --txt-documents {args.txt_documents}: give one"
+        )
+    txt_documents = "paragraph" if args.txt_paragraphs else args.txt_documents
+    chunks = read_chunks(paths, args.chunk_bytes, progress, txt_documents, keys)
     ok, next_log = False, args.log_interval
     # a bar on a terminal; the log lines of --log-interval otherwise
     bar = Progress("preprocess", total, unit="B") if is_terminal(sys.stderr) else None
@@ -383,7 +392,8 @@ def _summary(stats: Stats, read: int, written: list[str], dtype) -> None:
     print(
         f"done: {stats.documents} documents, {stats.tokens} tokens ({np.dtype(dtype).name}), "
         f"{stats.empty} empty documents dropped, {stats.bad_count} bad records skipped, "
-        f"{read / 1e6:.1f} MB in {elapsed:.1f} s ({read / 1e6 / max(elapsed, 1e-9):.2f} MB/s)",
+        f"{stats.blank_lines} blank lines skipped, {read / 1e6:.1f} MB in {elapsed:.1f} s "
+        f"({read / 1e6 / max(elapsed, 1e-9):.2f} MB/s)",
         file=sys.stderr,
     )
     for prefix in written:
@@ -398,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         help="files, globs or directories: .jsonl (one JSON object per line), .json "
-        "(lines, or one array of strings/objects), .txt (one document per line), any of "
+        "(lines, or one array of strings/objects), .txt (see --txt-documents), any of "
         "them .gz; .parquet files and datasets.save_to_disk directories (needs pyarrow)",
     )
     g.add_argument(
@@ -427,7 +437,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--txt-paragraphs",
         action="store_true",
-        help=".txt inputs: documents are separated by blank lines, not one per line",
+        help=".txt inputs: documents are separated by blank lines, not one per line "
+        "(--txt-documents paragraph)",
+    )
+    g.add_argument(
+        "--txt-documents",
+        choices=TXT_DOCUMENTS,
+        default="line",
+        help=".txt inputs: a document is a line (default; blank lines skipped and counted), a "
+        "paragraph (separated by blank lines, its newlines kept) or the whole file, every "
+        "newline kept (one stream, as nanoGPT's input.txt; the file is read into memory)",
     )
     g.add_argument(
         "--bad-records",

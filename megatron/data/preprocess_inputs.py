@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from megatron.data.preprocess_tables import RowPosition, is_hf_dataset_dir, table_rows, table_size
 
 JSON_LINE, TEXT, VALUE, TABLE = "json-line", "text", "value", "table"
+TEXT_WHOLE = "text-whole"  # a .txt read as one document, every newline kept
+TXT_DOCUMENTS = ("line", "paragraph", "file")  # what a document of a .txt input is
 _READ_SIZE = 1 << 20
 
 
@@ -38,6 +40,7 @@ class Chunk:
     kind: str  # JSON_LINE (raw bytes), TEXT (raw bytes), VALUE (parsed JSON value or table row)
     items: list  # [(line or row number, payload)]
     bad: list  # BadRecords found while reading (e.g. a broken JSON array)
+    blank_lines: int = 0  # blank lines of a one-document-per-line input, left out
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -122,10 +125,12 @@ def read_chunks(
     paths: list[str],
     chunk_bytes: int,
     progress: ProgressFile,
-    paragraphs: bool = False,
+    txt_documents: str = "line",
     columns: list[str] | None = None,
 ) -> Iterator[Chunk]:
-    """`columns`: the --json-keys, the only columns read from tables."""
+    """`txt_documents`: what a document of a .txt input is (TXT_DOCUMENTS: one per line, one
+    per blank-line-separated paragraph, or the whole file as one stream); `columns`: the
+    --json-keys, the only columns read from tables."""
     for path in paths:
         if input_kind(path) == TABLE:
             yield from _table_chunks(path, columns or ["text"], chunk_bytes, progress)
@@ -137,15 +142,18 @@ def read_chunks(
             kind = input_kind(path)
             if kind == VALUE:
                 yield from _array_chunks(path, f, chunk_bytes)
+            elif kind == TEXT and txt_documents == "file":
+                yield Chunk(path, TEXT_WHOLE, [(1, f.read())], [])  # tokenized in pieces
             else:
-                yield from _line_chunks(path, kind, f, chunk_bytes, paragraphs and kind == TEXT)
+                paragraphs = kind == TEXT and txt_documents == "paragraph"
+                yield from _line_chunks(path, kind, f, chunk_bytes, paragraphs)
         finally:
             raw.close()
             progress.finish(os.path.getsize(path))
 
 
 def _line_chunks(path, kind, f, chunk_bytes, paragraphs) -> Iterator[Chunk]:
-    items, size = [], 0
+    items, size, blank = [], 0, 0
     para: list[bytes] = []
     para_line = 0
     for line_no, line in enumerate(f, start=1):
@@ -158,16 +166,17 @@ def _line_chunks(path, kind, f, chunk_bytes, paragraphs) -> Iterator[Chunk]:
                 continue
             line, line_no, para, para_line = b"".join(para), para_line, [], 0
         elif not line.strip():
-            continue  # blank lines separate nothing in a line-per-document file
+            blank += 1  # no document: counted for the summary
+            continue
         items.append((line_no, line))
         size += len(line)
         if size >= chunk_bytes:
-            yield Chunk(path, kind, items, [])
-            items, size = [], 0
+            yield Chunk(path, kind, items, [], blank)
+            items, size, blank = [], 0, 0
     if para:
         items.append((para_line, b"".join(para)))
-    if items:
-        yield Chunk(path, kind, items, [])
+    if items or blank:
+        yield Chunk(path, kind, items, [], blank)
 
 
 def _array_chunks(path, f, chunk_bytes) -> Iterator[Chunk]:
@@ -274,11 +283,13 @@ def _iter_json_array(f):
 
 def decode_record(kind: str, payload, keys: list[str]) -> tuple[dict | None, str | None]:
     """One raw record -> ({key: text}, None) or (None, reason it is bad)."""
-    if kind in (JSON_LINE, TEXT):
+    if kind in (JSON_LINE, TEXT, TEXT_WHOLE):
         try:
             text = payload.decode("utf-8")
         except UnicodeDecodeError as e:
             return None, f"not valid UTF-8 (byte 0x{payload[e.start]:02x} at column {e.start + 1})"
+        if kind == TEXT_WHOLE:
+            return {keys[0]: text}, None
         if kind == TEXT:
             return {keys[0]: text.rstrip("\r\n")}, None
         try:

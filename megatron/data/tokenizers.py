@@ -30,6 +30,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from megatron.config.schema import TOKENIZER_TYPES  # declared once, with the flag
 from megatron.data.fast_bpe import TiktokenBPE
+from megatron.data.gpt2_files import builtin_gpt2_files
 from megatron.data.text_pieces import WHITESPACE_CUT, encode_in_pieces
 
 HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -170,6 +171,7 @@ class _HFBackedTokenizer(Tokenizer):
 
 class GPT2BPETokenizer(_HFBackedTokenizer):
     """GPT-2's byte-level BPE from `vocab.json` + `merges.txt`; ids match Megatron-LM's.
+    Neither file given: GPT-2's own, shipped in the package (megatron.data.gpt2_files).
 
     HF's BPE with GPT2_BPE_OPTIONS behind GPT-2's regex pre-tokenizer does what Megatron's
     pure-Python encoder does, in Rust and with a multi-threaded batch path.
@@ -179,6 +181,8 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
 
     def __init__(self, vocab_file, merge_file):
         name = "GPT2BPETokenizer"
+        if vocab_file is None and merge_file is None:  # GPT-2's own, shipped in the package
+            vocab_file, merge_file = builtin_gpt2_files()
         vocab_file = _require_file(vocab_file, "--vocab-file", name, "GPT-2's vocab.json")
         merge_file = _require_file(merge_file, "--merge-file", name, "GPT-2's merges.txt")
         try:
@@ -459,5 +463,9 @@ def build_tokenizer(
         return NullTokenizer(vocab_size)
     if tokenizer_type == "WhitespaceTokenizer":
         return WhitespaceTokenizer(vocab_file)
+    if tokenizer_type == "CharTokenizer":
+        from megatron.data.char_tokenizer import CharTokenizer  # it builds on this module
+
+        return CharTokenizer(vocab_file)
     valid = ", ".join(TOKENIZER_TYPES)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is unknown; choose one of {valid}")

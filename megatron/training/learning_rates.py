@@ -2,7 +2,7 @@
 
 With n = steps done, W = warmup_steps, D = decay_steps:
 
-    n <= W (W > 0)               lr = max_lr * n / W
+    n <= W (W > 0)               lr = init_lr + (max_lr - init_lr) * n / W
     'constant'                   lr = max_lr
     'exponential' (v1.x)         lr = max(min_lr, max_lr * exp(-0.693 * min(r, 1))),
                                  r = (n - W) / (D - W): halves over the decay, then stays
@@ -15,6 +15,11 @@ With n = steps done, W = warmup_steps, D = decay_steps:
       'WSD'     c = 1 until n = D - S (S = wsd_decay_steps), then with s = (n - D + S) / S
                 c = 1 - s | (cos(pi * s) + 1) / 2 | 2 * 0.5**s - 1 | 1 - sqrt(s)
                 for wsd_decay_style linear | cosine | exponential | minus_sqrt.
+
+The first update runs with n = 0, so with warmup it uses init_lr (--lr-warmup-init, default 0):
+Megatron-LM's OptimizerParamScheduler does the same (step(0) when built, step(increment) after
+each successful optimizer step). nanoGPT's first update uses lr / (warmup + 1) instead; pass
+--lr-warmup-init to start above 0.
 
 A "step" is whatever unit the trainer counts: an iteration (step() after each optimizer step),
 or a sample under --train-samples (step(increment=global_batch_size)); the flags' meaning in steps
@@ -77,6 +82,7 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
         *,
         max_lr: float,
         min_lr: float = 0.0,
+        init_lr: float = 0.0,
         warmup_steps: int = 0,
         decay_steps: int,
         decay_style: str = "linear",
@@ -89,7 +95,7 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
             not (override_lr_scheduler and use_checkpoint_lr_scheduler),
             "override_lr_scheduler and use_checkpoint_lr_scheduler exclude each other",
         )
-        self.max_lr, self.min_lr = float(max_lr), float(min_lr)
+        self.max_lr, self.min_lr, self.init_lr = float(max_lr), float(min_lr), float(init_lr)
         self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
         self.decay_style = decay_style
         self.wsd_decay_steps, self.wsd_decay_style = wsd_decay_steps, wsd_decay_style
@@ -104,6 +110,10 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
         _check(
             0.0 <= self.min_lr <= self.max_lr,
             f"need 0 <= min_lr <= max_lr, got min_lr {self.min_lr} and max_lr {self.max_lr}",
+        )
+        _check(
+            0.0 <= self.init_lr <= self.max_lr,
+            f"need 0 <= init_lr <= max_lr, got init_lr {self.init_lr} and max_lr {self.max_lr}",
         )
         _check(self.decay_style in LR_DECAY_STYLES, f"decay_style not in {LR_DECAY_STYLES}")
         _check(decay > 0, f"decay_steps must be > 0, got {decay}")
@@ -130,7 +140,7 @@ class AnnealingLR(torch.optim.lr_scheduler._LRScheduler):
         n = self.num_steps if num_steps is None else num_steps
         w, d = self.warmup_steps, self.decay_steps
         if w > 0 and n <= w:
-            return self.max_lr * n / w
+            return self.init_lr + (self.max_lr - self.init_lr) * n / w
         if self.decay_style == "constant":
             return self.max_lr
         if self.decay_style == "exponential":  # exp(-0.693) = 1/2, v1.x's constant

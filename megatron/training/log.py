@@ -48,6 +48,23 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     return (4 if recompute else 3) * forward
 
 
+def start_lines(cfg, family) -> list[str]:
+    """What a run says once, at start: the model's size (nanoGPT's "number of parameters"; the
+    whole model, counted on a TP = 1 copy built on the meta device, for the causal-LM families),
+    and that nothing will be kept when --save is not given."""
+    lines = []
+    if family.causal_lm:
+        with torch.device("meta"):
+            model = family.reference_model(cfg.model, family.name)
+        n = sum(p.numel() for p in model.parameters())
+        lines.append(f" number of parameters: {n / 1e6:.2f}M ({n:,}, the whole model)")
+    if not cfg.checkpoint.save:
+        lines.append(
+            "note: no --save: this run writes no checkpoint (pass --save DIR to keep the model)"
+        )
+    return lines
+
+
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
     if override:
         return override

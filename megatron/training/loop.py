@@ -30,6 +30,7 @@ from megatron.training.log import (
     memory_mib,
     model_flops_per_sample,
     peak_tflops,
+    start_lines,
     validation_line,
 )
 from megatron.training.microbatches import MicroBatchCalculator
@@ -139,8 +140,11 @@ def pretrain(
             family.datasets_provider,
         )
         no_validation = validation_off(cfg, iters[1])
-        if no_validation and rt.state.rank == 0:
-            print(f"warning: {no_validation}", file=out, flush=True)
+        if rt.state.rank == 0:
+            for line in start_lines(cfg, family):
+                print(line, file=out, flush=True)
+            if no_validation:
+                print(f"warning: {no_validation}", file=out, flush=True)
         loop = _TrainLoop(cfg, rt, backend, out)
         _record_run_config(run_config, cfg.checkpoint.save, rt.state.rank == 0, loop.metrics)
         result = loop.run(state, *iters)

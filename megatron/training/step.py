@@ -144,6 +144,7 @@ def make_scheduler(cfg: MegatronConfig, dp_size: int, optimizer) -> AnnealingLR:
         optimizer,
         max_lr=o.lr,
         min_lr=o.min_lr,
+        init_lr=o.lr_warmup_init,
         warmup_steps=steps["warmup_steps"],
         decay_steps=steps["decay_steps"],
         decay_style=o.lr_decay_style,

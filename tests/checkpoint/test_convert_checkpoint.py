@@ -241,6 +241,9 @@ def test_from_hf_then_to_hf_round_trips_exactly(tmp_path, variant):
     assert main(["--from-hf", hf1, "--save", ck, "--target-tensor-model-parallel-size", "2"]) == 0
     assert resolve_load_iteration(ck) == 0  # Megatron's `release`
     assert main(["--load", ck, "--to-hf", hf2]) == 0
+    umask = os.umask(0o22)
+    os.umask(umask)  # the file is as readable as any the user writes (safetensors leaves 0600)
+    assert os.stat(os.path.join(hf1, "model.safetensors")).st_mode & 0o777 == 0o666 & ~umask
     with open(os.path.join(hf1, "model.safetensors"), "rb") as a:
         with open(os.path.join(hf2, "model.safetensors"), "rb") as b:
             assert a.read() == b.read()

@@ -96,6 +96,25 @@ def test_txt_paragraphs_and_two_json_keys(tmp_path, tok):
     assert _docs(tmp_path / "k_body_document") == _expected(tok, DOCS)
 
 
+PLAY = "First Citizen:\nBefore we proceed.\n\nAll:\n  Speak, speak.\n\n"
+
+
+def test_txt_file_is_one_stream_and_blank_lines_are_counted(tmp_path, capsys, tok):
+    # nanoGPT's input.txt: one document, every space and newline kept.
+    (tmp_path / "play.txt").write_text(PLAY, encoding="utf-8")
+    assert _run(tmp_path, [tmp_path / "play.txt"], "--txt-documents", "file", prefix="f") == 0
+    assert _docs(tmp_path / "f_text_document") == _expected(tok, [PLAY])
+    assert "0 blank lines skipped" in capsys.readouterr().err
+    # One document per line (the default) leaves the blank lines out and says how many.
+    assert _run(tmp_path, [tmp_path / "play.txt"], prefix="l") == 0
+    lines = ["First Citizen:", "Before we proceed.", "All:", "  Speak, speak."]
+    assert _docs(tmp_path / "l_text_document") == _expected(tok, lines)
+    assert "2 blank lines skipped" in capsys.readouterr().err
+    assert _run(tmp_path, [tmp_path / "play.txt"], "--txt-documents", "paragraph", prefix="p") == 0
+    paragraphs = ["First Citizen:\nBefore we proceed.", "All:\n  Speak, speak."]
+    assert _docs(tmp_path / "p_text_document") == _expected(tok, paragraphs)
+
+
 def test_split_sentences_writes_one_sequence_per_sentence(tmp_path, tok):
     (tmp_path / "s.jsonl").write_text(json.dumps({"text": "One two. Three four! 五六。"}) + "\n")
     assert _run(tmp_path, [tmp_path / "s.jsonl"], "--split-sentences") == 0

@@ -280,3 +280,42 @@ def test_fast_gpt2_engine_matches_hf_and_falls_back_on_disagreement(monkeypatch)
     with pytest.warns(UserWarning, match="tiktoken disagrees"):
         bad_flat, _ = tok.tokenize_batch_arrays(texts)
     assert bad_flat.tolist() == flat.tolist() and tok._fast is None
+
+
+def test_gpt2_bpe_with_no_files_is_gpt2s_own_offline():
+    # nanoGPT / HF users expect `gpt2` with nothing to download: the package ships OpenAI's files.
+    tok = build_tokenizer("GPT2BPETokenizer")
+    assert tok.tokenize("Hello world") == [15496, 995]
+    assert tok.eod == 50256 and tok.vocab_size == 50257
+    assert pickle.loads(pickle.dumps(tok)).tokenize("Hello world") == [15496, 995]
+
+
+def test_gpt2_builtin_files_are_checked_by_sha256(tmp_path, monkeypatch):
+    from megatron.data import gpt2_files
+
+    for name in gpt2_files.SHA256:
+        (tmp_path / name).write_bytes((gpt2_files.ASSETS / name).read_bytes() + b"\n")
+    monkeypatch.setattr(gpt2_files, "ASSETS", tmp_path)
+    gpt2_files.builtin_gpt2_files.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"vocab.json: sha256 .* is not GPT-2's"):
+            gpt2_files.builtin_gpt2_files()
+    finally:
+        gpt2_files.builtin_gpt2_files.cache_clear()
+
+
+def test_train_bpe_says_why_the_vocab_is_smaller_than_asked(tmp_path, capsys):
+    corpus = _write(tmp_path, "tiny.txt", "to be or not to be\n" * 20)
+    argv = ["--input", str(corpus), "--type", "bpe", "--vocab-size", "32000"]
+    assert train_tokenizer.main([*argv, "--output-dir", str(tmp_path / "tok")]) == 0
+    err = capsys.readouterr().err
+    assert "not the 32,000 asked for: the corpus has no more pairs" in err, err
+
+
+def test_setup_py_ships_gpt2s_files():
+    from megatron.data import gpt2_files
+
+    setup_py = (ROOT / "setup.py").read_text(encoding="utf-8")
+    assert 'package_data={"megatron.data": ["assets/gpt2/*"]}' in setup_py
+    shipped = {p.name for p in gpt2_files.ASSETS.glob("*")}
+    assert set(gpt2_files.SHA256) | {"LICENSE"} <= shipped

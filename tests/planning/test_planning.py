@@ -291,3 +291,12 @@ def test_pretrain_auto_parallel_resolves_the_layout_and_the_tool_reports_bad_inp
     assert "GPUs with at least" in capsys.readouterr().err
     assert plan_parallel.main(model + ["--world-size", "8", "--gpu-memory", "40"]) == 0
     assert "best: " in capsys.readouterr().out
+
+
+def test_plan_parallel_with_no_arguments_plans_its_example(capsys):
+    from tools import plan_parallel
+
+    assert plan_parallel.main([]) == 0  # not argparse's exit 2 for missing --world-size
+    out = capsys.readouterr().out
+    assert "No model given: planning the example" in out and "--help lists" in out
+    assert "best: " in out

@@ -306,6 +306,7 @@ SCHEDULE_RULES = [
     ([*ITERS, "--lr-warmup-iters", "-1"], "--lr-warmup-iters"),
     ([*ITERS, "--lr-warmup-iters", "110"], "--lr-warmup-iters"),
     ([*SAMPLES, "--lr-warmup-samples", "800"], "--lr-warmup-samples"),
+    ([*ITERS, "--lr-warmup-init", "1"], "--lr-warmup-init"),
     ([*ITERS, "--lr-decay-style", "WSD"], "--lr-wsd-decay-iters"),
     ([*ITERS, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "101"], "--lr-wsd-decay-iters"),
     ([*ITERS, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "0"], "--lr-wsd-decay-iters"),
@@ -356,3 +357,19 @@ def test_scheduler_steps_needs_one_mode_and_a_batch_for_samples():
         scheduler_steps()
     with pytest.raises(ValueError, match="global_batch_size"):
         scheduler_steps(train_samples=80)
+
+
+def test_first_update_uses_lr_warmup_init_as_megatron_lm():
+    """Megatron-LM's OptimizerParamScheduler: step(0) when built, step() after each update, and
+    lr = init + (max - init) * n / W in warmup; so the first update runs with --lr-warmup-init
+    (0 by default; nanoGPT's first update uses lr / (W + 1) instead)."""
+    from megatron.training.step import make_scheduler as scheduler_of
+
+    for extra, first in (([], 0.0), (["--lr-warmup-init", "1e-4"], 1e-4)):
+        cfg = parse_args([*MODEL, *ITERS, "--lr-warmup-iters", "10", *extra], world_size=1)
+        validate(cfg, "train-gpt")
+        optimizer = make_optimizer()
+        scheduler = scheduler_of(cfg, 1, optimizer)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(first)  # the first update's
+        scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(first + (1e-3 - first) / 10)

@@ -264,6 +264,7 @@ def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp
     ):
         assert field in out.stdout
     assert " iteration        3/" not in out.stdout, "--exit-interval 2 stops after iteration 2"
+    assert "no --save" not in out.stdout and out.stdout.count("number of parameters") == 1
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     # The resolved config beside the checkpoints re-loads to the same config, and is in TB.
@@ -375,6 +376,8 @@ def test_empty_validation_split_warns_and_a_bad_save_dir_is_one_named_line(data_
         "so --eval-iters 2 has nothing to read"
     )
     assert run.stdout.count(warning) == 1, run.stdout
+    assert run.stdout.count("note: no --save: this run writes no checkpoint") == 1, run.stdout
+    assert run.stdout.count(" number of parameters: ") == 1, run.stdout
     (tmp_path / "a-file").write_text("not a directory")
     for save, problem in (("a-file", "is an existing file"), ("a-file/ck", "cannot write there")):
         bad = subprocess.run(

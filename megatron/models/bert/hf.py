@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.checkpoint.hf_files import save_safetensors
 from megatron.config.schema import ModelConfig, model_config_from_saved
 
 _TWINS = {  # post-LN? -> (model_type, with the NSP head, without it)
@@ -190,8 +191,6 @@ def export_hf_bert(full_state: dict, args: dict, out_dir: str) -> str:
     import os
     import shutil
 
-    from safetensors.torch import save_file
-
     cfg = model_config_from_saved(args["model"])
     architecture = hf_architecture(cfg, binary_head="head.pooler.weight" in full_state)
     tensors = bert_to_hf(full_state, cfg)
@@ -199,7 +198,7 @@ def export_hf_bert(full_state: dict, args: dict, out_dir: str) -> str:
     tensors.pop("cls.predictions.decoder.bias")  # tied: cls.predictions.bias
     os.makedirs(out_dir, exist_ok=True)
     tensors = {n: t.cpu().contiguous() for n, t in tensors.items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     hf_cfg = hf_bert_config(cfg).to_dict()
     hf_cfg["architectures"] = [architecture]
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from megatron.checkpoint.hf_files import save_safetensors
 from megatron.checkpoint.resharding import POSITION_EMBEDDINGS, check_full_state, model_config
 from megatron.config.schema import ModelConfig
 from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
@@ -277,8 +278,6 @@ def to_hf(
     `tokenizer_files` (vocab.json + merges.txt, a tokenizer.json, or a SentencePiece .model)
     default to the files recorded in the checkpoint's args, where they still exist.
     """
-    from safetensors.torch import save_file
-
     cfg = model_config(args)
     arch = hf_architecture(cfg)
     check_full_state(full_state, cfg, "the state to export")
@@ -293,7 +292,7 @@ def to_hf(
     dtype = full_state[WORD_EMBEDDINGS].dtype
     # safetensors wants contiguous tensors that share no memory.
     tensors = {n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     write_json(os.path.join(out_dir, "config.json"), _hf_config(cfg, arch, dtype, eod))
     if eod is not None:
         generation = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}

@@ -12,6 +12,7 @@ import shutil
 import sys
 
 from megatron.config.schema import ModelConfig
+from megatron.data.gpt2_files import builtin_gpt2_files
 from megatron.data.tokenizers import HF_EOD_TOKENS
 
 GPT2_EOD = HF_EOD_TOKENS[0]  # "<|endoftext|>"
@@ -41,6 +42,9 @@ def _tokenizer_kind(path: str) -> str:
 
 
 def _recorded_tokenizer_files(tok_args: dict) -> list[str]:
+    no_files = not any(tok_args.get(k) for k in ("vocab_file", "merge_file", "tokenizer_model"))
+    if tok_args.get("tokenizer_type") == "GPT2BPETokenizer" and no_files:
+        return list(builtin_gpt2_files())  # trained with GPT-2's own, shipped in the package
     files = []
     for key in ("vocab_file", "merge_file", "tokenizer_model"):
         path = tok_args.get(key)

@@ -1,0 +1,70 @@
+"""examples/pretrain_gpt2_3d.sh runs as the README writes it: SMOKE=1 needs no data or vocab
+paths (it writes a small corpus) and trains a few iterations, not 300,000."""
+
+import os
+import subprocess
+import sys
+
+from tests.helpers.paths import ROOT
+
+
+def _stub_python(tmp_path):
+    """A python that runs everything but the launcher, whose arguments it prints instead."""
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = -m ] && [ "$2" = torch.distributed.run ]; then echo "LAUNCH $*"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+    return str(stub)
+
+
+def test_3d_script_smoke_builds_its_own_data_and_runs_few_iterations(tmp_path):
+    env = {**os.environ, "SMOKE": "1", "PYTHON": _stub_python(tmp_path)}
+    script = str(ROOT / "examples" / "pretrain_gpt2_3d.sh")
+    run = subprocess.run(
+        ["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    launch = next(line for line in run.stdout.splitlines() if line.startswith("LAUNCH "))
+    args = launch.split()
+    assert args[args.index("--train-iters") + 1] == "20"
+    assert args[args.index("--data-path") + 1] == "smoke_out/corpus_text_document"
+    assert "--vocab-file" not in args and "--distributed-backend" in args
+    assert (tmp_path / "smoke_out" / "corpus_text_document.idx").is_file()
+    # Without SMOKE the data is the user's: a missing DATA is one line saying what to pass.
+    env.pop("SMOKE")
+    bad = subprocess.run(["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "pass DATA=PREFIX" in bad.stderr, bad.stderr
+
+
+def test_shakespeare_char_config_trains_on_a_text_file_as_its_header_says(tmp_path):
+    """The nanoGPT route: a .txt, a character vocab, paragraphs as documents, the CPU config."""
+    text = "".join(
+        f"SPEAKER {i % 7}:\nA line of verse, number {i}.\nAnd one more.\n\n" for i in range(300)
+    )
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+    data = tmp_path / "data" / "shakespeare_char"
+    py, tools = sys.executable, ROOT / "tools"
+    steps = [
+        [py, tools / "train_tokenizer.py", "--input", "input.txt", "--type", "char-level"]
+        + ["--output-dir", data],
+        [py, tools / "preprocess_data.py", "--input", "input.txt", "--txt-documents"]
+        + ["paragraph", "--append-eod", "--tokenizer-type", "CharTokenizer", "--vocab-file"]
+        + [data / "vocab.json", "--output-prefix", data / "input"],
+        [py, ROOT / "pretrain_gpt2.py", "-c", ROOT / "examples/configs/shakespeare_char_cpu.yaml"]
+        + ["--train-iters", "4", "--lr-warmup-iters", "1", "--eval-interval", "4"]
+        + ["--eval-iters", "1", "--log-interval", "2"],
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for argv in steps:
+        run = subprocess.run(
+            list(map(str, argv)), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert " number of parameters: 0.8" in run.stdout, run.stdout  # about 0.8M
+    assert "validation loss at iteration 4" in run.stdout
+    assert (
+        tmp_path / "checkpoints" / "shakespeare_char" / "latest_checkpointed_iteration.txt"
+    ).is_file()
