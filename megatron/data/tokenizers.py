@@ -29,6 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from megatron.config.schema import TOKENIZER_TYPES  # declared once, with the flag
+from megatron.data.char_tokenizer import CHAR_EOD
 from megatron.data.fast_bpe import TiktokenBPE
 from megatron.data.gpt2_files import builtin_gpt2_files
 from megatron.data.text_pieces import WHITESPACE_CUT, encode_in_pieces
@@ -440,6 +441,50 @@ class WhitespaceTokenizer(Tokenizer):
             raise ValueError(f"WhitespaceTokenizer: id {err.args[0]} is not in the vocab") from None
 
 
+class CharTokenizer(Tokenizer):
+    """Every character a token (nanoGPT's shakespeare_char), from a JSON {char: id} vocab."""
+
+    piece_cut = WHITESPACE_CUT  # any cut between characters keeps the ids
+
+    def __init__(self, vocab_file):
+        name = "CharTokenizer"
+        what = "a JSON {character: id} with <|endoftext|> (train_tokenizer.py --type char-level)"
+        path = _require_file(vocab_file, "--vocab-file", name, what)
+        try:
+            with open(path, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise _bad_file("--vocab-file", path, "JSON", err) from err
+        if not isinstance(vocab, dict) or CHAR_EOD not in vocab:
+            raise ValueError(f"--vocab-file {path}: pass {what}")
+        bad = [t for t, i in vocab.items() if not (isinstance(i, int) and i >= 0)]
+        bad += [t for t in vocab if len(t) != 1 and t != CHAR_EOD]
+        if bad:
+            raise ValueError(
+                f"--vocab-file {path}: {bad[0]!r} is not one character with an id >= 0; pass {what}"
+            )
+        super().__init__(name, {"vocab_file": path}, _max_id_plus_one(vocab), vocab[CHAR_EOD])
+        self._path, self._vocab = path, vocab
+        self._inv = {i: t for t, i in vocab.items()}
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            return [self._vocab[c] for c in text]
+        except KeyError as err:
+            c = err.args[0]
+            raise ValueError(
+                f"CharTokenizer: character {c!r} (U+{ord(c):04X}, at offset {text.index(c)}) is "
+                f"not in --vocab-file {self._path}; rebuild it from a corpus that has it "
+                "(tools/train_tokenizer.py --type char-level)"
+            ) from None
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        try:
+            return "".join(self._inv[int(i)] for i in ids)
+        except KeyError as err:
+            raise ValueError(f"CharTokenizer: id {err.args[0]} is not in the vocab") from None
+
+
 def build_tokenizer(
     tokenizer_type: str,
     *,
@@ -464,8 +509,6 @@ def build_tokenizer(
     if tokenizer_type == "WhitespaceTokenizer":
         return WhitespaceTokenizer(vocab_file)
     if tokenizer_type == "CharTokenizer":
-        from megatron.data.char_tokenizer import CharTokenizer  # it builds on this module
-
         return CharTokenizer(vocab_file)
     valid = ", ".join(TOKENIZER_TYPES)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is unknown; choose one of {valid}")
