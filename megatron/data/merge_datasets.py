@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from megatron.data.dataset_impl import infer_dataset_impl, make_indexed_dataset
+from megatron.data.dataset_pair import commit_pair
 from megatron.data.indexed_dataset import (
     IndexedDatasetError,
     MMapIndexedDataset,
@@ -78,8 +79,8 @@ def main(argv=None) -> int:
                 if os.path.exists(f"{args.output_prefix}{ext}{tmp}"):
                     os.remove(f"{args.output_prefix}{ext}{tmp}")
             raise
-        os.replace(f"{args.output_prefix}.bin{tmp}", f"{args.output_prefix}.bin")
-        os.replace(f"{args.output_prefix}.idx{tmp}", f"{args.output_prefix}.idx")
+        out = args.output_prefix
+        commit_pair(out, f"{out}.bin{tmp}", f"{out}.idx{tmp}", dtype=builder.dtype.name)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
