@@ -162,15 +162,19 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def tokenizer_mismatch(recorded: dict | None, current: dict | None) -> str | None:
-    """Why data tokenized as `recorded` does not fit the `current` tokenizer, or None."""
-    if not recorded or not current:
+    """Why data tokenized as `recorded` does not fit the `current` tokenizer, or None.
+
+    Only tokenizers that read text are compared (NullTokenizer's ids have no probe; the largest
+    id is checked against the vocab instead). Another vocab size with the same ids and
+    end-of-document id (added or padded entries) still fits."""
+    if not recorded or not current or not recorded.get("probe") or not current.get("probe"):
         return None
-    for key, what in (("vocab_size", "vocab size"), ("eod", "end-of-document id")):
-        if recorded.get(key) != current.get(key):
-            return f"{what} {recorded.get(key)} at preprocessing, {current.get(key)} now"
-    if recorded.get("probe") and current.get("probe") and recorded["probe"] != current["probe"]:
+    if recorded["probe"] != current["probe"]:
         return (
-            f"the same vocab size ({current.get('vocab_size')}) but other ids for the same text "
-            f"(fingerprint {recorded['probe']} at preprocessing, {current['probe']} now)"
+            f"other ids for the same text: fingerprint {recorded['probe']} (vocab "
+            f"{recorded.get('vocab_size')}) at preprocessing, {current['probe']} (vocab "
+            f"{current.get('vocab_size')}) now"
         )
+    if recorded.get("eod") != current.get("eod"):
+        return f"end-of-document id {recorded.get('eod')} at preprocessing, {current['eod']} now"
     return None

@@ -27,7 +27,18 @@ INDEX_VERSION = 1  # bump when the index construction changes: old caches are th
 
 
 class DataError(ValueError):
-    """Data that cannot be trained on (e.g. token ids outside the model's vocab)."""
+    """Data that cannot be trained on (e.g. token ids outside the model's vocab).
+
+    Raised in a DataLoader worker, it comes back re-made as DataError("Caught DataError in
+    DataLoader worker process 0.\nOriginal Traceback ... DataError: MESSAGE"): only MESSAGE
+    is kept, so the run still ends with one line naming the file."""
+
+    def __init__(self, message: str = ""):
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            where = message.split("\n", 1)[0].removeprefix("Caught DataError ").rstrip(".")
+            original = message.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1]
+            message = f"{original} ({where})"
+        super().__init__(message)
 
 
 def split_document_ranges(num_documents: int, weights: list[float]) -> list[range]:
