@@ -56,6 +56,20 @@ def _merge_legacy(builder: MMapIndexedDatasetBuilder, prefix: str) -> None:
     builder.add_batch(ds.read_range(0, len(ds)), ds.sizes, np.diff(ends))
 
 
+def _shared_facts(prefixes) -> dict:
+    """What every input's sidecar agrees on (tokenizer, largest id) carries to the output, so
+    training still checks the merged data against its tokenizer."""
+    records = [getattr(make_indexed_dataset(p), "pair", None) or {} for p in prefixes]
+    facts = {}
+    tokenizers = [r.get("tokenizer") for r in records]
+    if tokenizers[0] and all(t == tokenizers[0] for t in tokenizers):
+        facts["tokenizer"] = tokenizers[0]
+    tops = [r.get("max_token_id") for r in records]
+    if all(t is not None for t in tops):
+        facts["max_token_id"] = max(tops)
+    return facts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
@@ -80,7 +94,8 @@ def main(argv=None) -> int:
                     os.remove(f"{args.output_prefix}{ext}{tmp}")
             raise
         out = args.output_prefix
-        commit_pair(out, f"{out}.bin{tmp}", f"{out}.idx{tmp}", dtype=builder.dtype.name)
+        facts = {"dtype": builder.dtype.name, **_shared_facts(prefixes)}
+        commit_pair(out, f"{out}.bin{tmp}", f"{out}.idx{tmp}", **facts)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -163,3 +163,20 @@ def test_ctrl_c_ends_preprocessing_with_one_line_and_exit_130(tmp_path):
         "were removed\n"
     ]
     assert os.listdir(out_dir) == []
+
+
+def test_a_merge_is_committed_as_a_pair_and_keeps_the_shared_tokenizer(tmp_path):
+    from megatron.data.merge_datasets import main as merge_main
+
+    assert _run(tmp_path, [MMAP / "corpus.jsonl"], prefix="a") == 0
+    assert _run(tmp_path, [_reversed_corpus(tmp_path)], prefix="b") == 0
+    a, b, ab = (tmp_path / f"{n}_text_document" for n in ("a", "b", "ab"))
+    assert merge_main(["--input", str(a), str(b), "--output-prefix", str(ab)]) == 0
+    merged = MMapIndexedDataset(ab).pair
+    assert merged["tokenizer"] == MMapIndexedDataset(a).pair["tokenizer"]
+    assert merged["max_token_id"] == MMapIndexedDataset(a).pair["max_token_id"]
+    for ext in (".bin", ".idx"):  # Megatron's files have no sidecar: nothing shared to keep
+        shutil.copy(MMAP / f"megatron_text_document{ext}", tmp_path / f"m{ext}")
+    mixed = tmp_path / "am"
+    assert merge_main(["--input", str(a), str(tmp_path / "m"), "--output-prefix", str(mixed)]) == 0
+    assert "tokenizer" not in MMapIndexedDataset(mixed).pair
