@@ -198,6 +198,9 @@ class GPTDataset(torch.utils.data.Dataset):
             "seq_length": seq_length,
             "seed": seed,
         }
+        pair = getattr(indexed, "pair", None)
+        if pair and pair.get("pair_id"):  # a rebuilt dataset never reuses the old one's indices
+            description["pair_id"] = pair["pair_id"]
         # Each sequence index in doc_idx is a document here (one sequence per document).
         sizes = indexed.sizes
         cache_dir = cache_dir or os.path.join(

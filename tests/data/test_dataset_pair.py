@@ -180,3 +180,20 @@ def test_a_merge_is_committed_as_a_pair_and_keeps_the_shared_tokenizer(tmp_path)
     mixed = tmp_path / "am"
     assert merge_main(["--input", str(a), str(tmp_path / "m"), "--output-prefix", str(mixed)]) == 0
     assert "tokenizer" not in MMapIndexedDataset(mixed).pair
+
+
+def test_a_rebuilt_dataset_with_as_many_documents_gets_new_sample_indices(tmp_path):
+    """The cached indices were keyed by the prefix and the number of sequences: a rerun over
+    other documents of the same count reused them, cutting samples at the old sizes."""
+    from megatron.data.gpt_dataset import GPTDataset
+
+    def samples(cache):
+        indexed = MMapIndexedDataset(prefix)
+        ds = GPTDataset("train", indexed, range(0, 19), 8, 16, 1, cache_dir=str(cache))
+        return [ds[i]["text"].tolist() for i in range(len(ds))]
+
+    prefix = tmp_path / "out_text_document"
+    assert _run(tmp_path, [MMAP / "corpus.jsonl"]) == 0
+    samples(tmp_path / "cache")
+    assert _run(tmp_path, [_reversed_corpus(tmp_path)]) == 0
+    assert samples(tmp_path / "cache") == samples(tmp_path / "fresh-cache")
