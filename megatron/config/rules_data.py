@@ -3,6 +3,8 @@ setting's own limits are declared on it (megatron.config.schema)."""
 
 from __future__ import annotations
 
+import os
+
 from megatron.config.declare import fail
 from megatron.config.schema import ConfigError, DataConfig, parse_blend, split_weights
 from megatron.config.schema_corpora import parse_corpus_list
@@ -26,7 +28,8 @@ def validate_data(d: DataConfig) -> None:
         ("--valid-data-path", d.valid_data_path),
         ("--test-data-path", d.test_data_path),
     ):
-        parse_blend(paths, flag)
+        for _, prefix in parse_blend(paths, flag):
+            _check_prefix(flag, prefix)
     try:
         split_weights(d.split)
     except ValueError as e:
@@ -47,6 +50,17 @@ def validate_data(d: DataConfig) -> None:
             "--tokenizer-type is set",
             "pass the --tokenizer-type the data was preprocessed with (NullTokenizer for "
             "pre-tokenized ids: its end-of-document id is --vocab-size)",
+        )
+
+
+def _check_prefix(flag: str, prefix: str) -> None:
+    """`--data-path x.bin` (or .idx) where x.bin.idx does not exist: the flag takes the prefix."""
+    stem, ext = os.path.splitext(prefix)
+    if ext in (".bin", ".idx") and not os.path.exists(f"{prefix}.idx"):
+        fail(
+            flag,
+            f"{prefix} names the {ext} file, but the flag takes the prefix of the .bin/.idx pair",
+            f"drop {ext}: {flag} {stem}",
         )
 
 

@@ -1,5 +1,11 @@
 """Train / valid / test datasets from DataConfig: one prefix with --split, a weighted blend of
-prefixes, or separate --train/valid/test-data-path blends."""
+prefixes, or separate --train/valid/test-data-path blends.
+
+Before any sample is drawn, each dataset is checked against the training tokenizer, one line
+naming the file when it does not fit: the largest token id its sidecar (PREFIX.idx.json)
+records, or that a sample of its sequences holds, against the vocab; and the tokenizer
+fingerprint the sidecar records (dataset_pair.tokenizer_fingerprint) against this tokenizer's,
+which catches data made with another tokenizer of the same vocab size."""
 
 from __future__ import annotations
 
@@ -8,10 +14,13 @@ import os
 import warnings
 from collections.abc import Callable
 
+import numpy as np
+
 from megatron.config.schema import DataConfig, parse_blend, split_weights
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.dataset_impl import make_indexed_dataset
-from megatron.data.gpt_dataset import GPTDataset, split_document_ranges
+from megatron.data.dataset_pair import sidecar_path, tokenizer_mismatch
+from megatron.data.gpt_dataset import DataError, GPTDataset, split_document_ranges
 from megatron.data.indexed_dataset import dtype_vocab_problem, index_file_path
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -25,9 +34,10 @@ def _split_datasets(
     seed: int,
     common: dict,
 ) -> list[GPTDataset | None]:
-    reader = {k: common[k] for k in ("data_impl", "mmap_warmup")}
+    reader = {k: common[k] for k in ("data_impl", "mmap_warmup", "tokenizer")}
     common = {k: v for k, v in common.items() if k not in reader}
     indexed = make_indexed_dataset(prefix, reader["data_impl"], reader["mmap_warmup"])
+    check_tokenizer(prefix, indexed, common["vocab_size"], reader["tokenizer"])
     problem = dtype_vocab_problem(indexed.dtype, common["vocab_size"])
     if problem:
         warnings.warn(
@@ -41,6 +51,46 @@ def _split_datasets(
         GPTDataset(name, indexed, r, n, seq_length, seed, **common) if n > 0 and len(r) else None
         for name, r, n in zip(SPLIT_NAMES, ranges, num_samples, strict=True)
     ]
+
+
+_FIX = (
+    "Fix: pass the --tokenizer-type and files the data was preprocessed with, or re-run "
+    "tools/preprocess_data.py with this tokenizer"
+)
+
+
+def check_tokenizer(prefix: str, indexed, vocab_size: int | None, tokenizer: dict | None):
+    """DataError (one line) when the data cannot have been made with this tokenizer."""
+    record = getattr(indexed, "pair", None) or {}
+    if vocab_size is not None:
+        top, where = record.get("max_token_id"), f"recorded in {sidecar_path(prefix)}"
+        if top is None:
+            top, where = sampled_max_id(indexed), "in a sample of its sequences"
+        if top >= vocab_size:
+            raise DataError(
+                f"{prefix}: token id {top} ({where}) is outside the model's vocab "
+                f"[0, {vocab_size}): the data was made with another tokenizer. {_FIX}"
+            )
+    why = tokenizer_mismatch(record.get("tokenizer"), tokenizer)
+    if why:
+        made = record["tokenizer"].get("type")
+        raise DataError(
+            f"{prefix}: made with another tokenizer than this run's ({why}; {made} at "
+            f"preprocessing, per {sidecar_path(prefix)}). {_FIX}"
+        )
+
+
+def sampled_max_id(indexed, sequences: int = 256, tokens: int = 4096) -> int:
+    """The largest token id in up to `sequences` evenly spaced sequences (their first `tokens`
+    ids each): a bounded read whatever the dataset's size (-1 for an empty dataset)."""
+    n = len(indexed)
+    picks = np.unique(np.linspace(0, n - 1, num=min(n, sequences)).astype(np.int64)) if n else []
+    top = -1
+    for i in picks:
+        ids = indexed.get(int(i), 0, min(int(indexed.sizes[i]), tokens))
+        if len(ids):
+            top = max(top, int(ids.max()))
+    return top
 
 
 def _blend(blend, weights, num_samples, seq_length, seed, common) -> list:
@@ -94,11 +144,14 @@ def build_train_valid_test_datasets(
     seed: int,
     *,
     vocab_size: int | None = None,
+    tokenizer: dict | None = None,
     is_builder: bool = True,
     barrier: Callable[[], None] | None = None,
 ) -> list:
-    """[train, valid, test] datasets (None where a split is empty or not asked for)."""
+    """[train, valid, test] datasets (None where a split is empty or not asked for);
+    `tokenizer`: the run's tokenizer fingerprint (dataset_pair.tokenizer_fingerprint)."""
     common = {
+        "tokenizer": tokenizer,
         "data_impl": data.data_impl,
         "mmap_warmup": data.mmap_warmup,
         "cache_dir": data.data_cache_path,

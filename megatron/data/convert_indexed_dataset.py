@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from megatron.data.dataset_impl import infer_dataset_impl
+from megatron.data.dataset_pair import commit_pair, sidecar_path
 from megatron.data.indexed_dataset import (
     IndexedDatasetError,
     best_dtype,
@@ -86,10 +87,9 @@ def convert(input_prefix: str, output_prefix: str, vocab_size: int | None = None
             for _, tokens in _blocks(ds):
                 f.write(tokens.astype(dtype).tobytes(order="C"))
         write_index(idx_tmp, dtype, ds.sizes.astype(np.int32), ds.doc_idx)
-        os.replace(bin_tmp, data_file_path(output_prefix))
-        os.replace(idx_tmp, index_file_path(output_prefix))
+        commit_pair(output_prefix, bin_tmp, idx_tmp, dtype=dtype.name, max_token_id=top)
     finally:
-        for p in (bin_tmp, idx_tmp):
+        for p in (bin_tmp, idx_tmp, f"{sidecar_path(output_prefix)}{tag}"):
             if os.path.exists(p):
                 os.remove(p)
     return dtype

@@ -17,6 +17,7 @@ from megatron.data.indexed_dataset import (
     IndexedDatasetError,
     MMapIndexedDataset,
     index_file_path,
+    prefix_hint,
 )
 from megatron.data.legacy_indexed_dataset import LegacyIndexedDataset
 
@@ -27,7 +28,7 @@ def infer_dataset_impl(prefix: str | os.PathLike) -> str:
     """'mmap' or 'lazy' from the first bytes of PREFIX.idx; an unknown magic is an error."""
     path = index_file_path(prefix)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: index file not found (is the --data-path prefix right?)")
+        raise FileNotFoundError(f"{path}: index file not found ({prefix_hint(prefix)})")
     with open(path, "rb") as f:
         head = f.read(len(MAGIC))
     if head == MAGIC:

@@ -27,7 +27,18 @@ INDEX_VERSION = 1  # bump when the index construction changes: old caches are th
 
 
 class DataError(ValueError):
-    """Data that cannot be trained on (e.g. token ids outside the model's vocab)."""
+    """Data that cannot be trained on (e.g. token ids outside the model's vocab).
+
+    Raised in a DataLoader worker, it comes back re-made as DataError("Caught DataError in
+    DataLoader worker process 0.\nOriginal Traceback ... DataError: MESSAGE"): only MESSAGE
+    is kept, so the run still ends with one line naming the file."""
+
+    def __init__(self, message: str = ""):
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            where = message.split("\n", 1)[0].removeprefix("Caught DataError ").rstrip(".")
+            original = message.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1]
+            message = f"{original} ({where})"
+        super().__init__(message)
 
 
 def split_document_ranges(num_documents: int, weights: list[float]) -> list[range]:
@@ -187,6 +198,9 @@ class GPTDataset(torch.utils.data.Dataset):
             "seq_length": seq_length,
             "seed": seed,
         }
+        pair = getattr(indexed, "pair", None)
+        if pair and pair.get("pair_id"):  # a rebuilt dataset never reuses the old one's indices
+            description["pair_id"] = pair["pair_id"]
         # Each sequence index in doc_idx is a document here (one sequence per document).
         sizes = indexed.sizes
         cache_dir = cache_dir or os.path.join(

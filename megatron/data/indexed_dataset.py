@@ -5,7 +5,9 @@ uint64 = 1, dtype code uint8, N uint64 (sequences), D uint64 (document index len
 sizes int32[N], pointers int64[N] (byte offsets into .bin), doc_idx int64[D].
 `.bin`: all sequences' tokens concatenated in that dtype.
 
-Every header problem raises `IndexedDatasetError` naming the file, never an `assert`. Opening
+Every header problem raises `IndexedDatasetError` naming the file, never an `assert`. A pair
+whose sidecar (PREFIX.idx.json, dataset_pair.py) says its `.bin` and `.idx` were not written
+together (an interrupted rerun) is refused naming both files. Opening
 also checks that every sequence starts where the previous one ends (pointers against sizes,
 vectorized) and that the last one ends at the end of the `.bin`, so an index that claims more
 or fewer tokens for any sequence than the `.bin` holds is refused, naming the sequence.
@@ -23,6 +25,8 @@ from array import array
 from pathlib import Path
 
 import numpy as np
+
+from megatron.data.dataset_pair import PairMismatch, verify_pair
 
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -190,11 +194,29 @@ def write_index(path, dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> None:
         f.write(np.asarray(doc_idx, dtype="<i8").tobytes())
 
 
+def prefix_hint(prefix: str | os.PathLike) -> str:
+    """Why PREFIX.idx may be missing: a prefix given with its .bin/.idx, or a wrong prefix."""
+    prefix = str(prefix)
+    stem, ext = os.path.splitext(prefix)
+    if ext in (".bin", ".idx") and os.path.exists(index_file_path(stem)):
+        return f"give the prefix without {ext}: {stem}"
+    return "is the --data-path prefix right? It names PREFIX for PREFIX.bin and PREFIX.idx"
+
+
+def open_pair(prefix: str | os.PathLike) -> dict | None:
+    """Check that PREFIX.bin exists and belongs to PREFIX.idx (the sidecar's record, or None)."""
+    bin_path = data_file_path(prefix)
+    if not os.path.exists(bin_path):
+        raise FileNotFoundError(f"{bin_path}: data file not found next to its index")
+    try:
+        return verify_pair(prefix)
+    except PairMismatch as e:
+        raise IndexedDatasetError(str(e)) from None
+
+
 def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
     if not os.path.exists(idx_path):
-        raise FileNotFoundError(
-            f"{idx_path}: index file not found (is the --data-path prefix right?)"
-        )
+        raise FileNotFoundError(f"{idx_path}: index file not found ({prefix_hint(idx_path[:-4])})")
     with open(idx_path, "rb") as f:
         head = f.read(HEADER_SIZE)
     if head.startswith(LEGACY_MAGIC):
@@ -240,6 +262,7 @@ class MMapIndexedDataset:
         prefix = self.prefix
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         self.dtype, n, d = _read_header(idx_path)
+        self.pair = open_pair(prefix)
         expected = HEADER_SIZE + 12 * n + 8 * d
         actual = os.path.getsize(idx_path)
         if actual != expected:
@@ -264,14 +287,13 @@ class MMapIndexedDataset:
             raise IndexedDatasetError(f"{idx_path}: negative sizes or unordered document index")
 
     def _open_bin(self, bin_path: str, n: int):
-        if not os.path.exists(bin_path):
-            raise FileNotFoundError(f"{bin_path}: data file not found next to its index")
         expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n else 0
         actual = os.path.getsize(bin_path)
         if actual != expected:
             raise IndexedDatasetError(
-                f"{bin_path}: {actual} bytes, but the index points to {expected}; the .bin is "
-                f"truncated or belongs to another index (dtype {self.dtype})"
+                f"{bin_path}: {actual} bytes, but the index points to {expected} "
+                f"(dtype {self.dtype}) in {index_file_path(self.prefix)}; the .bin is "
+                "truncated or the two files do not belong together"
             )
         if actual == 0:
             return np.zeros(0, dtype=np.uint8)

@@ -42,6 +42,8 @@ from megatron.data.indexed_dataset import (
     IndexedDatasetError,
     data_file_path,
     index_file_path,
+    open_pair,
+    prefix_hint,
     warm_up_file,
 )
 
@@ -63,7 +65,7 @@ _CODES.update({np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.uint16)
 def _read_legacy_index(idx_path: str) -> dict:
     """The header and the four arrays of a TNTIDX index, checked against each other."""
     if not os.path.exists(idx_path):
-        raise FileNotFoundError(f"{idx_path}: index file not found (is the --data-path right?)")
+        raise FileNotFoundError(f"{idx_path}: index file not found ({prefix_hint(idx_path[:-4])})")
     raw = np.fromfile(idx_path, dtype=np.uint8)
     if raw[:8].tobytes() != LEGACY_MAGIC:
         raise IndexedDatasetError(
@@ -133,8 +135,7 @@ class LegacyIndexedDataset:
         self.sizes = ix["sizes"]  # int64[N]
         self.doc_idx = ix["doc_idx"]  # int64[D]
         self._offsets = ix["data"]  # int64[N + 1], in elements
-        if not os.path.exists(bin_path):
-            raise FileNotFoundError(f"{bin_path}: data file not found next to its index")
+        self.pair = open_pair(prefix)
         expected = int(self._offsets[-1]) * self.dtype.itemsize
         actual = os.path.getsize(bin_path)
         if actual != expected:

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from megatron.data.dataset_impl import infer_dataset_impl, make_indexed_dataset
+from megatron.data.dataset_pair import commit_pair
 from megatron.data.indexed_dataset import (
     IndexedDatasetError,
     MMapIndexedDataset,
@@ -55,6 +56,20 @@ def _merge_legacy(builder: MMapIndexedDatasetBuilder, prefix: str) -> None:
     builder.add_batch(ds.read_range(0, len(ds)), ds.sizes, np.diff(ends))
 
 
+def _shared_facts(prefixes) -> dict:
+    """What every input's sidecar agrees on (tokenizer, largest id) carries to the output, so
+    training still checks the merged data against its tokenizer."""
+    records = [getattr(make_indexed_dataset(p), "pair", None) or {} for p in prefixes]
+    facts = {}
+    tokenizers = [r.get("tokenizer") for r in records]
+    if tokenizers[0] and all(t == tokenizers[0] for t in tokenizers):
+        facts["tokenizer"] = tokenizers[0]
+    tops = [r.get("max_token_id") for r in records]
+    if all(t is not None for t in tops):
+        facts["max_token_id"] = max(tops)
+    return facts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
@@ -78,8 +93,9 @@ def main(argv=None) -> int:
                 if os.path.exists(f"{args.output_prefix}{ext}{tmp}"):
                     os.remove(f"{args.output_prefix}{ext}{tmp}")
             raise
-        os.replace(f"{args.output_prefix}.bin{tmp}", f"{args.output_prefix}.bin")
-        os.replace(f"{args.output_prefix}.idx{tmp}", f"{args.output_prefix}.idx")
+        out = args.output_prefix
+        facts = {"dtype": builder.dtype.name, **_shared_facts(prefixes)}
+        commit_pair(out, f"{out}.bin{tmp}", f"{out}.idx{tmp}", **facts)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -9,7 +9,9 @@ under temporary names and renamed only when the whole run succeeded.
 Workers are plain processes, each returning results over its own pipe, and the main process
 waits on those pipes and on the processes themselves: a worker that dies (the OOM killer's
 SIGKILL) fails the run at once with a message naming it. (multiprocessing.Pool silently
-replaces a dead worker and waits forever for the result it took with it.)
+replaces a dead worker and waits forever for the result it took with it.) Ctrl-C (SIGINT to
+the whole process group) is the main process's alone: the workers start with it ignored, and
+the main process stops them, removes its temporary files and exits 130 with one line.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 
 from megatron.config.declare import add_section_args, section_from_args
 from megatron.config.schema import TokenizerConfig
+from megatron.data.dataset_pair import tokenizer_fingerprint
 from megatron.data.preprocess_inputs import (
     TEXT,
     TXT_DOCUMENTS,
@@ -177,13 +180,22 @@ class _Workers:
         ctx = mp.get_context("spawn")
         self.tasks = ctx.Queue()
         self.procs, self.conns = [], []
-        for _ in range(workers):
-            receive, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker_main, args=(init_args, self.tasks, send), daemon=True)
-            proc.start()
-            send.close()
-            self.procs.append(proc)
-            self.conns.append(receive)
+        # An ignored SIGINT survives exec and Python then installs no KeyboardInterrupt handler:
+        # a Ctrl-C reaches the workers too (the whole process group), and must not print their
+        # tracebacks; the main process stops them.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for _ in range(workers):
+                receive, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_worker_main, args=(init_args, self.tasks, send), daemon=True
+                )
+                proc.start()
+                send.close()
+                self.procs.append(proc)
+                self.conns.append(receive)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def submit(self, index: int, chunk: Chunk) -> None:
         self.tasks.put((index, chunk))
@@ -331,7 +343,10 @@ def run(args: argparse.Namespace) -> int:
         "keep_newlines": args.keep_newlines,
     }
     level = "sentence" if options["split_sentences"] else "document"
-    outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    outputs = Outputs(args.output_prefix, keys, level, dtype, args.dataset_impl, fingerprint)
+    for line in outputs.clean_stale():
+        print(line, file=sys.stderr)
     progress, stats = ProgressFile(), Stats()
     total = sum(input_size(p) for p in paths)
     if args.txt_paragraphs and args.txt_documents not in ("line", "paragraph"):
@@ -501,3 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkerDied, OutputWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            "interrupted (SIGINT): stopped; no output was written and the temporary files "
+            "were removed",
+            file=sys.stderr,
+        )
+        return 130

@@ -4,6 +4,8 @@ Parquet files and `datasets.save_to_disk` directories (megatron/data/preprocess_
 Everything streams: the reader yields chunks of a few MB with the file and line number of each
 record, so memory stays flat whatever the corpus size, and every bad record can be reported as
 `FILE:LINE: reason`. Decoding and JSON parsing happen in the workers (`decode_record`).
+A damaged compressed input (megatron/data/input_compression.py) is a bad record too, at the
+line where reading stopped, naming the byte offset and the likely cause.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from megatron.data.input_compression import (
+    DECOMPRESS_ERRORS,
+    DamagedInput,
+    GzipReader,
+    unsuffixed_compression,
+)
 from megatron.data.preprocess_tables import RowPosition, is_hf_dataset_dir, table_rows, table_size
 
 JSON_LINE, TEXT, VALUE, TABLE = "json-line", "text", "value", "table"
@@ -73,8 +81,11 @@ def input_kind(path: str) -> str:
     if name.endswith(".txt"):
         return TEXT
     if name.endswith(".json"):
-        with _open(path) as f:
-            head = f.read(4096).lstrip()
+        try:
+            with _open(path) as f:
+                head = f.read(4096).lstrip()
+        except DECOMPRESS_ERRORS:
+            return JSON_LINE  # read_chunks reports what is wrong with it, naming the file
         if head.startswith(b"["):
             return VALUE
     return JSON_LINE
@@ -138,8 +149,12 @@ def read_chunks(
         raw = open(path, "rb")  # noqa: SIM115
         progress.track(raw)
         try:
-            f = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
             kind = input_kind(path)
+            compressed = None if path.endswith(".gz") else unsuffixed_compression(path, raw)
+            if compressed:
+                yield Chunk(path, kind, [], [BadRecord(path, 1, compressed)])
+                continue
+            f = GzipReader(path, raw) if path.endswith(".gz") else raw
             if kind == VALUE:
                 yield from _array_chunks(path, f, chunk_bytes)
             elif kind == TEXT and txt_documents == "file":
@@ -155,8 +170,16 @@ def read_chunks(
 def _line_chunks(path, kind, f, chunk_bytes, paragraphs) -> Iterator[Chunk]:
     items, size, blank = [], 0, 0
     para: list[bytes] = []
-    para_line = 0
-    for line_no, line in enumerate(f, start=1):
+    para_line = line_no = 0
+    lines = enumerate(f, start=1)
+    while True:
+        try:
+            line_no, line = next(lines)
+        except StopIteration:
+            break
+        except DamagedInput as e:  # keep what was read; the rest of the file is lost
+            yield Chunk(path, kind, items, [BadRecord(path, line_no + 1, str(e))])
+            return
         if paragraphs:
             if line.strip():
                 para_line = para_line or line_no
@@ -220,7 +243,10 @@ class _ArrayReader:
         return self.line
 
     def more(self) -> None:
-        data = self.f.read(_READ_SIZE)
+        try:
+            data = self.f.read(_READ_SIZE)
+        except DamagedInput as e:
+            raise _ArrayError(self.line_at(len(self.buf)), str(e)) from None
         if not data:
             self.eof = True
             if self.pending:

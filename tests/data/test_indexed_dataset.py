@@ -117,7 +117,7 @@ def _damaged(tmp_path, patch_idx=None, patch_bin=None):
     "damage,message",
     [
         ({"patch_bin": lambda b: b[:-2]}, "d.bin: 2164 bytes, but the index points to 2166"),
-        ({"patch_bin": lambda b: b + b"\0\0"}, "truncated or belongs to another index"),
+        ({"patch_bin": lambda b: b + b"\0\0"}, "truncated or the two files do not belong together"),
         ({"patch_idx": lambda b: b[:-8]}, "d.idx: 414 bytes, but its header promises 422"),
         ({"patch_idx": lambda b: b"XXXXXXXXX" + b[9:]}, "bad magic"),
         ({"patch_idx": lambda b: b"TNTIDX\0\0" + b[8:]}, "legacy 'TNTIDX'"),

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from megatron.config.schema import MegatronConfig
 from megatron.data.builder import build_train_valid_test_datasets
+from megatron.data.dataset_pair import tokenizer_fingerprint
+from megatron.data.tokenizers import build_tokenizer
 from megatron.initialize import Runtime, barrier
 from megatron.models.gpt.model import build_model
 from megatron.training.data import get_batch
@@ -32,9 +34,21 @@ def datasets_provider(cfg: MegatronConfig, rt: Runtime, counts):
         cfg.model.seq_length,
         cfg.training.seed,
         vocab_size=cfg.model.vocab_size,
+        tokenizer=run_tokenizer_fingerprint(cfg),
         is_builder=rt.state.rank == 0,
         barrier=barrier,
     )
+
+
+def run_tokenizer_fingerprint(cfg: MegatronConfig) -> dict | None:
+    """The fingerprint of this run's tokenizer, checked against the one the data records
+    (None without --tokenizer-type: the data is read as ids)."""
+    tok = cfg.data.tokenizer
+    if tok.tokenizer_type is None:
+        return None
+    # vocab_size only matters to NullTokenizer, which has no fingerprint to compare
+    built = build_tokenizer(tok.tokenizer_type, vocab_size=cfg.model.vocab_size, **tok.kwargs())
+    return tokenizer_fingerprint(built)
 
 
 def forward_step(data_iterator, model):
