@@ -11,7 +11,11 @@ Where the template comes from (the server's --chat-template, as vLLM's flag of t
 Templates render as Hugging Face renders them (`apply_chat_template`): Jinja in a sandbox that
 cannot touch Python objects, trim_blocks / lstrip_blocks, the loop-controls extension, and the
 variables messages, add_generation_prompt (always true here), bos_token, eos_token, tools and
-documents (None), and the functions raise_exception and strftime_now.
+documents (None), and the functions raise_exception and strftime_now. A render is bounded: at
+most RENDER_SECONDS of the template's own code (a loop that runs away, e.g. nested
+range(100000), is stopped), RENDER_CHARS of output, and `*` / `**` that would make a string,
+list or number past that size are refused; a template that fails on the messages in any way is
+the client's 400 naming the template (TemplateRefused), never the server's 500.
 
 A reply ends at the template's end-of-turn marker, which is a stop string and never returned:
 the built-ins' own, and for other templates whichever of END_OF_TURN_MARKERS the template's
@@ -30,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -50,6 +55,8 @@ CHATML = (
 BUILTIN = {"plain": (PLAIN, ("\nUser:",)), "chatml": (CHATML, ("<|im_end|>",))}
 # End-of-turn markers of common chat formats (ChatML, Llama 3, Phi-3, Gemma).
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+RENDER_SECONDS = 5.0  # of the template's own code per render; real templates take milliseconds
+RENDER_CHARS = 8 << 20  # the rendered prompt, and any string or list made on the way
 
 
 class TemplateRefused(ValueError):
@@ -71,18 +78,86 @@ class ChatTemplate:
     def render(self, messages: list[dict]) -> str:
         """The prompt text for `messages` ({"role", "content": str}), ending where the
         assistant's reply begins."""
-        import jinja2
-
+        variables = {"bos_token": "", "eos_token": "", **self.special}
+        pieces = self._compiled.generate(
+            messages=messages, add_generation_prompt=True, tools=None, documents=None, **variables
+        )
+        out, size = [], 0
         try:
-            return self._compiled.render(
-                messages=messages,
-                add_generation_prompt=True,
-                tools=None,
-                documents=None,
-                **{"bos_token": "", "eos_token": "", **self.special},
-            )
-        except jinja2.TemplateError as e:
+            with _Deadline(RENDER_SECONDS, self.origin):
+                for piece in pieces:
+                    size += len(piece)
+                    if size > RENDER_CHARS:
+                        raise _TooLarge(f"its output passed {RENDER_CHARS} characters")
+                    out.append(piece)
+        except _TooLarge as e:
+            raise TemplateRefused(f"{self.origin} was stopped on these messages: {e}") from None
+        except Exception as e:  # noqa: BLE001 - raise_exception, a Jinja or a Python error
             raise TemplateRefused(f"{self.origin} refused the messages: {e}") from None
+        return "".join(out)
+
+
+class _TooLarge(Exception):
+    """A render passed RENDER_SECONDS or RENDER_CHARS."""
+
+
+class _Deadline:
+    """While in effect, the template's own code (its compiled frames, file "<template>") raises
+    _TooLarge once `seconds` have passed, checked at each line it runs. A trace function,
+    because a Jinja loop calls nothing the sandbox could watch; it is this thread's only, and
+    the one before it (a debugger, coverage) is put back after."""
+
+    def __init__(self, seconds: float, origin: str):
+        self.seconds, self.origin = seconds, origin
+
+    def __enter__(self):
+        self.until = time.monotonic() + self.seconds
+        self.before = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self.before)
+
+    def _call(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename == "<template>" else None
+
+    def _line(self, frame, event, arg):
+        if time.monotonic() > self.until:
+            raise _TooLarge(f"it ran for more than {self.seconds:g} s (a loop that runs away?)")
+        return self._line
+
+
+def _bounded(value):
+    if isinstance(value, str | list | tuple) and len(value) > RENDER_CHARS:
+        raise _TooLarge(f"it made a value of more than {RENDER_CHARS} items")
+    return value
+
+
+class _BoundedSandbox:
+    """ImmutableSandboxedEnvironment's `*` and `**`, refused when the result would pass
+    RENDER_CHARS items (a string or list) or digits (a number), before it is made; and a value
+    read (a variable's attribute or item, e.g. a namespace's string doubled in a loop) that
+    has passed RENDER_CHARS items."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def getattr(self, obj, attribute):
+        return _bounded(super().getattr(obj, attribute))
+
+    def getitem(self, obj, argument):
+        return _bounded(super().getitem(obj, argument))
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*":
+            sized = [v for v in (left, right) if isinstance(v, str | list | tuple)]
+            times = [v for v in (left, right) if isinstance(v, int)]
+            if sized and times and len(sized[0]) * times[0] > RENDER_CHARS:
+                raise _TooLarge(f"'*' would make more than {RENDER_CHARS} items")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if abs(left) > 1 and right * max(abs(left), 2).bit_length() > 4 * RENDER_CHARS:
+                raise _TooLarge(f"'**' would make a number of more than {RENDER_CHARS} digits")
+        return super().call_binop(context, operator, left, right)
 
 
 def _raise_exception(message: str):
@@ -101,9 +176,10 @@ def _compile(source: str, origin: str):
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    class Sandbox(_BoundedSandbox, ImmutableSandboxedEnvironment):
+        pass
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

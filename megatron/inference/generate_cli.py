@@ -24,7 +24,18 @@ from megatron.inference.samples import (
     v1_block,
     write_jsonl,
 )
-from megatron.inference.session import add_checkpoint_args, complete, run_tool, setup
+from megatron.inference.session import (
+    add_checkpoint_args,
+    complete,
+    context_note,
+    run_tool,
+    setup,
+)
+
+CONTEXT_FIX = (
+    "fewer were generated than --max-new-tokens asked; shorten the prompt or raise --seq-length "
+    "(at most the model's positions)"
+)
 
 
 def build_parser(v1: bool = False) -> argparse.ArgumentParser:
@@ -118,6 +129,9 @@ def _conditional(args, rt, engine, tokenizer, params, v1: bool, **kw) -> None:
     results = complete(engine, tokenizer, texts, params, batch_size=args.batch_size, **kw)
     if rt.state.rank != 0:
         return
+    note = context_note(results, CONTEXT_FIX)
+    if note:
+        print(note, file=sys.stderr)
     out_file = args.sample_output_file
     if v1:
         out_file = out_file or (args.sample_input_file and args.sample_input_file + ".out")

@@ -15,6 +15,10 @@ each forward pass.
                           (streamed: each completion chunk as chat.completion.chunk)
     GET /health           {"status": "ok", "queued": n}, 200 while the worker is alive
     GET /v1/models        the one model, for clients that list models first
+
+A request's client errors are 4xx naming the problem (a body that is no JSON a request can be:
+megatron_api.read_json; a chat template that fails or runs away: chat_template), never 500s;
+each request is one line on rank 0's stderr (http_log).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from megatron.inference import chat, openai_api, openai_stream
 from megatron.inference.chat_template import ChatTemplate, resolve
-from megatron.inference.http_guard import ApiKey, Limits
+from megatron.inference.http_guard import WAITING_ON_CLIENT, ApiKey, Limits
+from megatron.inference.http_log import RequestLog, note_error, note_tokens
 from megatron.inference.megatron_api import BadRequest, check_length, parse_request
 from megatron.inference.ops import Leader
 from megatron.inference.streaming import TokenStream
@@ -111,7 +116,7 @@ def _openai_error(status: int, message: str, field=None, headers=None) -> JSONRe
 
 
 class _Unread(Exception):
-    """The body was not read: too large (413) or too slow (408)."""
+    """The body was not read: too large (413), too slow (408), or its client left (499)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -120,25 +125,38 @@ class _Unread(Exception):
 
 async def _read_body(request: Request, timeout: float) -> bytes:
     """The body, refusing (413) more than MAX_BODY_BYTES whatever Content-Length says, and (408)
-    one that takes more than `timeout` seconds to arrive (a slow-drip client)."""
+    one still not in after `timeout` seconds while the server waits on the client (a slow-drip
+    client; http_guard.WAITING_ON_CLIENT: what the server read but had no turn to take yet
+    arrived in time)."""
     too_large = _Unread(413, f"the body must be at most {MAX_BODY_BYTES} bytes")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
         raise too_large
-
-    async def read() -> bytes:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise too_large
-        return bytes(body)
-
-    try:
-        return await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:
-        message = f"the body did not arrive within {timeout:g} s (the server's --body-timeout)"
-        raise _Unread(408, message) from None
+    waiting_on_client = request.scope.get("state", {}).get(WAITING_ON_CLIENT, lambda: True)
+    loop = asyncio.get_running_loop()
+    deadline, body, pending = loop.time() + timeout, bytearray(), None
+    of = f" of {declared}" if declared is not None else ""
+    while True:
+        pending = pending or asyncio.ensure_future(request.receive())
+        done, _ = await asyncio.wait({pending}, timeout=max(deadline - loop.time(), 0))
+        if not done:
+            if not waiting_on_client():  # the server is behind, not the client
+                deadline = loop.time() + DISCONNECT_POLL_S
+                continue
+            pending.cancel()
+            message = (
+                f"the body did not arrive within {timeout:g} s (the server's --body-timeout): "
+                f"{len(body)}{of} bytes came"
+            )
+            raise _Unread(408, message)
+        message, pending = pending.result(), None
+        if message["type"] == "http.disconnect":
+            raise _Unread(499, f"the client left after {len(body)}{of} bytes of the body")
+        body += message.get("body", b"")
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 async def _wait(request: Request, future: Future):
@@ -153,8 +171,9 @@ async def _wait(request: Request, future: Future):
             return None
 
 
-async def stream_events(request: Request, stream: TokenStream):
-    """The stream's events up to its last; ends early if the client hung up."""
+async def stream_events(request: Request, stream: TokenStream, on_end=None):
+    """The stream's events up to its last; ends early if the client hung up. `on_end`: called
+    with the result of the "end" event."""
     while True:
         try:
             event = await asyncio.wait_for(stream.events.get(), DISCONNECT_POLL_S)
@@ -162,6 +181,8 @@ async def stream_events(request: Request, stream: TokenStream):
             if await request.is_disconnected():
                 return
             continue
+        if "end" in event and on_end is not None:
+            on_end(event["end"])
         yield event
         if "end" in event or "error" in event:
             return
@@ -186,6 +207,17 @@ def sse_response(future: Future, stream: TokenStream, chunks) -> StreamingRespon
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
+def _noted(request: Request, error) -> str:
+    """The error's message, also noted for the request's log line."""
+    note_error(request, str(error))
+    return str(error)
+
+
+def _note_usage(request: Request, args: dict, results: list[dict]) -> None:
+    counts = openai_api.usage(args, results)
+    note_tokens(request, counts["prompt_tokens"], counts["completion_tokens"])
+
+
 def build_app(
     scheduler: Scheduler,
     model,
@@ -193,15 +225,18 @@ def build_app(
     limits: Limits | None = None,
     api_key: str | None = None,
     chat_template: ChatTemplate | None = None,
+    log=None,
 ) -> FastAPI:
     """The routes; `model` (ops.Model) gives the tokenizer and context for validation. With an
     `api_key`, every route but /health needs it (http_guard.ApiKey). `chat_template`: the
-    resolved template of /v1/chat/completions (None: chat_template.resolve's choice)."""
+    resolved template of /v1/chat/completions (None: chat_template.resolve's choice). `log`:
+    where each request's line goes (http_log.RequestLog; None: stderr)."""
     limits = limits or Limits()
     template = chat_template or resolve(None, model.tokenizer)
     app = FastAPI(title="megatron-3d", docs_url=None, redoc_url=None, openapi_url=None)
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)
+    app.add_middleware(RequestLog, write=log)  # outermost: a 401 is logged too
     tokenizer = model.tokenizer
     vocab = model.engine.vocab_size
     busy = {"Retry-After": "2"}
@@ -226,15 +261,18 @@ def build_app(
             await asyncio.to_thread(check_length, req, tokenizer, model.max_positions)
             result = await _wait(request, scheduler.submit("generate", req))
         except _Unread as e:
-            return _megatron_error(e.status, str(e), close)
+            return _megatron_error(e.status, _noted(request, e), close)
         except BadRequest as e:
-            return _megatron_error(400, str(e))
+            return _megatron_error(400, _noted(request, e))
         except Busy as e:
-            return _megatron_error(503, f"{e}; retry in a few seconds", busy)
+            return _megatron_error(503, _noted(request, f"{e}; retry in a few seconds"), busy)
         except Exception as e:  # noqa: BLE001 - answer this client, keep serving the rest
             print(f"[server] generation failed: {e!r}", file=sys.stderr)
-            return _megatron_error(500, f"generation failed: {e}")
-        return JSONResponse(result) if result is not None else JSONResponse({}, 499)
+            return _megatron_error(500, _noted(request, f"generation failed: {e}"))
+        if result is None:
+            return JSONResponse({}, 499)
+        note_tokens(request, None, sum(len(t) for t in result["tokens"]))
+        return JSONResponse(result)
 
     async def openai_route(request: Request, parse, respond, chunks_of, what: str):
         """/v1/completions and /v1/chat/completions: `parse` (bytes -> completion_args' dict),
@@ -246,22 +284,23 @@ def build_app(
             if args["stream"]:
                 stream = TokenStream()
                 future = scheduler.submit("complete", args, stream)
-                events = stream_events(request, stream)
+                events = stream_events(request, stream, lambda r: _note_usage(request, args, r))
                 chunks = openai_stream.completion_chunks(args, events, tokenizer)
                 return sse_response(future, stream, chunks_of(chunks))
             results = await _wait(request, scheduler.submit("complete", args))
             if results is None:
                 return JSONResponse({}, 499)
+            _note_usage(request, args, results)
             return respond(args, results, tokenizer)
         except _Unread as e:
-            return _openai_error(e.status, str(e), headers=close)
+            return _openai_error(e.status, _noted(request, e), headers=close)
         except openai_api.FieldError as e:
-            return _openai_error(400, str(e), e.field)
+            return _openai_error(400, _noted(request, e), e.field)
         except Busy as e:
-            return _openai_error(503, f"{e}; retry in a few seconds", headers=busy)
+            return _openai_error(503, _noted(request, f"{e}; retry in a few seconds"), headers=busy)
         except Exception as e:  # noqa: BLE001 - answer this client, keep serving the rest
             print(f"[server] {what} failed: {e!r}", file=sys.stderr)
-            return _openai_error(500, f"{what} failed: {e}")
+            return _openai_error(500, _noted(request, f"{what} failed: {e}"))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

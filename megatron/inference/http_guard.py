@@ -12,18 +12,25 @@ complete. So the HTTP protocol here is uvicorn's h11 one with two additions:
                      request already answered, e.g. a 401).
     connection cap   a connection beyond `max_connections` gets a 503 and is closed at once.
 
-The body deadline belongs to the route that reads the body (http_app.read_body: a 408). The API
+The body deadline belongs to the route that reads the body (http_app._read_body: a 408). When
+it passes, the route asks the protocol, through the request's scope["state"][WAITING_ON_CLIENT],
+whether the server is waiting on the client: only then did the body not arrive. Bytes the
+server has read but the route not yet taken (the event loop was busy), a read paused because
+the route is behind, or a body read in full mean it did arrive. The API
 key (vLLM's `--api-key` / VLLM_API_KEY convention; here `--api-key` / MEGATRON_API_KEY) is an
 ASGI middleware: `Authorization: Bearer KEY` on every route except GET /health.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import os
+import select
 from dataclasses import dataclass
 
 API_KEY_ENV = "MEGATRON_API_KEY"
+WAITING_ON_CLIENT = "megatron.waiting_on_client"  # scope["state"] key: () -> bool
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no key
 _FULL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -88,6 +95,15 @@ class ApiKey:
         await response(scope, receive, send)
 
 
+def _waiting_on_client(cycle, flow, transport) -> bool:
+    """The body is not complete, and no byte of it waits on the server's side: none read by
+    uvicorn that the route has not taken, no read paused for the route, none in the socket."""
+    if not cycle.more_body or cycle.body or flow.read_paused or cycle.disconnected:
+        return False
+    sock = transport.get_extra_info("socket")
+    return sock is None or not select.select([sock], [], [], 0)[0]
+
+
 def guarded_protocol(limits: Limits) -> type:
     """uvicorn's h11 protocol with the header deadline and the connection cap of `limits`; pass
     it as uvicorn.Config(http=...). (Pinning h11 also means the same parser whether or not
@@ -121,6 +137,13 @@ def guarded_protocol(limits: Limits) -> type:
             self._deadline = None
             if not self._in_request() and not self.transport.is_closing():
                 self.transport.close()
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle and self.cycle is not None:  # a request's headers are in
+                waiting = (_waiting_on_client, self.cycle, self.flow, self.transport)
+                self.scope["state"][WAITING_ON_CLIENT] = functools.partial(*waiting)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 
 from megatron.inference.generation import SamplingParams
 from megatron.inference.prompt_tokens import tokenize_within, too_long
@@ -20,6 +22,70 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # below 0.01, logits / T overflo
 
 class BadRequest(ValueError):
     pass
+
+
+class BadJSON(BadRequest):
+    """The body is no JSON a request can be: `where` names the bad string (e.g. "prompt[1]"),
+    None when it is the body as a whole."""
+
+    def __init__(self, message: str, where: str | None = None):
+        super().__init__(message)
+        self.where = where
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone half of a UTF-16 pair: no UTF-8 for it
+
+
+def _lone_surrogate(value) -> tuple[str | None, int] | None:
+    """(the JSON path of the first string, or field name, holding a lone surrogate (None: the
+    body itself), its index), or None. Iterative: no recursion of its own."""
+    todo: list[tuple[str, object]] = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                todo.append((f"{path}.{k}".lstrip("."), item))
+                todo.append((f"{path}.{k}".lstrip("."), k))  # the name, looked at first
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+        elif isinstance(v, str) and (hit := _SURROGATE.search(v)):
+            escaped = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", path)  # printable
+            return escaped or None, hit.start()
+    return None
+
+
+def read_json(body: bytes):
+    """The body as JSON, or BadJSON saying what is wrong with it (all client errors, 400): not
+    UTF-8, not JSON, nested deeper than Python's recursion limit, an integer of more digits
+    than Python converts (4300), a string with a lone UTF-16 surrogate ("\\ud800", which
+    no tokenizer can encode)."""
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise BadJSON(f"the body is not UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
+        raise BadJSON(f"the body is not JSON: {e}") from None
+    except RecursionError:
+        raise BadJSON(
+            "the body's JSON is nested more deeply than the server reads (about "
+            f"{sys.getrecursionlimit()} levels; a request needs 3 or so)"
+        ) from None
+    except ValueError:  # not a JSONDecodeError: int() of more digits than Python converts
+        raise BadJSON(
+            f"the body's JSON has an integer of more than {sys.get_int_max_str_digits()} "
+            "digits; no field takes one that large"
+        ) from None
+    found = _lone_surrogate(value)
+    if found is not None:
+        where, at = found
+        what = f"'{where}'" if where else "the body"
+        raise BadJSON(
+            f"{what} holds a lone UTF-16 surrogate at character "
+            f'{at} (e.g. "\\ud800" without its pair): send valid Unicode, the character '
+            "itself or both halves of its pair",
+            where,
+        )
+    return value
 
 
 def _int_field(req: dict, name: str, default: int, low: int, high: int | None = None) -> int:
@@ -49,10 +115,7 @@ def parse_request(body: bytes) -> dict:
     can not make generation fail on a follower rank (NaN or 1e-300 temperatures used to crash
     rank 1 and with it the whole server).
     """
-    try:
-        req = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadRequest(f"the body is not JSON: {e}") from None
+    req = read_json(body)
     if not isinstance(req, dict):
         raise BadRequest("the body must be a JSON object")
     unknown = set(req) - {

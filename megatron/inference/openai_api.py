@@ -30,7 +30,9 @@ from megatron.inference.megatron_api import (
     MAX_PROMPTS,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
+    BadJSON,
     BadRequest,
+    read_json,
 )
 from megatron.inference.prompt_tokens import tokenize_within, too_long
 
@@ -188,9 +190,9 @@ def _samples(req: dict, prompts: int) -> dict:
 def json_object(body: bytes) -> dict:
     """The request body as a JSON object, or FieldError (no field named)."""
     try:
-        req = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FieldError(None, f"the body is not JSON: {e}") from None
+        req = read_json(body)
+    except BadJSON as e:
+        raise FieldError(e.where, str(e)) from None
     if not isinstance(req, dict):
         raise FieldError(None, "the body must be a JSON object")
     return req

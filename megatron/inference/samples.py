@@ -111,4 +111,6 @@ def interactive(
         result = complete(engine, tokenizer, [text], params, **generate_kwargs)[0]
         if rt.state.rank == 0:
             write(v1_block(text, result["text"]))
+            if "note" in result:
+                write(f"({result['note']})")
         shown += 1

@@ -67,8 +67,12 @@ def complete_iter(
     **generate_kwargs,
 ) -> Iterator[list[dict]]:
     """The completions of `texts`, one list per batch of `batch_size` (None: one batch).
-    Batch i samples with seed + i, so batches of the same prompts differ."""
+    Batch i samples with seed + i, so batches of the same prompts differ. Each is
+    {"prompt", "text", "tokens", "finish_reason"}: "stop" when it reached end-of-document (its
+    id is the last of "tokens", its text is never in "text"), else "length", with a "note" when
+    the context (max_length, default the model's positions) ended it before max_new_tokens."""
     step = max(batch_size or len(texts), 1)
+    limit = generate_kwargs.get("max_length") or engine.model.cfg.max_positions
     for i in range(0, len(texts), step):
         chunk = texts[i : i + step]
         prompts = [prompt_ids(tokenizer, t) for t in chunk]
@@ -76,9 +80,31 @@ def complete_iter(
         ids = generate(engine, prompts, seeded, eod=tokenizer.eod, **generate_kwargs)
         out = []
         for text, prompt, seq in zip(chunk, prompts, ids, strict=True):
-            new = seq[len(prompt) :]
-            out.append({"prompt": text, "text": tokenizer.detokenize(new), "tokens": new})
+            result = _result(tokenizer, seq[len(prompt) :], params.max_new_tokens, len(seq), limit)
+            out.append({"prompt": text, **result})
         yield out
+
+
+def _result(tokenizer, new: list[int], wanted: int, length: int, limit: int) -> dict:
+    """One continuation's text (end-of-document left out), ids and why it ended."""
+    if new and new[-1] == tokenizer.eod:
+        return {"text": tokenizer.detokenize(new[:-1]), "tokens": new, "finish_reason": "stop"}
+    result = {"text": tokenizer.detokenize(new), "tokens": new, "finish_reason": "length"}
+    if len(new) < wanted and length >= limit:
+        result["note"] = (
+            f"stopped at the context length ({limit} positions) after {len(new)} of "
+            f"{wanted} new tokens"
+        )
+    return result
+
+
+def context_note(results: list[dict], fix: str) -> str | None:
+    """One line for the results the context ended early (None if none): how many, and `fix`."""
+    cut = [r["note"] for r in results if "note" in r]
+    if not cut:
+        return None
+    first = " (the first)" if len(cut) > 1 else ""
+    return f"note: {len(cut)} of {len(results)} generations {cut[0]}{first}; {fix}"
 
 
 def complete(engine, tokenizer, texts: list[str], params: SamplingParams, **kwargs) -> list[dict]:
