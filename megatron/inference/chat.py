@@ -113,6 +113,16 @@ def _max_tokens(req: dict, prompt_len: int, max_positions: int) -> int:
     return value
 
 
+def _refuse_text_past_the_context(messages: list[dict], tokenizer, limit: int) -> None:
+    """The messages' own text already past what `limit` ids can stand for (a tokenizer with a
+    bound on characters per id) is refused before the template renders it."""
+    most = getattr(tokenizer, "max_token_chars", None)
+    chars = sum(len(m["content"]) for m in messages)
+    if most is not None and chars > limit * most:
+        why = f"the model's context of {limit + 1} positions, less one for the reply"
+        raise FieldError("messages", too_long("the messages' text", limit, why))
+
+
 def chat_args(
     body: bytes,
     tokenizer,
@@ -128,6 +138,7 @@ def chat_args(
     if unknown:
         raise FieldError(unknown[0], f"unknown fields {unknown}")
     messages = parse_messages(req.get("messages"))
+    _refuse_text_past_the_context(messages, tokenizer, max_positions - 1)
     try:
         rendered = template.render(messages)
     except TemplateRefused as e:
