@@ -112,7 +112,7 @@ unset TRITON_INTERPRET  # the kernels must compile for the GPU (kernels --smoke 
 # then the larger shapes with the default flags and the best combination. bench/mfu.py runs
 # them in the order given, saving each row: the defaults and the best combination come first.
 : "${MFU_SMALL_SHAPES:=gpt2-small-b16,gpt2-small-b32,gpt2-small-b64}"
-: "${MFU_SMALL_VARIANTS:=default,best,compile,cudagraphs,fused-linear-ce,liger,fp8,fp8-rowwise}"
+: "${MFU_SMALL_VARIANTS:=default,best,compile,cudagraphs,fused-linear-ce,liger,fp8,fp8-rowwise,fp8-eager}"
 : "${MFU_SHAPES:=gpt-1.3b,gpt2-medium,gpt-2.7b}" "${MFU_VARIANTS:=default,best}"
 : "${MFU_SMALL_SYSTEMS:=}" "${MFU_SYSTEMS:=}" "${MFU_ARGS:=}"
 : "${PROFILE_SHAPE:=gpt2-small-b16}" "${PROFILE_FLAGS:=;--torch-compile}" "${KERNELS_ARGS:=}"
