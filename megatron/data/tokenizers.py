@@ -33,6 +33,7 @@ from megatron.data.char_tokenizer import CHAR_EOD
 from megatron.data.fast_bpe import TiktokenBPE
 from megatron.data.gpt2_files import builtin_gpt2_files
 from megatron.data.text_pieces import WHITESPACE_CUT, encode_in_pieces
+from megatron.data.wordpiece_text import is_cjk_char, join_wordpieces  # noqa: F401 (re-export)
 
 HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 WHITESPACE_EOD_TOKENS = ("<eod>", "<|endoftext|>", "</s>", "<eos>")
@@ -146,6 +147,19 @@ def _bad_file(flag: str, path: str, what: str, err: Exception) -> ValueError:
     return ValueError(f"{flag} {path}: cannot read it as {what} ({err}); check the file")
 
 
+def _read_json_vocab(vocab_file, tokenizer_type: str, what: str) -> tuple[str, dict]:
+    """(path, the JSON object in --vocab-file), or an error naming the file and `what` to pass."""
+    path = _require_file(vocab_file, "--vocab-file", tokenizer_type, what)
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _bad_file("--vocab-file", path, "JSON", err) from err
+    if not isinstance(vocab, dict):
+        raise ValueError(f"--vocab-file {path}: pass {what}")
+    return path, vocab
+
+
 def _max_id_plus_one(vocab: dict[str, int]) -> int:
     # Ids need not be dense (added tokens may leave gaps): embed up to the largest one.
     return max(vocab.values()) + 1
@@ -249,46 +263,6 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
             byte = re.compile(r"<0x[0-9A-Fa-f]{2}>")
             vocab = tok.get_vocab(True).items()
             self.byte_run_ids = frozenset(i for t, i in vocab if byte.fullmatch(t))
-
-
-# Scripts written without spaces between words: BERT's CJK ideograph blocks (the characters its
-# normalizer isolates), kana, and CJK / full-width punctuation.
-_NO_SPACE_RANGES = (
-    (0x3000, 0x30FF),  # CJK symbols and punctuation, hiragana, katakana
-    (0x3400, 0x4DBF),
-    (0x4E00, 0x9FFF),
-    (0xF900, 0xFAFF),
-    (0xFF00, 0xFFEF),  # full-width forms (，！？ etc.)
-    (0x20000, 0x2FA1F),
-)
-_NO_SPACE_BEFORE = set(".,!?;:%)]}")
-_NO_SPACE_AFTER = set("([{")
-
-
-def is_cjk_char(c: str) -> bool:
-    """True for a character of a script written without spaces between words (CJK)."""
-    cp = ord(c)
-    return any(lo <= cp <= hi for lo, hi in _NO_SPACE_RANGES)
-
-
-def join_wordpieces(tokens: Iterable[str]) -> str:
-    """WordPiece tokens -> text: `##x` continues the word; no space is put next to a CJK
-    character (分布式训练, not 分 布 式 训 练) or before closing punctuation; Latin words keep
-    their spaces."""
-    out: list[str] = []
-    for tok in tokens:
-        if not tok:
-            continue
-        if tok.startswith("##") and len(tok) > 2 and out:
-            out.append(tok[2:])
-            continue
-        if out:
-            prev, nxt = out[-1][-1], tok[0]
-            joined = is_cjk_char(prev) or is_cjk_char(nxt)
-            if not (joined or nxt in _NO_SPACE_BEFORE or prev in _NO_SPACE_AFTER):
-                out.append(" ")
-        out.append(tok)
-    return "".join(out)
 
 
 class BertWordPieceTokenizer(_HFBackedTokenizer):
@@ -412,15 +386,8 @@ class WhitespaceTokenizer(Tokenizer):
     def __init__(self, vocab_file):
         name = "WhitespaceTokenizer"
         what = "a JSON object {token: id} with <unk> and an end-of-text token"
-        path = _require_file(vocab_file, "--vocab-file", name, what)
-        try:
-            with open(path, encoding="utf-8") as f:
-                vocab = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise _bad_file("--vocab-file", path, "JSON", err) from err
-        if not isinstance(vocab, dict) or not all(
-            isinstance(i, int) and i >= 0 for i in vocab.values()
-        ):
+        path, vocab = _read_json_vocab(vocab_file, name, what)
+        if not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
             raise ValueError(f"--vocab-file {path}: pass {what} (ids non-negative integers)")
         eod_token = next((t for t in WHITESPACE_EOD_TOKENS if t in vocab), None)
         if "<unk>" not in vocab or eod_token is None:
@@ -449,13 +416,8 @@ class CharTokenizer(Tokenizer):
     def __init__(self, vocab_file):
         name = "CharTokenizer"
         what = "a JSON {character: id} with <|endoftext|> (train_tokenizer.py --type char-level)"
-        path = _require_file(vocab_file, "--vocab-file", name, what)
-        try:
-            with open(path, encoding="utf-8") as f:
-                vocab = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise _bad_file("--vocab-file", path, "JSON", err) from err
-        if not isinstance(vocab, dict) or CHAR_EOD not in vocab:
+        path, vocab = _read_json_vocab(vocab_file, name, what)
+        if CHAR_EOD not in vocab:
             raise ValueError(f"--vocab-file {path}: pass {what}")
         bad = [t for t, i in vocab.items() if not (isinstance(i, int) and i >= 0)]
         bad += [t for t in vocab if len(t) != 1 and t != CHAR_EOD]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from megatron.data.tokenizers import is_cjk_char
+from megatron.data.wordpiece_text import is_cjk_char
 
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 REQUIRED = ("[UNK]", "[SEP]")  # the tokenizer's unknown and end-of-document tokens
