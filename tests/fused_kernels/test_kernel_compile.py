@@ -27,7 +27,17 @@ def _ptxas() -> Path | None:
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "bench/kernel_compile.py", "--first-only", "--widths", "768,2048"],
+        [
+            sys.executable,
+            "bench/kernel_compile.py",
+            "--first-only",
+            "--widths",
+            "768,2048",
+            "--arch",
+            "90",
+            "--dtype",
+            "bf16",
+        ],  # fmt: skip
         cwd=ROOT,
         env=env,
         capture_output=True,
