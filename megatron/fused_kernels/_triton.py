@@ -28,15 +28,18 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # several timed on the first call. Timing can pick differently on different ranks, and the
 # configs sum a row in different orders (last-bit differences): with tensor parallelism and no
 # sequence parallelism the replicated norm weights are updated on each rank from its own sums.
-AUTOTUNE = os.environ.get("MEGATRON_KERNEL_AUTOTUNE", "1") != "0"
+_AUTOTUNE_ENV = os.environ.get("MEGATRON_KERNEL_AUTOTUNE", "1") != "0"
+AUTOTUNE = _AUTOTUNE_ENV
 
 
-def fix_configs() -> None:
-    """One config per row width from now on (as MEGATRON_KERNEL_AUTOTUNE=0): what the trainer
-    asks for under tensor parallelism, so every TP rank sums its rows in the same order. Read
-    when a kernel first meets a width (the autotuner's prune), so it must run before that."""
+def fix_configs(fixed: bool = True) -> None:
+    """One config per row width for the run being built (as MEGATRON_KERNEL_AUTOTUNE=0), or,
+    `fixed=False`, the environment's choice again: the trainer fixes them under tensor
+    parallelism, so every TP rank sums its rows in the same order, and a later run in the same
+    process gets autotuning back. Read when a kernel first meets a width (the autotuner's
+    prune), so it must run before that."""
     global AUTOTUNE
-    AUTOTUNE = False
+    AUTOTUNE = _AUTOTUNE_ENV and not fixed
 
 
 def check_kernel_input(t: torch.Tensor, what: str, fallback: str) -> None:

@@ -48,10 +48,13 @@ from megatron.training.timers import Timers
 def build_context(cfg: MegatronConfig, rt: Runtime, device=None) -> BuildContext:
     """This rank's BuildContext for the run: its place in the grid, the seed, device, dtype,
     dropout streams and the kernels --attention-backend etc. chose."""
-    if rt.state.tp_size > 1:  # the same kernel configs, hence the same sums, on every TP rank
-        from megatron.fused_kernels._triton import fix_configs  # imports triton: only here
+    # The same kernel configs, hence the same sums, on every TP rank; a TP = 1 run after it in
+    # this process autotunes again. (Importing _triton imports triton, which reads
+    # TRITON_INTERPRET once: only when a kernel may run, never at this module's import.)
+    if rt.state.tp_size > 1 or "megatron.fused_kernels._triton" in sys.modules:
+        from megatron.fused_kernels._triton import fix_configs
 
-        fix_configs()
+        fix_configs(rt.state.tp_size > 1)
     return BuildContext(
         state=rt.state,
         seed=cfg.training.seed,
