@@ -121,18 +121,14 @@ class FusedOps:
 
     def add_layer_norm(self, x, residual, weight, bias, eps):
         if self.add_norm == "liger":
-            from megatron.fused_kernels import liger
-
-            return liger.add_layer_norm(x, residual, weight, bias, eps)
+                return liger.add_layer_norm(x, residual, weight, bias, eps)
         from megatron.fused_kernels.triton_norms import fused_add_layer_norm
 
         return fused_add_layer_norm(x, residual, weight, bias, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
         if self.add_norm == "liger":
-            from megatron.fused_kernels import liger
-
-            return liger.add_rms_norm(x, residual, weight, eps)
+                return liger.add_rms_norm(x, residual, weight, eps)
         from megatron.fused_kernels.triton_norms import fused_add_rms_norm
 
         return fused_add_rms_norm(x, residual, weight, eps)
@@ -144,9 +140,7 @@ class FusedOps:
 
     def swiglu_act(self, x):
         if self.swiglu == "liger":
-            from megatron.fused_kernels import liger
-
-            return liger.swiglu(x)
+                return liger.swiglu(x)
         if self.swiglu == "triton":
             from megatron.fused_kernels.triton_activations import swiglu
 
@@ -250,10 +244,13 @@ def select_ops(
         )
 
     eager = not cfg.torch_compile  # compiled: Inductor fuses these ops itself
+    # The ops our kernel measured slower at are not even checked (a check compiles and, on a GPU,
+    # autotunes): add + LayerNorm keeps its kernel only for RMSNorm models, decided per layer.
+    slower = SLOWER_THAN_TORCH.get(device.type, frozenset()) if follow_table else frozenset()
     wanted = {
         "softmax": cfg.masked_softmax_fusion and eager,
         "add_norm": cfg.layer_norm_fusion and eager,
-        "bias_gelu": cfg.bias_gelu_fusion and eager,
+        "bias_gelu": cfg.bias_gelu_fusion and eager and "bias_gelu" not in slower,
         "swiglu": cfg.bias_swiglu_fusion and eager,
         # --fp16-lm-cross-entropy asks for the loss in the logits' dtype: the torch one
         "cross_entropy": cfg.cross_entropy_loss_fusion and not cfg.fp16_lm_cross_entropy,
@@ -264,9 +261,6 @@ def select_ops(
         if cfg.kernel_library == "liger" and op in liger.OPS and candidates:
             candidates.insert(0, "liger")
         chosen[op] = next((c for c in candidates if _self_check(op, device, c, strict)), "torch")
-    slower = SLOWER_THAN_TORCH.get(device.type, frozenset()) if follow_table else frozenset()
-    if "bias_gelu" in slower and chosen["bias_gelu"] == "triton":
-        chosen["bias_gelu"] = "torch"
     layer_norm = "torch" if "add_layer_norm" in slower and chosen["add_norm"] == "triton" else None
     if cfg.attention_backend == "fused" and eager and chosen["softmax"] != "triton":
         if cfg.masked_softmax_fusion:
