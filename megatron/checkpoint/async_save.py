@@ -127,7 +127,12 @@ class AsyncSaver:
             )
             if isinstance(e, CheckpointError):
                 raise type(e)(f"{e}{note}") from e
-            raise CheckpointError(f"{type(e).__name__}: {e}{note}") from e
+            if isinstance(e, OSError):  # the write itself: a checkpoint error, named as one
+                raise CheckpointError(f"{type(e).__name__}: {e}{note}") from e
+            # Anything else (a collective that timed out, a peer gone) keeps its type, so the
+            # trainer still explains it as such; the note says what it cost.
+            e.add_note(note.strip())
+            raise
         self._committed.append(iteration)
 
 

@@ -45,7 +45,8 @@ def unrecognized(extras: Sequence[str], *parsers: argparse.ArgumentParser) -> st
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
         if flag.startswith("-") and close:
             hints.append(f"{flag}: did you mean {close[0]}?")
-    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" * bool(hints))
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    return f"{message} ({'; '.join(hints)})" if hints else message
 
 
 class SuggestingParser(argparse.ArgumentParser):

@@ -72,8 +72,9 @@ def _cuda_graph_conflicts(cfg: MegatronConfig) -> list[tuple[bool, str]]:
         ),
         (
             par.tensor_model_parallel_size > 1 or par.context_parallel_size > 1,
-            "runs with TP = CP = 1 only: the tensor- and context-parallel collectives inside "
-            "the forward would split the graphs",
+            "runs with TP = CP = 1 only, as the tensor- and context-parallel collectives "
+            "inside the forward would split the graphs: use --tensor-model-parallel-size 1 "
+            "--context-parallel-size 1, or drop --enable-cuda-graph",
         ),
         (
             m.moe,
@@ -101,5 +102,5 @@ def _cuda_graph_conflicts(cfg: MegatronConfig) -> list[tuple[bool, str]]:
 def _validate_cuda_graph(cfg: MegatronConfig) -> None:
     for conflict, why in _cuda_graph_conflicts(cfg):
         if conflict:
-            problem, fix = why.split(": ", 1)
+            problem, fix = why.rsplit(": ", 1)  # every entry ends in ": <the fix>"
             fail("--enable-cuda-graph", problem, fix)

@@ -94,3 +94,20 @@ def test_a_write_that_fails_after_staging_says_the_staged_save_never_committed(t
     )
     loop.announce_commits()
     assert "saved checkpoint" not in out.getvalue()
+
+
+def test_a_collective_failing_in_the_commit_keeps_its_type_for_the_trainer(tmp_path):
+    """A peer gone or a timeout in the commit's collectives stays a RuntimeError, so the trainer
+    still explains it as a collective failure (naming the rank); the note says what it cost."""
+
+    def peer_gone():
+        raise RuntimeError("Connection closed by peer")
+
+    backend = _AsyncBackend(peer_gone)
+    loop, _ = _loop(tmp_path, backend)
+    loop._save(TrainState(iteration=6))
+    backend.saver._thread.join()
+    with pytest.raises(RuntimeError) as err:
+        backend.saver.poll(lambda mine: mine)
+    assert not isinstance(err.value, CheckpointError)
+    assert "iteration 6 was staged in memory" in " ".join(getattr(err.value, "__notes__", []))
