@@ -324,6 +324,10 @@ def run(args: argparse.Namespace) -> int:
                     f"--json-keys {' '.join(keys)}: {p} is plain text, which has no "
                     "keys; give one key (it names the output) or use JSON input"
                 )
+    if args.txt_paragraphs and args.txt_documents not in ("line", "paragraph"):
+        raise ValueError(
+            f"--txt-paragraphs contradicts --txt-documents {args.txt_documents}: give one"
+        )
     tok = section_from_args(TokenizerConfig, args).with_pretrained_files()
     problem = tok.pretrained_problem()
     if problem:
@@ -348,10 +352,6 @@ def run(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     progress, stats = ProgressFile(), Stats()
     total = sum(input_size(p) for p in paths)
-    if args.txt_paragraphs and args.txt_documents not in ("line", "paragraph"):
-        raise ValueError(
-            f"--txt-paragraphs contradicts --txt-documents {args.txt_documents}: give one"
-        )
     txt_documents = "paragraph" if args.txt_paragraphs else args.txt_documents
     chunks = read_chunks(paths, args.chunk_bytes, progress, txt_documents, keys)
     ok, next_log = False, args.log_interval

@@ -158,7 +158,12 @@ def read_chunks(
             if kind == VALUE:
                 yield from _array_chunks(path, f, chunk_bytes)
             elif kind == TEXT and txt_documents == "file":
-                yield Chunk(path, TEXT_WHOLE, [(1, f.read())], [])  # tokenized in pieces
+                try:
+                    text = f.read()
+                except DamagedInput as e:  # a truncated .gz: named as a bad record, as lines are
+                    yield Chunk(path, TEXT_WHOLE, [], [BadRecord(path, 1, str(e))])
+                    continue
+                yield Chunk(path, TEXT_WHOLE, [(1, text)], [])  # tokenized in pieces
             else:
                 paragraphs = kind == TEXT and txt_documents == "paragraph"
                 yield from _line_chunks(path, kind, f, chunk_bytes, paragraphs)

@@ -101,7 +101,11 @@ def _waiting_on_client(cycle, flow, transport) -> bool:
     if not cycle.more_body or cycle.body or flow.read_paused or cycle.disconnected:
         return False
     sock = transport.get_extra_info("socket")
-    return sock is None or not select.select([sock], [], [], 0)[0]
+    if sock is None:
+        return True
+    waiting = select.poll()  # poll, not select: descriptors past 1024 under many connections
+    waiting.register(sock.fileno(), select.POLLIN)
+    return not waiting.poll(0)
 
 
 def guarded_protocol(limits: Limits) -> type:

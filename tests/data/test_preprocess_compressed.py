@@ -78,3 +78,19 @@ def test_a_gzip_file_without_the_gz_suffix_is_one_line_saying_so(tmp_path, capsy
         f"bad record: {path}:1: this file is gzip-compressed (its first bytes, at byte 0, are "
         f"1f 8b 08 00) but its name does not end in .gz; rename it to {name}.gz"
     ]
+
+
+def test_a_truncated_txt_gz_read_whole_names_the_file(tmp_path, capsys):
+    """--txt-documents file reads the whole file at once: its damage is a bad record too."""
+    whole = gzip.compress(("one long stream of text\n" * 4000).encode())
+    path = _input(tmp_path, "cut.txt.gz", whole[: len(whole) // 2])
+    assert _run(tmp_path, [path], "--txt-documents", "file") == 1
+    (bad,) = _bad_lines(capsys)
+    assert bad.startswith(f"bad record: {path}:1:") and "truncated gzip" in bad
+
+
+def test_contradicting_txt_flags_are_refused_before_any_output_is_opened(tmp_path, capsys):
+    path = _input(tmp_path, "a.txt", b"hello\n")
+    assert _run(tmp_path, [path], "--txt-paragraphs", "--txt-documents", "file") == 2
+    assert "--txt-paragraphs contradicts --txt-documents file" in capsys.readouterr().err
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("out")]
