@@ -5,6 +5,7 @@ the batch recipe (`batches`) on its own."""
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron.config.schema import ModelConfig
-from megatron.training.log import model_flops_per_sample
+from megatron.training.log import KNOWN_PEAK_TFLOPS, model_flops_per_sample
 
-H100_PEAK = 989.0  # dense bf16 TFLOP/s of an H100 SXM
+H100_PEAK = KNOWN_PEAK_TFLOPS["H100"]  # dense bf16 TFLOP/s of an H100 SXM
 DATA_SEED = 0
 
 
@@ -66,7 +67,8 @@ def megatron_flops_per_sample(m: ModelConfig, seq: int) -> float:
     3 (forward, backward for inputs and for weights) x 2 (multiply-add) x, per token: per layer
     the projections h (q + 2 g d) + q h and the MLP h f (x 3/2 with SwiGLU, as 2 or 3 matmuls),
     plus the logits h V; and per sequence of s tokens s^2 q per layer for QK^T and PV, halved
-    for the causal mask. `full_flops_per_sample` counts the whole s^2 term.
+    for the causal mask. The trainer's `model_flops_per_sample` (megatron.training.log) counts
+    the whole s^2 term, as the 2021 Megatron paper, llm-foundry and nanochat publish theirs.
     """
     h, q = m.hidden_size, m.num_attention_heads * m.head_dim
     kv = 2 * m.query_groups * m.head_dim
@@ -74,14 +76,6 @@ def megatron_flops_per_sample(m: ModelConfig, seq: int) -> float:
     per_token = m.num_layers * (h * (q + kv) + q * h + mlp) + h * m.padded_vocab_size(1)
     per_sequence_core = m.num_layers * seq * seq * q / 2 * 2  # causal half of QK^T and PV
     return 3 * 2 * (seq * per_token + per_sequence_core)
-
-
-def full_flops_per_sample(m: ModelConfig, seq: int) -> float:
-    """The count with the whole s^2 attention core, as the 2021 Megatron paper, llm-foundry
-    (12 L h s^2 per sequence) and nanochat (6 N + 12 L h q t per token) publish theirs, and as
-    our trainer's log line (megatron.training.log) counts: higher than Megatron-LM's by
-    6 L s^2 q per sample."""
-    return model_flops_per_sample(m, seq)
 
 
 def batches(shape: Shape, vocab: int, device) -> list[torch.Tensor]:
@@ -92,6 +86,12 @@ def batches(shape: Shape, vocab: int, device) -> list[torch.Tensor]:
         torch.randint(0, vocab, (shape.batch, shape.seq + 1), generator=g).to(device)
         for _ in range(4)
     ]
+
+
+def batch_iterator(shape: Shape, device):
+    """The trainer's micro batches ({"text": (b, s + 1)}) cycling over `batches` forever."""
+    vocab = model_config(shape).padded_vocab_size(1)
+    return ({"text": text} for text in itertools.cycle(batches(shape, vocab, device)))
 
 
 def sync(device: torch.device) -> None:
@@ -143,7 +143,7 @@ def figures(step_s: float, shape: Shape, peak: float) -> dict:
     out = {"tokens_per_s": shape.batch * shape.seq / step_s}
     for suffix, per_sample in (
         ("", megatron_flops_per_sample(cfg, shape.seq)),
-        ("_full", full_flops_per_sample(cfg, shape.seq)),
+        ("_full", model_flops_per_sample(cfg, shape.seq)),
     ):
         tflops = shape.batch * per_sample / step_s / 1e12
         out[f"tflops{suffix}"] = tflops

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from bench.mfu_common import Shape, batches, median_step, memory_gib, model_config
+from bench.mfu_common import Shape, batch_iterator, median_step, memory_gib
 from megatron.config.cli import build_parser, parse_args
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, set_random_seeds
@@ -193,14 +193,8 @@ def run_ours(shape: Shape, device, args, flags: list[str]) -> dict:
     base = shape_argv(shape, args.warmup + args.steps)
     argv = with_compile_backend(base + flags, args.compile_backend)
     cfg, flags = parse_config(argv), argv[len(base) :]
-    texts = batches(shape, model_config(shape).padded_vocab_size(1), device)
 
-    def iterator():
-        while True:
-            for text in texts:  # (b, s + 1)
-                yield {"text": text}
-
-    it = iterator()
+    it = batch_iterator(shape, device)
     try:
         with compile_backend(args.compile_backend):
             step, params, note = build_step(cfg, device)

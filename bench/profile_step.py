@@ -90,20 +90,14 @@ def report(events, steps: int, wall_s: float) -> None:
 def build(shape_name: str, flags: str, device: torch.device, steps: int):
     """The trainer's own step (bench/mfu_ours.py: the flags go through pretrain_gpt2.py's
     parser and build_backend) and an endless iterator over the shape's batches."""
-    from bench.mfu_common import SHAPES, batches, model_config
+    from bench.mfu_common import SHAPES, batch_iterator
     from bench.mfu_ours import build_step, parse_config, shape_argv
 
     shape = SHAPES[shape_name]
     cfg = parse_config(shape_argv(shape, steps) + shlex.split(flags))
     step, _, note = build_step(cfg, device)
-    texts = batches(shape, model_config(shape).padded_vocab_size(1), device)
 
-    def iterator():
-        while True:
-            for text in texts:  # (b, s + 1)
-                yield {"text": text}
-
-    return step, iterator(), note
+    return step, batch_iterator(shape, device), note
 
 
 def main(argv=None) -> int:

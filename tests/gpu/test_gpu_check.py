@@ -77,9 +77,9 @@ def test_gpu_check_smoke_runs_every_step_and_prints_one_table(tmp_path):
         r = systems[name]
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu_989_full"] > r["mfu_989"] > 0
         assert r.get("params", systems["ours"]["params"]) == systems["ours"]["params"], name
-    for name in variants:  # measured, refused by the trainer, or a flag this checkout lacks
+    for name in variants:  # measured, or refused by the trainer on this device (with why)
         r = systems[name]
-        assert "step_s" in r or "refused" in r or r.get("error_kind") == "unknown-flag", r
+        assert "step_s" in r or "refused" in r, r
     assert "source distribution only" in systems["mcore+TE"]["skipped"]
     if rows["install"][1] == "ok":  # megatron-core installed: its model built, same size
         assert "forward needs CUDA" in systems["mcore"]["skipped"]
