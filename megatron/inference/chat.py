@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from megatron.inference import openai_api
 from megatron.inference.chat_template import ChatTemplate, TemplateRefused
 from megatron.inference.openai_api import MAX_LOGPROBS, MAX_STOPS, FieldError
-from megatron.inference.prompt_tokens import tokenize_within, too_long
+from megatron.inference.prompt_tokens import past_char_bound, tokenize_within, too_long
 
 # Passed on to completion_args unchanged: the same name means the same thing there.
 _SHARED = ("model", "temperature", "top_p", "top_k", "seed", "user", "n", "stream")
@@ -113,14 +113,17 @@ def _max_tokens(req: dict, prompt_len: int, max_positions: int) -> int:
     return value
 
 
-def _refuse_text_past_the_context(messages: list[dict], tokenizer, limit: int) -> None:
-    """The messages' own text already past what `limit` ids can stand for (a tokenizer with a
-    bound on characters per id) is refused before the template renders it."""
-    most = getattr(tokenizer, "max_token_chars", None)
+def _context_why(max_positions: int) -> str:
+    return f"the model's context of {max_positions} positions, less one for the reply"
+
+
+def _refuse_text_past_the_context(messages: list[dict], tokenizer, max_positions: int) -> None:
+    """The messages' own text already past what the context's ids can stand for is refused
+    before the template renders it."""
     chars = sum(len(m["content"]) for m in messages)
-    if most is not None and chars > limit * most:
-        why = f"the model's context of {limit + 1} positions, less one for the reply"
-        raise FieldError("messages", too_long("the messages' text", limit, why))
+    if past_char_bound(tokenizer, chars, max_positions - 1):
+        why = _context_why(max_positions)
+        raise FieldError("messages", too_long("the messages' text", max_positions - 1, why))
 
 
 def chat_args(
@@ -138,7 +141,7 @@ def chat_args(
     if unknown:
         raise FieldError(unknown[0], f"unknown fields {unknown}")
     messages = parse_messages(req.get("messages"))
-    _refuse_text_past_the_context(messages, tokenizer, max_positions - 1)
+    _refuse_text_past_the_context(messages, tokenizer, max_positions)
     try:
         rendered = template.render(messages)
     except TemplateRefused as e:
@@ -147,8 +150,7 @@ def chat_args(
     if not prompt:
         what = f"the conversation rendered by {template.origin}"
         if prompt is None:
-            why = f"the model's context of {max_positions} positions, less one for the reply"
-            message = too_long(what, max_positions - 1, why)
+            message = too_long(what, max_positions - 1, _context_why(max_positions))
         else:
             message = f"{what} has no tokens; the reply needs a prompt"
         raise FieldError("messages", message)

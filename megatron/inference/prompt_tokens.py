@@ -23,11 +23,17 @@ from megatron.data.text_pieces import cut_pieces
 PIECE_CHARS = 1 << 13  # characters tokenized per call when counting toward the limit
 
 
+def past_char_bound(tokenizer, chars: int, limit: int) -> bool:
+    """`chars` characters surely make more than `limit` ids: the tokenizer bounds the
+    characters one id stands for (byte-level BPE: its longest token's bytes)."""
+    most = getattr(tokenizer, "max_token_chars", None)
+    return most is not None and chars > limit * most
+
+
 def tokenize_within(tokenizer, text: str, limit: int) -> list[int] | None:
     """The ids of `text`, or None when it has more than `limit` of them (found without
     tokenizing more than about one piece past the limit)."""
-    most = getattr(tokenizer, "max_token_chars", None)
-    if most is not None and len(text) > limit * most:
+    if past_char_bound(tokenizer, len(text), limit):
         return None
     cut = getattr(tokenizer, "piece_cut", None)
     if cut is None:
