@@ -17,10 +17,35 @@ import traceback
 from datetime import timedelta
 
 
+# Ports come from below the kernel's ephemeral range (Linux: 32768-60999), one block per
+# pytest-xdist worker, in turn: a port the kernel handed out to any socket (gloo's own pair
+# listeners and connections included) is never picked, and two workers never pick the same
+# one. The old "bind to port 0 and close" returned an ephemeral port that another worker's
+# gloo ranks could take before our TCPStore listened on it (EADDRINUSE, seen in CI).
+_BLOCK, _FIRST = 1500, 15000
+_next_offset = [None]
+
+
+def _worker_index() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    digits = "".join(ch for ch in worker if ch.isdigit())
+    return int(digits or 0) % 10
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    base = _FIRST + _worker_index() * _BLOCK
+    if _next_offset[0] is None:  # a random start: ports a previous run left in TIME_WAIT
+        _next_offset[0] = (os.getpid() * 7919 + time.monotonic_ns()) % _BLOCK
+    for _ in range(_BLOCK):
+        port = base + _next_offset[0]
+        _next_offset[0] = (_next_offset[0] + 1) % _BLOCK
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}-{base + _BLOCK - 1}")
 
 
 # Imported once by the forkserver; importing runs no torch op.
@@ -61,8 +86,24 @@ def run_distributed(
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return values by rank.
 
     `init=False` leaves process-group creation to `fn` (to test our own initialization); then
-    `env_per_rank(rank)` gives the launcher variables each rank sees.
+    `env_per_rank(rank)` gives the launcher variables each rank sees. A run whose rendezvous
+    port was taken by another process before rank 0 listened on it is started again (twice at
+    most) on a new port.
     """
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout, init, env_per_rank)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(AssertionError):
+    """The rendezvous port was taken between choosing it and listening on it: run again."""
+
+
+def _run_once(fn, world_size, args, timeout, init, env_per_rank):
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -95,6 +136,8 @@ def run_distributed(
                         f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
                     ) from None
                 continue
+            if not ok and "EADDRINUSE" in value and str(port) in value:
+                raise _PortTaken(f"rank {rank} failed:\n{value}")
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             values[rank] = value
