@@ -1,4 +1,4 @@
-"""Rules of the logging section: the profiler window and Weights & Biases."""
+"""Rules of the logging section: the profiler window, Weights & Biases, the straggler detector."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from megatron.config.declare import fail
 from megatron.config.schema import LoggingConfig
 
 
-def validate_logging(lg: LoggingConfig, world_size: int) -> None:
+def validate_logging(lg: LoggingConfig, world_size: int, deepspeed: bool = False) -> None:
     """Checked before any work, on every rank (so no rank waits for one that refused)."""
+    _validate_straggler(lg, deepspeed)
     if lg.profile:
         if lg.profile_step_end <= lg.profile_step_start:
             fail(
@@ -43,4 +44,22 @@ def validate_logging(lg: LoggingConfig, world_size: int) -> None:
             "--wandb-project",
             "the wandb package is not installed",
             "pip install wandb (or pip install 'megatron-3d[wandb]'), or drop --wandb-project",
+        )
+
+
+def _validate_straggler(lg: LoggingConfig, deepspeed: bool) -> None:
+    if not lg.log_straggler:
+        for flag, given in (
+            ("--straggler-minmax-count", lg.straggler_minmax_count != 1),
+            ("--straggler-ctrlr-port", lg.straggler_ctrlr_port != 65535),
+            ("--disable-straggler-on-startup", lg.disable_straggler_on_startup),
+        ):
+            if given:
+                fail(flag, "given without --log-straggler", "add --log-straggler, or drop the flag")
+    elif deepspeed:
+        fail(
+            "--log-straggler",
+            "DeepSpeed's engine runs the backward, the gradient reduction and the step as one "
+            "call, so a rank's compute cannot be told from its wait for the others",
+            "drop --log-straggler (or --deepspeed)",
         )

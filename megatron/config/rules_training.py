@@ -31,7 +31,7 @@ def validate_training(cfg: MegatronConfig) -> None:
             "give exactly one of them",
             "pass --train-iters N (steps) or --train-samples N (samples)",
         )
-    validate_logging(cfg.logging, cfg.parallel.world_size)
+    validate_logging(cfg.logging, cfg.parallel.world_size, cfg.deepspeed.enabled)
     if o.lr is None:
         fail("--lr", "a positive peak learning rate is required", "pass e.g. --lr 1.5e-4")
     if o.min_lr > o.lr:

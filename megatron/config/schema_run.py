@@ -208,6 +208,26 @@ class LoggingConfig(Section):
     wandb_save_dir: str | None = setting(
         None, "W&B's local files (default: SAVE/wandb with --save, else ./wandb)"
     )
+    log_straggler: bool = setting(
+        False,
+        "every --log-interval, gather each rank's forward/backward/optimizer/data/communication "
+        "times (one all-gather of a few floats) and log the slowest ranks, their host and how "
+        "much slower than the median they are; TensorBoard/W&B get the spread",
+    )
+    straggler_minmax_count: int = setting(
+        1, "--log-straggler: how many of the slowest (and fastest) ranks the report names", min=1
+    )
+    straggler_ctrlr_port: int = setting(
+        65535,
+        "--log-straggler: rank 0 listens on this TCP port; any connection (curl HOST:PORT) "
+        "toggles the detector on/off at the next log line",
+        min=1,
+        max=65535,
+    )
+    disable_straggler_on_startup: bool = setting(
+        False,
+        "--log-straggler: start with the detector off (turn it on through --straggler-ctrlr-port)",
+    )
 
 
 @dataclass(frozen=True)

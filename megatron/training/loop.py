@@ -42,6 +42,7 @@ from megatron.training.preflight import (
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
+from megatron.training.straggler import straggler_detector
 from megatron.training.timers import Timers
 from megatron.training.window import Window
 
@@ -165,6 +166,8 @@ def pretrain(
         if loop is not None:
             loop.profiler.close()
             loop.metrics.close()
+            if loop.stragglers is not None:
+                loop.stragglers.close()
         if runtime is None and rt.heartbeat is not None:
             rt.heartbeat.stop()  # ours to stop: each pretrain() call would start another
 
@@ -197,6 +200,8 @@ class _TrainLoop:
         self.metrics = build_metrics_sinks(cfg.logging, cfg.checkpoint.save, self.is_logger)
         self.timers = Timers(cfg.logging.timing_log_level, rt.device)
         self.profiler = Profiler(cfg.logging, rt.state.rank, rt.device, self.timers, out)
+        self.stragglers = straggler_detector(cfg.logging, rt, out)
+        self.timers.sections = self.stragglers
         self.signal = _ExitSignal(t.exit_signal_handler)
         self.flops_per_sample = model_flops_per_sample(cfg.model, cfg.model.seq_length)
         self.peak = peak_tflops(rt.device, cfg.logging.peak_tflops)
@@ -223,6 +228,8 @@ class _TrainLoop:
         result = TrainResult(iteration=state.iteration, exit_reason="finished")
         start_time = time.monotonic()
         window = Window()
+        if self.stragglers is not None and train_iter is not None:
+            train_iter = self.stragglers.data_iterator(train_iter)
         while not self._done(state):
             gbs = self._iteration(state, train_iter, window, result)
             if self.rt.heartbeat is not None and self.rt.heartbeat.lost:
@@ -385,6 +392,11 @@ class _TrainLoop:
         )
         if self.cfg.logging.timing_log_level > 0:
             self._print(Timers.format(self.timers.pop_elapsed(), iters))
+        spread = {}  # --log-straggler: a collective, on every rank
+        if self.stragglers is not None:
+            lines, spread = self.stragglers.report(state.iteration, iters)
+            for line in lines:
+                self._print(line)
         self.metrics.scalars(
             {
                 "lm-loss": loss,
@@ -395,6 +407,7 @@ class _TrainLoop:
                 "memory-mib": memory_mib(self.rt.device),
                 # beside the LM loss: e.g. BERT's NSP loss, MoE's aux loss and expert load
                 **{name.replace(" ", "-"): v for name, v in read["others"].items()},
+                **spread,
             },
             state.iteration,
             state.consumed_train_samples,

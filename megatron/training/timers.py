@@ -6,7 +6,9 @@ work is synchronized before a timer reads the clock, so times mean the device's 
 launch time; at level 0 (the default) nothing is synchronized, so a step never waits for the
 device on a timer's account (the log line's time per iteration is measured by the loop, which
 waits for the device once per log line). While --profile's window is open every timer, of any
-level, is also a named range (training/profiling.py).
+level, is also a named range (training/profiling.py); with --log-straggler the forward,
+backward, optimizer and communication timers also feed the straggler detector's sections, at
+any level (training/straggler.py).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Timers:
         self._timers: dict[str, _Timer] = {}
         self._null = _NullTimer()
         self.ranges = None  # training/profiling.Ranges while a profiling window is open
+        self.sections = None  # training/straggler.StragglerDetector with --log-straggler
 
     def __call__(self, name: str, level: int = 0):
         timer = (
@@ -76,6 +79,8 @@ class Timers:
             if level > self.log_level
             else self._timers.setdefault(name, _Timer(self.device, sync=self.log_level > 0))
         )
+        if self.sections is not None:  # also timed per section, at any level, without a sync
+            timer = self.sections.wrap(name, timer)
         return timer if self.ranges is None else _RangedTimer(timer, name, self.ranges)
 
     def pop_elapsed(self) -> dict[str, float]:
