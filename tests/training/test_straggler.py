@@ -217,3 +217,17 @@ def test_a_port_that_cannot_be_listened_on_is_an_error_only_when_starting_off():
         lg.disable_straggler_on_startup = True
         with pytest.raises(RuntimeError, match="could never be turned on"):
             StragglerDetector(lg, state, torch.device("cpu"), out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_the_event_clock_times_device_work_without_a_sync():
+    from megatron.training.straggler import _EventClock
+
+    clock = _EventClock()
+    a = torch.randn(2048, 2048, device="cuda")
+    clock.start()
+    for _ in range(20):
+        a = a @ a / 2048
+    clock.stop()
+    assert clock.pairs and clock.take() > 0 and not clock.pairs  # read at take(), pooled
+    assert clock.take() == 0.0
