@@ -8,10 +8,10 @@
    log lines and reports included), median over the runs. On a busy machine the noise between
    runs is larger than the detector's cost, hence part 2.
 2. The detector's own cost, measured on the same ranks: one timer start/stop pair with and
-   without the section wrapper (the extra per timed phase; a step of this run times
-   3 x micro batches + 2 phases and reads micro-batches batches), and one report() (the
-   all-gather of a few floats and the report lines, once per log line). Their sum per step,
-   as a share of the step time of part 1.
+   without the section wrapper (the extra per timed phase: forward and backward per micro
+   batch, the gradient reduction, the optimizer), one next() through the data wrapper (one
+   per micro batch), and one report() (the all-gather of a few floats and the report lines,
+   once per log line). Their sum per step, as a share of the step time of part 1.
 """
 
 import argparse
@@ -149,7 +149,7 @@ def main():
         f"{'ms per iteration (median)':34} {without:10.2f} {with_:10.2f} "
         f"{100 * (with_ / without - 1):7.2f}%"
     )
-    extra_us = (3 * micro + 2) * (parts["timer pair, wrapped"] - parts["timer pair"])
+    extra_us = (2 * micro + 2) * (parts["timer pair, wrapped"] - parts["timer pair"])
     extra_us += micro * parts["next() extra"] + parts["report()"] / a.log_interval
     print(
         f"{'timer start+stop (us)':34} {parts['timer pair']:10.2f} "

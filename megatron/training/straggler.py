@@ -232,6 +232,7 @@ class _Controller:
 
     def __init__(self, port: int, detector: StragglerDetector, out):
         self.port, self.detector, self.requested, self.error = port, detector, False, None
+        self.lock = threading.Lock()  # a request arriving while the log line takes one
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -265,7 +266,8 @@ class _Controller:
                     conn.recv(1024)
                 except OSError:
                     pass
-                self.requested = True
+                with self.lock:
+                    self.requested = True
                 state = "off" if self.detector.on else "on"
                 body = f"straggler detector turns {state} at the next log line\n"
                 head = (
@@ -277,7 +279,8 @@ class _Controller:
                     pass
 
     def take_request(self) -> bool:
-        requested, self.requested = self.requested, False
+        with self.lock:
+            requested, self.requested = self.requested, False
         return requested
 
     def close(self) -> None:
