@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.config.declare import fail
 from megatron.training.straggler_report import SECTIONS, RankTimes, report_lines
 
 # The trainer's timers (training/step.py, schedules.py, pipeline.py) and their section.
@@ -140,18 +141,25 @@ class StragglerDetector:
         self.clocks = {name: clock() for name in SECTIONS if name != "data"}
         self.clocks["data"] = _HostClock()  # reading the batch is host work
         self._wrapped: dict[str, _SectionTimer] = {}
-        self.hosts = _gather_hosts()
         self.controller = None
         if self.rank == 0:
             self.controller = _Controller(lg.straggler_ctrlr_port, self, out)
-            if not self.controller.listening and not self.on:
-                self.controller.close()
-                raise RuntimeError(
-                    f"--disable-straggler-on-startup: --straggler-ctrlr-port "
-                    f"{lg.straggler_ctrlr_port} cannot be listened on "
-                    f"({self.controller.error}), so the detector could never be turned on. "
-                    "Fix: pick a free port, or drop --disable-straggler-on-startup"
-                )
+        # host names, and why rank 0 cannot listen ("" if it does): every rank refuses together
+        hosts = _gather_objects((socket.gethostname(), self._listen_error()))
+        self.hosts = [host for host, _ in hosts]
+        if hosts[0][1] and not self.on:
+            self.close()
+            fail(
+                "--straggler-ctrlr-port",
+                f"rank 0 cannot listen on port {lg.straggler_ctrlr_port} ({hosts[0][1]}), and "
+                "with --disable-straggler-on-startup the detector could only be turned on there",
+                "pick a free port, or drop --disable-straggler-on-startup",
+            )
+
+    def _listen_error(self) -> str:
+        if self.controller is None or self.controller.listening:
+            return ""
+        return str(self.controller.error)
 
     def wrap(self, name: str, timer):
         """The trainer's timer `name`, feeding its section when it has one."""
@@ -215,14 +223,13 @@ def _all_gather(values: list[float], device) -> list[list[float]]:
     return torch.stack(out).tolist()
 
 
-def _gather_hosts() -> list[str]:
-    """Every rank's host name, once at start (the only non-tensor collective)."""
-    name = socket.gethostname()
+def _gather_objects(obj) -> list:
+    """Every rank's `obj`, once at start (the only non-tensor collective)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [name]
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, name)
-    return hosts
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class _Controller:
