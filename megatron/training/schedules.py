@@ -14,6 +14,8 @@ the last micro batch (the model's `no_sync`).
 - 1F1B: megatron.training.pipeline (PP > 1)
 - interleaved 1F1B: megatron.training.pipeline with V model chunks
   (--num-layers-per-virtual-pipeline-stage)
+- zero bubble (--pipeline-schedule zb-h1): megatron.training.pipeline, each backward split
+  into the input gradient and a later weight gradient (megatron.mpu.weight_grad)
 """
 
 from __future__ import annotations
@@ -80,10 +82,17 @@ def forward_backward_no_pipelining(
 
 
 def get_forward_backward_func(
-    state, *, micro_batch_size: int, seq_length: int, hidden_size: int, dtype
+    state,
+    *,
+    micro_batch_size: int,
+    seq_length: int,
+    hidden_size: int,
+    dtype,
+    schedule: str | None = None,
 ) -> Callable:
     """The schedule for this layout, with the pipeline's activation shape bound: (b, s, h), or
-    with sequence parallelism this TP rank's slice (b, s / tp, h), which is all a stage sends."""
+    with sequence parallelism this TP rank's slice (b, s / tp, h), which is all a stage sends.
+    `schedule`: --pipeline-schedule (None: 1F1B, or interleaved with model chunks)."""
     if state.pp_size == 1:
         return forward_backward_no_pipelining
     if state.sequence_parallel:
@@ -93,4 +102,5 @@ def get_forward_backward_func(
         state=state,
         shape=(micro_batch_size, seq_length, hidden_size),
         dtype=dtype,
+        schedule=schedule,
     )

@@ -31,6 +31,7 @@ from megatron.mpu import (
     sequence_slice,
 )
 from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
+from megatron.mpu.layers import local_linear
 
 
 class Embedding(nn.Module):
@@ -132,7 +133,7 @@ class OutputHead(nn.Module):
             logits = gathered_linear(x, word_embeddings, None, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-            logits = nn.functional.linear(x, word_embeddings)
+            logits = local_linear(x, word_embeddings)
         if self.num_valid < logits.size(-1):
             logits[..., self.num_valid :] = float("-inf")
         return logits

@@ -1,0 +1,184 @@
+"""Zero-bubble pipeline schedules: the orders proven complete and deadlock-free by the
+simulator, their bubbles against 1F1B's, the flag's rules, and ZB-H1 training (PP 4, PP 2 x
+DP 2 with the distributed optimizer, PP 2 x TP 2 with sequence parallelism, PP 2 x DP 2 MoE)
+equal to one process in losses, gradient norms and final weights."""
+
+import pytest
+import torch
+
+from megatron.config.cli import parse_args
+from megatron.config.rules import validate
+from megatron.config.schema import ConfigError
+from megatron.model.context import BuildContext
+from megatron.models.gpt.model import GPTModel
+from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
+from megatron.pipeline_order import SCHEDULES, check_message_order, messages, schedule_actions
+from megatron.pipeline_sim import Costs, Deadlock, simulate, textbook_bubble
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import BASE, _pp_worker, _ref_worker, assert_same_run, flags
+
+
+def _chunks(schedule):
+    return 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
+
+
+def test_every_schedule_runs_every_action_once_without_deadlock():
+    """The simulator runs each stage's list with its sends and receives to the end for every
+    (P, M) here; a receive order the peer does not send in is posted early, never waited on
+    out of turn, so the same lists run on backends that ignore tags."""
+    for schedule in SCHEDULES:
+        for P in range(2, 7):
+            for M in range(1, 3 * P + 2):
+                if schedule == "interleaved" and M % P:
+                    continue
+                run = simulate(schedule, P, M, _chunks(schedule))
+                assert len(run.timeline[0]) >= 2 * M * _chunks(schedule)
+                sent, received = messages(schedule, P, M, _chunks(schedule))
+                for pair in sent:  # the same messages, whatever their order
+                    assert sorted(sent[pair]) == sorted(received[pair]), (schedule, P, M, pair)
+    check_message_order(4, 8, 1, "zb-h1")  # ZB-H1 keeps 1F1B's per-pair order
+
+
+def test_a_deadlocking_order_is_caught(monkeypatch):
+    import megatron.pipeline_sim as sim
+
+    def reversed_stage0(schedule, P, s, M, V=1, forward_only=False):
+        actions = schedule_actions(schedule, P, s, M, V)
+        return actions if s else [a for a in actions if a[0] != "F"] + [("F", 0, 0)]
+
+    monkeypatch.setattr(sim, "schedule_actions", reversed_stage0)
+    with pytest.raises(ValueError, match="out of order"):
+        sim.simulate("1f1b", 2, 2)
+    monkeypatch.setattr(
+        sim, "schedule_actions", lambda *a, **k: [("F", 0, 0), ("B", 0, 0)] if a[2] else []
+    )
+    with pytest.raises((Deadlock, ValueError)):
+        sim.simulate("1f1b", 2, 1)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_zb_h1_cuts_the_bubble_to_a_third_and_zbv_nearly_removes_it(P):
+    for M in (P, 2 * P, 4 * P):
+        one_f_one_b = simulate("1f1b", P, M)
+        zb = simulate("zb-h1", P, M)
+        work = M * 3.0  # F = B = W = 1 per micro batch and stage
+        assert one_f_one_b.step_time - work == pytest.approx(3 * (P - 1))
+        assert zb.step_time - work == pytest.approx(P - 1)  # a third of 1F1B's idle time
+        assert zb.bubble[0] == pytest.approx(textbook_bubble("zb-h1", P, M))
+        assert max(zb.peak) <= P  # 1F1B's first-stage activations, on every stage
+        if M >= 2 * P - 1:
+            zbv = simulate("zbv", P, M)
+            # Only the first forward's trip down the V's first leg (F / 2 a stage) is idle:
+            # half of ZB-H1's, a sixth of 1F1B's, whatever M.
+            assert zbv.step_time - work == pytest.approx((P - 1) * 0.5)
+            assert max(simulate("dualpipev", P, M).bubble) <= max(zb.bubble)
+    # Unequal costs: the W's still fill the cool-down (the paper's (P - 1)(F + B - W)).
+    costs = Costs(f=1.0, b=1.2, w=0.8)
+    zb = simulate("zb-h1", P, 4 * P, costs=costs)
+    assert zb.step_time - 4 * P * 3.0 <= (P - 1) * (1.0 + 1.2 - 0.8) + 1e-9
+
+
+def test_split_weight_gradients_equal_the_plain_backward():
+    """The deferred W's of a dense and an MoE GPT give the plain backward's gradients."""
+    from megatron.config.schema import ModelConfig
+
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for experts in (None, 4):
+        cfg = ModelConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            seq_length=16,
+            vocab_size=64,
+            make_vocab_size_divisible_by=8,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            num_experts=experts,
+        )
+        grads = []
+        for split in (False, True):
+            model = GPTModel(cfg, BuildContext(seed=3, dtype=torch.float64))
+            queue = []
+            with split_weight_grads(split):
+                loss = model(tokens, labels=tokens).mean()
+                with defer_weight_grads(queue):
+                    loss.backward()
+                if split:  # B left the big weights' gradients for W
+                    assert len(queue) >= 8
+                    assert model.layers["0"].self_attention.dense.weight.grad is None
+                run_weight_grads(queue)
+            grads.append({k: p.grad for k, p in model.named_parameters()})
+        for name, g in grads[0].items():
+            torch.testing.assert_close(grads[1][name], g, msg=name)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--pipeline-schedule", "zbv"], "V placement"),
+        (["--pipeline-schedule", "dualpipev"], "V placement"),
+        (["--pipeline-schedule", "zb-h1"], "needs pipeline stages"),
+        (["--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", "2"], "chunks"),
+        (
+            ["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"]
+            + ["--num-layers-per-virtual-pipeline-stage", "1"],
+            "one model chunk",
+        ),
+        (
+            ["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2", "--deepspeed"],
+            "DeepSpeed's pipeline engine",
+        ),
+    ],
+)
+def test_schedules_that_cannot_run_are_refused_with_the_fix(extra, match):
+    argv = [*BASE, "--lr", "1e-3", "--train-iters", "10", "--global-batch-size", "8", *extra]
+    with pytest.raises(ConfigError, match=match) as err:
+        validate(parse_args(argv, world_size=2), "train-gpt")
+    assert "--pipeline-schedule" in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_the_default_schedule_is_what_the_other_flags_imply():
+    argv = [*BASE, "--pipeline-model-parallel-size", "2"]
+    assert parse_args(argv, world_size=2).parallel.resolved_pipeline_schedule == "1f1b"
+    argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    assert parse_args(argv, world_size=2).parallel.resolved_pipeline_schedule == "interleaved"
+
+
+_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+
+
+def _refs(rank, world, dense, moe):
+    return _ref_worker(rank, world, dense), _ref_worker(rank, world, moe)
+
+
+def _zb_layouts(rank, world, dense, moe, refs):
+    """Several ZB-H1 layouts on the same 4 ranks, each held to its one-process reference."""
+    zb = ["--pipeline-schedule", "zb-h1"]
+    layouts = [
+        (dense, ["--pipeline-model-parallel-size", "4"], 0),
+        (dense, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 0),
+        (
+            dense,
+            ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+            + ["--sequence-parallel"],
+            0,
+        ),
+        (moe, ["--pipeline-model-parallel-size", "2"], 1),
+    ]
+    out = []
+    for argv, extra, ref in layouts:
+        result = _pp_worker(rank, world, argv + zb + extra, refs[ref][1])  # asserts weights
+        out.append((extra, result["history"]))
+    return out
+
+
+@pytest.mark.slow
+def test_zb_h1_trains_like_one_process(data_prefix):
+    dense = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4", iters=4)
+    moe = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4", *_MOE, iters=4)
+    ((dense_ref, moe_ref),) = run_distributed(_refs, 1, dense, moe)
+    results = run_distributed(_zb_layouts, 4, dense, moe, (dense_ref, moe_ref))
+    for rank, runs in enumerate(results):
+        refs = [dense_ref, dense_ref, dense_ref, moe_ref]
+        for (extra, history), ref in zip(runs, refs, strict=True):
+            assert_same_run(history, ref[0], f"zb-h1 {extra} rank {rank}")
