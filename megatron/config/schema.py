@@ -258,8 +258,9 @@ class ParallelConfig(Section):
         "the pipeline-parallel schedule (megatron/pipeline_order.py): 1f1b; interleaved (model "
         "chunks of --num-layers-per-virtual-pipeline-stage layers); zb-h1 (zero bubble: 1F1B "
         "with each backward split into the input gradient and a later weight gradient that "
-        "fills the bubble, at 1F1B's activation memory); zbv and dualpipev (two chunks per "
-        "stage in a V: not available yet, refused). Default: interleaved when "
+        "fills the bubble, at 1F1B's activation memory); zbv (two chunks per stage placed "
+        "in a V, stage 0 holding the first and the last layers, zero bubble at about 1F1B's "
+        "memory) and dualpipev (DeepSeek-V3's order on the same V). Default: interleaved when "
         "--num-layers-per-virtual-pipeline-stage is given, else 1f1b",
         choices=("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
     )
@@ -321,6 +322,8 @@ class ParallelConfig(Section):
 
     def virtual_pipeline_size(self, num_layers: int) -> int | None:
         """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""
+        if self.pipeline_schedule in ("zbv", "dualpipev"):
+            return 2  # the two legs of the V
         if self.num_layers_per_virtual_pipeline_stage is None:
             return None
         per_stage = num_layers // self.pipeline_model_parallel_size

@@ -7,14 +7,16 @@ the weight gradients that nobody waits for and that run later, in a hole of the 
 While `splitting()` (the schedule's whole step, `split_weight_grads()`), the linears
 (megatron.mpu.layers: column / row parallel, sequence parallel, the untied head), the MoE
 experts' grouped matmuls and the vocab-parallel embedding run through the autograd functions
-below. Their backward computes the input gradient, and the weight gradient either at once
-(no queue open: the same numbers as the plain ops) or, inside `defer_weight_grads(queue)`,
-appends to the queue what computes it later: the saved input and output gradient. `run_weight
-_grads(queue)` computes them in order and hands each to autograd as the parameter's gradient,
-so it accumulates into `.grad` and fires the post-accumulate hooks that move it into DDP's
-fp32 buffer (megatron.training.ddp) exactly as an ordinary backward would. Biases and norm
-weights keep their gradients in B (they cost next to nothing). fp8 GEMMs and the fused
-linear cross-entropy compute both gradients in B (their kernels produce them together).
+below. They see their weight detached (autograd never reaches the parameter during B) and
+keep the parameter aside; their backward computes the input gradient and appends to the queue
+of `defer_weight_grads(queue)` what computes the weight gradient later (the saved input and
+output gradient). `run_weight_grads(queue)` computes them first in, first out and hands each
+to autograd as the parameter's gradient, so it accumulates into `.grad` and fires the
+post-accumulate hooks that move it into DDP's fp32 buffer (megatron.training.ddp) as an
+ordinary backward would; a backward with no W of its own (1F1B's, DualPipeV's full ones) runs
+its queue at once. Biases and norm weights keep their gradients in B (they cost next to
+nothing). fp8 GEMMs and the fused linear cross-entropy compute both gradients in B (their
+kernels produce them together).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def defer_weight_grads(queue: list):
         _state["queue"] = previous
 
 
-def _weight_grad(param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
+def queue_weight_grad(param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
     """Queue `compute` (dL/dparam) for run_weight_grads."""
     queue = _state["queue"]
     if queue is None:
@@ -115,7 +117,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 
 def linear_weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
     """Queue the weight gradient of Y = X W^T from dL/dY and X."""
-    _weight_grad(weight, lambda: _flat(grad).t().matmul(_flat(x)))
+    queue_weight_grad(weight, lambda: _flat(grad).t().matmul(_flat(x)))
 
 
 class _SplitGroupedMatmul(torch.autograd.Function):
@@ -134,7 +136,7 @@ class _SplitGroupedMatmul(torch.autograd.Function):
         grad, counts = grad.contiguous(), ctx.counts
         grad_x = ctx.matmul(grad, w.transpose(1, 2).contiguous(), counts)
         if ctx.owner[0].requires_grad:
-            _weight_grad(ctx.owner[0], lambda: _grouped_weight_grad(x, grad, w, counts))
+            queue_weight_grad(ctx.owner[0], lambda: _grouped_weight_grad(x, grad, w, counts))
         return grad_x, None, None, None, None, None
 
 
@@ -171,7 +173,7 @@ class _SplitEmbedding(torch.autograd.Function):
             return out.index_add_(0, ids.reshape(-1), _flat(grad))
 
         if ctx.owner[0].requires_grad:
-            _weight_grad(ctx.owner[0], compute)
+            queue_weight_grad(ctx.owner[0], compute)
         return None, None, None, None
 
 

@@ -1,7 +1,10 @@
 """Zero-bubble pipeline schedules: the orders proven complete and deadlock-free by the
-simulator, their bubbles against 1F1B's, the flag's rules, and ZB-H1 training (PP 4, PP 2 x
-DP 2 with the distributed optimizer, PP 2 x TP 2 with sequence parallelism, PP 2 x DP 2 MoE)
-equal to one process in losses, gradient norms and final weights."""
+simulator, their bubbles against 1F1B's, the B/W split against the plain backward, the flag's
+rules, and ZB-H1, ZBV and DualPipeV training (PP 4 and PP 2; with TP 2 and sequence
+parallelism, the distributed optimizer, an MoE model) equal to one process in losses,
+gradient norms and final weights."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -115,8 +118,12 @@ def test_split_weight_gradients_equal_the_plain_backward():
 @pytest.mark.parametrize(
     "extra,match",
     [
-        (["--pipeline-schedule", "zbv"], "V placement"),
-        (["--pipeline-schedule", "dualpipev"], "V placement"),
+        (["--pipeline-schedule", "zbv", "--pipeline-model-parallel-size", "4"], "8 chunks"),
+        (
+            ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2"]
+            + ["--num-layers-per-virtual-pipeline-stage", "2"],
+            "exactly two chunks",
+        ),
         (["--pipeline-schedule", "zb-h1"], "needs pipeline stages"),
         (["--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", "2"], "chunks"),
         (
@@ -133,7 +140,7 @@ def test_split_weight_gradients_equal_the_plain_backward():
 def test_schedules_that_cannot_run_are_refused_with_the_fix(extra, match):
     argv = [*BASE, "--lr", "1e-3", "--train-iters", "10", "--global-batch-size", "8", *extra]
     with pytest.raises(ConfigError, match=match) as err:
-        validate(parse_args(argv, world_size=2), "train-gpt")
+        validate(parse_args(argv, world_size=4), "train-gpt")
     assert "--pipeline-schedule" in str(err.value) and "Fix:" in str(err.value)
 
 
@@ -145,40 +152,70 @@ def test_the_default_schedule_is_what_the_other_flags_imply():
 
 
 _MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+_PP2, _PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+# (schedule, layout, dense 0 / MoE 1): every schedule at PP 4 and PP 2; TP 2 with sequence
+# parallelism, the distributed optimizer and an MoE model more than once among them.
+_LAYOUTS = [
+    ("zb-h1", _PP4, 0),
+    ("zbv", _PP4, 0),
+    ("dualpipev", _PP4, 0),
+    ("zb-h1", [*_PP2, "--use-distributed-optimizer"], 0),
+    ("zbv", [*_PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"], 0),
+    ("dualpipev", [*_PP2, "--use-distributed-optimizer"], 1),
+    ("zb-h1", _PP2, 1),
+]
 
 
 def _refs(rank, world, dense, moe):
     return _ref_worker(rank, world, dense), _ref_worker(rank, world, moe)
 
 
-def _zb_layouts(rank, world, dense, moe, refs):
-    """Several ZB-H1 layouts on the same 4 ranks, each held to its one-process reference."""
-    zb = ["--pipeline-schedule", "zb-h1"]
-    layouts = [
-        (dense, ["--pipeline-model-parallel-size", "4"], 0),
-        (dense, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 0),
-        (
-            dense,
-            ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
-            + ["--sequence-parallel"],
-            0,
-        ),
-        (moe, ["--pipeline-model-parallel-size", "2"], 1),
-    ]
+def _zb_layouts(rank, world, models, refs):
+    """Every layout on the same 4 ranks, each held to its one-process reference (the final
+    weights here, the losses and gradient norms by the test)."""
     out = []
-    for argv, extra, ref in layouts:
-        result = _pp_worker(rank, world, argv + zb + extra, refs[ref][1])  # asserts weights
-        out.append((extra, result["history"]))
+    for schedule, extra, model in _LAYOUTS:
+        argv = [*models[model], "--pipeline-schedule", schedule, *extra]
+        result = _pp_worker(rank, world, argv, refs[model][1])  # asserts the weights
+        out.append(result["history"])
     return out
 
 
 @pytest.mark.slow
-def test_zb_h1_trains_like_one_process(data_prefix):
-    dense = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4", iters=4)
-    moe = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4", *_MOE, iters=4)
+def test_zero_bubble_schedules_train_like_one_process(data_prefix):
+    dense = flags(data_prefix, "--num-layers", "8", "--adam-eps", "1e-4", iters=3)
+    moe = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4", *_MOE, iters=3)
     ((dense_ref, moe_ref),) = run_distributed(_refs, 1, dense, moe)
-    results = run_distributed(_zb_layouts, 4, dense, moe, (dense_ref, moe_ref))
+    refs = (dense_ref, moe_ref)
+    results = run_distributed(_zb_layouts, 4, (dense, moe), refs)
     for rank, runs in enumerate(results):
-        refs = [dense_ref, dense_ref, dense_ref, moe_ref]
-        for (extra, history), ref in zip(runs, refs, strict=True):
-            assert_same_run(history, ref[0], f"zb-h1 {extra} rank {rank}")
+        for (schedule, extra, model), history in zip(_LAYOUTS, runs, strict=True):
+            assert_same_run(history, refs[model][0], f"{schedule} {extra} rank {rank}")
+
+
+def test_the_planner_walks_the_new_schedules():
+    """Its bubble is the simulator's (ZB-H1: a third of 1F1B's), its V puts the head on stage
+    0, and --auto-parallel keeps a given --pipeline-schedule."""
+    from megatron.config.schema import ModelConfig
+    from megatron.planning.auto import search_for
+    from megatron.planning.memory import Layout, Training, estimate_memory, stage_params
+    from megatron.planning.timing import Hardware, step_time
+
+    m = ModelConfig(
+        num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=8192
+    )
+    quiet = Hardware(latency_s=0.0, layer_overhead_s=0.0)
+    bubble = {}
+    for schedule in ("1f1b", "zb-h1", "zbv", "dualpipev"):
+        lay = Layout(1, 4, 1, 1, 8, 2 if schedule in ("zbv", "dualpipev") else None)
+        lay = dataclasses.replace(lay, schedule=schedule)
+        bubble[schedule] = step_time(m, lay, Training(), quiet)["bubble"]
+        assert estimate_memory(m, lay, Training()).terms["activations"] > 0
+    assert bubble["zb-h1"] == pytest.approx(bubble["1f1b"] / 3)
+    assert bubble["zbv"] < bubble["zb-h1"] and bubble["dualpipev"] < bubble["zb-h1"]
+    loop, v = stage_params(m, 1, 4, 0), stage_params(m, 1, 4, 0, v_shape=True)
+    assert v > loop and stage_params(m, 1, 4, 3, v_shape=True) < stage_params(m, 1, 4, 3)
+    argv = [*BASE, "--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"]
+    argv += ["--auto-parallel", "--auto-parallel-gpu-memory-gb", "80"]
+    search = search_for(parse_args(argv, world_size=4))
+    assert search.schedules == ("zb-h1",) and search.only_schedules
