@@ -18,7 +18,15 @@ from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split
 from megatron.pipeline_order import SCHEDULES, check_message_order, messages, schedule_actions
 from megatron.pipeline_sim import Costs, Deadlock, simulate, textbook_bubble
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import BASE, _pp_worker, _ref_worker, assert_same_run, flags
+from tests.helpers.training import (
+    BASE,
+    _losses,
+    _pp_worker,
+    _ref_worker,
+    _train,
+    assert_same_run,
+    flags,
+)
 
 
 def _chunks(schedule):
@@ -170,27 +178,34 @@ def _refs(rank, world, dense, moe):
     return _ref_worker(rank, world, dense), _ref_worker(rank, world, moe)
 
 
-def _zb_layouts(rank, world, models, refs):
+def _zb_layouts(rank, world, models, refs, save_dir):
     """Every layout on the same 4 ranks, each held to its one-process reference (the final
-    weights here, the losses and gradient norms by the test)."""
+    weights here, the losses and gradient norms by the test); then the V placement's
+    checkpoint: 2 steps saved, resumed for the third."""
     out = []
     for schedule, extra, model in _LAYOUTS:
         argv = [*models[model], "--pipeline-schedule", schedule, *extra]
         result = _pp_worker(rank, world, argv, refs[model][1])  # asserts the weights
         out.append(result["history"])
-    return out
+    schedule, extra, model = _LAYOUTS[4]
+    argv = [*models[model], "--pipeline-schedule", schedule, *extra]
+    two = [a if a != "3" else "2" for a in argv]  # --train-iters 2
+    _train(rank, world, [*two, "--save", save_dir])
+    resumed, _, iteration = _train(rank, world, [*argv, "--load", save_dir])
+    return out, (resumed, iteration)
 
 
 @pytest.mark.slow
-def test_zero_bubble_schedules_train_like_one_process(data_prefix):
+def test_zero_bubble_schedules_train_like_one_process(data_prefix, tmp_path):
     dense = flags(data_prefix, "--num-layers", "8", "--adam-eps", "1e-4", iters=3)
     moe = flags(data_prefix, "--num-layers", "4", "--adam-eps", "1e-4", *_MOE, iters=3)
     ((dense_ref, moe_ref),) = run_distributed(_refs, 1, dense, moe)
     refs = (dense_ref, moe_ref)
-    results = run_distributed(_zb_layouts, 4, (dense, moe), refs)
-    for rank, runs in enumerate(results):
+    results = run_distributed(_zb_layouts, 4, (dense, moe), refs, str(tmp_path / "zbv"))
+    for rank, (runs, (resumed, iteration)) in enumerate(results):
         for (schedule, extra, model), history in zip(_LAYOUTS, runs, strict=True):
             assert_same_run(history, refs[model][0], f"{schedule} {extra} rank {rank}")
+        assert iteration == 3 and _losses(resumed) == _losses(runs[4])[2:], "zbv resume"
 
 
 def test_the_planner_walks_the_new_schedules():
