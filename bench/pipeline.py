@@ -1,16 +1,22 @@
 """Pipeline bubble per schedule against the simulator and theory, and activation memory with
 and without recompute.
 
-    .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 4 8 16 --ms 4]
+    .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 4 8 16 --ms 4] [--real H]
 
 1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, for each
    --pipeline-schedule (1f1b, interleaved V=2, zb-h1, zbv, dualpipev), driving model chunks
    whose forward, input backward and weight backward each sleep t ms per micro batch and stage
    (split over the chunks; a backward with no W of its own sleeps both). Sleeping uses no CPU,
    so even a 2-core machine measures the schedule itself, not the contention of P ranks of real
-   compute on two cores. Per rank: idle = 1 - (its forward + backward + W time) / step time,
+   compute on two cores (`--real H`: real GEMMs through the model's linear, one thread per
+   rank, which then measures the cores' contention too). Per rank: idle = 1 - (its forward +
+   backward + W time) / step time,
    next to the simulator's idle fraction for the same lists and costs (megatron.pipeline_sim)
    and the textbook bubble ((P - 1) / (M + P - 1) for 1F1B, ...; "-" where none is published).
+   Each action also pays a fixed cost (the sleep's overshoot, a gloo message, Python: about a
+   millisecond on a busy 2-core machine) that the simulator does not: the measured idle sits
+   above the simulated by about that over t, more for the V schedules' half-size chunks;
+   `--ms 20` brings them closer.
 2. Memory: bytes of activations kept for backward during one forward of a GPT (counted with
    autograd's saved-tensor hooks, so it works on any device), for no / selective / full
    recompute.
@@ -31,6 +37,7 @@ from megatron.config.schema import ModelConfig, RecomputeConfig  # noqa: E402
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel  # noqa: E402
+from megatron.mpu.layers import local_linear  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.mpu.weight_grad import queue_weight_grad, splitting  # noqa: E402
 from megatron.pipeline_order import V_SHAPED  # noqa: E402
@@ -81,6 +88,30 @@ class SleepChunk(nn.Module):
         return _Sleep.apply(x, self.w, self.seconds, None)
 
 
+class MatmulChunk(nn.Module):
+    """Real compute: x (rows, h) -> x W^T, W of h x h (forward one GEMM, B one, W one: as the
+    sleeping chunk's three equal parts); through megatron.mpu.layers.local_linear, so a
+    zero-bubble schedule splits its weight gradient as in the model's linears."""
+
+    def __init__(self, hidden: int, rows: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
+        self.rows, self._input = rows, None
+
+    def set_input_tensor(self, x):
+        self._input = x
+
+    def forward(self):
+        x = self._input
+        if x is None:
+            x = torch.randn(SHAPE[0], self.rows, self.w.size(0), requires_grad=True)
+        return local_linear(x, self.w)
+
+
+def _chunk(ms: float, V: int, real: int | None) -> nn.Module:
+    return SleepChunk(ms / 1000 / V) if real is None else MatmulChunk(real, 256 // V)
+
+
 def _loss(out):
     loss = out.sum()
     return loss, {"lm loss": loss.detach()}
@@ -95,13 +126,15 @@ SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpi
 _COMPUTE = ("forward-compute", "backward-compute", "backward-weight-compute")
 
 
-def _bubble_worker(rank, world, micro_batches, ms):
+def _bubble_worker(rank, world, micro_batches, ms, real=None):
     """(schedule, M, step seconds, this rank's busy seconds) for every schedule and M."""
+    torch.set_num_threads(1)
     timers, data, out = Timers(1), iter(range(10**9)), []
     for schedule, V in SCHEDULES:
         v_shape = schedule in V_SHAPED
         state = initialize_model_parallel(1, world, V if V > 1 else None, pipeline_v=v_shape)
-        model = nn.ModuleList(SleepChunk(ms / 1000 / V) for _ in range(V))
+        model = nn.ModuleList(_chunk(ms, V, real) for _ in range(V))
+        shape = SHAPE if real is None else (SHAPE[0], 256 // V, real)
         for M in micro_batches:
             best = None
             for _ in range(2):  # the first step warms up
@@ -109,7 +142,7 @@ def _bubble_worker(rank, world, micro_batches, ms):
                 torch.distributed.barrier()
                 start = time.perf_counter()
                 forward_backward_pipelining(
-                    _forward_step, data, model, M, state=state, shape=SHAPE,
+                    _forward_step, data, model, M, state=state, shape=shape,
                     dtype=torch.float32, timers=timers, schedule=schedule,
                 )  # fmt: skip
                 step = time.perf_counter() - start
@@ -120,9 +153,9 @@ def _bubble_worker(rank, world, micro_batches, ms):
     return out
 
 
-def bench_bubble(P: int, Ms: list[int], ms: float) -> list[tuple]:
+def bench_bubble(P: int, Ms: list[int], ms: float, real: int | None = None) -> list[tuple]:
     """Rows (schedule, M, step ms, measured idle per rank, simulated idle per rank, theory)."""
-    per_rank = run_distributed(_bubble_worker, P, Ms, ms)
+    per_rank = run_distributed(_bubble_worker, P, Ms, ms, real)
     rows = []
     for i, (schedule, M, _, _) in enumerate(per_rank[0]):
         step = max(ranks[i][2] for ranks in per_rank)
@@ -178,15 +211,23 @@ def main():
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--ms", type=float, default=4.0, help="F (= B = W) ms per micro batch, stage")
+    p.add_argument(
+        "--real",
+        type=int,
+        metavar="H",
+        help="real compute instead of sleeping: chunks of 256 x H times H x H GEMMs, one "
+        "thread per rank (the P ranks then share this machine's cores)",
+    )
     p.add_argument("--skip-memory", action="store_true")
     args = p.parse_args()
-    print(f"P = {args.stages}, F = B = W = {args.ms} ms per micro batch and stage, gloo")
+    what = f"{args.ms} ms sleeps" if args.real is None else f"256 x {args.real} GEMMs"
+    print(f"P = {args.stages}, F = B = W = {what} per micro batch and stage, gloo")
     print(
         f"{'schedule':12s} {'M':>3s} | {'step ms':>8s} | {'idle per rank, measured':>27s} | "
         f"{'idle per rank, simulated':>27s} | {'textbook':>8s}"
     )
     for schedule, M, step, idle, sim, theory in bench_bubble(
-        args.stages, args.micro_batches, args.ms
+        args.stages, args.micro_batches, args.ms, args.real
     ):
         measured = " ".join(f"{x:.3f}" for x in idle)
         simulated = " ".join(f"{x:.3f}" for x in sim)
