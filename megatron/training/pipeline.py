@@ -146,11 +146,41 @@ def forward_backward_pipelining(
     run.deferred = {(c, mb) for kind, c, mb in actions if kind == "W"}
     split = schedule in SPLIT_BACKWARD and not forward_only
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    reduce = _GradSync(model, chunks, actions) if not forward_only else None
     with no_sync(), split_weight_grads(split):
-        for kind, c, mb in actions:
+        for i, (kind, c, mb) in enumerate(actions):
             getattr(run, {"F": "forward", "B": "backward", "W": "weight"}[kind])(c, mb)
+            if reduce is not None:
+                reduce.after(i)
         comm.wait_all()
     return run.stats
+
+
+class _GradSync:
+    """Starts the DP reduction of the buckets whose every parameter has its last gradient of
+    the step: after the last B or W of each chunk (`start_grad_sync`, our DDP with
+    --overlap-grad-reduce); a parameter two chunks share (the V's tied embedding) waits for
+    both. The rest is launched by the step's finish_grad_sync."""
+
+    def __init__(self, model, chunks, actions):
+        self.start = getattr(model, "start_grad_sync", None)
+        last = {}
+        for i, (kind, c, _) in enumerate(actions):
+            if kind in ("B", "W"):
+                last[c] = i
+        self.last = {i: c for c, i in last.items()}
+        self.owners = {}
+        for c in range(len(chunks)):
+            for p in chunks[c].parameters():
+                self.owners.setdefault(id(p), set()).add(c)
+        self.finished, self.done = set(), set()
+
+    def after(self, i: int) -> None:
+        if self.start is None or i not in self.last:
+            return
+        self.finished.add(self.last[i])
+        self.done = {p for p, owners in self.owners.items() if owners <= self.finished}
+        self.start(self.done)
 
 
 def _forward_messages(schedule: str, P: int, M: int, V: int) -> dict:

@@ -7,8 +7,9 @@
 `loss_func` is applied on the last stage only and gives the micro batch's scalar loss and a
 dict of detached scalars to report. Every schedule runs `num_micro_batches` micro batches,
 scales each loss by 1 / num_micro_batches (gradients of the global-batch mean) and by the fp16
-loss scale, and returns the last stage's stats. Gradients are all-reduced over DP only after
-the last micro batch (the model's `no_sync`).
+loss scale, and returns the last stage's stats. Gradients are all-reduced over DP only once
+complete: during the last micro batch's backward (the model's `no_sync` before it), and with
+pipelining per bucket once every chunk holding its parameters ran its last backward or W.
 
 - no pipelining: gradient accumulation (PP = 1; also the DeepSpeed engine's micro-batch loop)
 - 1F1B: megatron.training.pipeline (PP > 1)

@@ -238,3 +238,29 @@ def test_the_planner_walks_the_new_schedules():
     argv += ["--auto-parallel", "--auto-parallel-gpu-memory-gb", "80"]
     search = search_for(parse_args(argv, world_size=4))
     assert search.schedules == ("zb-h1",) and search.only_schedules
+
+
+def test_a_chunks_buckets_are_reduced_once_its_last_gradient_ran():
+    """The DP reduction starts per chunk, after its last B or W of the step; the V's shared
+    embedding waits for both chunks."""
+    from torch import nn
+
+    from megatron.pipeline_order import zbv_actions
+    from megatron.training.pipeline import _GradSync
+
+    chunks = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    chunks[1].weight = chunks[0].weight  # one parameter in both chunks
+    calls = []
+
+    class Model:
+        def start_grad_sync(self, done):
+            calls.append(set(done))
+
+    actions = zbv_actions(2, 0, 4)
+    sync = _GradSync(Model(), chunks, actions)
+    for i in range(len(actions)):
+        sync.after(i)
+    ids = {name: id(p) for name, p in [("w", chunks[0].weight), ("b0", chunks[0].bias)]}
+    assert len(calls) == 2 and max(sync.last) == len(actions) - 1  # one call per chunk
+    assert ids["w"] not in calls[0] and ids["w"] in calls[1]
+    assert calls[1] == {id(p) for c in chunks for p in c.parameters()}
