@@ -1,13 +1,22 @@
-"""Pipeline bubble against theory, and activation memory with and without recompute.
+"""Pipeline bubble per schedule against the simulator and theory, and activation memory with
+and without recompute.
 
-    .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 8 --ms 20]
+    .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 4 8 16 --ms 4] [--real H]
 
-1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, driving
-   model chunks whose forward sleeps t ms and backward 2t ms (split over V chunks for the
-   interleaved schedule). Sleeping uses no CPU, so even a 2-core machine measures the
-   schedule itself. bubble = (step time - M x 3t) / (M x 3t), against (P - 1) / M for 1F1B
-   and (P - 1) / (M V) for interleaved 1F1B. Also the time each stage spent waiting on
-   pipeline transfers.
+1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, for each
+   --pipeline-schedule (1f1b, interleaved V=2, zb-h1, zbv, dualpipev), driving model chunks
+   whose forward, input backward and weight backward each sleep t ms per micro batch and stage
+   (split over the chunks; a backward with no W of its own sleeps both). Sleeping uses no CPU,
+   so even a 2-core machine measures the schedule itself, not the contention of P ranks of real
+   compute on two cores (`--real H`: real GEMMs through the model's linear, one thread per
+   rank, which then measures the cores' contention too). Per rank: idle = 1 - (its forward +
+   backward + W time) / step time,
+   next to the simulator's idle fraction for the same lists and costs (megatron.pipeline_sim)
+   and the textbook bubble ((P - 1) / (M + P - 1) for 1F1B, ...; "-" where none is published).
+   Each action also pays a fixed cost (the sleep's overshoot, a gloo message, Python: about a
+   millisecond on a busy 2-core machine) that the simulator does not: the measured idle sits
+   above the simulated by about that over t, more for the V schedules' half-size chunks;
+   `--ms 20` brings them closer.
 2. Memory: bytes of activations kept for backward during one forward of a GPT (counted with
    autograd's saved-tensor hooks, so it works on any device), for no / selective / full
    recompute.
@@ -28,7 +37,11 @@ from megatron.config.schema import ModelConfig, RecomputeConfig  # noqa: E402
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel  # noqa: E402
+from megatron.mpu.layers import local_linear  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron.mpu.weight_grad import queue_weight_grad, splitting  # noqa: E402
+from megatron.pipeline_order import V_SHAPED  # noqa: E402
+from megatron.pipeline_sim import simulate, textbook_bubble  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
@@ -37,16 +50,27 @@ SHAPE = (1, 4, 8)
 
 
 class _Sleep(torch.autograd.Function):
+    """Forward t, input backward t, weight backward t (queued for a W when splitting)."""
+
     @staticmethod
-    def forward(ctx, x, w, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, w, seconds, owner):
+        ctx.seconds, ctx.owner = seconds, owner
         time.sleep(seconds)
         return x * w
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
-        return grad, grad.sum().reshape(1), None
+        time.sleep(ctx.seconds)
+        seconds, weight_grad = ctx.seconds, grad.sum().reshape(1)
+
+        def weight():
+            time.sleep(seconds)
+            return weight_grad
+
+        if ctx.owner is not None:
+            queue_weight_grad(ctx.owner[0], weight)
+            return grad, None, None, None
+        return grad, weight(), None, None
 
 
 class SleepChunk(nn.Module):
@@ -58,8 +82,34 @@ class SleepChunk(nn.Module):
         self._input = x
 
     def forward(self):
-        x = self._input if self._input is not None else torch.ones(SHAPE)
-        return _Sleep.apply(x, self.w, self.seconds)
+        x = self._input if self._input is not None else torch.ones(SHAPE, requires_grad=True)
+        if splitting():
+            return _Sleep.apply(x, self.w.detach(), self.seconds, (self.w,))
+        return _Sleep.apply(x, self.w, self.seconds, None)
+
+
+class MatmulChunk(nn.Module):
+    """Real compute: x (rows, h) -> x W^T, W of h x h (forward one GEMM, B one, W one: as the
+    sleeping chunk's three equal parts); through megatron.mpu.layers.local_linear, so a
+    zero-bubble schedule splits its weight gradient as in the model's linears."""
+
+    def __init__(self, hidden: int, rows: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
+        self.rows, self._input = rows, None
+
+    def set_input_tensor(self, x):
+        self._input = x
+
+    def forward(self):
+        x = self._input
+        if x is None:
+            x = torch.randn(SHAPE[0], self.rows, self.w.size(0), requires_grad=True)
+        return local_linear(x, self.w)
+
+
+def _chunk(ms: float, V: int, real: int | None) -> nn.Module:
+    return SleepChunk(ms / 1000 / V) if real is None else MatmulChunk(real, 256 // V)
 
 
 def _loss(out):
@@ -72,49 +122,47 @@ def _forward_step(data_iterator, chunk):
     return chunk(), _loss
 
 
-def _bubble_worker(rank, world, micro_batches, ms, chunks):
-    state = initialize_model_parallel(1, world, chunks if chunks > 1 else None)
-    model = nn.ModuleList(SleepChunk(ms / 1000 / chunks) for _ in range(chunks))
-    timers = Timers(1)
-    data = iter(range(10**9))
-    results = []
-    for _ in range(3):  # step 0 is warm-up
-        timers.pop_elapsed()
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        forward_backward_pipelining(
-            _forward_step,
-            data,
-            model,
-            micro_batches,
-            state=state,
-            shape=SHAPE,
-            dtype=torch.float32,
-            timers=timers,
-        )
-        torch.distributed.barrier()
-        results.append(
-            (time.perf_counter() - start, timers.pop_elapsed().get("pipeline-wait", 0.0))
-        )
-    return results[1:]
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
+_COMPUTE = ("forward-compute", "backward-compute", "backward-weight-compute")
 
 
-def bench_bubble(P: int, M: int, ms: float) -> list[tuple]:
+def _bubble_worker(rank, world, micro_batches, ms, real=None):
+    """(schedule, M, step seconds, this rank's busy seconds) for every schedule and M."""
+    torch.set_num_threads(1)
+    timers, data, out = Timers(1), iter(range(10**9)), []
+    for schedule, V in SCHEDULES:
+        v_shape = schedule in V_SHAPED
+        state = initialize_model_parallel(1, world, V if V > 1 else None, pipeline_v=v_shape)
+        model = nn.ModuleList(_chunk(ms, V, real) for _ in range(V))
+        shape = SHAPE if real is None else (SHAPE[0], 256 // V, real)
+        for M in micro_batches:
+            best = None
+            for _ in range(2):  # the first step warms up
+                timers.pop_elapsed()
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                forward_backward_pipelining(
+                    _forward_step, data, model, M, state=state, shape=shape,
+                    dtype=torch.float32, timers=timers, schedule=schedule,
+                )  # fmt: skip
+                step = time.perf_counter() - start
+                elapsed = timers.pop_elapsed()
+                busy = sum(elapsed.get(name, 0.0) for name in _COMPUTE)
+                best = (step, busy) if best is None or step < best[0] else best
+            out.append((schedule, M, *best))
+    return out
+
+
+def bench_bubble(P: int, Ms: list[int], ms: float, real: int | None = None) -> list[tuple]:
+    """Rows (schedule, M, step ms, measured idle per rank, simulated idle per rank, theory)."""
+    per_rank = run_distributed(_bubble_worker, P, Ms, ms, real)
     rows = []
-    for V, name in ((1, "1F1B"), (2, "interleaved V=2")):
-        per_rank = run_distributed(_bubble_worker, P, M, ms, V)
-        step = min(r[0] for ranks in per_rank for r in ranks)
-        wait = max(min(r[1] for r in ranks) for ranks in per_rank)
-        ideal = M * 3 * ms / 1000
-        rows.append(
-            (
-                f"{name}, P={P}, M={M}",
-                (step - ideal) / ideal,
-                (P - 1) / (M * V),
-                1000 * step,
-                1000 * wait,
-            )
-        )
+    for i, (schedule, M, _, _) in enumerate(per_rank[0]):
+        step = max(ranks[i][2] for ranks in per_rank)
+        idle = [1 - ranks[i][3] / step for ranks in per_rank]
+        V = dict(SCHEDULES)[schedule]
+        sim = simulate(schedule, P, M, V).bubble
+        rows.append((schedule, M, 1000 * step, idle, sim, textbook_bubble(schedule, P, M, V)))
     return rows
 
 
@@ -161,15 +209,34 @@ def bench_memory() -> list[tuple]:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--ms", type=float, default=20.0, help="forward ms per micro batch and stage")
-    args = p.parse_args()
-    print(
-        f"{'schedule':28s} | {'bubble':>7s} | {'theory':>7s} | {'step ms':>8s} | "
-        f"{'max wait ms (a stage)':>21s}"
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--ms", type=float, default=4.0, help="F (= B = W) ms per micro batch, stage")
+    p.add_argument(
+        "--real",
+        type=int,
+        metavar="H",
+        help="real compute instead of sleeping: chunks of 256 x H times H x H GEMMs, one "
+        "thread per rank (the P ranks then share this machine's cores)",
     )
-    for name, bubble, theory, step, wait in bench_bubble(args.stages, args.micro_batches, args.ms):
-        print(f"{name:28s} | {bubble:7.3f} | {theory:7.3f} | {step:8.1f} | {wait:21.1f}")
+    p.add_argument("--skip-memory", action="store_true")
+    args = p.parse_args()
+    what = f"{args.ms} ms sleeps" if args.real is None else f"256 x {args.real} GEMMs"
+    print(f"P = {args.stages}, F = B = W = {what} per micro batch and stage, gloo")
+    print(
+        f"{'schedule':12s} {'M':>3s} | {'step ms':>8s} | {'idle per rank, measured':>27s} | "
+        f"{'idle per rank, simulated':>27s} | {'textbook':>8s}"
+    )
+    for schedule, M, step, idle, sim, theory in bench_bubble(
+        args.stages, args.micro_batches, args.ms, args.real
+    ):
+        measured = " ".join(f"{x:.3f}" for x in idle)
+        simulated = " ".join(f"{x:.3f}" for x in sim)
+        book = "-" if theory is None else f"{theory:.3f}"
+        print(
+            f"{schedule:12s} {M:3d} | {step:8.1f} | {measured:>27s} | {simulated:>27s} | {book:>8s}"
+        )
+    if args.skip_memory:
+        return
     print(f"\n{'activation memory (GPT L8 h256 s256 b4, fp32)':48s} | saved for backward")
     for label, mib in bench_memory():
         print(f"{label:48s} | {mib:8.1f} MiB")

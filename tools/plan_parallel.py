@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.path.pardir))
 
 from megatron.config.cli import build_parser, resolve  # noqa: E402
 from megatron.config.schema import ConfigError  # noqa: E402
+from megatron.planning.auto import given_schedule  # noqa: E402
 from megatron.planning.enumerate import Search, best_plan  # noqa: E402
 from megatron.planning.memory import Device, GiB  # noqa: E402
 from megatron.planning.timing import Hardware  # noqa: E402
@@ -47,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-node-bandwidth", type=float, default=23.0, help="GB/s per GPU (23)")
     g.add_argument("--framework-overhead", type=float, default=1.0, help="GiB per GPU (1.0)")
     g.add_argument("--top", type=int, default=15, help="rows of the table (15; 0: all)")
+    g.add_argument(
+        "--pipeline-schedules",
+        nargs="+",
+        default=[],
+        choices=("zb-h1", "zbv", "dualpipev"),
+        help="zero-bubble schedules to try too at PP > 1 (--pipeline-schedule given: only it)",
+    )
     return parser
 
 
@@ -92,6 +100,8 @@ def main(argv=None) -> int:
         device = Device(overhead_bytes=int(ns.framework_overhead * GiB))
         cp = cfg.parallel.context_parallel_size  # given: fixed; else CP is enumerated
         search = Search(ns.world_size, ns.gpu_memory, hw, device)
+        search = dataclasses.replace(search, schedules=tuple(ns.pipeline_schedules))
+        search = dataclasses.replace(search, **given_schedule(cfg))
         if cp > 1:
             search = dataclasses.replace(search, context_parallel=(cp,))
         best, ranked = best_plan(cfg, search)

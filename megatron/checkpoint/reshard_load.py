@@ -70,8 +70,10 @@ class SavedLayout:
     ep: int | None = None  # expert-parallel size (None: not recorded; experts are saved whole)
     etp: int | None = None  # expert-tensor-parallel size (None: not recorded, or 1)
     recorded: bool = True  # False: inferred from the shard directories (an older checkpoint)
+    v_shape: bool = False  # the chunks placed in a V (--pipeline-schedule zbv / dualpipev)
 
     def record(self) -> dict:
+        v_shape = {"pipeline_v_shape": True} if self.v_shape else {}  # loop placements: as before
         return {
             "version": LAYOUT_VERSION,
             "tensor_model_parallel_size": self.tp,
@@ -82,10 +84,10 @@ class SavedLayout:
             "optimizer": self.optimizer,
             "expert_model_parallel_size": self.ep,
             "expert_tensor_parallel_size": self.etp,
-        }
+        } | v_shape
 
     def describe(self) -> str:
-        vp = f" (virtual {self.vp})" if self.vp else ""
+        vp = f" (virtual {self.vp}{', in a V' if self.v_shape else ''})" if self.vp else ""
         dp = f" x DP{self.dp}" if self.dp else ""
         cp = f" x CP{self.cp}" if self.cp and self.cp > 1 else ""
         ep = f" x EP{self.ep}" if self.ep and self.ep > 1 else ""
@@ -97,6 +99,8 @@ class SavedLayout:
         """Both write the same model shards (DP, CP and the optimizer kind aside); without a
         record the model chunks are unknown, and the caller compares the shard's names."""
         if (self.tp, self.pp) != (other.tp, other.pp):
+            return False
+        if self.recorded and other.recorded and self.v_shape != other.v_shape:
             return False
         return not (self.recorded and other.recorded) or (self.vp or 1) == (other.vp or 1)
 
@@ -148,6 +152,7 @@ def read_layout(root: str, iteration: int) -> SavedLayout:
             optimizer=record.get("optimizer"),
             ep=record.get("expert_model_parallel_size"),  # optional: added within version 1
             etp=record.get("expert_tensor_parallel_size"),  # likewise
+            v_shape=bool(record.get("pipeline_v_shape", False)),  # likewise
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: its layout record is malformed ({e!r})") from e

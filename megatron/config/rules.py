@@ -26,6 +26,7 @@ from megatron.config.rules_compute import validate_compute
 from megatron.config.rules_data import validate_data
 from megatron.config.rules_fp8 import validate_fp8
 from megatron.config.rules_moe import validate_moe
+from megatron.config.rules_pipeline import validate_pipeline_schedule
 from megatron.config.rules_training import validate_batch, validate_training
 from megatron.config.schema import (
     ConfigError,
@@ -216,6 +217,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
                 f"{vlayers} does not divide the {m.num_layers // pp} layers of each pipeline stage",
                 "choose a divisor of num-layers / pipeline-model-parallel-size",
             )
+    validate_pipeline_schedule(cfg)
     if cfg.precision.fp16 and cfg.precision.bf16:
         fail("--fp16/--bf16", "both are set", "choose one mixed-precision mode")
     validate_fp8(cfg)

@@ -15,6 +15,12 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "BERT runs one model chunk per pipeline stage",
             "drop the flag",
         )
+    if cfg.parallel.pipeline_schedule not in (None, "1f1b"):
+        fail(
+            "--pipeline-schedule",
+            "pretrain_bert.py runs the 1F1B schedule only",
+            "drop the flag (or --pipeline-schedule 1f1b)",
+        )
     if cfg.parallel.context_parallel_size > 1:
         fail(
             "--context-parallel-size",

@@ -253,6 +253,17 @@ class ParallelConfig(Section):
     num_layers_per_virtual_pipeline_stage: int | None = setting(
         None, "layers per model chunk for the interleaved pipeline schedule", min=1
     )
+    pipeline_schedule: str | None = setting(
+        None,
+        "the pipeline-parallel schedule (megatron/pipeline_order.py): 1f1b; interleaved (model "
+        "chunks of --num-layers-per-virtual-pipeline-stage layers); zb-h1 (zero bubble: 1F1B "
+        "with each backward split into the input gradient and a later weight gradient that "
+        "fills the bubble, at 1F1B's activation memory); zbv (two chunks per stage placed "
+        "in a V, stage 0 holding the first and the last layers, zero bubble at about 1F1B's "
+        "memory) and dualpipev (DeepSeek-V3's order on the same V). Default: interleaved when "
+        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b",
+        choices=("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
+    )
     sequence_parallel: bool = setting(
         False,
         "split the activations outside the tensor-parallel regions (norms, dropout, residuals) "
@@ -302,8 +313,17 @@ class ParallelConfig(Section):
         etp = self.expert_tensor_parallel_size
         return self.tensor_model_parallel_size if etp is None else etp
 
+    @property
+    def resolved_pipeline_schedule(self) -> str:
+        """--pipeline-schedule, or the one the other flags imply."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "1f1b" if self.num_layers_per_virtual_pipeline_stage is None else "interleaved"
+
     def virtual_pipeline_size(self, num_layers: int) -> int | None:
         """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""
+        if self.pipeline_schedule in ("zbv", "dualpipev"):
+            return 2  # the two legs of the V
         if self.num_layers_per_virtual_pipeline_stage is None:
             return None
         per_stage = num_layers // self.pipeline_model_parallel_size

@@ -63,6 +63,7 @@ from megatron.mpu.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.mpu.utils import divide, group_size
+from megatron.mpu.weight_grad import split_grouped_matmul, splitting
 
 
 class MoEStats:
@@ -227,10 +228,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         x = copy_to_tensor_model_parallel_region(x, self.etp_group)
-        if self.grouped:
-            y = grouped_matmul(x, self.weight1, counts)
+        if self.grouped or splitting():  # zero-bubble: deferrable weight gradients
+            matmul = grouped_matmul if self.grouped else looped_matmul
+            y = _grouped(x, self.weight1, counts, matmul)
             y = self._activation(_add_bias(y, self.bias1, counts))
-            y = grouped_matmul(y, self.weight2, counts)
+            y = _grouped(y, self.weight2, counts, matmul)
         else:
             outs = [self._mlp(t, e) for e, t in enumerate(torch.split(x, counts))]
             y = torch.cat(outs) if outs else x
@@ -246,6 +248,18 @@ class Experts(nn.Module):
         if self.swiglu:
             return self.ops.swiglu_act(y)  # [gate; up] -> silu(gate) * up
         return F.gelu(y, approximate=self.gelu_approx)
+
+
+def _grouped(x, w, counts: list[int], matmul) -> torch.Tensor:
+    if splitting():
+        return split_grouped_matmul(x, w, counts, matmul)
+    return matmul(x, w, counts)
+
+
+def looped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """grouped_matmul as one matmul per group (the experts' loop without --moe-grouped-gemm)."""
+    outs = [t @ w[g] for g, t in enumerate(torch.split(x, counts))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.size(2))
 
 
 def mark_expert(param: torch.Tensor, split: tuple[int, int] | None, etp: int) -> None:

@@ -12,12 +12,26 @@ import torch
 from torch import nn
 
 
+def virtual_stage(pp_size: int, pp_rank: int, vp_rank: int = 0, v_shape: bool = False) -> int:
+    """Chunk vp_rank of stage pp_rank: virtual stage vp_rank P + pp_rank (the loop), or with
+    `v_shape` (two chunks, --pipeline-schedule zbv / dualpipev) pp_rank and 2 P - 1 - pp_rank.
+    megatron.pipeline_order.virtual_stage is the schedules' twin of this arithmetic."""
+    if v_shape:
+        return pp_rank if vp_rank == 0 else 2 * pp_size - 1 - pp_rank
+    return vp_rank * pp_size + pp_rank
+
+
 def stage_layer_range(
-    num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None, vp_rank: int = 0
+    num_layers: int,
+    pp_size: int,
+    pp_rank: int,
+    vp_size: int | None = None,
+    vp_rank: int = 0,
+    v_shape: bool = False,
 ) -> range:
     chunks = vp_size or 1
     per = num_layers // (pp_size * chunks)
-    start = (vp_rank * pp_size + pp_rank) * per
+    start = virtual_stage(pp_size, pp_rank, vp_rank, v_shape) * per
     return range(start, start + per)
 
 

@@ -35,6 +35,12 @@ from megatron.mpu.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.mpu.utils import divide, group_rank, group_size, shard
+from megatron.mpu.weight_grad import (
+    linear_weight_grad,
+    split_embedding,
+    split_linear,
+    splitting,
+)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -114,8 +120,8 @@ class _GatheredLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, fp8):
-        ctx.group, ctx.has_bias, ctx.fp8 = group, bias is not None, fp8
+    def forward(ctx, x, weight, bias, group, fp8, owner=None):
+        ctx.group, ctx.has_bias, ctx.fp8, ctx.owner = group, bias is not None, fp8, owner
         ctx.save_for_backward(x, weight)
         full = all_gather_sequence(x, group)  # (b, s, h)
         if fp8 is None:
@@ -133,18 +139,22 @@ class _GatheredLinear(torch.autograd.Function):
             grad_x = reduce_scatter_sequence(grad_full, ctx.group)  # (b, s/p, h)
         if ctx.fp8 is None and ctx.needs_input_grad[0]:
             grad_x = reduce_scatter_sequence(grad.matmul(weight), ctx.group)  # (b, s/p, h)
-        if ctx.fp8 is None and ctx.needs_input_grad[1]:
+        if ctx.fp8 is None and (ctx.needs_input_grad[1] or ctx.owner is not None):
             full = all_gather_sequence(x, ctx.group)  # (b, s, h), again
-            grad_w = grad.reshape(-1, grad.size(-1)).t().matmul(full.reshape(-1, full.size(-1)))
+            flat = full.reshape(-1, full.size(-1))
+            if ctx.owner is not None:  # zero-bubble: a later W computes it
+                linear_weight_grad(ctx.owner[0], grad, full)
+            else:
+                grad_w = grad.reshape(-1, grad.size(-1)).t().matmul(flat)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.size(-1)).sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, fp8=None) -> torch.Tensor:
     """X W^T + b on this rank, in float8 when `fp8` (a megatron.mpu.fp8.Float8Matmul) is given."""
     if fp8 is None:
-        return F.linear(x, weight, bias)
+        return split_linear(x, weight, bias) if splitting() else F.linear(x, weight, bias)
     return fp8.linear(x, weight, bias)
 
 
@@ -153,6 +163,8 @@ def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, fp8=None
     backward (see _GatheredLinear); `weight` is this rank's (out / p, h) shard."""
     if group_size(group) == 1:
         return local_linear(x, weight, bias, fp8)
+    if splitting() and fp8 is None and weight.requires_grad:  # dL/dA queued for a later W
+        return _GatheredLinear.apply(x, weight.detach(), bias, group, fp8, (weight,))
     return _GatheredLinear.apply(x, weight, bias, group, fp8)
 
 
@@ -300,11 +312,12 @@ class VocabParallelEmbedding(nn.Module):
         _init_param(self.weight, (num_embeddings, embedding_dim), init_method, group)
 
     def forward(self, ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        embedding = split_embedding if splitting() else F.embedding
         if group_size(self.group) == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.group)
         return reduce_from_tensor_model_parallel_region(out, self.group)

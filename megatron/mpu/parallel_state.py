@@ -51,6 +51,9 @@ class ParallelState:
     mp_group: object | None = None  # TP x PP: every rank holding a piece of one model replica
     embedding_group: object | None = None  # first and last pipeline stage (tied embeddings)
     virtual_pp_size: int | None = None
+    # --pipeline-schedule zbv / dualpipev: the two chunks of stage s are virtual stages s and
+    # 2 P - 1 - s (a V), so stage 0 holds the embedding, the head and the loss
+    pipeline_v: bool = False
     # --sequence-parallel: between the TP regions activations hold s / tp positions per rank
     sequence_parallel: bool = False
     # --context-parallel-size: this rank holds chunks cp_rank and 2 cp - 1 - cp_rank of each
@@ -121,6 +124,15 @@ class ParallelState:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def loss_stage(self) -> int:
+        """The pipeline stage holding the last virtual stage (the head and the loss)."""
+        return 0 if self.pipeline_v else self.pp_size - 1
+
+    @property
+    def holds_loss(self) -> bool:
+        return self.pp_rank == self.loss_stage
 
     @property
     def tp_src_rank(self) -> int:
@@ -208,8 +220,10 @@ def _expert_groups(grid: np.ndarray, ep: int) -> dict[str, list[tuple[int, ...]]
     }
 
 
-def _embedding_ranks(pp_ranks: tuple[int, ...]) -> tuple[int, ...]:
-    return (pp_ranks[0],) if len(pp_ranks) == 1 else (pp_ranks[0], pp_ranks[-1])
+def _embedding_ranks(pp_ranks: tuple[int, ...], pipeline_v: bool = False) -> tuple[int, ...]:
+    """The stages holding the word embedding: the first and the last (the V: the first only,
+    whose two chunks share one parameter)."""
+    return (pp_ranks[0],) if len(pp_ranks) == 1 or pipeline_v else (pp_ranks[0], pp_ranks[-1])
 
 
 def initialize_model_parallel(
@@ -221,6 +235,7 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
+    pipeline_v: bool = False,
 ) -> ParallelState:
     """Build every process group from the rank grid; all ranks must call this together.
 
@@ -231,6 +246,7 @@ def initialize_model_parallel(
     torch's default 30 minutes. `sequence_parallel` is recorded for the model and the pipeline
     (it needs TP > 1: one rank has nothing to split the sequence over).
     `expert_tensor_parallel_size` is 1 or the TP size (the group is the TP group).
+    `pipeline_v`: the V placement of the chunks (--pipeline-schedule zbv / dualpipev).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed before building model-parallel groups")
@@ -251,11 +267,11 @@ def initialize_model_parallel(
     emb_ranks: tuple[int, ...] = ()
     emb_group = None
     for ranks in _groups_along(grid, "pp"):
-        e = _embedding_ranks(ranks)
+        e = _embedding_ranks(ranks, pipeline_v)
         group = dist.new_group(list(e), timeout=timeout)
         if rank in ranks:
             emb_ranks = e
-            emb_group = group if rank in e else None
+            emb_group = group if rank in e and len(e) > 1 else None
     etp = expert_tensor_parallel_size
     if etp not in (1, tensor_model_parallel_size):
         raise ValueError(
@@ -294,6 +310,7 @@ def initialize_model_parallel(
         mp_group=mine["mp"][1],
         embedding_group=emb_group,
         virtual_pp_size=virtual_pipeline_model_parallel_size,
+        pipeline_v=pipeline_v,
         sequence_parallel=sequence_parallel,
         cp_size=cp,
         cp_rank=cp_idx,

@@ -47,7 +47,8 @@ def search_for(cfg: MegatronConfig) -> Search:
         micro_batches=(t.micro_batch_size,) if t.micro_batch_size != 1 else None,
         recompute=(r.granularity,) if r.granularity else (None, "selective", "full"),
         sequence_parallel=(True,) if par.sequence_parallel else (False, True),
-        interleave=par.num_layers_per_virtual_pipeline_stage is None,
+        interleave=par.num_layers_per_virtual_pipeline_stage is None
+        and par.pipeline_schedule in (None, "interleaved"),
         tensor_parallel=(par.tensor_model_parallel_size,)
         if par.tensor_model_parallel_size > 1
         else None,
@@ -57,7 +58,18 @@ def search_for(cfg: MegatronConfig) -> Search:
         context_parallel=(par.context_parallel_size,) if par.context_parallel_size > 1 else None,
         expert_tensor_parallel=1 if par.expert_tensor_parallel_size == 1 else None,
         memory_flag="--auto-parallel-gpu-memory-gb",
+        **given_schedule(cfg),
     )
+
+
+def given_schedule(cfg: MegatronConfig) -> dict:
+    """The Search fields of a zero-bubble --pipeline-schedule given: that schedule only (at
+    PP > 1). 1f1b / interleaved given stay on every candidate (megatron.planning.enumerate
+    .candidate), which the rules then hold to their chunks."""
+    schedule = cfg.parallel.pipeline_schedule
+    if schedule in (None, "1f1b", "interleaved"):
+        return {}
+    return {"schedules": (schedule,), "only_schedules": True}
 
 
 def describe_plan(p: Plan) -> str:

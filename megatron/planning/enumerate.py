@@ -46,6 +46,10 @@ class Search:
     expert_parallel: tuple[int, ...] | None = None  # MoE; default: divisors of DP x CP and E
     expert_tensor_parallel: int | None = None  # MoE: 1 (experts whole over TP) or None (= TP)
     memory_flag: str = "--gpu-memory"  # the flag that gave gpu_memory_gb, named in the fix
+    # --pipeline-schedule values tried at PP > 1 besides 1f1b / interleaved, or with
+    # `only_schedules` (a --pipeline-schedule given) instead of them
+    schedules: tuple[str, ...] = ()
+    only_schedules: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,12 +98,13 @@ def _divisors(n: int) -> list[int]:
 
 def candidate(cfg: MegatronConfig, world: int, lay: Layout) -> MegatronConfig:
     """`cfg` with the layout's settings (the config that training would run)."""
-    vlayers = None if lay.vp is None else cfg.model.num_layers // (lay.pp * lay.vp)
+    vlayers = None if lay.vp is None or lay.v_shape else cfg.model.num_layers // (lay.pp * lay.vp)
     par = dataclasses.replace(
         cfg.parallel,
         tensor_model_parallel_size=lay.tp,
         pipeline_model_parallel_size=lay.pp,
         num_layers_per_virtual_pipeline_stage=vlayers,
+        pipeline_schedule=lay.schedule or cfg.parallel.pipeline_schedule,
         sequence_parallel=lay.sequence_parallel,
         context_parallel_size=lay.cp,
         expert_model_parallel_size=lay.ep,
@@ -150,10 +155,16 @@ def _layouts_of(m, s: Search, gbs: int, tp: int, pp: int, cp: int):
     if m.moe:  # expert parallelism within DP x CP: a divisor of it and of the expert count
         eps = [e for e in _divisors(dp * cp) if m.num_experts % e == 0]
         eps = [e for e in eps if not s.expert_parallel or e in s.expert_parallel] or [1]
-    for vp, b, rc, sp, ep in itertools.product(vps, mbs, s.recompute, s.sequence_parallel, eps):
+    shapes = [] if s.only_schedules else [(vp, None) for vp in vps]
+    if pp > 1:
+        shapes += [(2 if sch in ("zbv", "dualpipev") else None, sch) for sch in s.schedules]
+    for (vp, sch), b, rc, sp, ep in itertools.product(
+        shapes, mbs, s.recompute, s.sequence_parallel, eps
+    ):
         if not (sp and tp == 1):
             micro = max(1, gbs // (b * dp))
-            yield Layout(tp, pp, dp, b, micro, vp, rc, sp, cp, ep, s.expert_tensor_parallel)
+            etp = s.expert_tensor_parallel
+            yield Layout(tp, pp, dp, b, micro, vp, rc, sp, cp, ep, etp, sch)
 
 
 def layouts(cfg: MegatronConfig, s: Search) -> tuple[list[Layout], Counter]:

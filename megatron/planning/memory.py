@@ -48,7 +48,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
-from megatron.pipeline_order import pipeline_actions
+from megatron.pipeline_order import V_SHAPED, schedule_actions, virtual_stage
 
 GiB = 1024**3
 
@@ -82,13 +82,26 @@ class Layout:
     cp: int = 1  # context-parallel ranks per sequence
     ep: int = 1  # expert-parallel ranks (MoE), carved from DP x CP
     etp: int | None = None  # expert-tensor-parallel ranks: 1 or TP (None: TP, the default)
+    schedule: str | None = None  # --pipeline-schedule (None: 1f1b, or interleaved with vp)
+
+    @property
+    def pipeline_schedule(self) -> str:
+        if self.schedule is not None:
+            return self.schedule
+        return "interleaved" if self.vp else "1f1b"
+
+    @property
+    def v_shape(self) -> bool:
+        """The chunks placed in a V (zbv, dualpipev): stage 0 holds the embedding and head."""
+        return self.pipeline_schedule in V_SHAPED
 
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
     def describe(self) -> str:
-        v = f" V{self.vp}" if self.vp else ""
+        v = f" V{self.vp}" if self.vp and not self.v_shape else ""
+        v += f" {self.schedule}" if self.schedule not in (None, "1f1b", "interleaved") else ""
         sp = " SP" if self.sequence_parallel else ""
         rc = f" rc={self.recompute}" if self.recompute else ""
         cp = f" CP{self.cp}" if self.cp > 1 else ""
@@ -182,8 +195,11 @@ def stage_expert_params(m: ModelConfig, pp: int, stage: int, ep: int, etp: int =
     return stage_moe_layers(m, pp, stage) * expert_params(m, ep, etp) if m.moe else 0
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1, etp: int = 1) -> int:
-    """Weights on a rank of pipeline stage `stage` (its V chunks together), experts included."""
+def stage_params(
+    m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1, etp: int = 1, v_shape=False
+) -> int:
+    """Weights on a rank of pipeline stage `stage` (its V chunks together), experts included.
+    `v_shape` (zbv, dualpipev): stage 0 holds the head too, and one tied embedding for both."""
     words = m.padded_vocab_size(tp) * m.hidden_size // tp
     moe = stage_moe_layers(m, pp, stage)
     n = (m.num_layers // pp - moe) * layer_params(m, tp)
@@ -193,9 +209,9 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1, etp:
         n += words + (
             m.max_positions * m.hidden_size if m.position_embedding_type == "learned" else 0
         )
-    if stage == pp - 1:
+    if stage == (0 if v_shape else pp - 1):
         n += norm_params(m)
-        if m.untie_embeddings_and_output_weights or pp > 1:
+        if m.untie_embeddings_and_output_weights or (pp > 1 and not v_shape):
             n += words  # the output head, or the tied embedding's copy on the last stage
     return n
 
@@ -333,11 +349,15 @@ def stage_activation_peak(
     m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
 ) -> dict[str, int]:
     """Peak bytes of a stage over one step: activations kept for backward (all micro batches
-    in flight), the recompute working set on top, the pipeline's output buffers."""
-    P, V = lay.pp, lay.vp or 1
+    in flight), the recompute working set on top, the pipeline's output buffers. The stage's
+    action list (megatron.pipeline_order) is walked as the schedule runs it: a micro batch's
+    activations leave at its backward, or with a zero-bubble schedule at its W (which still
+    reads the linears' inputs: counted whole until then, an upper bound)."""
+    P, schedule = lay.pp, lay.pipeline_schedule
+    V = 2 if lay.v_shape else lay.vp or 1
     sizes = {}
     for c in range(V):
-        virtual = c * P + stage
+        virtual = virtual_stage(schedule, P, stage, c)
         sizes[c] = chunk_activation_bytes(m, lay, t, dev, virtual == 0, virtual == P * V - 1)
     if P == 1:  # gradient accumulation: one micro batch at a time
         kept, working = sizes[0]
@@ -346,17 +366,21 @@ def stage_activation_peak(
     out_bytes = layer_input_bytes(m, lay, t)
     # After the warm-up the live set repeats every P micro batches: 4P of them show the peak.
     M = min(lay.num_micro_batches, 4 * P)
-    for kind, c, _ in pipeline_actions(P, stage, M, V):
+    actions = schedule_actions(schedule, P, stage, M, V)
+    split = {(c, mb) for kind, c, mb in actions if kind == "W"}
+    for kind, c, mb in actions:
         kept, working = sizes[c]
-        last = c * P + stage == P * V - 1
+        last = virtual_stage(schedule, P, stage, c) == P * V - 1
         if kind == "F":
             live += kept
             outputs += 0 if last else out_bytes
             peak, peak_out = max(peak, live), max(peak_out, outputs)
-        else:
+        elif kind == "B":
             with_working = max(with_working, live + working)
-            live -= kept
+            live -= 0 if (c, mb) in split else kept
             outputs -= 0 if last else out_bytes
+        else:
+            live -= kept
     working = max(0, with_working - peak)
     return {"activations": peak, "recompute_working": working, "p2p_buffers": peak_out}
 
@@ -365,7 +389,7 @@ def stage_memory(
     m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
 ) -> dict[str, int]:
     """Every term of one pipeline stage's rank, in bytes."""
-    params = stage_params(m, lay.tp, lay.pp, stage, lay.ep, lay.expert_tp)
+    params = stage_params(m, lay.tp, lay.pp, stage, lay.ep, lay.expert_tp, lay.v_shape)
     experts = stage_expert_params(m, lay.pp, stage, lay.ep, lay.expert_tp)
     terms = model_state_bytes(params, lay.dp * lay.cp, t, experts, lay.ep)
     terms.update(stage_activation_peak(per_rank_sequence(m, lay), lay, t, dev, stage))

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
+from megatron.pipeline_sim import simulate
 from megatron.planning.memory import (
     Layout,
     Training,
@@ -157,13 +158,14 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
     moe = moe_seconds(m, lay, t, hw)
     compute += M * moe["redundant"]
     ep_comm = M * moe["all_to_all"]
-    bubble = (compute + recompute + launch + tp_comm + cp_comm + ep_comm) * (P - 1) / (V * M)
+    busy = compute + recompute + launch + tp_comm + cp_comm + ep_comm
+    bubble = busy * idle_per_work(lay)
     ranks = tp * cp * lay.dp * P
     p2p_gbps = hw.intra_node_gbps if ranks <= hw.gpus_per_node else hw.inter_node_gbps
     sp = tp if lay.sequence_parallel else 1
     pp_p2p = 0.0 if P == 1 else 2 * V * M * (act / sp / (p2p_gbps * 1e9) + hw.latency_s)
     etp = lay.expert_tp
-    params = max(stage_params(m, tp, P, s, lay.ep, etp) for s in {0, P - 1})
+    params = max(stage_params(m, tp, P, s, lay.ep, etp, lay.v_shape) for s in {0, P - 1})
     experts = max(stage_expert_params(m, P, s, lay.ep, etp) for s in {0, P - 1})
     dp_gbps = hw.intra_node_gbps if tp * cp * lay.dp <= hw.gpus_per_node else hw.inter_node_gbps
     dp_full = _ring(4.0 * (params - experts), lay.dp * cp, dp_gbps, hw.latency_s)
@@ -182,6 +184,17 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
         "dp_comm": max(0.0, dp_full - hidden),
         "optimizer": optimizer,
     }
+
+
+def idle_per_work(lay: Layout) -> float:
+    """A stage's idle time per unit of its own work: (P - 1) / (V M) for 1F1B and interleaved;
+    the zero-bubble schedules' lists run by the simulator (megatron.pipeline_sim) with a
+    backward twice the forward, split evenly into B and W."""
+    P, M = lay.pp, lay.num_micro_batches
+    if lay.pipeline_schedule in ("1f1b", "interleaved") or P == 1:
+        return (P - 1) / ((lay.vp or 1) * M)
+    run = simulate(lay.pipeline_schedule, P, M, 2 if lay.v_shape else None)
+    return (run.step_time - run.busy[0]) / run.busy[0]
 
 
 def mfu(m: ModelConfig, global_batch: int, seconds: float, world: int, hw: Hardware) -> float:

@@ -106,13 +106,13 @@ def global_loss(losses: list[torch.Tensor], rt: Runtime) -> torch.Tensor:
     """
     st = rt.state
     t = torch.zeros(1, device=rt.device)
-    if st.is_last_stage:
+    if st.holds_loss:
         t = torch.stack([x.detach().float() for x in losses]).mean().reshape(1).to(rt.device)
         if st.dp_size > 1:
             dist.all_reduce(t, group=st.dp_group)
             t /= st.dp_size
     if st.pp_size > 1:
-        dist.broadcast(t, st.pp_ranks[-1], group=st.pp_group)
+        dist.broadcast(t, st.pp_ranks[st.loss_stage], group=st.pp_group)
     return t.reshape(())
 
 

@@ -189,6 +189,17 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.sync_enabled = previous
 
+    def start_grad_sync(self, done: set[int]) -> None:
+        """Launch the buckets whose parameters (ids) are all in `done`: a pipeline schedule
+        calls it as its model chunks run their last backward or W of the step, so the DP
+        reduction of those buckets overlaps the rest of the step (as backward's hooks do without
+        pipelining)."""
+        if not self.overlap:
+            return
+        for bucket in self.buckets:
+            if not bucket.launched and all(id(p) in done for p in bucket.params):
+                self._launch(bucket)
+
     def finish_grad_sync(self) -> None:
         """Launch the buckets backward did not complete, then wait for every all-reduce."""
         for bucket in self.buckets:

@@ -1,13 +1,21 @@
-"""Pipeline-parallel schedules: 1F1B and interleaved 1F1B, as static per-stage action lists.
+"""Pipeline-parallel schedules as static per-stage action lists: 1F1B, interleaved 1F1B,
+and the zero-bubble ones (ZB-H1, ZBV, DualPipeV).
 
 With P stages, V model chunks per stage and M micro batches, stage s runs a list of actions
-('F' or 'B', chunk, micro batch) fixed ahead of time (`megatron.pipeline_order`): some warm-up
-forwards, then one-forward-one-backward, then the remaining backwards. Activations go to the
-next virtual stage and gradients to the previous one with asynchronous sends; a stage blocks
-only when it receives, and the time spent waiting there is the pipeline bubble it sees
-(timer 'pipeline-wait'). Messages carry a tag naming (direction, receiving virtual stage,
-micro batch); every pair of ranks also sends and receives them in the same order
-(`megatron.pipeline_order.check_message_order`), which is what NCCL, which ignores tags, needs.
+('F', 'B' or 'W', chunk, micro batch) fixed ahead of time (`megatron.pipeline_order`, which
+also says which virtual stage each chunk is). Activations go to the next virtual stage and
+gradients to the previous one with asynchronous sends (a hand-over within the stage, at the
+bottom of a V, sends nothing); a stage blocks only when it receives, and the time spent waiting
+there is the pipeline bubble it sees (timer 'pipeline-wait'). Messages carry a tag naming
+(direction, receiving virtual stage, micro batch), and a stage posts its receives from a peer
+in the order that peer sends (`megatron.pipeline_order.messages`), so a backend that ignores
+tags (NCCL) pairs them right too.
+
+Zero-bubble schedules: during their step the layers build ops whose weight gradients can wait
+(megatron.mpu.weight_grad); a 'B' computes the input gradient and queues, per (chunk, micro
+batch), what the weight gradients need; its 'W' computes them later. A 'B' with no 'W' in the
+list (1F1B, DualPipeV's full backwards) runs its queue at once. The weight gradients reach
+`.grad` and the DDP hooks in the order the W's run.
 """
 
 from __future__ import annotations
@@ -17,7 +25,14 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megatron.pipeline_order import pipeline_actions
+from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
+from megatron.pipeline_order import (
+    SPLIT_BACKWARD,
+    messages,
+    schedule_actions,
+    stage_of,
+    virtual_stage,
+)
 from megatron.training.timers import NULL_TIMER
 
 FORWARD, BACKWARD = 0, 1
@@ -27,26 +42,49 @@ def _tag(kind: int, virtual_stage: int, mb: int) -> int:
     return (kind << 24) | (virtual_stage << 16) | mb
 
 
+def _message_tag(message: tuple) -> int:
+    kind, v, mb = message
+    return _tag(FORWARD if kind == "F" else BACKWARD, v, mb)
+
+
 class _Comm:
-    def __init__(self, state, shape, dtype, device, timers):
+    """Sends asynchronously; receives from each peer in the order it sends (`expected`)."""
+
+    def __init__(self, state, shape, dtype, device, timers, expected):
         self.state, self.shape, self.dtype, self.device = state, shape, dtype, device
         self.timers, self.pending = timers, []
+        self.expected = expected  # peer stage -> its messages to this stage, in send order
+        self.posted = {}  # message -> (handle, buffer)
+        self.local = {}  # message -> tensor handed over within this stage
 
-    def send(self, tensor: torch.Tensor, dst_stage: int, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, dst_stage: int, message: tuple) -> None:
+        tensor = tensor.detach()
+        if dst_stage == self.state.pp_rank:
+            self.local[message] = tensor
+            return
         timer = self.timers("pipeline-send", 2) if self.timers else None
         if timer:
             timer.start()
-        tensor = tensor.detach().contiguous()
-        self.pending.append((dist.isend(tensor, self.state.pp_ranks[dst_stage], tag=tag), tensor))
+        tensor = tensor.contiguous()
+        rank = self.state.pp_ranks[dst_stage]
+        self.pending.append((dist.isend(tensor, rank, tag=_message_tag(message)), tensor))
         if timer:
             timer.stop()
 
-    def recv(self, src_stage: int, tag: int) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def recv(self, src_stage: int, message: tuple) -> torch.Tensor:
+        if src_stage == self.state.pp_rank:
+            return self.local.pop(message).clone()
+        queue = self.expected[src_stage]
+        while message not in self.posted:  # post the peer's earlier messages first
+            early = queue.pop(0)
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            rank = self.state.pp_ranks[src_stage]
+            self.posted[early] = (dist.irecv(out, rank, tag=_message_tag(early)), out)
+        handle, out = self.posted.pop(message)
         timer = self.timers("pipeline-wait", 1) if self.timers else None
         if timer:
             timer.start()
-        dist.recv(out, self.state.pp_ranks[src_stage], tag=tag)
+        handle.wait()
         if timer:
             timer.stop()
         return out
@@ -84,78 +122,146 @@ def forward_backward_pipelining(
     scale_loss=lambda x: x,
     forward_only=False,
     timers=None,
+    schedule: str | None = None,
 ) -> list[dict]:
-    """Run one step of the (interleaved when V > 1) 1F1B schedule on this stage.
+    """Run one step of `schedule` (default: 1F1B, interleaved when V > 1) on this stage.
 
     `model` holds V chunks (`model[c]`); `shape` is the (micro batch, seq, hidden) activation
-    shape. Returns the last stage's per-micro-batch stats (empty on other stages).
+    shape. Returns the last virtual stage's per-micro-batch stats (empty on other stages).
     """
     chunks = getattr(model, "module", model)  # DDP-wrapped ModelChunks, or the chunks
     P, s, V, M = state.pp_size, state.pp_rank, len(chunks), num_micro_batches
-    if V > 1 and M % P:  # the user-facing rule is validate_training's (megatron/config/rules.py)
+    schedule = schedule or ("interleaved" if V > 1 else "1f1b")
+    if schedule == "interleaved" and M % P:  # the user-facing rule is in megatron/config
         raise ValueError(f"interleaved 1F1B: {M} micro batches are not a multiple of P = {P}")
-    comm = _Comm(state, shape, dtype, next(model.parameters()).device, timers)
-    run = _Runner(
-        chunks, comm, _SharedBatches(data_iterator), forward_step, P, s, M, scale_loss, forward_only
-    )
+    actions = schedule_actions(schedule, P, s, M, V, forward_only)
+    if forward_only:
+        sent = _forward_messages(schedule, P, M, V)
+    else:
+        sent = messages(schedule, P, M, V)[0]
+    expected = {src: list(sent.get((src, s), [])) for src in range(P)}
+    comm = _Comm(state, shape, dtype, next(model.parameters()).device, timers, expected)
+    run = _Runner(chunks, comm, _SharedBatches(data_iterator), forward_step, schedule, M)
+    run.scale_loss, run.forward_only = scale_loss, forward_only
+    run.deferred = {(c, mb) for kind, c, mb in actions if kind == "W"}
+    split = schedule in SPLIT_BACKWARD and not forward_only
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
-    with no_sync():
-        for kind, c, mb in pipeline_actions(P, s, M, V, forward_only):
-            if kind == "F":
-                run.forward(c, mb)
-            else:
-                run.backward(c, mb)
+    reduce = _GradSync(model, chunks, actions) if not forward_only else None
+    with no_sync(), split_weight_grads(split):
+        for i, (kind, c, mb) in enumerate(actions):
+            getattr(run, {"F": "forward", "B": "backward", "W": "weight"}[kind])(c, mb)
+            if reduce is not None:
+                reduce.after(i)
         comm.wait_all()
     return run.stats
 
 
-class _Runner:
-    """Executes one stage's actions; keeps the activations alive between F and B."""
+class _GradSync:
+    """Starts the DP reduction of the buckets whose every parameter has its last gradient of
+    the step: after the last B or W of each chunk (`start_grad_sync`, our DDP with
+    --overlap-grad-reduce); a parameter two chunks share (the V's tied embedding) waits for
+    both. The rest is launched by the step's finish_grad_sync."""
 
-    def __init__(
-        self, chunks, comm, batches: _SharedBatches, forward_step, P, s, M, scale_loss, forward_only
-    ):
+    def __init__(self, model, chunks, actions):
+        self.start = getattr(model, "start_grad_sync", None)
+        last = {}
+        for i, (kind, c, _) in enumerate(actions):
+            if kind in ("B", "W"):
+                last[c] = i
+        self.last = {i: c for c, i in last.items()}
+        self.owners = {}
+        for c in range(len(chunks)):
+            for p in chunks[c].parameters():
+                self.owners.setdefault(id(p), set()).add(c)
+        self.finished, self.done = set(), set()
+
+    def after(self, i: int) -> None:
+        if self.start is None or i not in self.last:
+            return
+        self.finished.add(self.last[i])
+        self.done = {p for p, owners in self.owners.items() if owners <= self.finished}
+        self.start(self.done)
+
+
+def _forward_messages(schedule: str, P: int, M: int, V: int) -> dict:
+    """The forward messages each stage pair exchanges in an evaluation step, in send order."""
+    sent = {}
+    for s in range(P):
+        for _, c, mb in schedule_actions(schedule, P, s, M, V, forward_only=True):
+            v = virtual_stage(schedule, P, s, c)
+            if v < P * V - 1:
+                sent.setdefault((s, stage_of(schedule, P, v + 1)[0]), []).append(("F", v + 1, mb))
+    return sent
+
+
+class _Runner:
+    """Executes one stage's actions; keeps the activations alive between F and B, and the
+    queued weight-gradient work between B and W."""
+
+    def __init__(self, chunks, comm, batches: _SharedBatches, forward_step, schedule, M):
         self.model, self.comm, self.forward_step = chunks, comm, forward_step
         self.iters = [batches.chunk_iterator() for _ in range(len(chunks))]
-        self.P, self.s, self.V, self.M = P, s, len(chunks), M
-        self.scale_loss, self.forward_only = scale_loss, forward_only
-        self.inputs, self.outputs, self.stats = {}, {}, []
+        self.schedule, self.P, self.s = schedule, comm.state.pp_size, comm.state.pp_rank
+        self.V, self.M, self.last = len(chunks), M, comm.state.pp_size * len(chunks) - 1
+        self.scale_loss, self.forward_only, self.deferred = (lambda x: x), False, set()
+        self.inputs, self.outputs, self.stats, self.weights = {}, {}, [], {}
 
     def _virtual(self, c: int) -> int:
-        return c * self.P + self.s
+        return virtual_stage(self.schedule, self.P, self.s, c)
+
+    def _stage(self, v: int) -> int:
+        return stage_of(self.schedule, self.P, v)[0]
 
     def _timer(self, name: str):
         return self.comm.timers(name, 1) if self.comm.timers else NULL_TIMER
 
     def forward(self, c: int, mb: int) -> None:
-        v, last = self._virtual(c), self.P * self.V - 1
+        v = self._virtual(c)
         chunk = self.model[c]
         if v > 0:
-            x = self.comm.recv((self.s - 1) % self.P, _tag(FORWARD, v, mb))
+            x = self.comm.recv(self._stage(v - 1), ("F", v, mb))
             x.requires_grad_(not self.forward_only)
             chunk.set_input_tensor(x)
             self.inputs[(c, mb)] = x
         self._timer("forward-compute").start()
         output, loss_func = self.forward_step(self.iters[c], chunk)
-        if v == last:
+        if v == self.last:
             loss, micro_stats = loss_func(output)
             self.stats.append(micro_stats)
             output = loss
         self._timer("forward-compute").stop()
-        if v != last:
-            self.comm.send(output, (self.s + 1) % self.P, _tag(FORWARD, v + 1, mb))
+        if v != self.last:
+            self.comm.send(output, self._stage(v + 1), ("F", v + 1, mb))
         if not self.forward_only:
             self.outputs[(c, mb)] = output
 
     def backward(self, c: int, mb: int) -> None:
-        v, last = self._virtual(c), self.P * self.V - 1
+        v = self._virtual(c)
         output, x = self.outputs.pop((c, mb)), self.inputs.pop((c, mb), None)
-        grad = None if v == last else self.comm.recv((self.s + 1) % self.P, _tag(BACKWARD, v, mb))
+        grad = None
+        if v != self.last:
+            grad = self.comm.recv(self._stage(v + 1), ("B", v, mb))
         self._timer("backward-compute").start()
-        if v == last:
-            self.scale_loss(output / self.M).backward()
-        else:
-            torch.autograd.backward(output, grad)
+        queue = []
+        with defer_weight_grads(queue):
+            if v == self.last:
+                self.scale_loss(output / self.M).backward()
+            else:
+                torch.autograd.backward(output, grad)
         self._timer("backward-compute").stop()
         if v > 0:
-            self.comm.send(x.grad, (self.s - 1) % self.P, _tag(BACKWARD, v - 1, mb))
+            self.comm.send(x.grad, self._stage(v - 1), ("B", v - 1, mb))
+        if (c, mb) in self.deferred:
+            self.weights[(c, mb)] = queue
+        else:  # a full backward: its weight gradients now
+            self._run_weights(queue)
+
+    def weight(self, c: int, mb: int) -> None:
+        self._run_weights(self.weights.pop((c, mb)))
+
+    def _run_weights(self, queue: list) -> None:
+        if not queue:
+            return
+        self._timer("backward-weight-compute").start()
+        run_weight_grads(queue)
+        self._timer("backward-weight-compute").stop()

@@ -7,13 +7,16 @@
 `loss_func` is applied on the last stage only and gives the micro batch's scalar loss and a
 dict of detached scalars to report. Every schedule runs `num_micro_batches` micro batches,
 scales each loss by 1 / num_micro_batches (gradients of the global-batch mean) and by the fp16
-loss scale, and returns the last stage's stats. Gradients are all-reduced over DP only after
-the last micro batch (the model's `no_sync`).
+loss scale, and returns the last stage's stats. Gradients are all-reduced over DP only once
+complete: during the last micro batch's backward (the model's `no_sync` before it), and with
+pipelining per bucket once every chunk holding its parameters ran its last backward or W.
 
 - no pipelining: gradient accumulation (PP = 1; also the DeepSpeed engine's micro-batch loop)
 - 1F1B: megatron.training.pipeline (PP > 1)
 - interleaved 1F1B: megatron.training.pipeline with V model chunks
   (--num-layers-per-virtual-pipeline-stage)
+- zero bubble (--pipeline-schedule zb-h1): megatron.training.pipeline, each backward split
+  into the input gradient and a later weight gradient (megatron.mpu.weight_grad)
 """
 
 from __future__ import annotations
@@ -80,10 +83,17 @@ def forward_backward_no_pipelining(
 
 
 def get_forward_backward_func(
-    state, *, micro_batch_size: int, seq_length: int, hidden_size: int, dtype
+    state,
+    *,
+    micro_batch_size: int,
+    seq_length: int,
+    hidden_size: int,
+    dtype,
+    schedule: str | None = None,
 ) -> Callable:
     """The schedule for this layout, with the pipeline's activation shape bound: (b, s, h), or
-    with sequence parallelism this TP rank's slice (b, s / tp, h), which is all a stage sends."""
+    with sequence parallelism this TP rank's slice (b, s / tp, h), which is all a stage sends.
+    `schedule`: --pipeline-schedule (None: 1F1B, or interleaved with model chunks)."""
     if state.pp_size == 1:
         return forward_backward_no_pipelining
     if state.sequence_parallel:
@@ -93,4 +103,5 @@ def get_forward_backward_func(
         state=state,
         shape=(micro_batch_size, seq_length, hidden_size),
         dtype=dtype,
+        schedule=schedule,
     )

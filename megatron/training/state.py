@@ -176,6 +176,7 @@ def current_layout(cfg: MegatronConfig, rt: Runtime, optimizer) -> SavedLayout:
         optimizer=None if cfg.checkpoint.no_save_optim else kind,
         ep=st.ep_size,
         etp=st.etp_size if cfg.model.moe else None,
+        v_shape=st.pipeline_v,
     )
 
 

@@ -187,6 +187,7 @@ def _schedule(cfg: MegatronConfig, rt: Runtime):
         seq_length=cfg.model.seq_length // rt.state.cp_size,  # this CP rank's chunks
         hidden_size=cfg.model.hidden_size,
         dtype=cfg.precision.params_dtype,
+        schedule=cfg.parallel.resolved_pipeline_schedule,
     )
 
 

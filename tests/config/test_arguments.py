@@ -342,8 +342,9 @@ _MAY_IMPORT = {
     "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
     "heartbeat": set(),
     "pipeline_order": set(),
+    "pipeline_sim": {"pipeline_order"},
     # planning runs before any model or process group exists
-    "planning": {"config.schema", "config.rules", "pipeline_order"},
+    "planning": {"config.schema", "config.rules", "pipeline_order", "pipeline_sim"},
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     # The generic code names no model family: it reads the families' registrations in

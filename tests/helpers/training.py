@@ -186,7 +186,7 @@ def _pp_worker(rank, world, argv, ref_weights, resume_dir=None):
                 msg=lambda m, n=name: f"final weight {n}: {m}",
             )
     tied = model.word_embeddings_weight()
-    if st.pp_size > 1 and tied is not None:  # first and last stage hold equal copies
+    if st.embedding_group is not None and tied is not None:  # first and last stage's copies
         other = tied.detach().clone()
         dist.broadcast(other, st.embedding_ranks[0], group=st.embedding_group)
         assert torch.equal(other, tied.detach()), "tied embeddings drifted apart"

@@ -20,7 +20,7 @@ from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.recompute import LayerRecompute, run_layers
-from megatron.model.stages import ModelChunks, stage_layer_range
+from megatron.model.stages import ModelChunks, stage_layer_range, virtual_stage
 from megatron.model.transformer import TransformerLayer, build_norm, split_dropout_rng
 from megatron.model.weights import init_weights
 from megatron.mpu import (
@@ -31,6 +31,7 @@ from megatron.mpu import (
     sequence_slice,
 )
 from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
+from megatron.mpu.layers import local_linear
 
 
 class Embedding(nn.Module):
@@ -132,7 +133,7 @@ class OutputHead(nn.Module):
             logits = gathered_linear(x, word_embeddings, None, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-            logits = nn.functional.linear(x, word_embeddings)
+            logits = local_linear(x, word_embeddings)
         if self.num_valid < logits.size(-1):
             logits[..., self.num_valid :] = float("-inf")
         return logits
@@ -255,16 +256,19 @@ class GPTModel(nn.Module):
 def build_model(cfg: ModelConfig, ctx: BuildContext) -> ModelChunks:
     """This rank's chunks of the GPT; the same seed gives the same weights at any TP/PP/V."""
     state, vp = ctx.state, ctx.state.virtual_pp_size
-    chunks = []
+    P, v_shape, chunks = state.pp_size, state.pipeline_v, []
     for c in range(vp or 1):
-        last_chunk = c == (vp or 1) - 1
+        virtual = virtual_stage(P, state.pp_rank, c, v_shape)
         chunks.append(
             GPTModel(
                 cfg,
                 ctx,
-                layer_range=stage_layer_range(cfg.num_layers, state.pp_size, state.pp_rank, vp, c),
-                pre_process=state.is_first_stage and c == 0,
-                post_process=state.is_last_stage and last_chunk,
+                layer_range=stage_layer_range(cfg.num_layers, P, state.pp_rank, vp, c, v_shape),
+                pre_process=virtual == 0,
+                post_process=virtual == P * (vp or 1) - 1,
             )
         )
+    first, last = chunks[0], chunks[-1]
+    if v_shape and state.pp_rank == 0 and last.tied:  # the V: one word embedding, two chunks
+        last.embedding.word_embeddings.weight = first.embedding.word_embeddings.weight
     return ModelChunks(chunks)

@@ -1,0 +1,70 @@
+"""Rules of --pipeline-schedule: which schedule the other pipeline flags allow."""
+
+from __future__ import annotations
+
+from megatron.config.declare import fail
+from megatron.config.schema import MegatronConfig
+
+_FLAG = "--pipeline-schedule"
+
+
+def validate_pipeline_schedule(cfg: MegatronConfig) -> None:
+    par = cfg.parallel
+    schedule, vlayers = par.pipeline_schedule, par.num_layers_per_virtual_pipeline_stage
+    if schedule is None:
+        return  # 1f1b, or interleaved with --num-layers-per-virtual-pipeline-stage
+    if par.pipeline_model_parallel_size < 2:
+        fail(
+            f"{_FLAG} {schedule}",
+            "a pipeline schedule needs pipeline stages",
+            "raise --pipeline-model-parallel-size to 2 or more, or drop the flag",
+        )
+    if schedule == "interleaved" and vlayers is None:
+        fail(
+            f"{_FLAG} interleaved",
+            "the interleaved schedule needs model chunks",
+            "add --num-layers-per-virtual-pipeline-stage (layers per chunk)",
+        )
+    if schedule in ("1f1b", "zb-h1") and vlayers is not None:
+        fail(
+            f"{_FLAG} {schedule}",
+            f"{schedule} runs one model chunk per stage, but "
+            "--num-layers-per-virtual-pipeline-stage asks for several",
+            "drop --num-layers-per-virtual-pipeline-stage, or use --pipeline-schedule interleaved",
+        )
+    if schedule in ("zbv", "dualpipev"):
+        _validate_v_shape(cfg, schedule)
+    if cfg.deepspeed.enabled and schedule != "1f1b":
+        fail(
+            f"{_FLAG} {schedule}",
+            "DeepSpeed's pipeline engine runs its own 1F1B schedule",
+            "drop --pipeline-schedule (or --deepspeed: our pipeline runs every schedule)",
+        )
+
+
+def _validate_v_shape(cfg: MegatronConfig, schedule: str) -> None:
+    """Two chunks per stage in a V: 2 P chunks of equal layer counts."""
+    par, m = cfg.parallel, cfg.model
+    pp, vlayers = par.pipeline_model_parallel_size, par.num_layers_per_virtual_pipeline_stage
+    if m.num_layers % (2 * pp):
+        fail(
+            f"{_FLAG} {schedule}",
+            f"the V places two chunks on each of the {pp} stages, but --num-layers "
+            f"{m.num_layers} does not divide into {2 * pp} chunks",
+            f"use a layer count divisible by 2 x --pipeline-model-parallel-size = {2 * pp}",
+        )
+    if vlayers is not None and vlayers * 2 * pp != m.num_layers:
+        fail(
+            f"{_FLAG} {schedule}",
+            f"{schedule} runs exactly two chunks per stage ({m.num_layers // (2 * pp)} layers "
+            f"each), but --num-layers-per-virtual-pipeline-stage {vlayers} asks for "
+            f"{m.num_layers // pp // vlayers if vlayers else 0}",
+            "drop --num-layers-per-virtual-pipeline-stage (the V sets it)",
+        )
+    if m.num_unique_layers is not None:
+        fail(
+            f"{_FLAG} {schedule}",
+            "--num-unique-layers shares weights between layers, which the V places on "
+            "chunks the sharing rules do not know",
+            "drop --num-unique-layers, or use --pipeline-schedule zb-h1",
+        )

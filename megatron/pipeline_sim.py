@@ -1,0 +1,156 @@
+"""Pipeline schedules run as a timeline: every stage's action list (megatron.pipeline_order)
+with its sends and receives, no model, no torch.
+
+Sends are asynchronous; a forward waits for the previous virtual stage's forward of the same
+micro batch, a backward for the next virtual stage's backward (the last virtual stage's for
+its own forward), a W for its own B; each waits `comm` more when the tensor crosses stages.
+`simulate` runs the lists until every action ran, or raises naming the stuck actions: a
+schedule it finishes cannot deadlock on a runtime that sends asynchronously and receives in
+blocking order (megatron.training.pipeline). It returns the step time, each stage's idle
+fraction (its bubble) and each stage's peak of micro batches held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.pipeline_order import (
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    schedule_actions,
+    stage_of,
+    virtual_stage,
+)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of the forward, input backward and weight backward of one micro batch through one
+    stage's share of the model (all its chunks together). A backward that computes both
+    gradients (1F1B) costs b + w."""
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+
+
+@dataclass
+class Simulation:
+    step_time: float
+    busy: list[float]  # each stage's own work
+    bubble: list[float]  # each stage's idle fraction of the step: 1 - busy / step_time
+    peak: list[int]  # most micro batches each stage held (F ran, its last backward did not)
+    timeline: list[list[tuple[float, float, tuple]]]  # per stage: (start, end, action)
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+def chunks_per_stage(schedule: str, V: int | None) -> int:
+    return 2 if schedule in V_SHAPED else (V or 1)
+
+
+def check_lists(schedule: str, P: int, M: int, V: int, lists: list[list]) -> None:
+    """Every stage runs each (chunk, micro batch)'s F and B once and its W at most once, in
+    the order F, B, W; raises naming the first that does not."""
+    for s, actions in enumerate(lists):
+        seen = {}
+        for kind, c, mb in actions:
+            before = {"F": None, "B": "F", "W": "B"}[kind]
+            if (kind, c, mb) in seen or (before and (before, c, mb) not in seen):
+                raise ValueError(f"{schedule} P={P} M={M} stage {s}: {kind}{c}.{mb} out of order")
+            seen[(kind, c, mb)] = True
+        for c in range(V):
+            for mb in range(M):
+                if ("B", c, mb) not in seen:
+                    raise ValueError(f"{schedule} P={P} M={M} stage {s}: B{c}.{mb} missing")
+
+
+def _dependency(schedule: str, P: int, last: int, s: int, action: tuple):
+    """(the action it waits for as (stage, action), crosses stages) or None."""
+    kind, c, mb = action
+    v = virtual_stage(schedule, P, s, c)
+    if kind == "F" and v > 0:
+        src, sc = stage_of(schedule, P, v - 1)
+        return (src, ("F", sc, mb)), src != s
+    if kind == "B" and v < last:
+        src, sc = stage_of(schedule, P, v + 1)
+        return (src, ("B", sc, mb)), src != s
+    if kind == "B":
+        return (s, ("F", c, mb)), False
+    if kind == "W":
+        return (s, ("B", c, mb)), False
+    return None
+
+
+def simulate(
+    schedule: str,
+    P: int,
+    M: int,
+    V: int | None = None,
+    costs: Costs = Costs(),
+    comm: float = 0.0,
+) -> Simulation:
+    """Run every stage's list of `schedule` for P stages and M micro batches."""
+    V = chunks_per_stage(schedule, V)
+    lists = [schedule_actions(schedule, P, s, M, V) for s in range(P)]
+    check_lists(schedule, P, M, V, lists)
+    split = [{(c, mb) for kind, c, mb in acts if kind == "W"} for acts in lists]
+    cost = {"F": costs.f / V, "B": costs.b / V, "W": costs.w / V}
+    done: dict[tuple, float] = {}  # (stage, action) -> end time
+    free, held, peak = [0.0] * P, [0] * P, [0] * P
+    busy, timeline, heads = [0.0] * P, [[] for _ in range(P)], [0] * P
+    last = P * V - 1
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(P):
+            while heads[s] < len(lists[s]):
+                action = lists[s][heads[s]]
+                dep = _dependency(schedule, P, last, s, action)
+                if dep is not None and dep[0] not in done:
+                    break
+                ready = done[dep[0]] + (comm if dep[1] else 0.0) if dep else 0.0
+                kind, c, mb = action
+                took = cost[kind] + (cost["W"] if kind == "B" and (c, mb) not in split[s] else 0)
+                start = max(free[s], ready)
+                free[s] = start + took
+                busy[s] += took
+                done[(s, action)] = free[s]
+                timeline[s].append((start, free[s], action))
+                held[s] += 1 if kind == "F" else -1 if _releases(kind, c, mb, split[s]) else 0
+                peak[s] = max(peak[s], held[s])
+                heads[s] += 1
+                progressed = True
+    stuck = [(s, lists[s][heads[s]]) for s in range(P) if heads[s] < len(lists[s])]
+    if stuck:
+        raise Deadlock(f"{schedule} P={P} M={M}: stages wait forever at {stuck}")
+    step = max(free)
+    return Simulation(step, busy, [1 - b / step for b in busy], peak, timeline)
+
+
+def _releases(kind: str, c: int, mb: int, split: set) -> bool:
+    """The action after which a micro batch's activations of chunk c are gone."""
+    return kind == "W" or (kind == "B" and (c, mb) not in split)
+
+
+def textbook_bubble(schedule: str, P: int, M: int, V: int | None = None, costs=Costs()):
+    """The papers' idle fraction of a step: 1F1B (P - 1) / (M + P - 1) at any costs, interleaved
+    with (P - 1) / V stages of fill, ZB-H1 (P - 1)(f + b - w) of idle time (Qi et al. 2023),
+    ZBV none once M >= 2P - 1. None where no closed form is published (DualPipeV)."""
+    work = M * (costs.f + costs.b + costs.w)
+    if schedule == "1f1b":
+        idle = (P - 1) * (costs.f + costs.b + costs.w)
+    elif schedule == "interleaved":
+        idle = (P - 1) * (costs.f + costs.b + costs.w) / chunks_per_stage(schedule, V)
+    elif schedule == "zb-h1":
+        idle = (P - 1) * max(0.0, costs.f + costs.b - costs.w)
+    elif schedule == "zbv" and M >= 2 * P - 1:
+        idle = 0.0
+    else:
+        return None
+    return idle / (idle + work)
+
+
+__all__ = ["SPLIT_BACKWARD", "Costs", "Deadlock", "Simulation", "simulate", "textbook_bubble"]
