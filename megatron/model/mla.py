@@ -137,7 +137,8 @@ class MultiLatentAttention(ParallelAttention):
         they are narrower (no score and no output changes): PyTorch's flash kernels (CPU and
         CUDA) take equal head sizes only, and would otherwise fall back to the score matrix
         (as Transformer Engine pads MLA for flash attention). The ring pads for itself."""
-        if self.ring is not None or v.size(-1) >= q.size(-1):
+        fused = self.ops.attention_backend == "sdpa" and not self._fp32_softmax(q.dtype)
+        if self.ring is not None or v.size(-1) >= q.size(-1) or not fused:
             return super()._attend(q, k, v, mask)
         v = F.pad(v, (0, q.size(-1) - v.size(-1)))
         return super()._attend(q, k, v, mask)[..., : self.v_dim]

@@ -63,3 +63,17 @@ def kv_cache_bytes_per_token(m: ModelConfig, dtype_bytes: int, tp: int = 1) -> i
     else:
         per_layer = 2 * (m.query_groups // tp) * m.head_dim
     return m.num_layers * per_layer * dtype_bytes
+
+
+def attention_flops(m: ModelConfig, seq: int) -> int:
+    """Matmul FLOPs of one MLA layer's forward on one sequence: 2 s x the projections' weights
+    (down, up, output), the scores 2 s^2 n d_qk and the weighted sum 2 s^2 n d_v."""
+    h, n = m.hidden_size, m.num_attention_heads
+    d_qk = m.qk_nope_dim + m.qk_rope_dim
+    if m.q_lora_rank is None:
+        q = h * n * d_qk
+    else:
+        q = h * m.q_lora_rank + m.q_lora_rank * n * d_qk
+    kv = h * (m.kv_rank + m.qk_rope_dim) + m.kv_rank * n * (m.qk_nope_dim + m.v_dim)
+    weights = q + kv + n * m.v_dim * h
+    return 2 * seq * weights + 2 * seq * seq * n * (d_qk + m.v_dim)

@@ -75,3 +75,21 @@ def test_planner_kv_cache_bytes_are_the_engines():
     assert mla.kv_cache_bytes_per_token(cfg, 4) == held == 3 * (32 + 16) * 4
     gqa = tiny_gpt(num_layers=3, hidden_size=128, num_attention_heads=4, num_query_groups=2)
     assert mla.kv_cache_bytes_per_token(gqa, 2, tp=2) == 3 * 2 * 1 * 32 * 2
+
+
+def test_mla_flops_are_what_torch_counts():
+    """The explicit (unfused) attention, whose matmuls torch's counter sees."""
+    import dataclasses
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.fused_kernels import TORCH_OPS
+
+    ctx = BuildContext(seed=1, ops=dataclasses.replace(TORCH_OPS, attention_backend="unfused"))
+    for q_lora_rank in (48, None):
+        cfg = _cfg(q_lora_rank=q_lora_rank)
+        attention = TransformerLayer(cfg, ctx).self_attention
+        x = torch.randn(1, cfg.seq_length, cfg.hidden_size)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            attention(x)
+        assert mla.attention_flops(cfg, cfg.seq_length) == counter.get_total_flops()
