@@ -23,7 +23,9 @@ MOE = [*BASE, "--train-iters", "2", "--lr", "1e-3", "--global-batch-size", "4"]
 MOE += ["--num-experts", "4", "--moe-router-topk", "2"]
 
 # One process at TP = PP = DP = 1: what load_training_state reads of the runtime.
-_ONE = dict(tp_size=1, pp_size=1, virtual_pp_size=None, dp_size=1, cp_size=1, ep_size=1)
+_ONE = dict(
+    tp_size=1, pp_size=1, virtual_pp_size=None, dp_size=1, cp_size=1, ep_size=1, pipeline_v=False
+)
 _RT = SimpleNamespace(
     state=SimpleNamespace(**_ONE, etp_size=1, tp_rank=0, pp_rank=0, rank=0, world_size=1),
     device="cpu",
