@@ -111,7 +111,9 @@ class FullyShardedModel(nn.Module):
         self.params_dtype = params_dtype
         self.accumulate_unsharded = accumulate_unsharded
         device = next(module.parameters()).device
-        self.mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp_cp",))
+        meta = device.type == "meta"  # laid out only (bench/memory.py): the collectives' device
+        kind = "cpu" if meta else device.type
+        self.mesh = DeviceMesh.from_group(group, kind, mesh_dim_names=("dp_cp",))
         half = params_dtype in (torch.float16, torch.bfloat16)
         policy = MixedPrecisionPolicy(
             param_dtype=params_dtype if half else None,
@@ -134,8 +136,8 @@ class FullyShardedModel(nn.Module):
                 for a, v in attrs[name].items():
                     setattr(p, a, v)
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for unit in self.units:  # settle each shard's storage now (FSDP2 re-pads empty shards
-            unit.unshard()  # lazily), so the optimizer holds the tensors that stay
+        for unit in self.units if not meta else ():  # settle each shard's storage now (FSDP2
+            unit.unshard()  # re-pads empty shards lazily): the optimizer holds those that stay
             unit.reshard()
         self.params = [p for p in module.parameters() if p.requires_grad]
         # FSDP2 registers the gathered tensors on the modules while a unit is unsharded (after

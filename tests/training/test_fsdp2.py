@@ -1,6 +1,6 @@
 """--use-torch-fsdp2 equals the plain optimizer's run (losses, grad norms, weights, this rank's
-gradient shard) at DP4, DP2 and TP2 x DP2 (+ sequence parallel, recompute, bf16), PP2 x DP2
-and CP2 x DP2; its checkpoints resume exactly as FSDP2 at another DP size, as the distributed
+gradient shard) at DP4, DP2, TP2 x DP2 (+ sequence parallel, recompute, bf16) and PP2 x CP2
+(sharded over CP); its checkpoints resume exactly as FSDP2 at another DP size, as the distributed
 optimizer and as the plain one, and theirs as FSDP2; the flags it cannot run with are refused.
 
 The plain optimizer's DP runs are the one-process run's equals (tests/training/test_training.py),
@@ -8,7 +8,6 @@ so equality with them here is equality with one process."""
 
 import numpy as np
 import pytest
-import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError
@@ -71,18 +70,17 @@ def _base(prefix, iters=4):
 
 @pytest.fixture(scope="module")
 def dp4_spawn(data_prefix, tmp_path_factory):
-    """One 4-rank spawn: DP4, TP2 x DP2 (SP, recompute, bf16), PP2 x DP2 and CP2 x DP2 (without
-    resharding after forward), plain against FSDP2; DP4 FSDP2 saved at 3 and 6."""
+    """One 4-rank spawn: DP4, TP2 x DP2 (SP, recompute, bf16) and PP2 x CP2 (without resharding
+    after forward), plain against FSDP2; DP4 FSDP2 saved at 3 and 6."""
     base = _base(data_prefix)
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
     tp2 += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     layouts = [
         ("DP4 fp32", base, [], "fp32"),
         ("TP2 x DP2 SP recompute bf16", base + tp2, [], "bf16"),
-        ("PP2 x DP2", base + ["--pipeline-model-parallel-size", "2"], [], "fp32"),
         (
-            "CP2 x DP2, no reshard after forward",
-            base + ["--context-parallel-size", "2"],
+            "PP2 x CP2 (sharded over the CP ranks), no reshard after forward",
+            base + ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
             ["--torch-fsdp2-no-reshard-after-forward"],
             "fp32",
         ),
@@ -92,7 +90,7 @@ def dp4_spawn(data_prefix, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_fsdp2_equals_plain_at_dp4_tp2_dp2_pp2_dp2_cp2_dp2(dp4_spawn):
+def test_fsdp2_equals_plain_at_dp4_tp2_dp2_and_pp2_cp2(dp4_spawn):
     results, layouts, _ = dp4_spawn
     _check_pairs(results, layouts)
 
@@ -148,7 +146,11 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
     "extra,flag,says",
     [
         (["--use-torch-fsdp2", "--deepspeed"], "--deepspeed", "--zero-stage 3"),
-        (["--use-torch-fsdp2", "--use-distributed-optimizer"], "--use-distributed-optimizer", "one"),
+        (
+            ["--use-torch-fsdp2", "--use-distributed-optimizer"],
+            "--use-distributed-optimizer",
+            "one",
+        ),
         (["--use-torch-fsdp2", "--DDP-impl", "torch"], "--DDP-impl torch", "drop"),
         (["--use-torch-fsdp2", "--cpu-optimizer"], "--cpu-optimizer", "drop"),
         (["--use-torch-fsdp2", "--num-experts", "2"], "--num-experts", "distributed-optimizer"),
