@@ -1,7 +1,8 @@
 """--use-torch-fsdp2 equals the plain optimizer's run (losses, grad norms, weights, this rank's
 gradient shard) at DP4, DP2, TP2 x DP2 (+ sequence parallel, recompute, bf16) and PP2 x CP2
 (sharded over CP); its checkpoints resume exactly as FSDP2 at another DP size, as the distributed
-optimizer and as the plain one, and theirs as FSDP2; the flags it cannot run with are refused.
+optimizer and as the plain one, and theirs as FSDP2; an fp16 overflow on one rank skips the
+step on every rank; the flags it cannot run with are refused.
 
 The plain optimizer's DP runs are the one-process run's equals (tests/training/test_training.py),
 so equality with them here is equality with one process."""
@@ -15,7 +16,15 @@ from megatron.training.distrib_optimizer import parameter_names
 from megatron.training.fsdp2_optimizer import fsdp_pieces
 from tests.helpers.checkpoints import _checkpoint_at
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import BASE, _losses, _train, flags, train_run
+from tests.helpers.training import (
+    _CALLS,
+    BASE,
+    _losses,
+    _poison_third_micro_batch_on_rank1,
+    _train,
+    flags,
+    train_run,
+)
 
 FSDP = ["--use-torch-fsdp2"]
 # (loss rtol, weight rtol, weight atol, grad rtol, grad atol): fp32 differs by summation order
@@ -96,10 +105,14 @@ def test_fsdp2_equals_plain_at_dp4_tp2_dp2_and_pp2_cp2(dp4_spawn):
 
 
 def _resume_worker(rank, world, layouts, runs):
-    """DP2 plain against FSDP2; then each (load dir, extra flags) resumed, in order."""
+    """DP2 plain against FSDP2; each (load dir, extra flags) resumed, in order; an fp16 run
+    whose rank 1 overflows in its 3rd micro batch."""
     out = _pair_worker(rank, world, layouts)
     base = [*layouts[0][1], "--train-iters", "6"]
     out["resumed"] = [_train(rank, world, [*base, "--load", d, *extra])[0] for d, extra in runs]
+    _CALLS["n"] = 0
+    fp16 = ["--fp16", "--hysteresis", "1", "--initial-loss-scale", "1024", *FSDP]
+    out["overflow"] = _train(rank, world, layouts[0][1] + fp16, _poison_third_micro_batch_on_rank1)
     return out
 
 
@@ -140,6 +153,12 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
         _continues(as_plain, straight, 4, 4, f"FSDP2 DP4 -> plain DP2 rank {rank}")
         _continues(distrib_back, straight, 5, 6, f"distributed DP2 -> FSDP2 DP2 rank {rank}")
         _continues(plain_back, straight, 5, 6, f"plain DP2 -> FSDP2 DP2 rank {rank}")
+        # DP2, two micro batches per rank and step: rank 1's 3rd is in iteration 2; every
+        # rank skips it together over the sharded gradients, and fp16 halves its loss scale
+        h16 = res["overflow"][0]
+        assert [h["updated"] for h in h16] == [True, False, True, True], rank
+        assert [h["loss_scale"] for h in h16] == [1024.0, 512.0, 512.0, 512.0], rank
+        assert h16[1]["grad_norm"] is None
 
 
 @pytest.mark.parametrize(
