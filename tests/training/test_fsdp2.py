@@ -1,8 +1,8 @@
 """--use-torch-fsdp2 equals the plain optimizer's run (losses, grad norms, weights, this rank's
-gradient shard) at DP4, DP2, TP2 x DP2 (+ sequence parallel, recompute, bf16) and PP2 x CP2
-(sharded over CP); its checkpoints resume exactly as FSDP2 at another DP size, as the distributed
-optimizer and as the plain one, and theirs as FSDP2; an fp16 overflow on one rank skips the
-step on every rank; the flags it cannot run with are refused.
+gradient shard) at DP4 (untied embedding), DP2, TP2 x DP2 (+ sequence parallel, recompute,
+bf16) and PP2 x CP2 (sharded over CP); its checkpoints resume exactly as FSDP2 at another DP
+size, as the distributed optimizer and as the plain one, and theirs as FSDP2; an fp16 overflow
+on one rank skips the step on every rank; the flags it cannot run with are refused.
 
 The plain optimizer's DP runs are the one-process run's equals (tests/training/test_training.py),
 so equality with them here is equality with one process."""
@@ -45,14 +45,14 @@ def _snapshot(model):
 
 
 def _pair_worker(rank, world, layouts, save=None):
-    """Each layout trained plain and with FSDP2: (histories, snapshots); then, with `save`,
-    the first layout's FSDP2 run saved at iterations 3 and 6."""
+    """Each layout trained plain and with FSDP2: (histories, snapshots); then, with `save`
+    (directory, flags), an FSDP2 run saved at iterations 3 and 6."""
     out = {}
     for what, argv, extra, _ in layouts:
         runs = [train_run(rank, world, argv + opt) for opt in ([], FSDP + extra)]
         out[what] = [(r.history, _snapshot(r.model)) for r in runs]
-    if save is not None:
-        argv = [*layouts[0][1], "--train-iters", "6", *FSDP, "--save", save, "--save-interval", "3"]
+    if save is not None:  # (directory, flags)
+        argv = [*save[1], "--train-iters", "6", *FSDP, "--save", save[0], "--save-interval", "3"]
         out["straight"] = _train(rank, world, argv)[0]
     return out
 
@@ -79,13 +79,14 @@ def _base(prefix, iters=4):
 
 @pytest.fixture(scope="module")
 def dp4_spawn(data_prefix, tmp_path_factory):
-    """One 4-rank spawn: DP4, TP2 x DP2 (SP, recompute, bf16) and PP2 x CP2 (without resharding
-    after forward), plain against FSDP2; DP4 FSDP2 saved at 3 and 6."""
+    """One 4-rank spawn: DP4 (untied: the embedding a unit of its own), TP2 x DP2 (SP,
+    recompute, bf16) and PP2 x CP2 (no resharding after forward), plain against FSDP2; DP4
+    FSDP2 saved at 3 and 6."""
     base = _base(data_prefix)
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
     tp2 += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     layouts = [
-        ("DP4 fp32", base, [], "fp32"),
+        ("DP4 fp32 untied embedding", base + ["--untie-embeddings-and-output-weights"], [], "fp32"),
         ("TP2 x DP2 SP recompute bf16", base + tp2, [], "bf16"),
         (
             "PP2 x CP2 (sharded over the CP ranks), no reshard after forward",
@@ -95,7 +96,7 @@ def dp4_spawn(data_prefix, tmp_path_factory):
         ),
     ]
     save = str(tmp_path_factory.mktemp("fsdp2") / "dp4")
-    return run_distributed(_pair_worker, 4, layouts, save), layouts, save
+    return run_distributed(_pair_worker, 4, layouts, (save, base)), layouts, save
 
 
 @pytest.mark.slow
