@@ -129,7 +129,8 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
     data_prefix, dp4_spawn, tmp_path
 ):
     """DP4 FSDP2 saved at 3: DP2 resumes it as FSDP2, as the distributed optimizer and as the
-    plain optimizer (these two saving at 4, which FSDP2 resumes); every run ends with the
+    plain optimizer (these two saving at 4, which FSDP2 resumes), and TP2 and PP2 as FSDP2
+    (resharded on load, over a one-rank DP mesh); every run ends with the
     uninterrupted losses (rtol 2e-5: sums over ranks in another order). And DP2 plain
     against FSDP2."""
     (out, *_), _, dp4 = dp4_spawn
@@ -143,12 +144,16 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
         (at3, [*until4, plain]),
         (distrib, FSDP),
         (plain, FSDP),
+        (at3, [*FSDP, "--tensor-model-parallel-size", "2"]),  # resharded on load
+        (at3, [*FSDP, "--pipeline-model-parallel-size", "2"]),
     ]
     layouts = [("DP2 fp32", _base(data_prefix), [], "fp32")]
     results = run_distributed(_resume_worker, 2, layouts, runs)
     _check_pairs(results, layouts)
     for rank, res in enumerate(results):
-        fsdp2, as_distrib, as_plain, distrib_back, plain_back = res["resumed"]
+        fsdp2, as_distrib, as_plain, distrib_back, plain_back, tp2, pp2 = res["resumed"]
+        _continues(tp2, straight, 4, 6, f"FSDP2 DP4 -> FSDP2 TP2 rank {rank}")
+        _continues(pp2, straight, 4, 6, f"FSDP2 DP4 -> FSDP2 PP2 rank {rank}")
         _continues(fsdp2, straight, 4, 6, f"FSDP2 DP4 -> FSDP2 DP2 rank {rank}")
         _continues(as_distrib, straight, 4, 4, f"FSDP2 DP4 -> distributed DP2 rank {rank}")
         _continues(as_plain, straight, 4, 4, f"FSDP2 DP4 -> plain DP2 rank {rank}")
