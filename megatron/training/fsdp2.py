@@ -88,6 +88,19 @@ def _named_attrs(module: nn.Module) -> dict[str, dict]:
     }
 
 
+def _shard_chunk(chunk: nn.Module, **kw) -> None:
+    """fully_shard each unit of `chunk`, then the chunk (the root: what is left), in fp32."""
+    attrs = _named_attrs(chunk)
+    for p in chunk.parameters():
+        p.data = p.data.float()  # the shards are the fp32 master weights
+    for unit in _units(chunk):
+        fully_shard(unit, **kw)
+    fully_shard(chunk, **kw)
+    for name, p in chunk.named_parameters():  # fully_shard made new parameters: the mpu
+        for a, v in attrs[name].items():  # attributes back (norm counting, SP sums, ties)
+            setattr(p, a, v)
+
+
 class FullyShardedModel(nn.Module):
     """ModelChunks under FSDP2, with our DDP's interface (module, no_sync, finish_grad_sync,
     zero_grad_buffer, state dicts of whole TP-local tensors), so the schedules, the step and
@@ -126,15 +139,7 @@ class FullyShardedModel(nn.Module):
         }
         chunks = list(getattr(module, "chunks", [module]))
         for chunk in chunks:
-            attrs = _named_attrs(chunk)
-            for p in chunk.parameters():
-                p.data = p.data.float()  # the shards are the fp32 master weights
-            for unit in _units(chunk):
-                fully_shard(unit, **kw)
-            fully_shard(chunk, **kw)
-            for name, p in chunk.named_parameters():  # fully_shard made new parameters
-                for a, v in attrs[name].items():
-                    setattr(p, a, v)
+            _shard_chunk(chunk, **kw)
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         for unit in self.units if not meta else ():  # settle each shard's storage now (FSDP2
             unit.unshard()  # re-pads empty shards lazily): the optimizer holds those that stay
