@@ -28,7 +28,11 @@ from tests.helpers.training import counting_corpus, flags, train_run  # noqa: E4
 STRATEGIES = {
     "plain DDP": [],
     "distributed optimizer (ZeRO-1)": ["--use-distributed-optimizer"],
-    "FSDP2 (reshard after forward)": ["--use-torch-fsdp2"],
+    "FSDP2 (reshard after forward)": [
+        "--use-torch-fsdp2",
+        "--torch-fsdp2-reshard-after-forward",
+        "true",
+    ],
     "FSDP2 --torch-fsdp2-no-reshard-after-forward": [
         "--use-torch-fsdp2",
         "--torch-fsdp2-no-reshard-after-forward",

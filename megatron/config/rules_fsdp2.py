@@ -72,9 +72,9 @@ def _clashes(cfg: MegatronConfig) -> tuple[tuple[str, bool, str, str], ...]:
 def validate_fsdp2(cfg: MegatronConfig) -> None:
     d = cfg.distributed
     if not d.use_torch_fsdp2:
-        if d.torch_fsdp2_reshard_after_forward != "true":
+        if d.torch_fsdp2_reshard_after_forward != "auto":
             fail(
-                "--torch-fsdp2-no-reshard-after-forward",
+                "--torch-fsdp2-reshard-after-forward / --torch-fsdp2-no-reshard-after-forward",
                 "given without --use-torch-fsdp2 (nothing is sharded)",
                 "add --use-torch-fsdp2 or drop the flag",
             )

@@ -360,11 +360,12 @@ class DistributedConfig(Section):
         "reduce-scattered (ZeRO-3); replaces our DDP buckets",
     )
     torch_fsdp2_reshard_after_forward: str = setting(
-        "true",
-        "with --use-torch-fsdp2: free each layer's gathered weights after its forward and "
-        "gather them again for backward (true, ZeRO-3), or keep them until backward (false: "
-        "one all-gather per step fewer, ZeRO-2's memory for the weights)",
-        choices=("true", "false"),
+        "auto",
+        "with --use-torch-fsdp2: free each unit's gathered weights after its forward and gather "
+        "them again for backward (true, ZeRO-3), keep them until backward (false: one "
+        "all-gather per step fewer, ZeRO-2's memory for the weights), or auto: true for the "
+        "layers, false for each model chunk's root unit (FSDP2's reshard_after_forward=None)",
+        choices=("auto", "true", "false"),
         shortcuts={
             "--torch-fsdp2-no-reshard-after-forward": (
                 "false",

@@ -3,9 +3,10 @@
 torch.distributed.fsdp.fully_shard runs over a DeviceMesh of the DP x CP group (the ranks that
 hold replicas of the same TP-local weights; CP splits the sequence, not the weights). Each
 transformer layer is a unit (its weights all-gathered before it runs, freed after forward with
---torch-fsdp2-reshard-after-forward true, and its gradients reduce-scattered as its backward
-ends); so is the untied embedding and the head; the chunk itself is the root unit holding the
-rest (a tied word embedding: the head reads it outside the embedding's forward). TP is
+--torch-fsdp2-reshard-after-forward true or auto, and its gradients reduce-scattered as its
+backward ends); so is the untied embedding and the head; the chunk itself is the root unit
+holding the rest (a tied word embedding: the head reads it outside the embedding's forward;
+auto keeps the root's weights gathered from forward to backward, which needs them first). TP is
 untouched: the TP-local tensors are what FSDP2 shards, and TP's collectives run inside the
 layers as before.
 
@@ -40,6 +41,9 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron.mpu.utils import group_rank, group_size
 from megatron.training.optimizer import _PARALLEL_ATTRS
 
+# --torch-fsdp2-reshard-after-forward -> fully_shard's reshard_after_forward (None: FSDP2's
+# auto, True for every unit but the root, which backward needs first)
+RESHARD_AFTER_FORWARD = {"auto": None, "true": True, "false": False}
 # the mpu attributes fully_shard's new parameters must keep (norm counting, SP sums, ties)
 _KEPT_ATTRS = (*_PARALLEL_ATTRS, "sequence_parallel")
 
@@ -113,7 +117,7 @@ class FullyShardedModel(nn.Module):
         *,
         params_dtype: torch.dtype,
         reduce_dtype: torch.dtype = torch.float32,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         accumulate_unsharded: bool = True,
     ):
         super().__init__()

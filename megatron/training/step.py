@@ -33,7 +33,7 @@ from megatron.training.backend import (
 )
 from megatron.training.ddp import wrap_data_parallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
-from megatron.training.fsdp2 import FullyShardedModel
+from megatron.training.fsdp2 import RESHARD_AFTER_FORWARD, FullyShardedModel
 from megatron.training.fsdp2_optimizer import FSDPOptimizer
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
@@ -146,7 +146,7 @@ def shard_fully(model, cfg: MegatronConfig, rt: Runtime) -> FullyShardedModel:
         rt.state.dp_cp_group,  # weights are replicated over DP and CP: shard over both
         params_dtype=dtype,
         reduce_dtype=dtype if d.allreduce_dtype == "params" else torch.float32,
-        reshard_after_forward=d.torch_fsdp2_reshard_after_forward == "true",
+        reshard_after_forward=RESHARD_AFTER_FORWARD[d.torch_fsdp2_reshard_after_forward],
         accumulate_unsharded=rt.state.pp_size == 1,  # the pipeline syncs every backward
     )
 

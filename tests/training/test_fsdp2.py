@@ -147,7 +147,9 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
         (at3, [*FSDP, "--tensor-model-parallel-size", "2"]),  # resharded on load
         (at3, [*FSDP, "--pipeline-model-parallel-size", "2"]),
     ]
-    layouts = [("DP2 fp32", _base(data_prefix), [], "fp32")]
+    layouts = [
+        ("DP2 fp32", _base(data_prefix), ["--torch-fsdp2-reshard-after-forward", "true"], "fp32")
+    ]
     results = run_distributed(_resume_worker, 2, layouts, runs)
     _check_pairs(results, layouts)
     for rank, res in enumerate(results):
@@ -181,6 +183,11 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
         (["--use-torch-fsdp2", "--num-experts", "2"], "--num-experts", "distributed-optimizer"),
         (["--use-torch-fsdp2", "--torch-compile"], "--torch-compile", "drop"),
         (["--torch-fsdp2-no-reshard-after-forward"], "without --use-torch-fsdp2", "add"),
+        (
+            ["--torch-fsdp2-reshard-after-forward", "true"],
+            "--torch-fsdp2-reshard-after-forward",
+            "add",
+        ),
     ],
 )
 def test_refusals_name_the_flag_and_the_fix(extra, flag, says):
@@ -191,7 +198,8 @@ def test_refusals_name_the_flag_and_the_fix(extra, flag, says):
 
 def test_reshard_after_forward_takes_megatron_cores_spellings():
     for argv, want in (
-        ([], "true"),
+        ([], "auto"),
+        (["--torch-fsdp2-reshard-after-forward", "true"], "true"),
         (["--torch-fsdp2-reshard-after-forward", "false"], "false"),
         (["--torch-fsdp2-no-reshard-after-forward"], "false"),
     ):
