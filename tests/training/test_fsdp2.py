@@ -1,8 +1,9 @@
 """--use-torch-fsdp2 equals the plain optimizer's run (losses, grad norms, weights, this rank's
 gradient shard) at DP4 (untied embedding), DP2, TP2 x DP2 (+ sequence parallel, recompute,
-bf16) and PP2 x CP2 (sharded over CP); its checkpoints resume exactly as FSDP2 at another DP
-size, as the distributed optimizer and as the plain one, and theirs as FSDP2; an fp16 overflow
-on one rank skips the step on every rank; the flags it cannot run with are refused.
+bf16) and interleaved PP2 x CP2 (sharded over CP); its checkpoints resume exactly as FSDP2 at
+another DP size and at TP2 / PP2, as the distributed optimizer and as the plain one, and theirs
+as FSDP2; an fp16 overflow on one rank skips the step on every rank; the flags it cannot run
+with are refused.
 
 The plain optimizer's DP runs are the one-process run's equals (tests/training/test_training.py),
 so equality with them here is equality with one process."""
@@ -80,8 +81,8 @@ def _base(prefix, iters=4):
 @pytest.fixture(scope="module")
 def dp4_spawn(data_prefix, tmp_path_factory):
     """One 4-rank spawn: DP4 (untied: the embedding a unit of its own), TP2 x DP2 (SP,
-    recompute, bf16) and PP2 x CP2 (no resharding after forward), plain against FSDP2; DP4
-    FSDP2 saved at 3 and 6."""
+    recompute, bf16) and interleaved PP2 x CP2 (no resharding after forward), plain against
+    FSDP2; DP4 FSDP2 saved at 3 and 6."""
     base = _base(data_prefix)
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
     tp2 += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
@@ -89,8 +90,10 @@ def dp4_spawn(data_prefix, tmp_path_factory):
         ("DP4 fp32 untied embedding", base + ["--untie-embeddings-and-output-weights"], [], "fp32"),
         ("TP2 x DP2 SP recompute bf16", base + tp2, [], "bf16"),
         (
-            "PP2 x CP2 (sharded over the CP ranks), no reshard after forward",
-            base + ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+            "PP2 interleaved x CP2 (sharded over the CP ranks), no reshard after forward",
+            base
+            + ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]
+            + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
             ["--torch-fsdp2-no-reshard-after-forward"],
             "fp32",
         ),
