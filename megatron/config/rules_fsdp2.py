@@ -3,10 +3,16 @@ what it replaces, and what it has not been proven to compose with."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.config.declare import fail
 from megatron.config.schema import MegatronConfig
 
 FLAG = "--use-torch-fsdp2"
+
+
+def _default(section, name: str):
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
 
 
 def _clashes(cfg: MegatronConfig) -> tuple[tuple[str, bool, str, str], ...]:
@@ -32,6 +38,18 @@ def _clashes(cfg: MegatronConfig) -> tuple[tuple[str, bool, str, str], ...]:
             d.ddp_impl == "torch",
             "torch's DistributedDataParallel all-reduces whole gradients; FSDP2 replaces it",
             "drop --DDP-impl torch",
+        ),
+        (
+            "--ddp-bucket-size",
+            d.ddp_bucket_size != _default(d, "ddp_bucket_size"),
+            "FSDP2 gathers and reduces per layer (its units), not in buckets",
+            "drop --ddp-bucket-size",
+        ),
+        (
+            "--no-overlap-grad-reduce",
+            not d.overlap_grad_reduce,
+            "FSDP2 always reduce-scatters each layer's gradients during backward",
+            "drop --no-overlap-grad-reduce",
         ),
         (
             "--cpu-optimizer",
