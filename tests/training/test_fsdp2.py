@@ -74,7 +74,7 @@ def _check_pairs(results, layouts):
                 np.testing.assert_allclose(g, g0[name][lo:hi], g_rtol, g_atol, err_msg=name)
 
 
-def _base(prefix, iters=4):
+def _base(prefix, iters=3):
     return flags(prefix, "--adam-eps", "1e-4", iters=iters)
 
 
@@ -167,8 +167,8 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
         # DP2, two micro batches per rank and step: rank 1's 3rd is in iteration 2; every
         # rank skips it together over the sharded gradients, and fp16 halves its loss scale
         h16 = res["overflow"][0]
-        assert [h["updated"] for h in h16] == [True, False, True, True], rank
-        assert [h["loss_scale"] for h in h16] == [1024.0, 512.0, 512.0, 512.0], rank
+        assert [h["updated"] for h in h16] == [True, False, True], rank
+        assert [h["loss_scale"] for h in h16] == [1024.0, 512.0, 512.0], rank
         assert h16[1]["grad_norm"] is None
 
 
