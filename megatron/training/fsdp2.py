@@ -200,13 +200,18 @@ class FullyShardedModel(nn.Module):
             p.main_grad = None
 
     def state_dict(self, *args, **kwargs):
-        """Whole TP-local tensors in the run's dtype, as our DDP's: each parameter all-gathered
-        over DP x CP in turn (one whole parameter at a time is the extra memory)."""
+        """Whole TP-local tensors in the run's dtype, as our DDP's, for the checkpoint's writer
+        (DP x CP rank 0), on the CPU: each parameter is all-gathered over DP x CP in turn and
+        moved off the device at once, so one whole parameter is the extra device memory. The
+        other ranks get meta tensors of the same shapes (names and shapes are all they read)."""
         self.reshard()
+        writer = self.dp_rank == 0
         out = {}
         for name, value in self.module.state_dict().items():
             if isinstance(value, DTensor):
-                value = value.full_tensor().to(self.params_dtype)
+                whole = value.full_tensor()  # a collective: every DP x CP rank takes part
+                where = "cpu" if writer else "meta"
+                value = whole.to(where, self.params_dtype)
             out[name] = value
         return out
 
