@@ -136,13 +136,15 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
 ):
     """DP4 FSDP2 saved at 3: DP2 resumes it as FSDP2, as the distributed optimizer and as the
     plain optimizer (these two saving at 4, which FSDP2 resumes), and TP2 and PP2 as FSDP2
-    (resharded on load, over a one-rank DP mesh); every run ends with the
+    (resharded on load, over a one-rank DP mesh), and FSDP2 saving with --async-save at 4,
+    which FSDP2 resumes; every run ends with the
     uninterrupted losses (rtol 2e-5: sums over ranks in another order). And DP2 plain
     against FSDP2."""
     (out, *_), _, dp4 = dp4_spawn
     straight = out["straight"]
     at3 = _checkpoint_at(dp4, 3, tmp_path / "at3")
     distrib, plain = str(tmp_path / "distrib"), str(tmp_path / "plain")
+    async_dir = str(tmp_path / "async")
     until4 = ["--train-iters", "4", "--save-interval", "4", "--save"]
     runs = [
         (at3, FSDP),
@@ -152,6 +154,8 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
         (plain, FSDP),
         (at3, [*FSDP, "--tensor-model-parallel-size", "2"]),  # resharded on load
         (at3, [*FSDP, "--pipeline-model-parallel-size", "2"]),
+        (at3, [*FSDP, "--async-save", *until4, async_dir]),  # FSDP2 saves in the background
+        (async_dir, FSDP),
     ]
     layouts = [
         ("DP2 fp32", _base(data_prefix), ["--torch-fsdp2-reshard-after-forward", "true"], "fp32")
@@ -159,7 +163,9 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
     results = run_distributed(_resume_worker, 2, layouts, runs)
     _check_pairs(results, layouts)
     for rank, res in enumerate(results):
-        fsdp2, as_distrib, as_plain, distrib_back, plain_back, tp2, pp2 = res["resumed"]
+        fsdp2, as_distrib, as_plain, distrib_back, plain_back, tp2, pp2, *saved = res["resumed"]
+        _continues(saved[0], straight, 4, 4, f"FSDP2 DP4 -> FSDP2 --async-save rank {rank}")
+        _continues(saved[1], straight, 5, 6, f"FSDP2 --async-save -> FSDP2 rank {rank}")
         _continues(tp2, straight, 4, 6, f"FSDP2 DP4 -> FSDP2 TP2 rank {rank}")
         _continues(pp2, straight, 4, 6, f"FSDP2 DP4 -> FSDP2 PP2 rank {rank}")
         _continues(fsdp2, straight, 4, 6, f"FSDP2 DP4 -> FSDP2 DP2 rank {rank}")
