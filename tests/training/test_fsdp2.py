@@ -10,6 +10,7 @@ so equality with them here is equality with one process."""
 
 import numpy as np
 import pytest
+import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError
@@ -55,8 +56,13 @@ def _pair_worker(rank, world, layouts, save=None):
         runs = [train_run(rank, world, argv + opt) for opt in ([], FSDP + extra)]
         out[what] = [(r.history, _snapshot(r.model)) for r in runs]
     if save is not None:  # (directory, flags)
-        argv = [*save[1], "--train-iters", "6", *FSDP, "--save", save[0], "--save-interval", "3"]
-        out["straight"] = _train(rank, world, argv)[0]
+        argv = [*save[1], "--train-iters", "6", *FSDP]
+        out["straight"] = _train(rank, world, [*argv, "--save", save[0], "--save-interval", "3"])[0]
+        at3 = f"{save[0]}_at3"
+        if rank == 0:
+            _checkpoint_at(save[0], 3, at3)
+        torch.distributed.barrier()
+        out["resumed"] = _train(rank, world, [*argv, "--load", at3])[0]  # the same layout
     return out
 
 
@@ -106,9 +112,13 @@ def dp4_spawn(data_prefix, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_fsdp2_equals_plain_at_dp4_tp2_dp2_and_pp2_cp2(dp4_spawn):
+def test_fsdp2_equals_plain_at_dp4_tp2_dp2_and_pp2_cp2_and_resumes_bit_for_bit(dp4_spawn):
     results, layouts, _ = dp4_spawn
     _check_pairs(results, layouts)
+    for rank, out in enumerate(results):  # DP4 FSDP2 resumed at 3 on its own layout: exact
+        assert _losses(out["resumed"]) == _losses(out["straight"])[3:], rank
+        norms = [[h["grad_norm"] for h in run] for run in (out["resumed"], out["straight"][3:])]
+        assert norms[0] == norms[1], rank
 
 
 def _resume_worker(rank, world, layouts, runs):
