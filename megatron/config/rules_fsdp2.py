@@ -84,6 +84,14 @@ def _clashes(cfg: MegatronConfig) -> tuple[tuple[str, bool, str, str], ...]:
             "float8 GEMMs with FSDP2 need torchao's float8 all-gather, not wired here",
             "drop --fp8-format with --use-torch-fsdp2, or use --use-distributed-optimizer",
         ),
+        (
+            f"--pipeline-schedule {cfg.parallel.pipeline_schedule}",
+            cfg.parallel.pipeline_schedule in ("zb-h1", "zbv", "dualpipev"),
+            "a zero-bubble schedule computes weight gradients after the backward that FSDP2 "
+            "reduce-scatters them in; the two are not wired together",
+            "use --pipeline-schedule 1f1b or interleaved with --use-torch-fsdp2, or "
+            "--use-distributed-optimizer with the zero-bubble schedules",
+        ),
     )
 
 

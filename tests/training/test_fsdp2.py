@@ -205,6 +205,12 @@ def test_fsdp2_checkpoints_load_as_fsdp2_distributed_and_plain_and_back(
         (["--use-torch-fsdp2", "--num-experts", "2"], "--num-experts", "distributed-optimizer"),
         (["--use-torch-fsdp2", "--torch-compile"], "--torch-compile", "drop"),
         (["--use-torch-fsdp2", "--ddp-bucket-size", "1000"], "--ddp-bucket-size", "per layer"),
+        (
+            ["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"]
+            + ["--pipeline-schedule", "zb-h1"],
+            "--pipeline-schedule zb-h1",
+            "interleaved",
+        ),
         (["--torch-fsdp2-no-reshard-after-forward"], "without --use-torch-fsdp2", "add"),
         (
             ["--torch-fsdp2-reshard-after-forward", "true"],
