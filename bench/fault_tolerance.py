@@ -10,11 +10,13 @@ group 1 kills itself with SIGKILL in the forward of iteration --kill-at. Columns
   stall s         the gap in the surviving log (group 0 / the restarted job) between the last
                   iteration logged before the kill and the first one after it, less one median
                   step: the time the job did not train
+  lost s          from that last iteration before the kill until the killed iteration is
+                  logged, less one step: the stall plus the time to redo the lost steps
   steps redone    iterations trained twice (torchrun: since the last checkpoint; torchft: the
                   step the kill interrupted, redone by the survivors)
   full DP after s torchft: from the kill until a replacement group, started by this script
                   at the kill, takes part in a step (start-up + recovery from a live peer);
-                  torchrun: the stall (every rank restarts)
+                  torchrun: the time lost (every rank restarts)
   step ms         the median ms/iteration before the kill (steady state; torchft pays a quorum
                   round trip to its lighthouse and a commit vote per step)
 Timestamps are those at which this script reads each log line (a pipe; milliseconds late at
@@ -73,13 +75,15 @@ def _start(cmd, env=None):
     return p, _Log(p)
 
 
-def _stall(log: _Log, kill_at: int, step_s: float) -> float:
-    """Seconds without training around the kill: last line before kill_at to the first at or
-    after it (the restarted job logs from its checkpoint on), less one normal step."""
+def _stall(log: _Log, kill_at: int, step_s: float) -> tuple[float, float]:
+    """(seconds without training, seconds lost) around the kill: from the line of iteration
+    kill_at - 1 to the next line (the restarted job logs from its checkpoint on), and to the
+    line of iteration kill_at, each less one normal step."""
     its = log.iterations()
-    before = max(t for t, i, _ in its if i == kill_at - 1)
+    before = min(t for t, i, _ in its if i == kill_at - 1)  # a restarted job logs it again
     after = min(t for t, i, _ in its if t > before and i != kill_at - 1)
-    return after - before - step_s
+    past = min(t for t, i, _ in its if i == kill_at)
+    return after - before - step_s, past - before - step_s
 
 
 def bench_torchft(args, argv) -> dict:
@@ -114,8 +118,10 @@ def bench_torchft(args, argv) -> dict:
     step_s = statistics.median(ms for _, i, ms in log.iterations() if 1 < i < args.kill_at) / 1e3
     full = log.first(f"take part ({args.ranks} of {args.ranks})", after=killed)
     redone = sum("not committed" in line for t, line in log.lines if t > killed)
+    stall, lost = _stall(log, args.kill_at, step_s)
     return {
-        "stall": _stall(log, args.kill_at, step_s),
+        "stall": stall,
+        "lost": lost,
         "redone": redone,
         "full": None if full is None else full - killed,
         "step_ms": 1e3 * step_s,
@@ -131,12 +137,13 @@ def bench_torchrun(args, argv) -> dict:
     p, log = _start(cmd)
     p.wait()
     step_s = statistics.median(ms for _, i, ms in log.iterations() if 1 < i < args.kill_at) / 1e3
-    stall = _stall(log, args.kill_at, step_s)
+    stall, lost = _stall(log, args.kill_at, step_s)
     last_save = (args.kill_at - 1) // args.save_interval * args.save_interval
     return {
+        "lost": lost,
         "stall": stall,
         "redone": args.kill_at - 1 - last_save,
-        "full": stall,
+        "full": lost,
         "step_ms": 1e3 * step_s,
     }
 
@@ -155,12 +162,15 @@ def main() -> None:
         rows = {"torchft": bench_torchft(args, argv), "torchrun": bench_torchrun(args, argv)}
     print(f"{args.ranks} ranks, kill at iteration {args.kill_at} of {args.iters}, "
           f"torchrun --save-interval {args.save_interval}")  # fmt: skip
-    print("| path | stall s | steps redone | full DP after s | step ms |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| path | stall s | lost s | steps redone | full DP after s | step ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
     names = {"torchft": "--fault-tolerance (torchft)", "torchrun": "torchrun --max-restarts 1"}
     for key, r in rows.items():
         full = "never" if r["full"] is None else f"{r['full']:.1f}"
-        print(f"| {names[key]} | {r['stall']:.1f} | {r['redone']} | {full} | {r['step_ms']:.0f} |")
+        print(
+            f"| {names[key]} | {r['stall']:.1f} | {r['lost']:.1f} | {r['redone']} | {full} "
+            f"| {r['step_ms']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

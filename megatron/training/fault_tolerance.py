@@ -27,7 +27,9 @@ import time
 from datetime import timedelta
 
 import torch
+from torch.distributed import ReduceOp
 
+from megatron.checkpoint.rng_state import rng_state_dict, set_rng_state
 from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.mpu import ParallelState
 
@@ -69,8 +71,8 @@ def _torchft():
         import torchft
     except ImportError:
         raise ConfigError(
-            "--fault-tolerance needs torchft. Fix: pip install torchft (or pip install "
-            "'megatron-gpt[ft]')"
+            "--fault-tolerance needs torchft. Fix: pip install torchft (or the repository's "
+            "extra: pip install '.[ft]')"
         ) from None
     return torchft
 
@@ -89,15 +91,21 @@ class ReplicaGroup:
         self.healed_from_peer = False
         self.last_replicas: list[int] | None = None
         self.took_part: list[int] | None = None  # the groups of the last step (its log row)
-        self._in_commit = False
-        torchft = _torchft()
+        self.forward_done = False  # raised before it: the step can be dropped and redone
+        self.manager = self._manager(_torchft(), lighthouse_address(cfg))
+
+    def _manager(self, torchft, lighthouse: str):
+        par, st = self.cfg.parallel, self.rt.state
+        if "MASTER_PORT" not in os.environ:
+            raise ConfigError(
+                "--fault-tolerance: MASTER_PORT is not set. Fix: launch each replica group with "
+                "torchrun and a --master_port of its own (or export MASTER_ADDR/MASTER_PORT)"
+            )
         timeout = timedelta(seconds=par.ft_timeout_seconds)
-        pg_class = (
-            torchft.ProcessGroupNCCL if rt.device.type == "cuda" else torchft.ProcessGroupGloo
-        )
-        lighthouse = lighthouse_address(cfg)
+        cuda = self.rt.device.type == "cuda"
+        pg_class = torchft.ProcessGroupNCCL if cuda else torchft.ProcessGroupGloo
         try:
-            self.manager = torchft.Manager(
+            return torchft.Manager(
                 pg=pg_class(timeout=timeout),
                 load_state_dict=self._load_state_dict,
                 state_dict=self._state_dict,
@@ -107,8 +115,8 @@ class ReplicaGroup:
                 # a quorum may wait for a group still building its model: torchft's default
                 quorum_timeout=max(timeout, _QUORUM_TIMEOUT),
                 connect_timeout=max(timeout, _QUORUM_TIMEOUT),
-                rank=rt.state.rank,
-                world_size=rt.state.world_size,
+                rank=st.rank,
+                world_size=st.world_size,
                 store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                 store_port=int(os.environ["MASTER_PORT"]),
                 lighthouse_addr=lighthouse,
@@ -125,8 +133,6 @@ class ReplicaGroup:
 
     # What a replacement fetches from a live peer (torchft calls these on its own thread).
     def _state_dict(self) -> dict:
-        from megatron.checkpoint.rng_state import rng_state_dict
-
         s = self.state
         rng = rng_state_dict(self.rt.device)
         rng["tracker"] = self.rt.rng_tracker.get_states()
@@ -139,8 +145,6 @@ class ReplicaGroup:
         }
 
     def _load_state_dict(self, sd: dict) -> None:
-        from megatron.checkpoint.rng_state import set_rng_state
-
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
@@ -153,7 +157,7 @@ class ReplicaGroup:
     def start_step(self, state) -> bool:
         """Join this step's quorum; True when this group was behind and took a live peer's
         state (the loop then reads the data from the peer's position)."""
-        self.state, self.healed_from_peer = state, False
+        self.state, self.healed_from_peer, self.forward_done = state, False, False
         tic = time.perf_counter()
         self.manager.start_quorum()
         if self.healed_from_peer:
@@ -166,25 +170,22 @@ class ReplicaGroup:
     def average_and_commit(self, grad_buffer: torch.Tensor, loss: torch.Tensor, error=None):
         """Average the gradients over the groups of this step's quorum; returns (their mean
         loss, commit?). Every group takes the same decision: none commits when one raised."""
-        self._in_commit = True
-        try:
-            grads = self.manager.allreduce(grad_buffer)
-            box = torch.zeros(self.group_size + 2, device=grad_buffer.device)
-            box[0] = loss.detach().float().reshape(())
-            box[1 + self.replica_id] = 1.0
-            box[-1] = float(error is not None)
-            votes = self.manager.allreduce(box, reduce_op=_sum_op())
-            grads.wait()
-            votes.wait()
-            broken = self.manager.errored()  # a peer died in the all-reduce: box is garbage
-            took_part = [r for r in range(self.group_size) if box[1 + r] > 0.5]
-            if broken is None:
-                _refuse_twins(box[1:-1])
-            if broken is None and box[-1] > 0:
-                self.manager.report_error(error or RuntimeError("a peer's step raised"))
-            committed = self.manager.should_commit()
-        finally:
-            self._in_commit = False
+        self.forward_done = True
+        grads = self.manager.allreduce(grad_buffer)
+        box = torch.zeros(self.group_size + 2, device=grad_buffer.device)
+        box[0] = loss.detach().float().reshape(())
+        box[1 + self.replica_id] = 1.0
+        box[-1] = float(error is not None)
+        votes = self.manager.allreduce(box, reduce_op=ReduceOp.SUM)
+        grads.wait()
+        votes.wait()
+        broken = self.manager.errored()  # a peer died in the all-reduce: box is garbage
+        took_part = [r for r in range(self.group_size) if box[1 + r] > 0.5]
+        if broken is None:
+            _refuse_twins(box[1:-1])
+        if broken is None and box[-1] > 0:
+            self.manager.report_error(error or RuntimeError("a peer's step raised"))
+        committed = self.manager.should_commit()
         if broken is not None:
             error, took_part = broken.original_exception, self.last_replicas
         self._announce(took_part, committed, error)
@@ -194,7 +195,7 @@ class ReplicaGroup:
     def discard_step(self, error: Exception, grad_buffer: torch.Tensor):
         """The forward/backward raised: take part with zero gradients and an error vote, so
         that every group drops the step. Errors of the protocol itself are not survivable."""
-        if self._in_commit:
+        if self.forward_done:  # the commit itself, or the optimizer after it, failed
             raise error
         grad_buffer.zero_()
         self._print(f" fault tolerance: replica group {self.replica_id} step failed: {error!r}")
@@ -218,12 +219,6 @@ class ReplicaGroup:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-def _sum_op():
-    from torch.distributed import ReduceOp
-
-    return ReduceOp.SUM
 
 
 def _refuse_twins(counts: torch.Tensor) -> None:

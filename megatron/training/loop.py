@@ -226,6 +226,8 @@ class _TrainLoop:
         window = Window()
         while not self._done(state):
             gbs = self._iteration(state, train_iter, window, result)
+            if gbs is None:  # --fault-tolerance: the replica groups dropped it; redo it
+                continue
             if self.rt.heartbeat is not None and self.rt.heartbeat.lost:
                 raise TrainingError(self.rt.heartbeat.lost)
             if state.iteration % cfg.logging.log_interval == 0:
@@ -251,12 +253,12 @@ class _TrainLoop:
         result.iteration = state.iteration
         return result
 
-    def _iteration(self, state: TrainState, train_iter, window: Window, result) -> int:
+    def _iteration(self, state: TrainState, train_iter, window: Window, result) -> int | None:
+        tic = time.perf_counter()
         replicas = getattr(self.backend, "replicas", None)  # --fault-tolerance
-        if replicas is not None and replicas.start_step(state):
+        if replicas is not None and replicas.start_step(state):  # the quorum, timed with the step
             train_iter.seek(state.consumed_train_samples)  # a live peer's state and position
         gbs = self.micro.global_batch_at(state.consumed_train_samples)
-        tic = time.perf_counter()
         self.profiler.before_step(state.iteration)
         self.timers("iteration").start()
         step = self.backend.train_step(
@@ -266,7 +268,7 @@ class _TrainLoop:
         self.timers("iteration").stop()
         if step.get("committed") is False:  # the replica groups dropped it: redo, same samples
             train_iter.seek(state.consumed_train_samples)
-            return gbs
+            return None
         state.iteration += 1
         self.profiler.after_step(state.iteration)
         state.consumed_train_samples += gbs
