@@ -5,6 +5,7 @@ replay of the same per-step replica groups (tests/helpers/ft_worker.py)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -125,7 +126,7 @@ def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_pe
         _wait_for_line(tmp_path / "group0.log", f" iteration {KILL_AT + 5:8d}/", procs)
         go.touch()  # the replacement is started at KILL_AT + 5
         for p in [*procs, replacement]:
-            p.wait(timeout=180)
+            p.wait(timeout=300)
     finally:
         for p in [*procs, replacement]:
             p.kill()
@@ -138,13 +139,15 @@ def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_pe
     merged = _merged_history(outs)
     assert sorted(merged) == list(range(1, ITERS + 1))  # no iteration lost or repeated
     sets = {i: groups for i, (_, groups) in merged.items()}
-    without = [i for i, g in sets.items() if 1 not in g]
-    assert without and KILL_AT in without, sets  # the dead group is dropped, nobody restarts
-    assert sets[ITERS] == list(range(GROUPS)), sets  # the replacement is back: full DP
+    # The dead group is dropped and nobody restarts (it dies in iteration KILL_AT, or in its
+    # first one if it joined later), then the replacement is back: full DP.
+    without = [i for i, g in sets.items() if 1 not in g and i >= KILL_AT]
+    assert without and sets[ITERS] == list(range(GROUPS)), sets
     assert "took the state of a live peer" in logs["replacement.log"], logs["replacement.log"]
-    assert f"injected error in iteration {RAISE_AT}" in logs["group2.log"]
-    for r in sets[RAISE_AT]:  # every group redid the step group 2 failed
-        assert f"iteration {RAISE_AT} not committed" in logs[f"group{r}.log"], r
+    raised = int(re.search(r"injected error in iteration (\d+)", logs["group2.log"])[1])
+    assert raised >= RAISE_AT
+    for r in sets[raised]:  # every group redid the step group 2 failed
+        assert f"iteration {raised} not committed" in logs[f"group{r}.log"], r
     for out in outs[1:]:  # every group ends with the same weights
         for name, w in out["weights"].items():
             torch.testing.assert_close(w, outs[0]["weights"][name], rtol=0, atol=0)
