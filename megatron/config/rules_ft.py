@@ -52,15 +52,15 @@ def _refuse_layouts(cfg: MegatronConfig) -> None:
             f"this replica group was launched with {par.world_size} processes, not one model "
             f"copy ({model_parallel} = TP x PP): data parallelism with --fault-tolerance is the "
             "replica groups themselves",
-            "launch each replica group with TP x PP processes and --ft-replica-id, and set "
-            "--ft-group-size to the number of groups",
+            "launch each replica group as its own job of TP x PP processes (1 today) with "
+            "--ft-replica-id, and set --ft-group-size to the number of groups",
         )
     for flag, size, why in (
         (
             "--tensor-model-parallel-size",
             par.tensor_model_parallel_size,
-            "a replica of several TP ranks is not tested here yet (each TP rank would need its "
-            "own torchft manager)",
+            "a replica group of several TP ranks (a torchft manager per TP rank) is not proven "
+            "against one process yet, and a lost TP peer takes its whole group down",
         ),
         (
             "--pipeline-model-parallel-size",

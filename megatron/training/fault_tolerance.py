@@ -1,7 +1,7 @@
 """--fault-tolerance: data-parallel replica groups that survive a lost replica (torchft).
 
-Each replica group is a job of its own (one model copy: TP x PP ranks, its own launcher and
-MASTER_PORT). torchft's lighthouse forms a quorum of the live groups at every step; the
+Each replica group is a job of its own (one model copy, its own launcher and MASTER_PORT; one
+rank today: TP, PP, CP and EP inside a group are refused, megatron.config.rules_ft). torchft's lighthouse forms a quorum of the live groups at every step; the
 gradient is averaged over the groups that take part (`Manager.allreduce` over a gloo/NCCL group
 rebuilt whenever the quorum changes), so a dead group is dropped at the next step and nobody
 restarts. A group started later (a replacement) joins a quorum, sees that it is behind, and
