@@ -1,12 +1,13 @@
 """--fault-tolerance: data-parallel replica groups that survive a lost replica (torchft).
 
 Each replica group is a job of its own (one model copy, its own launcher and MASTER_PORT; one
-rank today: TP, PP, CP and EP inside a group are refused, megatron.config.rules_ft). torchft's lighthouse forms a quorum of the live groups at every step; the
-gradient is averaged over the groups that take part (`Manager.allreduce` over a gloo/NCCL group
-rebuilt whenever the quorum changes), so a dead group is dropped at the next step and nobody
-restarts. A group started later (a replacement) joins a quorum, sees that it is behind, and
-fetches the weights, optimizer state, LR schedule, RNG streams and data position from a live
-peer (torchft's HTTP transport, not from disk) before its first step.
+rank today: TP, PP, CP and EP inside a group are refused, megatron.config.rules_ft). torchft's
+lighthouse forms a quorum of the live groups at every step; the gradient is averaged over the
+groups that take part (`Manager.allreduce` over a gloo/NCCL group rebuilt whenever the quorum
+changes), so a dead group is dropped at the next step and nobody restarts. A group started later
+(a replacement) joins a quorum, sees that it is behind, and fetches the weights, optimizer
+state, LR schedule, RNG streams and data position from a live peer (torchft's HTTP transport,
+not from disk) before its first step.
 
 Every step the groups all-reduce one small vector beside the gradients: each group's loss, a
 one-hot of its --ft-replica-id (so every group knows which took part) and its error count. A
