@@ -91,11 +91,6 @@ def _hook(opts):
 
 
 def train(opts, cfg) -> dict:
-    if opts.wait_for:
-        print("waiting", flush=True)
-        while not os.path.exists(opts.wait_for):
-            time.sleep(0.02)
-    print("ready", flush=True)
     result = pretrain(cfg, forward_step_func=_hook(opts))
     rows = [[h["iteration"], float(h["lm_loss"]), h.get("replicas")] for h in result.history]
     return {"history": rows, "weights": result.model.state_dict()}
@@ -164,6 +159,10 @@ def replay(opts, cfg) -> dict:
 def main() -> None:
     opts = _options()
     cfg = validate(parse_args(opts.flags), "train-gpt")
+    if opts.wait_for:  # everything is imported: wait for the go
+        print("waiting", flush=True)
+        while not os.path.exists(opts.wait_for):
+            time.sleep(0.02)
     try:
         out = replay(opts, cfg) if opts.replay else train(opts, cfg)
     finally:

@@ -81,21 +81,10 @@ def _merged_history(outs):
     return merged
 
 
-@pytest.mark.slow
-def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_peer(
-    data_prefix, tmp_path
-):
-    lighthouse_mod = pytest.importorskip("torchft.coordination")
-    lighthouse = lighthouse_mod.LighthouseServer(
-        bind="[::]:0",
-        min_replicas=GROUPS // 2 + 1,  # a majority: early groups never train apart
-        join_timeout_ms=5000,  # for the groups' start (one waits only on live ones)
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=1000,
-    )
-    ft = ["--fault-tolerance", "--ft-group-size", str(GROUPS), "--ft-timeout-seconds", "5"]
-    argv = flags(data_prefix, *ft, "--ft-lighthouse", lighthouse.address(), iters=ITERS)
-    argv[argv.index("--lr-decay-iters") + 1] = str(2 * ITERS)
+def _run_the_groups(tmp_path, argv):
+    """Groups 0-3 start together; group 1 dies in iteration KILL_AT, group 2 raises in
+    RAISE_AT; the replacement of group 1 starts when group 0 logs KILL_AT + 5 (the survivors
+    wait in iteration KILL_AT + 8 until it asks to join, so that it joins before the end)."""
     start, go, booted = tmp_path / "start", tmp_path / "go", tmp_path / "booted"
     hold = ["--hold-at", str(KILL_AT + 8), "--hold-for", str(booted)]
     failures = {1: ["--kill-at", str(KILL_AT)], 2: ["--raise-at", str(RAISE_AT), *hold]}
@@ -110,14 +99,9 @@ def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_pe
         )
         for r in range(GROUPS)
     ]
+    replacement_argv = [*argv, "--ft-replica-id", "1"]
     replacement = _start(
-        tmp_path,
-        "replacement",
-        [*argv, "--ft-replica-id", "1"],
-        "--wait-for",
-        str(go),
-        "--booted",
-        str(booted),
+        tmp_path, "replacement", replacement_argv, "--wait-for", str(go), "--booted", str(booted)
     )
     try:
         for r in range(GROUPS):
@@ -130,7 +114,11 @@ def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_pe
     finally:
         for p in [*procs, replacement]:
             p.kill()
-        lighthouse.shutdown()
+    return procs, replacement
+
+
+def _check_the_run(tmp_path, procs, replacement):
+    """The run's own checks; returns iteration -> (loss, replica groups) and group 0's weights."""
     logs = {p.name: p.read_text() for p in tmp_path.glob("*.log")}
     assert procs[1].returncode == -9, logs["group1.log"][-3000:]
     for name, p in (("group0", procs[0]), ("replacement", replacement)):
@@ -151,9 +139,39 @@ def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_pe
     for out in outs[1:]:  # every group ends with the same weights
         for name, w in out["weights"].items():
             torch.testing.assert_close(w, outs[0]["weights"][name], rtol=0, atol=0)
-    (tmp_path / "sets.json").write_text(json.dumps(sets))
-    replay = _start(tmp_path, "replay", argv, "--replay", str(tmp_path / "sets.json"))
-    assert replay.wait(timeout=120) == 0, (tmp_path / "replay.log").read_text()[-3000:]
+    return merged, outs[0]["weights"]
+
+
+@pytest.mark.slow
+def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_peer(
+    data_prefix, tmp_path
+):
+    lighthouse_mod = pytest.importorskip("torchft.coordination")
+    lighthouse = lighthouse_mod.LighthouseServer(
+        bind="[::]:0",
+        min_replicas=GROUPS // 2 + 1,  # a majority: early groups never train apart
+        join_timeout_ms=5000,  # for the groups' start (one waits only on live ones)
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=1000,
+    )
+    ft = ["--fault-tolerance", "--ft-group-size", str(GROUPS), "--ft-timeout-seconds", "5"]
+    argv = flags(data_prefix, *ft, "--ft-lighthouse", lighthouse.address(), iters=ITERS)
+    argv[argv.index("--lr-decay-iters") + 1] = str(2 * ITERS)
+    sets_file = tmp_path / "sets.json"  # the replay imports now, runs once the sets are known
+    replay = _start(
+        tmp_path, "replay", argv, "--replay", str(sets_file), "--wait-for", str(sets_file)
+    )
+    try:
+        try:
+            procs, replacement = _run_the_groups(tmp_path, argv)
+        finally:
+            lighthouse.shutdown()
+        merged, weights = _check_the_run(tmp_path, procs, replacement)
+        (tmp_path / "sets.tmp").write_text(json.dumps({i: g for i, (_, g) in merged.items()}))
+        (tmp_path / "sets.tmp").rename(sets_file)
+        assert replay.wait(timeout=120) == 0, (tmp_path / "replay.log").read_text()[-3000:]
+    finally:
+        replay.kill()
     want = torch.load(tmp_path / "replay.pt")
     got = [merged[i][0] for i in range(1, ITERS + 1)]
     torch.testing.assert_close(got, [row[1] for row in want["history"]], rtol=1e-5, atol=1e-6)
@@ -161,4 +179,4 @@ def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_pe
         # The key bias's gradient is 0 up to rounding (softmax ignores a constant per query):
         # Adam turns that noise, summed in another order by gloo, into steps of up to lr.
         atol = 1e-4 if name.endswith("query_key_value.bias") else 1e-6
-        torch.testing.assert_close(outs[0]["weights"][name], w, rtol=1e-5, atol=atol)
+        torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=atol)
