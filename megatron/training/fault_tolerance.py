@@ -185,7 +185,7 @@ class ReplicaGroup:
         broken = self.manager.errored()  # a peer died in the all-reduce: box is garbage
         took_part = [r for r in range(self.group_size) if box[1 + r] > 0.5]
         if broken is None:
-            _refuse_twins(box[1:-1])
+            refuse_twins(box[1:-1])
         if broken is None and box[-1] > 0:
             self.manager.report_error(error or RuntimeError("a peer's step raised"))
         tic = time.perf_counter()
@@ -232,7 +232,7 @@ class ReplicaGroup:
         self.manager.shutdown(wait=False)
 
 
-def _refuse_twins(counts: torch.Tensor) -> None:
+def refuse_twins(counts: torch.Tensor) -> None:
     """Two live groups with one --ft-replica-id would both read that share of the batch."""
     twins = [r for r, n in enumerate(counts.tolist()) if n > 1.5]
     if twins:

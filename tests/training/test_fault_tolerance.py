@@ -16,7 +16,7 @@ import torch
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.training.fault_tolerance import lighthouse_address
+from megatron.training.fault_tolerance import lighthouse_address, refuse_twins
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.training import BASE, flags
@@ -43,6 +43,9 @@ def test_what_fault_tolerance_cannot_run_with_is_refused_with_the_reason():
     cfg = parse_args([*BASE, *ft])
     with pytest.raises(ConfigError, match="torchft_lighthouse --min_replicas 2"):
         lighthouse_address(cfg, env={})
+    # a replacement started while the group it replaces still runs: both would read share 1
+    with pytest.raises(RuntimeError, match="--ft-replica-id 1: 2 replica groups of this id"):
+        refuse_twins(torch.tensor([1.0, 2.0, 1.0]))
 
 
 def _start(tmp_path, name, argv, *extra):
