@@ -14,6 +14,7 @@ DEMO = ["matplotlib"]  # the loss plot of `make demo` (tools/plot_losses.py)
 FP8 = ["torchao==0.18.0"]  # --fp8-format (built against torch 2.11; its float8 training is Python)
 # --kernel-library liger (pure Triton; its own requirements are torch and triton only)
 LIGER = ["liger-kernel>=0.8.5; platform_system == 'Linux'"]
+FT = ["torchft>=0.2"]  # --fault-tolerance: replica groups, its lighthouse (a Rust binary) included
 
 setup(
     name="megatron-3d",
@@ -53,6 +54,7 @@ setup(
             *PROGRESS,
             *DEMO,
             *FP8,  # the fp8 tests run torchao's emulation on the CPU
+            *FT,
         ],
         # tools/run_text_generation_server.py (and its tests: httpx, openai)
         "serve": SERVE,
@@ -66,6 +68,8 @@ setup(
         # --fp8-format (imported only when given)
         "fp8": FP8,
         "liger": LIGER,
+        # --fault-tolerance (imported only then)
+        "ft": FT,
         # DeepSpeed must be installed after torch with --no-build-isolation (see README).
         "deepspeed": ["deepspeed>=0.14"],
     },

@@ -26,6 +26,7 @@ from megatron.config.rules_compute import validate_compute
 from megatron.config.rules_data import validate_data
 from megatron.config.rules_fp8 import validate_fp8
 from megatron.config.rules_fsdp2 import validate_fsdp2
+from megatron.config.rules_ft import validate_fault_tolerance
 from megatron.config.rules_mla import validate_mla_model
 from megatron.config.rules_moe import validate_moe
 from megatron.config.rules_pipeline import validate_pipeline_schedule
@@ -238,6 +239,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
         )
     validate_compute(cfg)
     _validate_linear_cross_entropy(cfg)
+    validate_fault_tolerance(cfg)  # before the batch rules: its DP is the replica groups
     validate_batch(cfg.training, par.data_parallel_size)
     validate_data(cfg.data)
     _validate_distributed_optimizer(cfg)

@@ -293,6 +293,42 @@ class ParallelConfig(Section):
         "GiB per GPU the planner reserves for the framework (CUDA context, allocator cache)",
         min=0,
     )
+    fault_tolerance: bool = setting(
+        False,
+        "torchft's per-step fault tolerance of data-parallel replica groups: each replica "
+        "group (TP ranks, launched as a job of its own) averages its gradients with the "
+        "replicas alive at that step, a dead one is dropped without a restart, a restarted one "
+        "fetches the weights and optimizer state from a live peer (docs/operations.md)",
+    )
+    ft_replica_id: int = setting(
+        0, "--fault-tolerance: this replica group's index, 0 to --ft-group-size - 1", min=0
+    )
+    ft_group_size: int = setting(
+        1,
+        "--fault-tolerance: the replica groups at full strength; the data-parallel size of "
+        "--global-batch-size (each group reads its 1 / N share of it)",
+        min=1,
+    )
+    ft_min_replica_size: int = setting(
+        1, "--fault-tolerance: a step commits only with at least this many replica groups", min=1
+    )
+    ft_lighthouse: str | None = setting(
+        None,
+        "--fault-tolerance: the torchft lighthouse's address, e.g. http://HOST:29510 "
+        "(default: $TORCHFT_LIGHTHOUSE); start it with `torchft_lighthouse --min_replicas 1`",
+    )
+    ft_max_retries: int = setting(
+        3,
+        "--fault-tolerance: steps in a row that may fail to commit (a replica group raised or "
+        "died) before the run stops",
+        min=0,
+    )
+    ft_timeout_seconds: float = setting(
+        60.0,
+        "--fault-tolerance: how long a cross-replica all-reduce, a commit or a recovery from a "
+        "peer may take before the step is given up and redone (a quorum waits at least 60 s)",
+        above=0,
+    )
     world_size: int = setting(
         1,
         "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)",
@@ -302,10 +338,16 @@ class ParallelConfig(Section):
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (
-            self.tensor_model_parallel_size
-            * self.context_parallel_size
-            * self.pipeline_model_parallel_size
+        """DP ranks of the job; with --fault-tolerance the replica groups at full strength."""
+        groups = self.ft_group_size if self.fault_tolerance else 1
+        return (
+            groups
+            * self.world_size
+            // (
+                self.tensor_model_parallel_size
+                * self.context_parallel_size
+                * self.pipeline_model_parallel_size
+            )
         )
 
     @property

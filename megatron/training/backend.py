@@ -40,6 +40,10 @@ class StepResult(TypedDict):
     updated: bool | torch.Tensor
     grad_norm: float | None | torch.Tensor  # None where the backend cannot tell (device: NaN)
     other_losses: NotRequired[dict[str, torch.Tensor | float]]  # e.g. {"nsp loss": ...}
+    # --fault-tolerance: False when the replica groups dropped the step (nothing changed; the
+    # loop redoes it on the same samples)
+    committed: NotRequired[bool]
+    replicas: NotRequired[list[int]]  # --fault-tolerance: the replica groups that took part
 
 
 class TrainerBackend(abc.ABC):

@@ -23,6 +23,7 @@ from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime
 from megatron.mpu import ParallelState
 from megatron.mpu.context_parallel import context_parallel_slice
+from megatron.training.fault_tolerance import batch_share
 
 
 def split_sample_counts(cfg: MegatronConfig, dp_size: int) -> tuple[int, int, int]:
@@ -105,11 +106,36 @@ def _worker_ignores_sigterm(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+class SeekableIterator:
+    """--fault-tolerance's train iterator: seek(consumed) starts over at a sample position (a
+    step the replica groups dropped is redone on its samples; a replacement takes a peer's)."""
+
+    def __init__(self, make, consumed: int):
+        self.make, self.it = make, make(consumed)
+
+    def seek(self, consumed: int) -> None:
+        self.it = self.make(consumed)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+
 def _loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=None):
     if dataset is None:
         return None
+    if cfg.parallel.fault_tolerance:
+        make = functools.partial(_plain_loader, dataset, cfg=cfg, rt=rt, documents=documents)
+        return SeekableIterator(make, consumed)
+    return _plain_loader(dataset, consumed, cfg, rt, documents)
+
+
+def _plain_loader(dataset, consumed: int, cfg: MegatronConfig, rt: Runtime, documents=None):
+    dp_rank, dp_size = batch_share(cfg, rt.state)  # --fault-tolerance: the replica group's
     sampler = MegatronPretrainingSampler(
-        len(dataset), consumed, cfg.training.micro_batch_size, rt.state.dp_rank, rt.state.dp_size
+        len(dataset), consumed, cfg.training.micro_batch_size, dp_rank, dp_size
     )
     loader = torch.utils.data.DataLoader(
         dataset,
@@ -181,7 +207,7 @@ def build_data_iterators(
     """Train / valid / test iterators over the datasets `datasets_provider(cfg, rt, counts)`
     (the model family's) builds; with `documents`, the language-model batches ("text"
     (b, s + 1)) get the fields of document_fields."""
-    counts = split_sample_counts(cfg, rt.state.dp_size)
+    counts = split_sample_counts(cfg, batch_share(cfg, rt.state)[1])
     if cfg.data.loose_json.given:
         cfg = dataclasses.replace(cfg, data=resolve_data_config(cfg, rt.state.rank))
     train, valid, test = datasets_provider(cfg, rt, counts)

@@ -24,6 +24,7 @@ from megatron.initialize import Runtime, initialize_megatron
 from megatron.model.families import DEFAULT_FAMILY, ModelSpec, get_spec
 from megatron.training.backend import TrainerBackend
 from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
+from megatron.training.fault_tolerance import batch_share
 from megatron.training.log import (
     build_metrics_sinks,
     iteration_line,
@@ -163,6 +164,8 @@ def pretrain(
             raise
         raise TrainingError(why) from e
     finally:
+        if getattr(backend, "replicas", None) is not None:
+            backend.replicas.shutdown()  # torchft's manager threads and servers
         if loop is not None:
             loop.profiler.close()
             loop.metrics.close()
@@ -190,11 +193,9 @@ class _TrainLoop:
     def __init__(self, cfg: MegatronConfig, rt: Runtime, backend: TrainerBackend, out):
         self.cfg, self.rt, self.backend, self.out = cfg, rt, backend, out
         t = cfg.training
+        _, dp_size = batch_share(cfg, rt.state)  # --fault-tolerance: the replica groups
         self.micro = MicroBatchCalculator(
-            t.resolved_global_batch_size(rt.state.dp_size),
-            t.micro_batch_size,
-            rt.state.dp_size,
-            t.rampup_batch_size,
+            t.resolved_global_batch_size(dp_size), t.micro_batch_size, dp_size, t.rampup_batch_size
         )
         self.is_logger = rt.state.rank == rt.state.world_size - 1
         self.metrics = build_metrics_sinks(cfg.logging, cfg.checkpoint.save, self.is_logger)
@@ -232,6 +233,8 @@ class _TrainLoop:
             train_iter = self.stragglers.data_iterator(train_iter)
         while not self._done(state):
             gbs = self._iteration(state, train_iter, window, result)
+            if gbs is None:  # --fault-tolerance: the replica groups dropped it; redo it
+                continue
             if self.rt.heartbeat is not None and self.rt.heartbeat.lost:
                 raise TrainingError(self.rt.heartbeat.lost)
             if state.iteration % cfg.logging.log_interval == 0:
@@ -257,9 +260,12 @@ class _TrainLoop:
         result.iteration = state.iteration
         return result
 
-    def _iteration(self, state: TrainState, train_iter, window: Window, result) -> int:
-        gbs = self.micro.global_batch_at(state.consumed_train_samples)
+    def _iteration(self, state: TrainState, train_iter, window: Window, result) -> int | None:
         tic = time.perf_counter()
+        replicas = getattr(self.backend, "replicas", None)  # --fault-tolerance
+        if replicas is not None and replicas.start_step(state):  # the quorum, timed with the step
+            train_iter.seek(state.consumed_train_samples)  # a live peer's state and position
+        gbs = self.micro.global_batch_at(state.consumed_train_samples)
         self.profiler.before_step(state.iteration)
         self.timers("iteration").start()
         step = self.backend.train_step(
@@ -267,6 +273,9 @@ class _TrainLoop:
         )
         self.announce_commits()  # an --async-save the step's start committed
         self.timers("iteration").stop()
+        if step.get("committed") is False:  # the replica groups dropped it: redo, same samples
+            train_iter.seek(state.consumed_train_samples)
+            return None
         state.iteration += 1
         self.profiler.after_step(state.iteration)
         state.consumed_train_samples += gbs
@@ -279,6 +288,8 @@ class _TrainLoop:
             "lr": self.backend.lr,  # of the next step
             "loss_scale": self.backend.loss_scale,
         }
+        if "replicas" in step:  # --fault-tolerance: the replica groups that took part
+            row["replicas"] = step["replicas"]
         result.history.append(row)
         window.add(step, time.perf_counter() - tic, row)
         if len(window.pending) >= self.cfg.training.max_skipped_in_a_row:
@@ -323,6 +334,8 @@ class _TrainLoop:
 
     def _save(self, state: TrainState) -> None:
         if not self.cfg.checkpoint.save:
+            return
+        if self.cfg.parallel.ft_replica_id:  # --fault-tolerance: replica group 0 writes them
             return
         self.timers("save-checkpoint", 0).start()
         durable = self.backend.save(state)

@@ -33,6 +33,7 @@ from megatron.training.backend import (
 )
 from megatron.training.ddp import wrap_data_parallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
+from megatron.training.fault_tolerance import ReplicaGroup, batch_share
 from megatron.training.fsdp2 import RESHARD_AFTER_FORWARD, FullyShardedModel
 from megatron.training.fsdp2_optimizer import FSDPOptimizer
 from megatron.training.learning_rates import AnnealingLR
@@ -134,7 +135,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
         optimizer = MegatronOptimizer(
             model, cfg.optimizer, cpu_offload=cfg.deepspeed.cpu_optimizer, **kw
         )
-    return ddp, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
+    _, dp_size = batch_share(cfg, rt.state)  # --fault-tolerance: the replica groups
+    return ddp, optimizer, make_scheduler(cfg, dp_size, optimizer.optimizer)
 
 
 def shard_fully(model, cfg: MegatronConfig, rt: Runtime) -> FullyShardedModel:
@@ -221,8 +223,12 @@ def train_step(
     rt: Runtime,
     timers: Timers,
     schedule=None,
+    replicas=None,
 ) -> StepResult:
-    """One optimizer step over the global batch; returns the loss, whether it updated, norm."""
+    """One optimizer step over the global batch; returns the loss, whether it updated, norm.
+    `replicas` (--fault-tolerance, megatron.training.fault_tolerance.ReplicaGroup): the
+    gradients are averaged over the live replica groups too, and the step is taken only when
+    they all commit it (else `committed` is False and nothing changed)."""
     model.zero_grad_buffer()
     # MoE aux / z losses get the LM loss's gradient scale (1 / micro batches x loss scale, x CP
     # as the LM loss: each CP rank backpropagates its share, gradients are averaged over CP)
@@ -248,6 +254,10 @@ def train_step(
     # Equal on every rank and still on the device: a non-finite one skips the step, decided
     # together with the gradients' inf/NaN check in the optimizer's one host read.
     loss = global_loss([s["lm loss"] for s in stats], rt)
+    if replicas is not None:
+        loss, committed = replicas.average_and_commit(model.grad_buffer, loss)
+        if not committed:
+            return {"lm_loss": loss, "updated": False, "grad_norm": None, "committed": False}
     timers("optimizer", 1).start()
     updated, grad_norm = optimizer.step(loss=loss)
     timers("optimizer", 1).stop()
@@ -257,6 +267,8 @@ def train_step(
     if isinstance(updated, torch.Tensor) or updated:
         scheduler.step()
     result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
+    if replicas is not None:
+        result["replicas"] = replicas.took_part
     others = other_losses(forward_step_func, stats, rt)
     others.update(moe_step_stats(model, rt.state, _model_config(model)))  # {} without MoE
     return {**result, "other_losses": others} if others else result
@@ -293,6 +305,9 @@ class NativeBackend(TrainerBackend):
         )
         self.schedule = _schedule(cfg, rt)
         self.saver = AsyncSaver(rt.device) if cfg.checkpoint.async_save else None
+        self.replicas = None  # --fault-tolerance: torchft's replica groups
+        if cfg.parallel.fault_tolerance:
+            self.replicas = ReplicaGroup(cfg, rt, self.model, self.optimizer, self.scheduler)
 
     @property
     def loss_scale(self) -> float:
@@ -301,7 +316,8 @@ class NativeBackend(TrainerBackend):
     def train_step(self, data_iterator, num_micro_batches: int, timers: Timers) -> StepResult:
         if self.saver is not None and self.saver.pending:  # an --async-save to commit?
             self.saver.poll(lambda mine: all_ranks_true(mine, self.rt.device))
-        return train_step(
+        step = functools.partial(
+            train_step,
             self.forward_step,
             data_iterator,
             self.model,
@@ -312,6 +328,13 @@ class NativeBackend(TrainerBackend):
             timers,
             self.schedule,
         )
+        if self.replicas is None:
+            return step()
+        try:
+            return step(replicas=self.replicas)
+        except Exception as e:  # this group's forward/backward raised: every group drops the step
+            loss, _ = self.replicas.discard_step(e, self.model.grad_buffer)
+            return {"lm_loss": loss, "updated": False, "grad_norm": None, "committed": False}
 
     def evaluate(self, data_iterator, eval_iters: int, num_micro_batches: int) -> float:
         return evaluate(

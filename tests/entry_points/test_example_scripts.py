@@ -68,3 +68,20 @@ def test_shakespeare_char_config_trains_on_a_text_file_as_its_header_says(tmp_pa
     assert (
         tmp_path / "checkpoints" / "shakespeare_char" / "latest_checkpointed_iteration.txt"
     ).is_file()
+
+
+def test_fault_tolerant_script_launches_one_torchrun_per_replica_group(tmp_path):
+    """examples/pretrain_gpt2_fault_tolerant.sh: a torchrun per group, each with its own port,
+    --max-restarts (a dead group comes back and rejoins from a peer) and --ft-replica-id."""
+    env = {**os.environ, "PYTHON": _stub_python(tmp_path), "DATA": "corpus_text_document"}
+    env.update(REPLICA_GROUPS="2", FT_GROUP_SIZE="4", FIRST_GROUP="2", LIGHTHOUSE="http://h:1")
+    script = str(ROOT / "examples" / "pretrain_gpt2_fault_tolerant.sh")
+    run = subprocess.run(["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    launches = [line.split() for line in run.stdout.splitlines() if line.startswith("LAUNCH ")]
+    assert sorted(a[a.index("--ft-replica-id") + 1] for a in launches) == ["2", "3"]
+    assert len({a[a.index("--master_port") + 1] for a in launches}) == 2
+    for args in launches:
+        assert args[args.index("--ft-group-size") + 1] == "4"
+        assert args[args.index("--ft-lighthouse") + 1] == "http://h:1"
+        assert "--max-restarts" in args and "--fault-tolerance" in args
