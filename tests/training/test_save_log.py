@@ -49,7 +49,7 @@ def _raise(error):
 def _loop(tmp_path, backend) -> tuple[_TrainLoop, io.StringIO]:
     argv = [*BASE, "--train-iters", "8", "--lr", "1e-3", "--global-batch-size", "4"]
     cfg = parse_args([*argv, "--save", str(tmp_path), "--async-save"], world_size=1)
-    state = SimpleNamespace(rank=0, world_size=1, dp_size=1)
+    state = SimpleNamespace(rank=0, world_size=1, dp_size=1, dp_rank=0)
     rt = SimpleNamespace(state=state, device=torch.device("cpu"), heartbeat=None)
     out = io.StringIO()
     return _TrainLoop(cfg, rt, backend, out), out
