@@ -100,22 +100,52 @@ class _AttachLoss(torch.autograd.Function):
         return grad, loss_grad, None, None, None
 
 
-def route(logits: torch.Tensor, m: ModelConfig):
-    """fp32 logits (T, E) -> (probs (T, k), experts (T, k), scores (T, E) for the aux loss)."""
+def route(logits: torch.Tensor, m: ModelConfig, expert_bias: torch.Tensor | None = None):
+    """fp32 logits (T, E) -> (probs (T, k), experts (T, k), scores (T, E) for the aux loss), as
+    Megatron-core's topk_routing_with_score_function.
+
+    softmax: the top k logits, then a softmax over them (Mixtral), or with pre-softmax the
+    top k of the softmax over all E as they are (Qwen2-MoE). sigmoid (DeepSeek-V3): the top k
+    of sigmoid(logits) + expert_bias (the bias moves the choice only), their unbiased scores
+    divided by their sum when k > 1. Then x --moe-router-topk-scaling-factor. With
+    --moe-router-group-topk the choice is group-limited (`select_topk`)."""
     k = m.moe_router_topk
     if m.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(logits)
-        probs, experts = scores.topk(k, dim=-1)
+        biased = scores if expert_bias is None else scores + expert_bias.float()
+        experts = select_topk(biased, m)[1]
+        probs = scores.gather(1, experts)
         if k > 1:
             probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-        return probs, experts, scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    scores = torch.softmax(logits, dim=-1)
-    if m.moe_router_pre_softmax:  # softmax over all E, then the top k as they are
-        probs, experts = scores.topk(k, dim=-1)
-    else:  # the top k logits, then a softmax over them
-        top, experts = logits.topk(k, dim=-1)
-        probs = torch.softmax(top, dim=-1)
-    return probs, experts, scores
+        aux_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    else:
+        aux_scores = torch.softmax(logits, dim=-1)
+        if m.moe_router_pre_softmax:  # softmax over all E, then the top k as they are
+            probs, experts = select_topk(aux_scores, m)
+        else:  # the top k logits, then a softmax over them
+            top, experts = select_topk(logits, m)
+            probs = torch.softmax(top, dim=-1)
+    if m.moe_router_topk_scaling_factor:
+        probs = probs * m.moe_router_topk_scaling_factor
+    return probs, experts, aux_scores
+
+
+def select_topk(scores: torch.Tensor, m: ModelConfig):
+    """(values, indices) (T, k) of the top k of scores (T, E). Group-limited routing
+    (--moe-router-num-groups G, --moe-router-group-topk g): the E experts in G consecutive
+    groups, each scored by the sum of its top k / g scores (DeepSeek-V3's top 2 at k 8, g 4);
+    a token takes its k from its top g groups only (Megatron-core's group_limited_topk)."""
+    k, g = m.moe_router_topk, m.moe_router_group_topk
+    if not g:
+        return scores.topk(k, dim=-1)
+    t, e = scores.shape
+    groups = m.moe_router_num_groups
+    per_group = scores.view(t, groups, e // groups)  # (T, G, E / G)
+    group_scores = per_group.topk(k // g, dim=-1).values.sum(-1)  # (T, G)
+    chosen = group_scores.topk(g, dim=-1, sorted=False).indices  # (T, g)
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    allowed = allowed.unsqueeze(-1).expand_as(per_group).reshape(t, e)  # (T, E)
+    return scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1)
 
 
 def capacity_keep(probs, experts, num_experts: int, factor: float, policy: str) -> torch.Tensor:
@@ -140,18 +170,35 @@ def capacity_keep(probs, experts, num_experts: int, factor: float, policy: str) 
 
 class Router(nn.Module):
     """x (T, h) -> (probs (T, k), experts (T, k), kept (T, k), aux loss, z loss, tokens per
-    expert (E,)): the top-k routing of T tokens, dropped assignments' probabilities zeroed."""
+    expert (E,)): the top-k routing of T tokens, dropped assignments' probabilities zeroed.
+
+    --moe-router-enable-expert-bias: `expert_bias` (E,), an fp32 buffer (kept fp32 when the
+    model is cast, as Megatron-core does), saved with the weights, the same on every rank; it
+    moves only the choice of experts and is updated after each optimizer step from the global
+    batch's tokens per expert (`update_expert_bias`), never by the optimizer."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
         self.cfg, self.state = cfg, ctx.state
         shape = (cfg.num_experts, cfg.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape, device=ctx.device, dtype=ctx.dtype))
+        bias = None
+        if cfg.moe_router_enable_expert_bias:
+            bias = torch.zeros(cfg.num_experts, device=ctx.device, dtype=torch.float32)
+        self.register_buffer("expert_bias", bias)  # None: not in the state dict
+
+    def _apply(self, fn, recurse=True):
+        """model.half() / .to(bf16) cast the weight, never the fp32 expert bias (it moves)."""
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.to(self.expert_bias.device, torch.float32)
+        return self
 
     def forward(self, x: torch.Tensor, batch: int):
         m = self.cfg
         logits = F.linear(x.float(), self.weight.float())  # (T, E) in fp32
-        probs, experts, scores = route(logits, m)
+        probs, experts, scores = route(logits, m, self.expert_bias)
         if m.moe_expert_capacity_factor is not None:
             keep = capacity_keep(
                 probs, experts, m.num_experts, m.moe_expert_capacity_factor, m.moe_token_drop_policy
@@ -160,7 +207,10 @@ class Router(nn.Module):
         else:
             keep = torch.ones_like(experts, dtype=torch.bool)
         counts = torch.bincount(experts[keep], minlength=m.num_experts)
-        aux, z = self._balance_loss(scores, experts, batch), self._z_loss(logits)
+        unbiased = experts  # the aux loss counts the plain top k of its scores (Megatron-core)
+        if m.moe_router_enable_expert_bias or m.moe_router_group_topk:
+            unbiased = scores.topk(m.moe_router_topk, dim=-1).indices
+        aux, z = self._balance_loss(scores, unbiased, batch), self._z_loss(logits)
         return probs, experts, keep, aux, z, counts
 
     def _over_tokens(self, t: torch.Tensor) -> torch.Tensor:
@@ -444,11 +494,13 @@ def set_moe_loss_scale(model: nn.Module, scale: float) -> None:
         layer.loss_grad_scale = float(scale)
 
 
-def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def moe_step_stats(model: nn.Module, state, cfg: ModelConfig, updated=True) -> dict:
     """The MoE statistics of the step just run, the same on every rank ({} without MoE): the
     load-balancing and z losses (each summed over the MoE layers, per micro batch) and the
     mean over layers of max / mean tokens per expert. One all-reduce over all ranks (also those
-    whose pipeline stage has no MoE layer); resets.
+    whose pipeline stage has no MoE layer); resets. With --moe-router-enable-expert-bias the
+    same tokens per expert then move the expert biases (`update_expert_bias`; not where the
+    optimizer skipped the step: `updated`, a bool or a device flag).
 
     A layer's numbers are counted once per replica: on TP rank 0, or, with sequence
     parallelism, on every TP rank, and on every CP rank (each routed its own tokens; their loss
@@ -462,15 +514,16 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch
         layer.stats.reset()
         if values is None or not (split or state.tp_rank == 0):
             continue
-        number = int(name.split("layers.")[-1].split(".")[0])
         values = values.detach().to("cpu", torch.float32)
         if state.tp_rank != 0 or state.cp_rank != 0:
             values[2] = 0  # one micro-batch count per replica
-        table[number] += values
+        table[_layer_number(name)] += values
     device = next(model.parameters()).device
     table = table.to(device)
     if state.world_size > 1:  # every rank of the job
         dist.all_reduce(table)
+    if cfg.moe_router_enable_expert_bias:
+        update_expert_bias(model, table[:, 3:], cfg.moe_router_bias_update_rate, updated)
     used = table[:, 2] > 0
     table = table[used]
     per_micro = table[:, :2] / table[:, 2:3]  # (layers, [aux, z])
@@ -481,3 +534,28 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch
         "z loss": per_micro[:, 1].sum(),
         "expert load max/mean": balance,
     }
+
+
+def _layer_number(name: str) -> int:
+    """The global layer index in a module name (`...layers.<i>.mlp`, at any PP layout)."""
+    return int(name.split("layers.")[-1].split(".")[0])
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, load: torch.Tensor, rate: float, updated=True) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3; Megatron-core's get_updated_expert_bias):
+    b_e += rate x sign(mean_e' load_e' - load_e), load (layers, E) the tokens each expert got
+    over the whole global batch (every micro batch, every DP x CP (x EP) rank, already
+    all-reduced), so every rank moves its copy alike. Not on a skipped step (`updated` False,
+    or a device flag that is 0: no host read)."""
+    if updated is False:
+        return
+    for name, layer in moe_layers(model):
+        bias = layer.router.expert_bias
+        if bias is None:
+            continue
+        counts = load[_layer_number(name)].to(bias.device, torch.float32)  # exact integers
+        step = torch.sign(counts.sum() - counts.numel() * counts) * rate  # sign(mean - load)
+        if isinstance(updated, torch.Tensor):
+            step = step * updated.to(bias.device, torch.float32)
+        bias.add_(step)
