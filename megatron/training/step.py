@@ -270,7 +270,8 @@ def train_step(
     if replicas is not None:
         result["replicas"] = replicas.took_part
     others = other_losses(forward_step_func, stats, rt)
-    others.update(moe_step_stats(model, rt.state, _model_config(model)))  # {} without MoE
+    # {} without MoE; the expert biases move here, after the optimizer step (not if skipped)
+    others.update(moe_step_stats(model, rt.state, _model_config(model), updated))
     return {**result, "other_losses": others} if others else result
 
 

@@ -241,13 +241,20 @@ def test_zero_stages_pipeline_recompute_and_resume_match_our_path(data_prefix, t
 
 
 def _run_with_weights(rank, world, argv):
-    """(history, this rank's parameters after training in model order, as numpy arrays)."""
+    """(history, this rank's parameters after training in model order, then the MoE expert
+    biases (--moe-router-enable-expert-bias), as numpy arrays)."""
     result = train_run(rank, world, argv)
-    return result.history, [p.detach().float().numpy().copy() for p in result.model.parameters()]
+    model = result.model
+    tensors = [*model.parameters()]
+    tensors += [b for n, b in model.named_buffers() if n.endswith("expert_bias")]
+    return result.history, [t.detach().float().numpy().copy() for t in tensors]
 
 
 _EP2, _TP2 = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]
 _DS = ["--deepspeed", "--zero-stage"]
+# DeepSeek-V3's auxiliary-loss-free bias, moved after DeepSpeed's step as after ours
+_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+_BIAS += ["--moe-router-bias-update-rate", "0.01"]
 # (name, flags, native twin): an MoE GPT under DeepSpeed against our backend at the same layout
 _MOE_RUNS = (
     ("dp4 ep2 zero0", _EP2 + _DS + ["0"], "dp4 ep2"),
@@ -256,11 +263,13 @@ _MOE_RUNS = (
     ("tp2 ep2 zero2", _TP2 + _EP2 + _DS + ["2"], "tp2 ep2"),
     ("dp4 ep2 bf16 zero1", _EP2 + ["--bf16"] + _DS + ["1"], "dp4 ep2 bf16"),
     ("tp2 ep2 bf16 zero2", _TP2 + _EP2 + ["--bf16"] + _DS + ["2"], "tp2 ep2 bf16"),
+    ("dp4 ep2 zero2 expert bias", _EP2 + _BIAS + _DS + ["2"], "dp4 ep2 expert bias"),
 )
 # Our backend at DeepSpeed's layout: experts whole on each TP rank (ETP 1, DeepSpeed's default).
 _ETP1 = ["--expert-tensor-parallel-size", "1"]
 _NATIVE = {"dp4 ep2": _EP2, "tp2 ep2": _TP2 + _EP2 + _ETP1, "dp4 ep2 bf16": _EP2 + ["--bf16"]}
 _NATIVE["tp2 ep2 bf16"] = _TP2 + _EP2 + _ETP1 + ["--bf16"]
+_NATIVE["dp4 ep2 expert bias"] = _EP2 + _BIAS
 
 
 def _four_rank_worker(rank, world, argv, moe_argv, save_dir):
@@ -304,7 +313,8 @@ def _assert_same_run(run, ref, name, rtol, atol=0.0):
 def test_four_ranks_tensor_parallel_zero1_and_moe_with_expert_parallelism(data_prefix, tmp_path):
     """ZeRO-1 at TP 2 x DP 2 against one process; an MoE GPT (4 experts, aux loss, clipping
     that bites) at DP 4 x EP 2 with ZeRO 0 (fp32), 1 and 2 and TP 2 x EP 2 with ZeRO-2, fp32
-    and bf16: loss, grad norm and every updated weight equal to our backend at the same layout
+    and bf16, and DP 4 x EP 2 ZeRO-2 with the auxiliary-loss-free expert bias (the biases
+    compared too): loss, grad norm and every updated weight equal to our backend at the same layout
     (itself equal to one process, tests/model/test_moe_parallel.py); engine checkpoints with
     experts resume exactly; a resume at another EP size is refused."""
     argv = flags(data_prefix, "--adam-eps", "1e-4")
