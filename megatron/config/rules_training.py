@@ -63,7 +63,34 @@ def validate_training(cfg: MegatronConfig) -> None:
         )
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
+    _validate_muon(cfg)
     validate_vocab(cfg)
+
+
+def _validate_muon(cfg: MegatronConfig) -> None:
+    """--optimizer muon runs in our own optimizers (plain and --use-distributed-optimizer)."""
+    if cfg.optimizer.optimizer != "muon":
+        return
+    clash = (
+        ("--deepspeed", cfg.deepspeed.enabled, "DeepSpeed's engine builds its own optimizer"),
+        (
+            "--cpu-optimizer",
+            cfg.deepspeed.cpu_optimizer,
+            "Muon all-gathers TP-split matrices where the gradients are, not on the CPU",
+        ),
+        (
+            "--num-experts",
+            cfg.model.moe,
+            "expert weights (EP-sharded, grouped) are not orthogonalised per expert yet",
+        ),
+    )
+    for flag, given, why in clash:
+        if given:
+            fail(
+                "--optimizer muon",
+                f"given with {flag}: {why}",
+                f"use --optimizer adam with {flag}, or drop {flag}",
+            )
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:

@@ -1,4 +1,5 @@
-"""AdamW / SGD over fp32 main weights, with fp16 loss scaling and global skip-on-overflow.
+"""AdamW / SGD / Muon (megatron.training.muon) over fp32 main weights, with fp16 loss scaling
+and global skip-on-overflow.
 
 Gradients arrive in each parameter's fp32 `main_grad` (see megatron.training.ddp). For fp32
 models the optimizer updates the parameters themselves; for bf16/fp16 models it keeps an fp32
@@ -29,6 +30,7 @@ from torch import nn
 
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState, clip_grad_norm
+from megatron.training.muon import WholeMatrices, build_muon, matrix_layouts, muon_settings
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -183,8 +185,26 @@ class MegatronOptimizer:
             ]
         else:
             main_groups = [dict(g) for g in self.model_groups]
-        self.optimizer = _torch_optimizer(main_groups, cfg)
+        if cfg.optimizer == "muon":
+            self.optimizer = self._muon(model, main_groups, cfg)
+        else:
+            self.optimizer = _torch_optimizer(main_groups, cfg)
         self.scaler = make_grad_scaler(cfg, params_dtype)
+
+    def _muon(self, model: nn.Module, main_groups: list[dict], cfg: OptimizerConfig):
+        """--optimizer muon: the transformer layers' matrices take Muon (each main whole and
+        TP-gathered, megatron.training.muon), the rest AdamW."""
+        settings = muon_settings(cfg)
+        layouts = matrix_layouts(model, settings)
+        mains = {}
+        for model_g, main_g in zip(self.model_groups, main_groups, strict=True):
+            for model_p, main_p in zip(model_g["params"], main_g["params"], strict=True):
+                if id(model_p) in layouts:
+                    mains[id(main_p)] = (main_p, layouts[id(model_p)])
+        orthogonalizer = WholeMatrices(
+            {k: layout for k, (_, layout) in mains.items()}, settings, self.state.tp_group
+        )
+        return build_muon(main_groups, cfg, [m for m, _ in mains.values()], orthogonalizer)
 
     @property
     def skip_on_device(self) -> bool:

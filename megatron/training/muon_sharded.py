@@ -1,0 +1,72 @@
+"""Muon under --use-distributed-optimizer: each DP rank orthogonalises a share of the matrices.
+
+A DP rank holds its shard (flat ranges) of every gradient bucket, and Muon's momentum for the
+same ranges: the momentum is elementwise, so it shards, saves and reshards like Adam's moments.
+Newton-Schulz needs whole matrices, so one step runs, on every DP rank r:
+
+    gather   U_t of r's ranges into a zero buffer laid out as the grad buffer, all-gathered
+             bucket by bucket over DP: every rank then holds U_t of every parameter
+    NS       the matrices r owns: whole logical matrices (megatron.training.muon, TP-gathered
+             as on one process), dealt round-robin in decreasing size over the DP ranks
+    scatter  s NS(U_t) of r's matrices into a second zero buffer, reduce-scattered (sum) bucket
+             by bucket: r receives the update of its own ranges. Every element is non-zero on
+             its owner only, so the sum adds zeros and is exact.
+
+Each matrix is orthogonalised by one DP rank (and, TP-split, by every TP rank of that DP rank),
+the exchange costs one all-gather and one reduce-scatter of the Muon buckets (the size of the
+weights, as the distributed optimizer's own gradient and weight exchanges), and the update
+equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.training.ddp import _all_gather, _reduce_scatter
+from megatron.training.muon import MatrixLayout, MuonSettings, orthogonalize
+
+
+class ShardedMatrices:
+    """The distributed optimizer's orthogonalizer (see the module doc).
+
+    `pairs`: (main, piece) of this rank's shard; `layouts`: id(param) -> MatrixLayout of the
+    parameters Muon takes."""
+
+    def __init__(self, ddp, pairs, layouts: dict[int, MatrixLayout], settings: MuonSettings, tp):
+        self.ddp, self.layouts, self.settings, self.tp_group = ddp, layouts, settings, tp
+        self.piece_of = {id(main): pc for main, pc in pairs}
+        matrices = [(p, lo, hi) for p, lo, hi in ddp.param_ranges if id(p) in layouts]
+        # Decreasing size, ties in buffer order: the same deal on every DP and TP rank.
+        order = sorted(range(len(matrices)), key=lambda i: (-matrices[i][0].numel(), i))
+        self.owned = [matrices[i] for k, i in enumerate(order) if k % ddp.dp_size == ddp.dp_rank]
+        self.owner_of = {
+            id(matrices[i][0]): k % ddp.dp_size for k, i in enumerate(order)
+        }  # for tests and docs: which DP rank orthogonalises each matrix
+        self.buckets = [b for b in ddp.buckets if any(id(p) in layouts for p in b.params)]
+
+    def __call__(self, mains: list[torch.Tensor], updates: list[torch.Tensor]):
+        full = torch.zeros_like(self.ddp.grad_buffer, dtype=torch.float32)
+        for main, u in zip(mains, updates, strict=True):
+            pc = self.piece_of[id(main)]
+            full[pc.buf_lo : pc.buf_hi] = u
+        self._exchange(full, _all_gather)
+        out = torch.zeros_like(full)
+        for p, lo, hi in self.owned:
+            whole = full[lo:hi].view(p.shape)
+            o = orthogonalize(whole, self.layouts[id(p)], self.settings, self.tp_group)
+            out[lo:hi] = o.reshape(-1)
+        self._exchange(out, _reduce_scatter)
+        return [out[self.piece_of[id(m)].buf_lo : self.piece_of[id(m)].buf_hi] for m in mains]
+
+    def _exchange(self, buffer: torch.Tensor, collective) -> None:
+        """`collective(whole bucket, this rank's shard)` in place, bucket by bucket (all-gather:
+        the shard into the bucket; reduce-scatter: the bucket's sum into the shard)."""
+        for bucket in self.buckets:
+            if bucket.size == 1:
+                continue
+            lo, hi = bucket.shard(bucket.rank, bucket.size)
+            whole, shard = buffer[bucket.start : bucket.end], buffer[lo:hi]
+            if collective is _all_gather:
+                collective(whole, shard, group=bucket.group)
+            else:
+                collective(shard, whole, group=bucket.group)
