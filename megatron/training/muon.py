@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.optim.adam import adam as adam_functional
 from torch import nn
+from torch.optim.adam import adam as adam_functional
 
 from megatron.model.transformer import ParallelAttention, TransformerLayer
 from megatron.mpu.utils import group_rank, group_size

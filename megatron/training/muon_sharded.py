@@ -26,6 +26,15 @@ from megatron.training.ddp import _all_gather, _reduce_scatter
 from megatron.training.muon import MatrixLayout, MuonSettings, orthogonalize
 
 
+def deal(sizes: list[int], ranks: int) -> list[int]:
+    """The DP rank that orthogonalises each matrix: round-robin in decreasing size (ties in
+    the given order, the buffer's, so every DP and TP rank deals alike)."""
+    owners = [0] * len(sizes)
+    for k, i in enumerate(sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))):
+        owners[i] = k % ranks
+    return owners
+
+
 class ShardedMatrices:
     """The distributed optimizer's orthogonalizer (see the module doc).
 
@@ -36,12 +45,8 @@ class ShardedMatrices:
         self.ddp, self.layouts, self.settings, self.tp_group = ddp, layouts, settings, tp
         self.piece_of = {id(main): pc for main, pc in pairs}
         matrices = [(p, lo, hi) for p, lo, hi in ddp.param_ranges if id(p) in layouts]
-        # Decreasing size, ties in buffer order: the same deal on every DP and TP rank.
-        order = sorted(range(len(matrices)), key=lambda i: (-matrices[i][0].numel(), i))
-        self.owned = [matrices[i] for k, i in enumerate(order) if k % ddp.dp_size == ddp.dp_rank]
-        self.owner_of = {
-            id(matrices[i][0]): k % ddp.dp_size for k, i in enumerate(order)
-        }  # for tests and docs: which DP rank orthogonalises each matrix
+        owners = deal([p.numel() for p, _, _ in matrices], ddp.dp_size)
+        self.owned = [m for m, owner in zip(matrices, owners, strict=True) if owner == ddp.dp_rank]
         self.buckets = [b for b in ddp.buckets if any(id(p) in layouts for p in b.params)]
 
     def __call__(self, mains: list[torch.Tensor], updates: list[torch.Tensor]):
@@ -49,24 +54,28 @@ class ShardedMatrices:
         for main, u in zip(mains, updates, strict=True):
             pc = self.piece_of[id(main)]
             full[pc.buf_lo : pc.buf_hi] = u
-        self._exchange(full, _all_gather)
+        self._all_gather(full)
         out = torch.zeros_like(full)
         for p, lo, hi in self.owned:
             whole = full[lo:hi].view(p.shape)
             o = orthogonalize(whole, self.layouts[id(p)], self.settings, self.tp_group)
             out[lo:hi] = o.reshape(-1)
-        self._exchange(out, _reduce_scatter)
+        self._reduce_scatter(out)
         return [out[self.piece_of[id(m)].buf_lo : self.piece_of[id(m)].buf_hi] for m in mains]
 
-    def _exchange(self, buffer: torch.Tensor, collective) -> None:
-        """`collective(whole bucket, this rank's shard)` in place, bucket by bucket (all-gather:
-        the shard into the bucket; reduce-scatter: the bucket's sum into the shard)."""
+    def _shards(self, buffer: torch.Tensor):
+        """(bucket's group, the whole bucket, this rank's shard) of the Muon buckets over DP."""
         for bucket in self.buckets:
-            if bucket.size == 1:
-                continue
-            lo, hi = bucket.shard(bucket.rank, bucket.size)
-            whole, shard = buffer[bucket.start : bucket.end], buffer[lo:hi]
-            if collective is _all_gather:
-                collective(whole, shard, group=bucket.group)
-            else:
-                collective(shard, whole, group=bucket.group)
+            if bucket.size > 1:
+                lo, hi = bucket.shard(bucket.rank, bucket.size)
+                yield bucket.group, buffer[bucket.start : bucket.end], buffer[lo:hi]
+
+    def _all_gather(self, buffer: torch.Tensor) -> None:
+        """In place: every rank's shard into every rank's bucket."""
+        for group, whole, shard in self._shards(buffer):
+            _all_gather(whole, shard, group=group)
+
+    def _reduce_scatter(self, buffer: torch.Tensor) -> None:
+        """In place: the sum of the ranks' buckets into each rank's shard."""
+        for group, whole, shard in self._shards(buffer):
+            _reduce_scatter(shard, whole, group=group)
