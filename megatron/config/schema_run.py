@@ -90,11 +90,12 @@ class OptimizerConfig(Section):
         min=0,
         below=1,
     )
-    muon_use_nesterov: bool = setting(
+    muon_nesterov: bool = setting(
         True,
         "Muon: Nesterov momentum (orthogonalise (1 - mu) g + mu B instead of B)",
         shortcuts={
-            "--muon-use-nesterov": (True, "Megatron-core's spelling: Nesterov on (the default)")
+            "--muon-nesterov": (True, "Megatron-core's spelling: Nesterov on (the default)"),
+            "--muon-use-nesterov": (True, "older Megatron / MindSpeed spelling of --muon-nesterov"),
         },
     )
     muon_num_ns_steps: int = setting(
@@ -115,8 +116,8 @@ class OptimizerConfig(Section):
     )
     muon_split_qkv: bool = setting(
         True,
-        "Muon: orthogonalise Q, K and V of the fused query_key_value weight (and SwiGLU's gate "
-        "and up) as separate matrices",
+        "Muon: orthogonalise Q, K and V of the fused query_key_value weight (and, beyond "
+        "Megatron-core's flag, SwiGLU's gate and up) as separate matrices",
         flag="--muon-no-split-qkv",
     )
     lr_decay_style: str = setting(

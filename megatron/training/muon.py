@@ -4,7 +4,7 @@ Muon (Keller Jordan 2024; Moonlight, "Muon is Scalable for LLM Training", 2025) 
 whose update is replaced by the nearest semi-orthogonal matrix, computed by Newton-Schulz:
 
     B_t = mu B_{t-1} + (1 - mu) g_t             momentum (torch.optim.Muon's, Megatron-core's)
-    U_t = (1 - mu) g_t + mu B_t                 Nesterov (--no-muon-use-nesterov: U_t = B_t)
+    U_t = (1 - mu) g_t + mu B_t                 Nesterov (--no-muon-nesterov: U_t = B_t)
     O_t = NS_k(U_t)                             k quintic steps (3.4445, -4.775, 2.0315)
     W_t = W_{t-1} (1 - lr wd) - lr s(A, B) O_t  decoupled weight decay
 
@@ -272,5 +272,5 @@ def build_muon(groups: list[dict], cfg, muon_params, orthogonalizer: Orthogonali
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         momentum=cfg.muon_momentum,
-        nesterov=cfg.muon_use_nesterov,
+        nesterov=cfg.muon_nesterov,
     )
