@@ -1,7 +1,8 @@
 """--optimizer muon: the update against torch.optim.Muon and against a direct per-logical-matrix
 computation; TP2, PP2 and DP2 with the distributed optimizer equal one process (losses, grad
 norms, weights after 6 steps); Muon's momentum saves, resumes exactly and reshards (a 1-process
-plain checkpoint resumed at TP2 and at DP2 with the distributed optimizer)."""
+plain checkpoint resumed at TP2 and at DP2 with the distributed optimizer); a NaN on one rank
+skips the Muon step on both."""
 
 import numpy as np
 import pytest
@@ -22,7 +23,16 @@ from megatron.training.muon import (
 )
 from megatron.training.muon_sharded import deal
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import BASE, _losses, _shard_of, _train, flags, train_run
+from tests.helpers.training import (
+    _CALLS,
+    BASE,
+    _losses,
+    _poison_third_micro_batch_on_rank1,
+    _shard_of,
+    _train,
+    flags,
+    train_run,
+)
 
 MUON = ["--optimizer", "muon", "--swiglu", "--num-query-groups", "2", "--weight-decay", "0.1"]
 
@@ -154,6 +164,8 @@ def _layouts_worker(rank, world, argv, ref_weights, load_dir):
         out[what] = result.history
     for what, extra in RESUMES:
         out[what] = _train(rank, world, argv + extra + ["--load", load_dir, "--no-load-rng"])[0]
+    _CALLS["n"] = 0  # rank 1's 3rd micro batch (iteration 2) has a NaN loss: both ranks skip
+    out["nan"] = _train(rank, world, argv + DISTRIB, _poison_third_micro_batch_on_rank1)[0]
     return out
 
 
@@ -192,6 +204,8 @@ def test_tp2_pp2_and_dp2_distributed_equal_one_process_and_resume(data_prefix, t
             )
             norms = [[h["grad_norm"] for h in run] for run in (out[what], straight)]
             np.testing.assert_allclose(*norms, rtol=1e-4, err_msg=f"{what} grad norms")
+        assert [h["updated"] for h in out["nan"]] == [True, False, True, True, True, True]
+        assert np.isfinite(_losses(out["nan"])[2:]).all(), out["nan"]
         for what, _ in RESUMES:
             np.testing.assert_allclose(
                 _losses(out[what]), _losses(straight)[3:], rtol=2e-5, err_msg=f"{what} {rank}"
