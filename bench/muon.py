@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--adam-lrs", type=_floats, default=_floats("1e-3,3e-3,1e-2"))
-    p.add_argument("--muon-lrs", type=_floats, default=_floats("3e-3,1e-2,3e-2"))
+    p.add_argument("--muon-lrs", type=_floats, default=_floats("1e-2,3e-2,1e-1"))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -111,6 +111,8 @@ def _report(args, start: float) -> None:
         for lr, loss in losses.items():
             print(f"| {optimizer} | {lr:g} | {loss:.4f} |", flush=True)
         best[optimizer] = (min(losses, key=losses.get), losses)
+        if len(lrs) > 1 and best[optimizer][0] in (min(lrs), max(lrs)):
+            print(f"| {optimizer} | (best lr at the end of the sweep: widen it) | |")
     print(f"\nat each one's best lr, {args.seeds} seeds:")
     seeds = list(range(1, args.seeds + 1))
     head = " | ".join(f"seed {s}" for s in seeds)

@@ -46,6 +46,7 @@ from megatron.training.muon_sharded import ShardedMatrices
 from megatron.training.optimizer import (
     MegatronOptimizer,
     _torch_optimizer,
+    check_state_kind,
     make_grad_scaler,
     param_groups,
     read_skip_and_norm,
@@ -112,6 +113,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.state, self.clip_grad, self.ddp = state, clip_grad, model
         self.overlap_param_gather = overlap_param_gather
         self.half = params_dtype in (torch.float16, torch.bfloat16)
+        self.kind = cfg.optimizer
         self.pieces = shard_pieces(model)
         wd_mult = {id(p): g["wd_mult"] for g in param_groups(model.module) for p in g["params"]}
         self.mains = [self._main(piece) for piece in self.pieces]
@@ -242,6 +244,8 @@ class DistributedOptimizer(MegatronOptimizer):
             if restored:
                 device = main.device
                 self.optimizer.state[main] = {k: v.to(device) for k, v in restored.items()}
+        if self.kind is not None:
+            check_state_kind(self.optimizer, self.kind)
 
 
 def _index_ranges(shards: list[dict]) -> dict[str, list[dict]]:

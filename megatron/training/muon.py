@@ -197,6 +197,13 @@ class MuonAdamW(torch.optim.Optimizer):
         self.muon_ids = {id(p) for p in muon_params}
         self.orthogonalize = orthogonalize
 
+    def __setstate__(self, state: dict) -> None:
+        """After load_state_dict: groups saved by another optimizer get this one's defaults."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:

@@ -123,6 +123,22 @@ def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
         return torch.optim.AdamW(groups, foreach=True, **kw)
 
 
+def check_state_kind(optimizer: torch.optim.Optimizer, kind: str, states=None) -> None:
+    """A loaded state must be this optimizer's: Adam's moments where AdamW steps, a momentum
+    buffer where SGD or Muon does (a resume with another --optimizer would fail in torch, or
+    silently start a moment from zero). `states`: (param, state) pairs, default the
+    optimizer's own."""
+    muon_ids = getattr(optimizer, "muon_ids", set())
+    for p, state in optimizer.state.items() if states is None else states:
+        want = "momentum_buffer" if kind == "sgd" or id(p) in muon_ids else "exp_avg"
+        if state and want not in state:
+            raise ValueError(
+                f"the checkpoint's optimizer state holds {sorted(state)}, not the {want} that "
+                f"--optimizer {kind} keeps: it was saved by another --optimizer. Fix: resume "
+                "with the --optimizer it was saved with, or pass --no-load-optim"
+            )
+
+
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """The optimizer skips its update on a device flag (`optimizer.found_inf`, 0-d, 1.0 =
     skip): torch's fused AdamW. Not fused SGD: a first step skipped that way leaves its momentum
@@ -160,6 +176,7 @@ class MegatronOptimizer:
     # Subclasses (the distributed optimizer) keep their masters on the device: no stand-ins.
     offload = False
     _holders: list[torch.Tensor] | None = None
+    kind: str | None = None  # --optimizer: what a loaded state is checked against
 
     def __init__(
         self,
@@ -173,6 +190,7 @@ class MegatronOptimizer:
     ):
         self.state, self.clip_grad = state, clip_grad
         self.model_groups = param_groups(model)
+        self.kind = cfg.optimizer
         self.offload = cpu_offload
         # Separate fp32 masters: for half weights, and for any weights when they live on the CPU.
         self.masters = params_dtype in (torch.float16, torch.bfloat16) or cpu_offload
@@ -343,6 +361,10 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        if self.kind is not None:  # torch's state is keyed by position
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            saved = sd["optimizer"]["state"].items()
+            check_state_kind(self.optimizer, self.kind, [(params[i], st) for i, st in saved])
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.scaler is not None and "grad_scaler" in sd:
             self.scaler.load_state_dict(sd["grad_scaler"])

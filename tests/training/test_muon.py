@@ -22,6 +22,7 @@ from megatron.training.muon import (
     orthogonalize,
 )
 from megatron.training.muon_sharded import deal
+from megatron.training.optimizer import check_state_kind
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
     _CALLS,
@@ -63,6 +64,26 @@ def test_one_matrix_matches_torch_optim_muon():
         opt.state[ours]["momentum_buffer"], ref.state[theirs]["momentum_buffer"]
     )
     torch.testing.assert_close(ours - w0, theirs - w0, rtol=0.05, atol=2e-3)
+
+
+def test_a_state_saved_by_another_optimizer_is_refused():
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    adam = torch.optim.AdamW([w])
+    w.grad = torch.randn(8, 4)
+    adam.step()
+    layouts = {id(w): MatrixLayout("w", (8, 4))}
+    muon = build_muon(
+        [{"params": [w], "wd_mult": 1.0}], _cfg(), [w], WholeMatrices(layouts, MuonSettings(), None)
+    )
+    muon.load_state_dict(adam.state_dict())  # torch loads it; our check names the fix
+    with pytest.raises(ValueError, match="--no-load-optim"):
+        check_state_kind(muon, "muon")
+    muon.state.clear()
+    muon.step()
+    check_state_kind(muon, "muon")
+    saved = muon.state_dict()["state"].items()
+    with pytest.raises(ValueError, match="exp_avg"):
+        check_state_kind(adam, "adam", [(w, st) for _, st in saved])
 
 
 def test_newton_schulz_orthogonalises():
