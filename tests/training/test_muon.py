@@ -1,8 +1,8 @@
 """--optimizer muon: the update against torch.optim.Muon and against a direct per-logical-matrix
-computation; TP2, PP2 and DP2 with the distributed optimizer equal one process (losses, grad
-norms, weights after 6 steps); Muon's momentum saves, resumes exactly and reshards (a 1-process
-plain checkpoint resumed at TP2 and at DP2 with the distributed optimizer); a NaN on one rank
-skips the Muon step on both."""
+computation; TP2, PP2 (interleaved) and DP2 with the distributed optimizer (overlapped gather)
+equal one process (losses, grad norms, weights after 6 steps); Muon's momentum saves, resumes
+exactly and reshards (a 1-process plain checkpoint resumed at TP2 and at DP2 with the
+distributed optimizer); a NaN on one rank skips the Muon step on both."""
 
 import numpy as np
 import pytest
@@ -202,10 +202,11 @@ def _check_weights(ddp, ref_weights, what):
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 DISTRIB = ["--use-distributed-optimizer"]
+VIRTUAL = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 2 chunks per stage
 LAYOUTS = [
     ("TP2", TP2),
-    ("PP2", ["--pipeline-model-parallel-size", "2"]),
-    ("DP2 distributed optimizer", DISTRIB),
+    ("PP2 interleaved", ["--pipeline-model-parallel-size", "2"] + VIRTUAL),
+    ("DP2 distributed optimizer", DISTRIB + ["--overlap-param-gather"]),
 ]
 RESUMES = [("resumed at TP2", TP2), ("resumed at DP2 distributed", DISTRIB)]
 
