@@ -80,7 +80,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--adam-lrs", type=_floats, default=_floats("3e-4,1e-3,3e-3"))
+    p.add_argument("--adam-lrs", type=_floats, default=_floats("1e-3,3e-3,1e-2"))
     p.add_argument("--muon-lrs", type=_floats, default=_floats("1e-2,3e-2,1e-1"))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
