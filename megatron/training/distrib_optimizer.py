@@ -41,8 +41,7 @@ from megatron.mpu.expert_shards import is_etp_split
 from megatron.mpu.grads import counts_once, per_tensor_norms
 from megatron.mpu.utils import group_size
 from megatron.training.ddp import DistributedDataParallel
-from megatron.training.muon import build_muon, matrix_layouts, muon_settings
-from megatron.training.muon_sharded import ShardedMatrices
+from megatron.training.muon_sharded import sharded_muon
 from megatron.training.optimizer import (
     MegatronOptimizer,
     _torch_optimizer,
@@ -123,12 +122,8 @@ class DistributedOptimizer(MegatronOptimizer):
             mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
             groups.append({"params": mine, "wd_mult": mult})
         if cfg.optimizer == "muon":  # each DP rank orthogonalises a share of the matrices
-            settings = muon_settings(cfg)
-            layouts = matrix_layouts(model.module, settings)
             pairs = list(zip(self.mains, self.pieces, strict=True))
-            muon = [m for m, pc in pairs if id(pc.param) in layouts]
-            sharded = ShardedMatrices(model, pairs, layouts, settings, state.tp_group)
-            self.optimizer = build_muon(groups, cfg, muon, sharded)
+            self.optimizer = sharded_muon(groups, cfg, model, pairs, state.tp_group)
         else:
             self.optimizer = _torch_optimizer(groups, cfg)
         self.scaler = make_grad_scaler(cfg, params_dtype)

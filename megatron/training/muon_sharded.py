@@ -23,7 +23,23 @@ from __future__ import annotations
 import torch
 
 from megatron.training.ddp import _all_gather, _reduce_scatter
-from megatron.training.muon import MatrixLayout, MuonSettings, orthogonalize
+from megatron.training.muon import (
+    MatrixLayout,
+    MuonAdamW,
+    MuonSettings,
+    build_muon,
+    matrix_layouts,
+    muon_settings,
+    orthogonalize,
+)
+
+
+def sharded_muon(groups: list[dict], cfg, ddp, pairs, tp_group) -> MuonAdamW:
+    """The distributed optimizer's MuonAdamW over `groups` of this rank's (main, piece) `pairs`."""
+    settings = muon_settings(cfg)
+    layouts = matrix_layouts(ddp.module, settings)
+    muon = [main for main, pc in pairs if id(pc.param) in layouts]
+    return build_muon(groups, cfg, muon, ShardedMatrices(ddp, pairs, layouts, settings, tp_group))
 
 
 def deal(sizes: list[int], ranks: int) -> list[int]:
