@@ -10,6 +10,11 @@
    Formula per parameter of the rank (ZeRO paper, Megatron's distributed optimizer):
        bf16 params, fp32 grads:  18 plain  vs  6 + 12 / DP distributed
        fp32:                     16 plain  vs  8 +  8 / DP distributed
+   FSDP2 (--use-torch-fsdp2) at DP 2 and 4 (real gloo DP ranks, TP 1; fully_shard lays the
+   meta tensors out over a real mesh): fp32 shards of the weights (the master weights), of the
+   gradients and of Adam's moments, 16 / DP bytes per parameter in either dtype, plus, while a
+   unit computes, its weights gathered whole (printed under the table). Beside it DeepSpeed's
+   ZeRO-3 estimator (estimate_zero3_model_states_mem_needs, not a measurement).
 2. Activations: bytes kept for backward by one transformer layer during a bf16 forward of one
    micro batch (autograd saved-tensor hooks; unique storages, parameters left out), per layer,
    against Korthikanti et al. 2022 with the s^2 term gone (SDPA/flash keeps no attention
@@ -31,12 +36,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron.training.ddp as ddp_module  # noqa: E402
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
-from megatron.model.context import BuildContext
+from megatron.model.context import BuildContext  # noqa: E402
+from megatron.model.stages import ModelChunks  # noqa: E402
 from megatron.model.transformer import TransformerLayer  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
 from megatron.training.distrib_optimizer import DistributedOptimizer  # noqa: E402
+from megatron.training.fsdp2 import FullyShardedModel  # noqa: E402
+from megatron.training.fsdp2_optimizer import FSDPOptimizer  # noqa: E402
 from megatron.training.optimizer import MegatronOptimizer  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
@@ -177,7 +185,8 @@ def _worker(rank, world, seq, batch):
             for dp in (1, 2, 4):
                 for distributed in (False, True):
                     got = model_state_bytes(cfg, state, dp, distributed, dtype)
-                    rows["states"].append((name, world, dp, distributed, str(dtype)[6:], got))
+                    kind = "distributed" if distributed else "plain"
+                    rows["states"].append((name, world, dp, kind, str(dtype)[6:], got))
         if seq:
             acts = activation_bytes(cfg, state, seq, batch)
             sp = activation_bytes(cfg, state, seq, batch, sp=True) if world > 1 else None
@@ -185,10 +194,72 @@ def _worker(rank, world, seq, batch):
     return rows if rank == 0 else None
 
 
-def _state_formula(dtype: str, dp: int, distributed: bool) -> float:
+def _fsdp2_worker(rank, world, seq):
+    """FSDP2 at DP = world (TP 1): this rank's shards, laid out on the meta device over a real
+    gloo mesh (fully_shard needs one; no collective runs on meta tensors)."""
+    state = initialize_model_parallel(1)
+    rows = []
+    for name, shape in MODELS.items():
+        cfg = ModelConfig(**shape, seq_length=seq, vocab_size=VOCAB)
+        for dtype in (torch.bfloat16, torch.float32):
+            got = fsdp2_state_bytes(cfg, state, dtype)
+            rows.append((name, 1, world, "FSDP2", str(dtype)[6:], got))
+            if dtype == torch.bfloat16:
+                got = {**got, **zero3_estimate(got["n"], got["unit"], world)}
+                rows.append((name, 1, world, "ZeRO-3 (DeepSpeed's estimator)", "bfloat16", got))
+    return rows if rank == 0 else None  # rank 0 holds the largest shards (torch.chunk's split)
+
+
+def fsdp2_state_bytes(cfg: ModelConfig, state, dtype) -> dict:
+    """{'params', 'grads', 'optimizer', 'n', 'unit'}: the fp32 shards FSDP2 keeps of the weights
+    (the master weights), of the gradients and Adam's moments; 'unit': the largest sharding
+    unit's parameter count (gathered whole in the run's dtype while it computes)."""
+    with torch.device("meta"):
+        model = GPTModel(cfg, BuildContext(state, dtype=dtype))
+    n = sum(p.numel() for p in model.parameters())
+    unit = max(sum(p.numel() for p in m.parameters()) for m in model.layer_list())
+    fsdp = FullyShardedModel(ModelChunks([model]), state.dp_cp_group, params_dtype=dtype)
+    kw = {"params_dtype": dtype, "state": state, "clip_grad": 1.0}
+    opt = FSDPOptimizer(fsdp, OptimizerConfig(lr=1e-4), **kw)
+    grads = [torch.zeros_like(m) for m in opt.mains]  # the reduce-scattered fp32 shards
+    for main, grad in zip(opt.mains, grads, strict=True):
+        main.grad = grad
+    for group in opt.optimizer.param_groups:
+        group.update(fused=False, foreach=True)
+    opt.optimizer.step()
+    moments = [t for s in opt.optimizer.state.values() for t in s.values() if t.ndim > 0]
+    return {
+        "params": sum(map(_nbytes, opt.mains)),
+        "grads": sum(map(_nbytes, grads)),
+        "optimizer": sum(map(_nbytes, moments)),
+        "n": n,
+        "unit": unit,
+    }
+
+
+def zero3_estimate(n: int, largest_layer: int, dp: int) -> dict:
+    """DeepSpeed's own ZeRO-3 estimate of the model states per device (its
+    estimate_zero3_model_states_mem_needs, no offload: 18 bytes / DP per parameter plus 4 x the
+    largest layer), shown as 2 + 2 bytes / DP of half weights and gradients, the rest as
+    optimizer state. Not measured: DeepSpeed's ZeRO-3 needs real tensors."""
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    except ImportError:
+        return {"params": 2 * n // dp, "grads": 2 * n // dp, "optimizer": 12 * n // dp}
+    _, total, _ = estimate_zero3_model_states_mem_needs(
+        n, largest_layer, num_gpus_per_node=dp, cpu_offload=False
+    )
+    return {"params": 2 * n // dp, "grads": 2 * n // dp, "optimizer": total - 4 * n // dp}
+
+
+def _state_formula(dtype: str, dp: int, kind: str) -> float:
+    if kind == "FSDP2":  # fp32 shards of weights (the masters) and grads, and the moments
+        return 16 / dp
+    if kind.startswith("ZeRO-3"):  # half weights and grads, fp32 masters and moments
+        return 16 / dp
     if dtype == "bfloat16":
-        return 6 + 12 / dp if distributed else 18
-    return 8 + 8 / dp if distributed else 16
+        return 6 + 12 / dp if kind == "distributed" else 18
+    return 8 + 8 / dp if kind == "distributed" else 16
 
 
 def print_states(rows) -> None:
@@ -196,15 +267,28 @@ def print_states(rows) -> None:
         f"| model | TP | DP | dtype | optimizer | params/rank | param GiB | grad GiB | "
         f"optim GiB | bytes/param | formula | diff |\n|{'---|' * 12}"
     )
-    for name, tp, dp, distributed, dtype, got in rows:
+    for name, tp, dp, kind, dtype, got in rows:
         total = got["params"] + got["grads"] + got["optimizer"]
-        per, formula = total / got["n"], _state_formula(dtype, dp, distributed)
+        per, formula = total / got["n"], _state_formula(dtype, dp, kind)
         print(
-            f"| {name} | {tp} | {dp} | {dtype} | {'distributed' if distributed else 'plain'} | "
+            f"| {name} | {tp} | {dp} | {dtype} | {kind} | "
             f"{got['n'] / 1e6:.1f} M | {got['params'] / 2**30:.3f} | {got['grads'] / 2**30:.3f} | "
             f"{got['optimizer'] / 2**30:.3f} | {per:.3f} | {formula:.3f} | "
             f"{100 * (per / formula - 1):+.2f}% |"
         )
+
+
+def print_fsdp2_units(rows) -> None:
+    """FSDP2 holds more than its shards while a unit computes: that unit's weights whole."""
+    seen = set()
+    for name, _, _, kind, dtype, got in rows:
+        if kind == "FSDP2" and (name, dtype) not in seen:
+            seen.add((name, dtype))
+            size = 2 if dtype == "bfloat16" else 4
+            print(
+                f"FSDP2 {name} {dtype}: + {got['unit'] * size / 2**20:.0f} MiB while the largest "
+                f"unit ({got['unit'] / 1e6:.1f} M parameters) is gathered (x2 with prefetch)"
+            )
 
 
 def print_activations(rows, seq: int, batch: int) -> None:
@@ -240,8 +324,11 @@ def main():
         rows = run_distributed(_worker, tp, args.seq, args.batch, timeout=600)[0]
         states += rows["states"]
         acts += rows["acts"]
+    for dp in (2, 4):
+        states += run_distributed(_fsdp2_worker, dp, args.seq, timeout=600)[0]
     states.sort(key=lambda r: (r[0], r[4], r[1], r[2], r[3]))
     print_states(states)
+    print_fsdp2_units(states)
     print_activations(acts, args.seq, args.batch)
 
 

@@ -25,6 +25,7 @@ from megatron.config.rules_bert import refuse_bert_settings, validate_bert
 from megatron.config.rules_compute import validate_compute
 from megatron.config.rules_data import validate_data
 from megatron.config.rules_fp8 import validate_fp8
+from megatron.config.rules_fsdp2 import validate_fsdp2
 from megatron.config.rules_moe import validate_moe
 from megatron.config.rules_training import validate_batch, validate_training
 from megatron.config.schema import (
@@ -232,6 +233,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
     validate_batch(cfg.training, par.data_parallel_size)
     validate_data(cfg.data)
     _validate_distributed_optimizer(cfg)
+    validate_fsdp2(cfg)
     validate_compat(cfg)
 
 

@@ -352,6 +352,27 @@ class DistributedConfig(Section):
     use_cpu_initialization: bool = setting(
         False, "build the model on the CPU, then move it to the device (the same weights)"
     )
+    use_torch_fsdp2: bool = setting(
+        False,
+        "shard weights, gradients and optimizer state over the data-parallel (x context-"
+        "parallel) ranks with torch's FSDP2 (torch.distributed.fsdp.fully_shard, per "
+        "transformer layer): weights all-gathered before each layer runs, gradients "
+        "reduce-scattered (ZeRO-3); replaces our DDP buckets",
+    )
+    torch_fsdp2_reshard_after_forward: str = setting(
+        "auto",
+        "with --use-torch-fsdp2: free each unit's gathered weights after its forward and gather "
+        "them again for backward (true, ZeRO-3), keep them until backward (false: one "
+        "all-gather per step fewer, ZeRO-2's memory for the weights), or auto: true for the "
+        "layers, false for each model chunk's root unit (FSDP2's reshard_after_forward=None)",
+        choices=("auto", "true", "false"),
+        shortcuts={
+            "--torch-fsdp2-no-reshard-after-forward": (
+                "false",
+                "Megatron-core's spelling of --torch-fsdp2-reshard-after-forward false",
+            )
+        },
+    )
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ def training_of(cfg: MegatronConfig) -> Training:
     sharding = "distributed" if o.use_distributed_optimizer else "none"
     if ds.enabled and ds.zero_stage:
         sharding = {1: "distributed", 2: "zero2", 3: "zero3"}[ds.zero_stage]
+    if cfg.distributed.use_torch_fsdp2:  # MoE is refused with it
+        sharding = "fsdp2"
     return Training(
         dtype_bytes=2 if (cfg.precision.fp16 or cfg.precision.bf16) else 4,
         optimizer=o.optimizer,

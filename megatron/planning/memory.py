@@ -118,7 +118,7 @@ class Training:
     dtype_bytes: int = 2  # weights and activations: 2 for fp16/bf16, 4 for fp32
     optimizer: str = "adam"  # adam, muon (counted as adam), or sgd
     sgd_momentum: float = 0.9
-    sharding: str = "none"  # none, distributed (= ZeRO-1), zero2, zero3
+    sharding: str = "none"  # none, distributed (= ZeRO-1), zero2, zero3, fsdp2
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     attention_backend: str = "sdpa"
@@ -210,6 +210,13 @@ def model_state_bytes(
         opt = 12 if half else 8
     else:
         opt = (4 if half else 0) + (4 if t.sgd_momentum else 0)
+    if t.sharding == "fsdp2":  # fp32 shards of weights (the masters), gradients, moments
+        opt -= 4 if half else 0
+        return {
+            "parameters": 4 * params // dp,
+            "gradients": 4 * params // dp,
+            "optimizer": opt * params // dp,
+        }
     shard = {"none": 0, "distributed": 1, "zero2": 2, "zero3": 3}[t.sharding]
     dense, edp = params - experts, max(1, dp // ep)
 

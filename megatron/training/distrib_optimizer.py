@@ -110,6 +110,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 "use_distributed_optimizer=True (sharded, padded buckets)"
             )
         self.state, self.clip_grad, self.ddp = state, clip_grad, model
+        self.device = model.grad_buffer.device
         self.overlap_param_gather = overlap_param_gather
         self.half = params_dtype in (torch.float16, torch.bfloat16)
         self.kind = cfg.optimizer
@@ -130,8 +131,12 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _main(self, piece: _Piece) -> torch.Tensor:
         """fp32 models: a view of the param buffer (updated in place); half: an fp32 copy."""
-        view = self.ddp.param_buffer[piece.buf_lo : piece.buf_hi]
+        view = self._weights(piece)
         return view.detach().clone().float() if self.half else view
+
+    def _weights(self, piece: _Piece) -> torch.Tensor:
+        """The model's weights of `piece` (flat): its elements of the param buffer."""
+        return self.ddp.param_buffer[piece.buf_lo : piece.buf_hi]
 
     def _pairs(self):
         yield from zip(self.pieces, self.mains, strict=True)
@@ -147,7 +152,7 @@ class DistributedOptimizer(MegatronOptimizer):
         ]
         squares = [n.float() ** 2 for n in per_tensor_norms(counted, 2.0)]  # fused per dtype
         total = torch.stack(squares).sum() if squares else torch.zeros(())
-        total = total.to(self.ddp.grad_buffer.device)
+        total = total.to(self.device)
         for group in (self.ddp.dp_group, self.state.mp_group):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
@@ -176,7 +181,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _after_update(self) -> None:
         """The updated shard into the param buffer (half models), then all-gathered over DP."""
         if self.half and self.pieces:  # one fused copy of every piece
-            views = [self.ddp.param_buffer[pc.buf_lo : pc.buf_hi] for pc in self.pieces]
+            views = [self._weights(pc) for pc in self.pieces]
             torch._foreach_copy_(views, self.mains)
         self.ddp.start_param_sync(overlap=self.overlap_param_gather)
 
@@ -186,7 +191,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.ddp.finish_param_sync()
         if self.half:
             for pc, main in self._pairs():
-                main.copy_(self.ddp.param_buffer[pc.buf_lo : pc.buf_hi])
+                main.copy_(self._weights(pc))
 
     def state_dict(self) -> dict:
         """What every DP rank shares (DP rank 0 writes it in the model shard); the sharded
@@ -235,7 +240,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if "main" in restored:
                 main.copy_(restored.pop("main"))
             elif self.half:  # saved before this param had a main: take the weights
-                main.copy_(self.ddp.param_buffer[pc.buf_lo : pc.buf_hi])
+                main.copy_(self._weights(pc))
             if restored:
                 device = main.device
                 self.optimizer.state[main] = {k: v.to(device) for k, v in restored.items()}

@@ -1,4 +1,5 @@
-"""Muon under --use-distributed-optimizer: each DP rank orthogonalises a share of the matrices.
+"""Muon under --use-distributed-optimizer (ShardedMatrices) and --use-torch-fsdp2
+(RowShardedMatrices): each DP rank orthogonalises a share of the matrices.
 
 A DP rank holds its shard (flat ranges) of every gradient bucket, and Muon's momentum for the
 same ranges: the momentum is elementwise, so it shards, saves and reshards like Adam's moments.
@@ -21,7 +22,9 @@ equals the single-process one.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from megatron.mpu.utils import group_rank, group_size
 from megatron.training.ddp import _all_gather, _reduce_scatter
 from megatron.training.muon import (
     MatrixLayout,
@@ -95,3 +98,59 @@ class ShardedMatrices:
         """In place: the sum of the ranks' buckets into each rank's shard."""
         for group, whole, shard in self._shards(buffer):
             _reduce_scatter(shard, whole, group=group)
+
+
+class RowShardedMatrices:
+    """--use-torch-fsdp2's orthogonalizer: each parameter's rows are split over the DP x CP
+    mesh (FSDP2's dim-0 shards, ceil(rows / n) per rank, the last ones shorter). Per matrix,
+    in the same order on every rank: its row shards are gathered (padded to equal size) on
+    the DP rank that owns it (dealt as above), which orthogonalises it whole (TP-gathered as on
+    one process) and scatters each rank its rows back. One gather and one scatter of the
+    matrix over DP, no matrix computed twice."""
+
+    def __init__(self, pairs, layouts: dict[int, MatrixLayout], settings: MuonSettings, tp, dp):
+        self.layouts, self.settings, self.tp_group, self.dp_group = layouts, settings, tp, dp
+        self.items = [(main, pc) for main, pc in pairs if id(pc.param) in layouts]
+        self.size, self.rank = group_size(dp), group_rank(dp)
+        self.owners = deal([pc.param.numel() for _, pc in self.items], self.size)
+
+    def __call__(self, mains: list[torch.Tensor], updates: list[torch.Tensor]):
+        given = {id(m): u for m, u in zip(mains, updates, strict=True)}
+        out = {}
+        for (main, pc), owner in zip(self.items, self.owners, strict=True):
+            out[id(main)] = self._one(given[id(main)], pc, owner)
+        return [out[id(m)] for m in mains]
+
+    def _one(self, update: torch.Tensor, pc, owner: int) -> torch.Tensor:
+        shape = tuple(pc.param.shape)  # the TP-local matrix
+        rows, width = shape[0], pc.param.numel() // max(shape[0], 1)
+        chunk = -(-rows // self.size)
+        mine = torch.zeros(chunk, width, device=update.device)
+        mine[: (pc.hi - pc.lo) // width] = update.view(-1, width)  # (my rows, width), padded
+        src = dist.get_global_rank(self.dp_group, owner) if self.dp_group is not None else 0
+        parts = [torch.empty_like(mine) for _ in range(self.size)] if self.rank == owner else None
+        if self.size > 1:
+            dist.gather(mine, parts, dst=src, group=self.dp_group)
+        else:
+            parts = [mine]
+        if self.rank == owner:
+            whole = torch.cat(parts)[:rows].view(shape)
+            o = orthogonalize(whole, self.layouts[id(pc.param)], self.settings, self.tp_group)
+            padded = torch.zeros(chunk * self.size, width, device=update.device)
+            padded[:rows] = o.reshape(rows, width)
+            parts = list(padded.chunk(self.size))
+        if self.size > 1:
+            dist.scatter(mine, parts, src=src, group=self.dp_group)
+        else:
+            mine = parts[0]
+        return mine[: (pc.hi - pc.lo) // width].reshape(-1)
+
+
+def row_sharded_muon(groups: list[dict], cfg, model, pairs, tp_group) -> MuonAdamW:
+    """--use-torch-fsdp2's MuonAdamW over `groups` of this rank's (main, piece) `pairs`
+    (`model`: the FullyShardedModel, whose dp_group its parameters' rows are sharded over)."""
+    settings = muon_settings(cfg)
+    layouts = matrix_layouts(model.module, settings)
+    muon = [main for main, pc in pairs if id(pc.param) in layouts]
+    rows = RowShardedMatrices(pairs, layouts, settings, tp_group, model.dp_group)
+    return build_muon(groups, cfg, muon, rows)

@@ -109,6 +109,8 @@ def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
         g["weight_decay"] = cfg.weight_decay * g["wd_mult"]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
+    if cfg.optimizer != "adam":  # muon: built by its optimizer's own path, never AdamW instead
+        raise ValueError(f"--optimizer {cfg.optimizer} is not built here (adam and sgd are)")
     kw = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
     try:
         from apex.optimizers import FusedAdam  # NVIDIA apex, only if the user installed it

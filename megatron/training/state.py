@@ -211,8 +211,10 @@ def save_training_state(
             shard["optimizer"] = gather_optimizer_experts(shard["optimizer"], model, order, st)
             shard["optimizer"]["param_names"] = plain_parameter_names(model.module)
     optim_shard = sharded() if sharded is not None else None
-    if saver is not None:
-        shard, optim_shard = saver.stage(shard, "model"), saver.stage(optim_shard, "optim")
+    if saver is not None:  # the model shard is written by DP x CP rank 0 only: staged there
+        if st.dp_cp_rank == 0:  # (FSDP2 hands the other ranks meta tensors)
+            shard = saver.stage(shard, "model")
+        optim_shard = saver.stage(optim_shard, "optim")
     where = {"tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "pp_size": st.pp_size}
     root, it = cfg.checkpoint.save, state.iteration
 

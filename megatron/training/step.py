@@ -33,6 +33,8 @@ from megatron.training.backend import (
 )
 from megatron.training.ddp import wrap_data_parallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
+from megatron.training.fsdp2 import RESHARD_AFTER_FORWARD, FullyShardedModel
+from megatron.training.fsdp2_optimizer import FSDPOptimizer
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
@@ -105,6 +107,11 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
     """`model_provider(ModelConfig, BuildContext) -> ModelChunks`: the family's builder."""
     model = build_parallelized_model(cfg, rt, model_provider, recompute_impl(cfg, rt))
     dtype = cfg.precision.params_dtype
+    kw = {"params_dtype": dtype, "state": rt.state, "clip_grad": cfg.training.clip_grad}
+    if cfg.distributed.use_torch_fsdp2:
+        model = shard_fully(model, cfg, rt)
+        optimizer = FSDPOptimizer(model, cfg.optimizer, **kw)
+        return model, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
     distributed = cfg.optimizer.use_distributed_optimizer
     tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
     ddp = wrap_data_parallel(
@@ -119,7 +126,6 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
         # MoE experts: averaged over the DP x CP / EP ranks holding the same experts
         expert_group=rt.state.expert_data_group,
     )
-    kw = {"params_dtype": dtype, "state": rt.state, "clip_grad": cfg.training.clip_grad}
     if distributed:
         optimizer = DistributedOptimizer(
             ddp, cfg.optimizer, overlap_param_gather=cfg.optimizer.overlap_param_gather, **kw
@@ -129,6 +135,20 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
             model, cfg.optimizer, cpu_offload=cfg.deepspeed.cpu_optimizer, **kw
         )
     return ddp, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
+
+
+def shard_fully(model, cfg: MegatronConfig, rt: Runtime) -> FullyShardedModel:
+    """--use-torch-fsdp2: the chunks under FSDP2 over the DP x CP ranks
+    (megatron.training.fsdp2)."""
+    d, dtype = cfg.distributed, cfg.precision.params_dtype
+    return FullyShardedModel(
+        model,
+        rt.state.dp_cp_group,  # weights are replicated over DP and CP: shard over both
+        params_dtype=dtype,
+        reduce_dtype=dtype if d.allreduce_dtype == "params" else torch.float32,
+        reshard_after_forward=RESHARD_AFTER_FORWARD[d.torch_fsdp2_reshard_after_forward],
+        accumulate_unsharded=rt.state.pp_size == 1,  # the pipeline syncs every backward
+    )
 
 
 def recompute_impl(cfg: MegatronConfig, rt: Runtime):

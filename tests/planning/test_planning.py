@@ -93,6 +93,10 @@ def test_memory_model_against_hand_computed_values():
     }
     assert sum(model_state_bytes(1000, 4, Training(2, sharding="distributed")).values()) == 9000
     assert sum(model_state_bytes(1000, 4, Training(4, sharding="distributed")).values()) == 10000
+    # --use-torch-fsdp2: 16 bytes / DP in either dtype (fp32 shards are the master weights)
+    for dtype_bytes in (2, 4):
+        fsdp2 = model_state_bytes(1000, 4, Training(dtype_bytes, sharding="fsdp2"))
+        assert fsdp2 == {"parameters": 1000, "gradients": 1000, "optimizer": 2000}
     # activations per layer: Megatron's s b h (34 + 5 a s / h) in fp16 with 1-byte masks
     lay = Layout(1, 1, 1, micro_batch=2, num_micro_batches=1)  # (b = 1 keeps the qkv storage)
     no_flash = Device(mask_bytes=1, flash_attention=False)

@@ -244,9 +244,12 @@ class GPTModel(nn.Module):
             )
         if not self.post_process:
             return x
+        # untied: the head has its own weight, and the embedding's (under FSDP2 a sharded
+        # parameter outside the embedding's forward) is not handed to it
+        tied = self.word_embeddings_weight() if self.tied else None
         if labels is not None and self.ops.cross_entropy_fusion_impl == "linear":
-            return self.head.loss(x, labels, self.ops, self.word_embeddings_weight())
-        logits = self.head(x, self.word_embeddings_weight())
+            return self.head.loss(x, labels, self.ops, tied)
+        logits = self.head(x, tied)
         if labels is None:
             return logits
         return self.ops.vocab_cross_entropy(logits, labels, self.state.tp_group)
