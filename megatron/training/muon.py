@@ -162,7 +162,9 @@ def matrix_layouts(model: nn.Module, settings: MuonSettings) -> dict[int, Matrix
                 tuple(p.shape),
                 int(p.partition_dim) if split else None,
                 qkv.get(id(p)),
-                int(getattr(p, "partition_stride", 1)) if split else 1,
+                # a stride-s weight stacks s matrices (SwiGLU's [gate; up]); unsplit, NS of the
+                # TP-gathered rows [g_0; u_0; g_1; u_1] is NS of [gate; up] with its rows moved
+                int(getattr(p, "partition_stride", 1)) if split and settings.split_qkv else 1,
             )
     return layouts
 

@@ -119,6 +119,13 @@ def test_qkv_and_gate_up_are_orthogonalised_per_logical_matrix():
     expected = torch.cat([newton_schulz(m, 5) * 0.2 * 16**0.5 for m in gate_up.chunk(2)])
     layout = MatrixLayout("fc1", (32, 16), 0, None, stacked=2)
     torch.testing.assert_close(orthogonalize(gate_up, layout, settings), expected)
+    # --muon-no-split-qkv at TP2: NS of the gathered rows [g_0; u_0; g_1; u_1] is NS of
+    # [gate; up] with its rows moved the same way
+    moved = torch.cat([gate_up[i : i + 8] for i in (0, 16, 8, 24)])
+    whole = newton_schulz(gate_up, 5)
+    torch.testing.assert_close(
+        newton_schulz(moved, 5), torch.cat([whole[i : i + 8] for i in (0, 16, 8, 24)])
+    )
 
 
 def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
@@ -135,11 +142,8 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
     assert qkv[0].qkv == (2, 2, 8)  # 2 groups of 2 queries, head dim 8
     fc1 = [layouts[id(p)] for n, p in model.named_parameters() if "dense_h_to_4h.w" in n]
     assert fc1[0].stacked == 2
-    assert not matrix_layouts(model, MuonSettings(split_qkv=False))[id(qkv_param(model))].qkv
-
-
-def qkv_param(model):
-    return next(p for n, p in model.named_parameters() if "query_key_value.weight" in n)
+    unsplit = matrix_layouts(model, MuonSettings(split_qkv=False))
+    assert all(not u.qkv and u.stacked == 1 for u in unsplit.values())
 
 
 def test_matrices_are_dealt_once_in_decreasing_size():
