@@ -67,9 +67,24 @@ def validate_training(cfg: MegatronConfig) -> None:
     validate_vocab(cfg)
 
 
+_MUON_FLAGS = {
+    "muon_momentum": "--muon-momentum",
+    "muon_nesterov": "--no-muon-nesterov",
+    "muon_num_ns_steps": "--muon-num-ns-steps",
+    "muon_scale_mode": "--muon-scale-mode",
+    "muon_extra_scale_factor": "--muon-extra-scale-factor",
+    "muon_split_qkv": "--muon-no-split-qkv",
+}
+
+
 def _validate_muon(cfg: MegatronConfig) -> None:
-    """--optimizer muon runs in our own optimizers (plain and --use-distributed-optimizer)."""
+    """--optimizer muon runs in our own optimizers (plain, --use-distributed-optimizer and
+    --use-torch-fsdp2); its flags mean nothing to another optimizer."""
     if cfg.optimizer.optimizer != "muon":
+        defaults, given = OptimizerConfig(), cfg.optimizer.optimizer
+        for key, flag in _MUON_FLAGS.items():
+            if getattr(cfg.optimizer, key) != getattr(defaults, key):
+                fail(flag, f"given with --optimizer {given}", "add --optimizer muon")
         return
     clash = (
         ("--deepspeed", cfg.deepspeed.enabled, "DeepSpeed's engine builds its own optimizer"),

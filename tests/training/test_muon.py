@@ -168,6 +168,23 @@ def test_muon_refuses_what_it_cannot_run_with(extra, says):
         validate(parse_args(argv, world_size=1), "train-gpt")
 
 
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        (["--muon-momentum", "0.9"], "--muon-momentum"),
+        (["--muon-no-split-qkv"], "--muon-no-split-qkv"),
+        (["--no-muon-nesterov"], "--no-muon-nesterov"),
+        (["--muon-ns-steps", "3"], "--muon-num-ns-steps"),
+    ],
+)
+def test_muon_flags_without_muon_are_refused(extra, says):
+    from megatron.config.rules import validate
+
+    argv = [*BASE, "--lr", "1e-3", "--train-iters", "2", *extra]
+    with pytest.raises(ConfigError, match=says):
+        validate(parse_args(argv, world_size=1), "train-gpt")
+
+
 def _weights(result) -> dict:
     return {k: v.numpy().copy() for k, v in result.model.state_dict().items()}
 
