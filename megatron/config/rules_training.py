@@ -63,7 +63,49 @@ def validate_training(cfg: MegatronConfig) -> None:
         )
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
+    _validate_muon(cfg)
     validate_vocab(cfg)
+
+
+_MUON_FLAGS = {
+    "muon_momentum": "--muon-momentum",
+    "muon_nesterov": "--no-muon-nesterov",
+    "muon_num_ns_steps": "--muon-num-ns-steps",
+    "muon_scale_mode": "--muon-scale-mode",
+    "muon_extra_scale_factor": "--muon-extra-scale-factor",
+    "muon_split_qkv": "--muon-no-split-qkv",
+}
+
+
+def _validate_muon(cfg: MegatronConfig) -> None:
+    """--optimizer muon runs in our own optimizers (plain, --use-distributed-optimizer and
+    --use-torch-fsdp2); its flags mean nothing to another optimizer."""
+    if cfg.optimizer.optimizer != "muon":
+        defaults, given = OptimizerConfig(), cfg.optimizer.optimizer
+        for key, flag in _MUON_FLAGS.items():
+            if getattr(cfg.optimizer, key) != getattr(defaults, key):
+                fail(flag, f"given with --optimizer {given}", "add --optimizer muon")
+        return
+    clash = (
+        ("--deepspeed", cfg.deepspeed.enabled, "DeepSpeed's engine builds its own optimizer"),
+        (
+            "--cpu-optimizer",
+            cfg.deepspeed.cpu_optimizer,
+            "Muon all-gathers TP-split matrices where the gradients are, not on the CPU",
+        ),
+        (
+            "--num-experts",
+            cfg.model.moe,
+            "expert weights (EP-sharded, grouped) are not orthogonalised per expert yet",
+        ),
+    )
+    for flag, given, why in clash:
+        if given:
+            fail(
+                "--optimizer muon",
+                f"given with {flag}: {why}",
+                f"use --optimizer adam with {flag}, or drop {flag}",
+            )
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:

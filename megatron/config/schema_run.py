@@ -72,8 +72,10 @@ class OptimizerConfig(Section):
 
     optimizer: str = setting(
         "adam",
-        "adam = AdamW (decoupled weight decay), or sgd with momentum",
-        choices=("adam", "sgd"),
+        "adam = AdamW (decoupled weight decay), sgd with momentum, or muon (the transformer "
+        "layers' matrices take Muon, embeddings, output head, norms and biases AdamW with "
+        "--lr and the --adam-* flags; docs/configuration.md)",
+        choices=("adam", "sgd", "muon"),
     )
     lr: float | None = setting(None, "peak learning rate (required)", above=0)
     min_lr: float = setting(0.0, "floor of the decay", min=0)
@@ -82,6 +84,42 @@ class OptimizerConfig(Section):
     adam_beta2: float = setting(0.999, "Adam beta2")
     adam_eps: float = setting(1e-8, "Adam epsilon")
     sgd_momentum: float = setting(0.9, "SGD momentum")
+    muon_momentum: float = setting(
+        0.95,
+        "Muon: momentum (EMA of the gradients that Newton-Schulz orthogonalises)",
+        min=0,
+        below=1,
+    )
+    muon_nesterov: bool = setting(
+        True,
+        "Muon: Nesterov momentum (orthogonalise (1 - mu) g + mu B instead of B)",
+        shortcuts={
+            "--muon-nesterov": (True, "Megatron-core's spelling: Nesterov on (the default)"),
+            "--muon-use-nesterov": (True, "older Megatron / MindSpeed spelling of --muon-nesterov"),
+        },
+    )
+    muon_num_ns_steps: int = setting(
+        5, "Muon: quintic Newton-Schulz iterations per update", "--muon-ns-steps", min=1, max=99
+    )
+    muon_scale_mode: str = setting(
+        "spectral",
+        "Muon: update scale by the matrix's A x B shape: spectral sqrt(max(A, B)), "
+        "unit_rms_norm sqrt(A / B), shape_scaling sqrt(max(1, A / B)); times "
+        "--muon-extra-scale-factor",
+        choices=("spectral", "unit_rms_norm", "shape_scaling"),
+    )
+    muon_extra_scale_factor: float = setting(
+        0.2,
+        "Muon: multiplies the update scale; 0.2 with spectral is Moonlight's rule, which gives "
+        "Muon's update AdamW's RMS so one --lr serves both (Megatron-core's default is 1.0)",
+        above=0,
+    )
+    muon_split_qkv: bool = setting(
+        True,
+        "Muon: orthogonalise Q, K and V of the fused query_key_value weight (and, beyond "
+        "Megatron-core's flag, SwiGLU's gate and up) as separate matrices",
+        flag="--muon-no-split-qkv",
+    )
     lr_decay_style: str = setting(
         "linear",
         "decay after warmup (exponential: Megatron-LM v1.x's, halving over the decay)",

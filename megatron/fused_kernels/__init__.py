@@ -121,14 +121,14 @@ class FusedOps:
 
     def add_layer_norm(self, x, residual, weight, bias, eps):
         if self.add_norm == "liger":
-                return liger.add_layer_norm(x, residual, weight, bias, eps)
+            return liger.add_layer_norm(x, residual, weight, bias, eps)
         from megatron.fused_kernels.triton_norms import fused_add_layer_norm
 
         return fused_add_layer_norm(x, residual, weight, bias, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
         if self.add_norm == "liger":
-                return liger.add_rms_norm(x, residual, weight, eps)
+            return liger.add_rms_norm(x, residual, weight, eps)
         from megatron.fused_kernels.triton_norms import fused_add_rms_norm
 
         return fused_add_rms_norm(x, residual, weight, eps)
@@ -140,7 +140,7 @@ class FusedOps:
 
     def swiglu_act(self, x):
         if self.swiglu == "liger":
-                return liger.swiglu(x)
+            return liger.swiglu(x)
         if self.swiglu == "triton":
             from megatron.fused_kernels.triton_activations import swiglu
 

@@ -41,9 +41,11 @@ from megatron.mpu.expert_shards import is_etp_split
 from megatron.mpu.grads import counts_once, per_tensor_norms
 from megatron.mpu.utils import group_size
 from megatron.training.ddp import DistributedDataParallel
+from megatron.training.muon_sharded import sharded_muon
 from megatron.training.optimizer import (
     MegatronOptimizer,
     _torch_optimizer,
+    check_state_kind,
     make_grad_scaler,
     param_groups,
     read_skip_and_norm,
@@ -111,6 +113,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.device = model.grad_buffer.device
         self.overlap_param_gather = overlap_param_gather
         self.half = params_dtype in (torch.float16, torch.bfloat16)
+        self.kind = cfg.optimizer
         self.pieces = shard_pieces(model)
         wd_mult = {id(p): g["wd_mult"] for g in param_groups(model.module) for p in g["params"]}
         self.mains = [self._main(piece) for piece in self.pieces]
@@ -119,7 +122,11 @@ class DistributedOptimizer(MegatronOptimizer):
             pairs = zip(self.mains, self.pieces, strict=True)
             mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
             groups.append({"params": mine, "wd_mult": mult})
-        self.optimizer = _torch_optimizer(groups, cfg)
+        if cfg.optimizer == "muon":  # each DP rank orthogonalises a share of the matrices
+            pairs = list(zip(self.mains, self.pieces, strict=True))
+            self.optimizer = sharded_muon(groups, cfg, model, pairs, state.tp_group)
+        else:
+            self.optimizer = _torch_optimizer(groups, cfg)
         self.scaler = make_grad_scaler(cfg, params_dtype)
 
     def _main(self, piece: _Piece) -> torch.Tensor:
@@ -237,6 +244,8 @@ class DistributedOptimizer(MegatronOptimizer):
             if restored:
                 device = main.device
                 self.optimizer.state[main] = {k: v.to(device) for k, v in restored.items()}
+        if self.kind is not None:
+            check_state_kind(self.optimizer, self.kind)
 
 
 def _index_ranges(shards: list[dict]) -> dict[str, list[dict]]:

@@ -1,4 +1,5 @@
-"""The optimizer of --use-torch-fsdp2: AdamW / SGD on this rank's fp32 shards of the weights.
+"""The optimizer of --use-torch-fsdp2: AdamW / SGD / Muon on this rank's fp32 shards of the
+weights (Muon: megatron.training.muon_sharded's RowShardedMatrices).
 
 It is the distributed optimizer's step on other pieces. A piece is one parameter's shard on
 this DP x CP rank: its rows [first, last) of the TP-local tensor (megatron.training.fsdp2),
@@ -27,6 +28,7 @@ from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState
 from megatron.training.distrib_optimizer import DistributedOptimizer, _Piece
 from megatron.training.fsdp2 import FullyShardedModel, local_rows, local_tensor
+from megatron.training.muon_sharded import row_sharded_muon
 from megatron.training.optimizer import _torch_optimizer, make_grad_scaler, param_groups
 
 
@@ -66,7 +68,11 @@ class FSDPOptimizer(DistributedOptimizer):
             pairs = zip(self.mains, self.pieces, strict=True)
             mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
             groups.append({"params": mine, "wd_mult": mult})
-        self.optimizer = _torch_optimizer(groups, cfg)
+        if cfg.optimizer == "muon":  # each DP rank orthogonalises a share of the matrices
+            pairs = list(zip(self.mains, self.pieces, strict=True))
+            self.optimizer = row_sharded_muon(groups, cfg, model, pairs, state.tp_group)
+        else:
+            self.optimizer = _torch_optimizer(groups, cfg)
         self.scaler = make_grad_scaler(cfg, params_dtype)
 
     def _weights(self, piece: _Piece) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""AdamW / SGD over fp32 main weights, with fp16 loss scaling and global skip-on-overflow.
+"""AdamW / SGD / Muon (megatron.training.muon) over fp32 main weights, with fp16 loss scaling
+and global skip-on-overflow.
 
 Gradients arrive in each parameter's fp32 `main_grad` (see megatron.training.ddp). For fp32
 models the optimizer updates the parameters themselves; for bf16/fp16 models it keeps an fp32
@@ -29,6 +30,7 @@ from torch import nn
 
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState, clip_grad_norm
+from megatron.training.muon import WholeMatrices, build_muon, matrix_layouts, muon_settings
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -107,6 +109,8 @@ def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
         g["weight_decay"] = cfg.weight_decay * g["wd_mult"]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
+    if cfg.optimizer != "adam":  # muon: built by its optimizer's own path, never AdamW instead
+        raise ValueError(f"--optimizer {cfg.optimizer} is not built here (adam and sgd are)")
     kw = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
     try:
         from apex.optimizers import FusedAdam  # NVIDIA apex, only if the user installed it
@@ -119,6 +123,22 @@ def _torch_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
         return torch.optim.AdamW(groups, fused=True, **kw)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+def check_state_kind(optimizer: torch.optim.Optimizer, kind: str, states=None) -> None:
+    """A loaded state must be this optimizer's: Adam's moments where AdamW steps, a momentum
+    buffer where SGD or Muon does (a resume with another --optimizer would fail in torch, or
+    silently start a moment from zero). `states`: (param, state) pairs, default the
+    optimizer's own."""
+    muon_ids = getattr(optimizer, "muon_ids", set())
+    for p, state in optimizer.state.items() if states is None else states:
+        want = "momentum_buffer" if kind == "sgd" or id(p) in muon_ids else "exp_avg"
+        if state and want not in state:
+            raise ValueError(
+                f"the checkpoint's optimizer state holds {sorted(state)}, not the {want} that "
+                f"--optimizer {kind} keeps: it was saved by another --optimizer. Fix: resume "
+                "with the --optimizer it was saved with, or pass --no-load-optim"
+            )
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -158,6 +178,7 @@ class MegatronOptimizer:
     # Subclasses (the distributed optimizer) keep their masters on the device: no stand-ins.
     offload = False
     _holders: list[torch.Tensor] | None = None
+    kind: str | None = None  # --optimizer: what a loaded state is checked against
 
     def __init__(
         self,
@@ -171,6 +192,7 @@ class MegatronOptimizer:
     ):
         self.state, self.clip_grad = state, clip_grad
         self.model_groups = param_groups(model)
+        self.kind = cfg.optimizer
         self.offload = cpu_offload
         # Separate fp32 masters: for half weights, and for any weights when they live on the CPU.
         self.masters = params_dtype in (torch.float16, torch.bfloat16) or cpu_offload
@@ -183,8 +205,26 @@ class MegatronOptimizer:
             ]
         else:
             main_groups = [dict(g) for g in self.model_groups]
-        self.optimizer = _torch_optimizer(main_groups, cfg)
+        if cfg.optimizer == "muon":
+            self.optimizer = self._muon(model, main_groups, cfg)
+        else:
+            self.optimizer = _torch_optimizer(main_groups, cfg)
         self.scaler = make_grad_scaler(cfg, params_dtype)
+
+    def _muon(self, model: nn.Module, main_groups: list[dict], cfg: OptimizerConfig):
+        """--optimizer muon: the transformer layers' matrices take Muon (each main whole and
+        TP-gathered, megatron.training.muon), the rest AdamW."""
+        settings = muon_settings(cfg)
+        layouts = matrix_layouts(model, settings)
+        mains = {}
+        for model_g, main_g in zip(self.model_groups, main_groups, strict=True):
+            for model_p, main_p in zip(model_g["params"], main_g["params"], strict=True):
+                if id(model_p) in layouts:
+                    mains[id(main_p)] = (main_p, layouts[id(model_p)])
+        orthogonalizer = WholeMatrices(
+            {k: layout for k, (_, layout) in mains.items()}, settings, self.state.tp_group
+        )
+        return build_muon(main_groups, cfg, [m for m, _ in mains.values()], orthogonalizer)
 
     @property
     def skip_on_device(self) -> bool:
@@ -323,6 +363,10 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        if self.kind is not None:  # torch's state is keyed by position
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            saved = sd["optimizer"]["state"].items()
+            check_state_kind(self.optimizer, self.kind, [(params[i], st) for i, st in saved])
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.scaler is not None and "grad_scaler" in sd:
             self.scaler.load_state_dict(sd["grad_scaler"])
