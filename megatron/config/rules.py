@@ -26,6 +26,7 @@ from megatron.config.rules_compute import validate_compute
 from megatron.config.rules_data import validate_data
 from megatron.config.rules_fp8 import validate_fp8
 from megatron.config.rules_moe import validate_moe
+from megatron.config.rules_mtp import validate_mtp
 from megatron.config.rules_training import validate_batch, validate_training
 from megatron.config.schema import (
     ConfigError,
@@ -194,6 +195,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
         )
     validate_model(m, tp)
     validate_moe(cfg)
+    validate_mtp(cfg)
     _validate_context_parallel(cfg)
     _validate_sequence_parallel(cfg)
     if m.num_layers % pp:

@@ -432,6 +432,12 @@ def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     return blocks[which] + within - block_start[which]
 
 
+def _stats_row(name: str, cfg: ModelConfig) -> int:
+    """`layers.7.mlp` -> 7; the multi-token prediction depth k's `mtp.layers.k...` -> L + k."""
+    number = int(name.split("layers.")[1].split(".")[0])
+    return cfg.num_layers + number if "mtp.layers." in name else number
+
+
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
 
@@ -455,14 +461,15 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch
     shares add up); the micro batches once, on TP and CP rank 0."""
     if not cfg.moe:
         return {}
-    table = torch.zeros(cfg.num_layers, 3 + cfg.num_experts)  # [aux, z, micro batches, load]
+    rows = cfg.num_layers + (cfg.mtp_num_layers or 0)  # the MTP depths' layers follow
+    table = torch.zeros(rows, 3 + cfg.num_experts)  # [aux, z, micro batches, load]
     split = state.sequence_parallel
     for name, layer in moe_layers(model):
         values = layer.stats.values
         layer.stats.reset()
         if values is None or not (split or state.tp_rank == 0):
             continue
-        number = int(name.split("layers.")[-1].split(".")[0])
+        number = _stats_row(name, cfg)
         values = values.detach().to("cpu", torch.float32)
         if state.tp_rank != 0 or state.cp_rank != 0:
             values[2] = 0  # one micro-batch count per replica

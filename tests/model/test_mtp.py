@@ -1,0 +1,252 @@
+"""Multi-token prediction (--mtp-num-layers): the losses against a hand computation on a tiny
+GPT, their gradient, what evaluation and generation skip, the flag rules; and the same model
+at TP 2 (with and without sequence parallelism, with an MoE layer) and PP 2 (tied and untied
+head) against one process (losses, logged MTP losses, gradients, updated weights) in ONE
+2-rank spawn."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron import mpu
+from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig, OptimizerConfig
+from megatron.initialize import Runtime
+from megatron.model.context import BuildContext
+from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
+from megatron.model.parallelize import parallelize
+from megatron.models.gpt.model import GPTModel, build_model
+from megatron.models.gpt.train import lm_loss
+from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron.training.ddp import DistributedDataParallel
+from megatron.training.optimizer import MegatronOptimizer
+from megatron.training.schedules import get_forward_backward_func
+from megatron.training.step import train_step
+from megatron.training.timers import Timers
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import BASE
+
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=8,
+    vocab_size=60,
+    make_vocab_size_divisible_by=32,  # 64 rows at TP 1 and 2
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    mtp_num_layers=2,
+    mtp_loss_scaling_factor=0.3,
+)
+DT = torch.float64
+
+
+def _batch(cfg, batch=2, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length + 1), generator=g)
+    mask = (torch.rand(batch, cfg.seq_length, generator=g) > 0.2).to(DT)
+    return seq[:, :-1], seq[:, 1:], mask
+
+
+def _hand_losses(model: GPTModel, tokens, labels, mask):
+    """Main loss and L_1 .. L_D written out with plain torch ops on the model's weights."""
+    emb = model.embedding.word_embeddings.weight[: model.cfg.vocab_size]
+    x = F.embedding(tokens, emb)
+    for layer in model.run_order():
+        x = layer(x)
+    h = model.head.final_layernorm(x)
+
+    def masked_mean(hidden, targets, keep):
+        logits = hidden @ emb.t()  # tied head, the real vocab only
+        ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        return (ce * keep).sum() / keep.sum()
+
+    main = masked_mean(h, labels, mask)
+    depths, s = [], tokens.size(1)
+    for k, module in enumerate(model.mtp.layers, start=1):
+        ahead = torch.zeros_like(tokens)  # t_{i+k}, zero (and masked) past the end
+        ahead[:, : s - k] = tokens[:, k:]
+        targets = torch.zeros_like(labels)  # t_{i+k+1}
+        targets[:, : s - k] = labels[:, k:]
+        keep = torch.zeros_like(mask)
+        keep[:, : s - k] = mask[:, k:]
+        both = torch.cat([module.enorm(F.embedding(ahead, emb)), module.hnorm(h)], -1)
+        h = module.final_layernorm(module.transformer_layer(both @ module.eh_proj.weight.t()))
+        depths.append(masked_mean(h, targets, keep))
+    return main, torch.stack(depths)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_losses_and_gradient_equal_a_hand_computation(depth):
+    cfg = dataclasses.replace(MODEL, mtp_num_layers=depth)
+    model = GPTModel(cfg, BuildContext(seed=3, dtype=DT))
+    tokens, labels, mask = _batch(cfg)
+    set_mtp_loss_scale(model, 1.0)
+    per_token = model(tokens, labels=labels, loss_mask=mask)
+    loss, _ = lm_loss(mask, per_token)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    logged = mtp_step_stats(model, mpu.single_process_state(), cfg)
+    assert list(logged) == [f"mtp_{k} loss" for k in range(1, depth + 1)]
+
+    model.zero_grad()
+    main, depths = _hand_losses(model, tokens, labels, mask)
+    torch.testing.assert_close(loss, main, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.stack(list(logged.values())), depths.float())
+    (main + cfg.mtp_loss_scaling_factor / depth * depths.sum()).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert got["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
+
+
+def test_evaluation_and_generation_skip_mtp():
+    model = GPTModel(MODEL, BuildContext(seed=3, dtype=DT))
+    plain = GPTModel(
+        dataclasses.replace(MODEL, mtp_num_layers=None), BuildContext(seed=3, dtype=DT)
+    )
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "mtp." not in k})
+    tokens, labels, mask = _batch(MODEL)
+    torch.testing.assert_close(model(tokens), plain(tokens))  # logits: the main model's
+    model.eval()
+    torch.testing.assert_close(
+        model(tokens, labels=labels, loss_mask=mask), plain(tokens, labels=labels)
+    )
+    assert model.mtp.sums is None  # nothing recorded for the log
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--mtp-loss-scaling-factor", "0.2"], "--mtp-loss-scaling-factor"),
+        (["--mtp-num-layers", "32"], "--mtp-num-layers"),
+        (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "--mtp-num-layers"),
+    ],
+)
+def test_impossible_mtp_settings_are_refused(extra, flag):
+    with pytest.raises(ConfigError, match=flag):
+        parse_args([*BASE, *extra], world_size=2)
+
+
+# (name, TP, PP, sequence parallel, model changes): 2 ranks each, DP 1
+LAYOUTS = [
+    ("tp2", 2, 1, False, {}),
+    (
+        "tp2-sp-moe",
+        2,
+        1,
+        True,
+        {"num_experts": 2, "moe_router_topk": 1, "moe_aux_loss_coeff": 0.01},
+    ),
+    ("pp2", 1, 2, False, {}),
+    (
+        "pp2-untied-learned",
+        1,
+        2,
+        False,
+        {"untie_embeddings_and_output_weights": True, "position_embedding_type": "learned"},
+    ),
+]
+MICRO, BATCH, STEPS = 2, 2, 2
+
+
+class _Scheduler:
+    def step(self, *args):
+        pass
+
+
+def _forward_step(data_iterator, model):
+    tokens, labels, mask = next(data_iterator)
+    return model(tokens, labels=labels, loss_mask=mask), functools.partial(lm_loss, mask)
+
+
+def _train(cfg, state):
+    """STEPS steps on MICRO micro batches: (lm loss, MTP losses, grad norm) per step, weights
+    and gradients."""
+    model = parallelize(build_model(cfg, BuildContext(state=state)), state)
+    shared = model.word_embeddings_weight() if state.pp_size > 1 else None
+    ddp = DistributedDataParallel(
+        model, state.dp_cp_group, own_bucket=(shared,) if shared is not None else ()
+    )
+    opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
+    opt = MegatronOptimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
+    schedule = get_forward_backward_func(
+        state, micro_batch_size=BATCH, seq_length=8, hidden_size=32, dtype=torch.float32
+    )
+    rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
+    history = []
+    for step in range(STEPS):
+        batches = iter([_batch(cfg, BATCH, seed=100 * step + m) for m in range(MICRO)])
+        batches = ((t, lab, m.float()) for t, lab, m in batches)
+        result = train_step(
+            _forward_step, batches, ddp, opt, _Scheduler(), MICRO, rt, Timers(), schedule
+        )
+        mtp = [float(v) for k, v in result["other_losses"].items() if k.startswith("mtp_")]
+        assert len(mtp) == cfg.mtp_num_layers
+        history.append([float(result["lm_loss"]), *mtp, float(result["grad_norm"])])
+    grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
+    weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
+    return history, weights, grads, {n: p for c in model.chunks for n, p in c.named_parameters()}
+
+
+def _local(full, param, state):
+    if mpu.is_tensor_parallel(param) and state.tp_size > 1:
+        return mpu.shard(
+            full, param.partition_dim, state.tp_rank, state.tp_size, param.partition_stride
+        )
+    return full
+
+
+def _worker(rank, world):
+    report = {}
+    for name, tp, pp, sp, changes in LAYOUTS:
+        cfg = dataclasses.replace(MODEL, **changes)
+        ref_history, ref_weights, ref_grads, _ = _train(cfg, mpu.single_process_state())
+        state = initialize_model_parallel(
+            tp, pp, sequence_parallel=sp, expert_tensor_parallel_size=1
+        )
+        try:
+            history, weights, grads, params = _train(cfg, state)
+            torch.testing.assert_close(
+                torch.tensor(history),
+                torch.tensor(ref_history),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, n=name: f"{n}: lm loss / mtp losses / grad norm: {m}",
+            )
+            for pname, value in weights.items():
+                for got, ref, what in (
+                    (value, ref_weights, "weight"),
+                    (grads[pname], ref_grads, "grad"),
+                ):
+                    torch.testing.assert_close(
+                        got,
+                        _local(ref[pname], params[pname], state),
+                        rtol=1e-4,
+                        atol=1e-6,
+                        msg=lambda m, n=name, p=pname, w=what: f"{n} {w} {p}: {m}",
+                    )
+            report[name] = (history, sorted(weights))
+        finally:
+            destroy_model_parallel(state)
+    return report
+
+
+@pytest.mark.slow
+def test_mtp_at_tp2_and_pp2_matches_one_process():
+    results = run_distributed(_worker, 2, timeout=600)
+    for report in results:
+        assert set(report) == {layout[0] for layout in LAYOUTS}
+    names = results[1]["pp2"][1]  # the last stage holds the MTP modules and the embedding copy
+    assert "mtp.layers.1.eh_proj.weight" in names and "embedding.word_embeddings.weight" in names
+    assert not any(n.startswith("mtp.") for n in results[0]["pp2"][1])
+    assert "embedding.word_embeddings.weight" in results[1]["pp2-untied-learned"][1]
