@@ -32,13 +32,6 @@ def validate_mtp(cfg: MegatronConfig) -> None:
     if cfg.model.mtp_num_layers is None:
         return
     par = cfg.parallel
-    if par.context_parallel_size > 1:
-        fail(
-            "--mtp-num-layers",
-            "multi-token prediction rolls the tokens and labels along the whole sequence, "
-            "which --context-parallel-size splits into chunks (not supported yet)",
-            "drop --context-parallel-size, or train without MTP",
-        )
     if cfg.deepspeed.enabled and par.pipeline_model_parallel_size > 1:
         fail(
             "--mtp-num-layers",

@@ -16,6 +16,9 @@ each L_k is logged apart ("mtp_k loss", `mtp_step_stats`). Evaluation and genera
 
 Tensor parallelism: eh_proj is column-parallel, its output gathered over TP (with sequence
 parallelism, scattered again to this rank's s / p positions); the layer is the model's own.
+Context parallelism: the tokens, labels and loss mask of the whole sequences are all-gathered
+over CP once (b x s integers), rolled whole and cut into this rank's chunks again; each CP rank
+adds its share of L_k (its masked sum over the whole count), as the main loss does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megatron.model.context import BuildContext
 from megatron.model.recompute import run_layers
 from megatron.model.transformer import TransformerLayer, build_norm
 from megatron.mpu import ColumnParallelLinear, scatter_to_sequence_parallel_region
+from megatron.mpu.context_parallel import context_parallel_slice, context_parallel_unslice
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -94,7 +98,7 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
-        depth = cfg.mtp_num_layers
+        depth, self.state = cfg.mtp_num_layers, ctx.state
         self.layers = nn.ModuleList(MultiTokenPredictionLayer(cfg, ctx) for _ in range(depth))
         self.weight = cfg.mtp_loss_scaling_factor / depth
         self.loss_grad_scale = 1.0  # set_mtp_loss_scale
@@ -105,16 +109,29 @@ class MultiTokenPrediction(nn.Module):
         attached. hidden: h^0; embed(tokens) -> (b, s[/p], h); token_loss(h^k, labels) -> (b, s)
         fp32; `layer`: position_ids, mask, recompute, tracker for the transformer layers."""
         mask = torch.ones_like(main_loss) if loss_mask is None else loss_mask.to(main_loss.dtype)
+        tokens, labels, mask = (self._whole(x) for x in (tokens, labels, mask))
         losses = []
         for module in self.layers:  # depth k: inputs t_{i+k}, targets t_{i+k+1}
             tokens, labels, mask = roll_left(tokens), roll_left(labels), roll_left(mask)
-            hidden = module(hidden, embed(tokens), **layer)
-            per_token = token_loss(hidden, labels)
-            losses.append((per_token * mask).sum() / mask.sum().clamp(min=1))
-        losses = torch.stack(losses)
-        row = torch.cat([losses.detach().float(), losses.new_ones(1, dtype=torch.float32)])
+            hidden = module(hidden, embed(self._mine(tokens)), **layer)
+            per_token = token_loss(hidden, self._mine(labels))  # this CP rank's tokens
+            losses.append((per_token * self._mine(mask)).sum() / mask.sum().clamp(min=1))
+        losses = torch.stack(losses)  # under CP: this rank's shares of L_1 .. L_D
+        counted = float(self.state.cp_rank == 0)  # one micro batch per CP group
+        row = torch.cat([losses.detach().float(), losses.new_full((1,), counted).float()])
         self.sums = row if self.sums is None else self.sums + row
         return _AttachLoss.apply(main_loss, self.weight * losses.sum(), self.loss_grad_scale)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Context parallelism: this rank's chunks (b, 2c) -> the whole sequences (b, s)."""
+        if self.state.cp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.state.cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.state.cp_group)
+        return context_parallel_unslice(parts)
+
+    def _mine(self, x: torch.Tensor) -> torch.Tensor:
+        return context_parallel_slice(x, self.state.cp_rank, self.state.cp_size)
 
 
 def mtp_modules(model: nn.Module) -> list[MultiTokenPrediction]:
@@ -131,7 +148,8 @@ def set_mtp_loss_scale(model: nn.Module, scale: float) -> None:
 def mtp_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """{"mtp_k loss": L_k} of the step just run, averaged over its micro batches and the DP
     ranks, the same on every rank ({} without MTP). One all-reduce over all ranks (those
-    without the last stage add zeros; TP ranks hold the same losses: TP rank 0 counts); resets."""
+    without the last stage add zeros; TP ranks hold the same losses: TP rank 0 counts; CP
+    ranks add their shares); resets."""
     if not cfg.mtp_num_layers:
         return {}
     device = next(model.parameters()).device

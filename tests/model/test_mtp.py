@@ -1,8 +1,8 @@
 """Multi-token prediction (--mtp-num-layers): the losses against a hand computation on a tiny
-GPT, their gradient, what evaluation and generation skip, the flag rules; and the same model
-at TP 2 (with and without sequence parallelism, with an MoE layer) and PP 2 (tied and untied
-head) against one process (losses, logged MTP losses, gradients, updated weights) in ONE
-2-rank spawn."""
+GPT, their gradient, what evaluation and generation skip, the flag rules, resharding; and the
+same model at TP 2 (with and without sequence parallelism, with an MoE layer), CP 2 and PP 2
+(tied and untied head) against one process (losses, logged MTP losses, gradients, updated
+weights) in ONE 2-rank spawn."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.models.gpt.train import lm_loss
+from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.optimizer import MegatronOptimizer
@@ -129,7 +130,10 @@ def test_evaluation_and_generation_skip_mtp():
     [
         (["--mtp-loss-scaling-factor", "0.2"], "--mtp-loss-scaling-factor"),
         (["--mtp-num-layers", "32"], "--mtp-num-layers"),
-        (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "--mtp-num-layers"),
+        (
+            ["--mtp-num-layers", "1", "--deepspeed", "--pipeline-model-parallel-size", "2"],
+            "--mtp-num-layers",
+        ),
     ],
 )
 def test_impossible_mtp_settings_are_refused(extra, flag):
@@ -137,9 +141,10 @@ def test_impossible_mtp_settings_are_refused(extra, flag):
         parse_args([*BASE, *extra], world_size=2)
 
 
-# (name, TP, PP, sequence parallel, model changes): 2 ranks each, DP 1
+# (name, TP, PP, sequence parallel, model changes): 2 ranks each, DP 1 (CP 2 with "cp")
 LAYOUTS = [
     ("tp2", 2, 1, False, {}),
+    ("cp2", 1, 1, False, {"cp": 2}),
     (
         "tp2-sp-moe",
         2,
@@ -164,9 +169,13 @@ class _Scheduler:
         pass
 
 
-def _forward_step(data_iterator, model):
-    tokens, labels, mask = next(data_iterator)
-    return model(tokens, labels=labels, loss_mask=mask), functools.partial(lm_loss, mask)
+def _forward_step(state, data_iterator, model):
+    tokens, labels, mask = (
+        context_parallel_slice(x, state.cp_rank, state.cp_size) for x in next(data_iterator)
+    )
+    cp = state if state.cp_size > 1 else None
+    per_token = model(tokens, labels=labels, loss_mask=mask)
+    return per_token, functools.partial(lm_loss, mask, context_parallel=cp)
 
 
 def _train(cfg, state):
@@ -180,7 +189,11 @@ def _train(cfg, state):
     opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
     opt = MegatronOptimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
     schedule = get_forward_backward_func(
-        state, micro_batch_size=BATCH, seq_length=8, hidden_size=32, dtype=torch.float32
+        state,
+        micro_batch_size=BATCH,
+        seq_length=8 // state.cp_size,
+        hidden_size=32,
+        dtype=torch.float32,
     )
     rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
     history = []
@@ -188,7 +201,15 @@ def _train(cfg, state):
         batches = iter([_batch(cfg, BATCH, seed=100 * step + m) for m in range(MICRO)])
         batches = ((t, lab, m.float()) for t, lab, m in batches)
         result = train_step(
-            _forward_step, batches, ddp, opt, _Scheduler(), MICRO, rt, Timers(), schedule
+            functools.partial(_forward_step, state),
+            batches,
+            ddp,
+            opt,
+            _Scheduler(),
+            MICRO,
+            rt,
+            Timers(),
+            schedule,
         )
         mtp = [float(v) for k, v in result["other_losses"].items() if k.startswith("mtp_")]
         assert len(mtp) == cfg.mtp_num_layers
@@ -209,10 +230,12 @@ def _local(full, param, state):
 def _worker(rank, world):
     report = {}
     for name, tp, pp, sp, changes in LAYOUTS:
+        changes = dict(changes)
+        cp = changes.pop("cp", 1)
         cfg = dataclasses.replace(MODEL, **changes)
         ref_history, ref_weights, ref_grads, _ = _train(cfg, mpu.single_process_state())
         state = initialize_model_parallel(
-            tp, pp, sequence_parallel=sp, expert_tensor_parallel_size=1
+            tp, pp, sequence_parallel=sp, context_parallel_size=cp, expert_tensor_parallel_size=1
         )
         try:
             history, weights, grads, params = _train(cfg, state)
@@ -250,3 +273,29 @@ def test_mtp_at_tp2_and_pp2_matches_one_process():
     assert "mtp.layers.1.eh_proj.weight" in names and "embedding.word_embeddings.weight" in names
     assert not any(n.startswith("mtp.") for n in results[0]["pp2"][1])
     assert "embedding.word_embeddings.weight" in results[1]["pp2-untied-learned"][1]
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_mtp_checkpoint_reshards_to_tp2_pp2_and_back(tmp_path, untied):
+    """The MTP weights split over TP as their layers say (eh_proj by rows), live on the last
+    stage with a copy of the word embedding (also with an untied head), and merge back equal."""
+    from megatron.checkpoint.reading import load_shard
+    from megatron.checkpoint.resharding import load_full_state, save_resharded
+    from tests.helpers.checkpoints import _args, _unpadded
+
+    cfg = dataclasses.replace(MODEL, untie_embeddings_and_output_weights=untied)
+    model = GPTModel(cfg, BuildContext(seed=3))
+    full = _unpadded(model, cfg)
+    save_resharded(full, _args(cfg, 1, 1), str(tmp_path), 2, 2, 5, quiet=True)
+    last = load_shard(str(tmp_path), 5, tp_rank=1, pp_rank=1, pp_size=2)
+    assert last["model"]["mtp.layers.0.eh_proj.weight"].shape == (16, 64)
+    assert "embedding.word_embeddings.weight" in last["model"]
+    first = load_shard(str(tmp_path), 5, tp_rank=0, pp_rank=0, pp_size=2)
+    assert not any(n.startswith("mtp.") for n in first["model"])
+    merged, _ = load_full_state(str(tmp_path))
+    assert list(merged) == list(full) and all(torch.equal(merged[n], full[n]) for n in full)
+    stage = dataclasses.replace(mpu.single_process_state(), pp_size=2, pp_rank=1)
+    tp1 = str(tmp_path / "pp2")
+    save_resharded(merged, _args(cfg, 1, 1), tp1, 1, 2, 5, quiet=True)
+    chunk = build_model(cfg, BuildContext(stage, seed=9))
+    chunk.load_state_dict(load_shard(tp1, 5, tp_rank=0, pp_rank=1, pp_size=2)["model"])
