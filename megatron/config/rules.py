@@ -25,6 +25,7 @@ from megatron.config.rules_bert import refuse_bert_settings, validate_bert
 from megatron.config.rules_compute import validate_compute
 from megatron.config.rules_data import validate_data
 from megatron.config.rules_fp8 import validate_fp8
+from megatron.config.rules_mla import validate_mla_model
 from megatron.config.rules_moe import validate_moe
 from megatron.config.rules_mtp import validate_mtp
 from megatron.config.rules_training import validate_batch, validate_training
@@ -38,7 +39,12 @@ from megatron.config.schema import (
 def validate_model(m: ModelConfig, tp: int = 1) -> None:
     """Shape rules of the model alone (and of its split over `tp` tensor-parallel ranks); each
     setting's own limits are declared with it (megatron.config.schema)."""
-    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+    validate_mla_model(m, tp)
+    if (
+        not m.multi_latent_attention
+        and m.kv_channels is None
+        and m.hidden_size % m.num_attention_heads
+    ):
         fail(
             "--hidden-size",
             f"{m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}",
@@ -71,7 +77,7 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
             f"{m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
             "choose an FFN size that is a multiple of the tensor-parallel size",
         )
-    if m.position_embedding_type == "rope" and m.head_dim % 2:
+    if m.position_embedding_type == "rope" and m.head_dim % 2 and not m.multi_latent_attention:
         fail(
             "--position-embedding-type rope",
             f"head size {m.head_dim} is odd",

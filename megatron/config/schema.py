@@ -26,6 +26,7 @@ from megatron.config.schema_data import (
     parse_blend,
     split_weights,
 )
+from megatron.config.schema_mla import MLASettings
 from megatron.config.schema_moe import MoESettings
 from megatron.config.schema_run import (
     CheckpointConfig,
@@ -199,10 +200,10 @@ class _DenseModelFields(Section):
 
 
 @dataclass(frozen=True)
-class ModelConfig(MoESettings, _DenseModelFields):
+class ModelConfig(MLASettings, MoESettings, _DenseModelFields):
     """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints. The
     mixture-of-experts fields (--num-experts, ...) follow, declared in
-    megatron.config.schema_moe."""
+    megatron.config.schema_moe, then multi-latent attention's (megatron.config.schema_mla)."""
 
 
 def model_config_from_saved(saved: dict) -> ModelConfig:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.model.transformer import KVCache
+from megatron.model.attention import KVCache
+from megatron.model.mla import LatentKVCache
 from megatron.mpu import ParallelState, gather_from_tensor_model_parallel_region
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 
@@ -44,11 +45,18 @@ class InferenceModel:
         return (st.pp_size - 1) * st.tp_size
 
     def new_caches(self, batch: int, max_length: int) -> dict[int, KVCache]:
-        cfg = self.model.cfg
+        """One cache per layer run (shared weights or not): keys and values of this rank's
+        key/value heads, or with multi-latent attention the compressed latent (every rank)."""
+        cfg, at = self.model.cfg, (self.device, self.dtype)
+        if cfg.multi_latent_attention:
+            dims = (cfg.kv_rank, cfg.qk_rope_dim)
+            return {
+                n: LatentKVCache(batch, max_length, *dims, *at) for n in self.model.layer_numbers
+            }
         groups = cfg.query_groups // self.state.tp_size
         return {
-            n: KVCache(batch, max_length, groups, cfg.head_dim, self.device, self.dtype)
-            for n in self.model.layer_numbers  # one per layer run (shared weights or not)
+            n: KVCache(batch, max_length, groups, cfg.head_dim, *at)
+            for n in self.model.layer_numbers
         }
 
     def _stage_forward(self, tokens, position_ids, caches, labels=None):

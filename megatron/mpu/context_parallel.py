@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron.mpu import ring_pieces
 from megatron.mpu.parallel_state import ParallelState
@@ -159,9 +160,10 @@ def _fold(dkv: torch.Tensor, q_per_group: int) -> torch.Tensor:
     return dkv.view(b, h // q_per_group, q_per_group, s, d).sum(2)
 
 
-def _block_settings(q, k, blocks):
+def _block_settings(q, k, blocks, scale):
     """(softmax scale, queries per key/value head, the dtype the blocks compute in)."""
-    return 1.0 / math.sqrt(q.size(-1)), q.size(1) // k.size(1), blocks.dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    return scale, q.size(1) // k.size(1), blocks.dtype(q.dtype)
 
 
 def masked_block(documents: RingDocuments, q_chunk: int, k_chunk: int, piecewise: bool):
@@ -197,10 +199,10 @@ class _RingAttention(torch.autograd.Function):
     here, dK/dV ringed back home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, p: float, blocks, documents, piecewise: bool):
+    def forward(ctx, q, k, v, ring: _Ring, p: float, blocks, documents, piecewise: bool, scale):
         # q: (b, h, 2c, d); k, v: (b, g, 2c, d), this rank's chunks; the blocks run in
         # blocks.dtype (fp32 for the math, the model dtype for fused kernels), merges in fp32
-        scale, qpg, dtype = _block_settings(q, k, blocks)
+        scale, qpg, dtype = _block_settings(q, k, blocks, scale)
         qs = q.to(dtype).chunk(2, dim=2)  # the two query chunks, (b, h, c, d) each
         out, lse, replays = [None, None], [None, None], []
         kv = torch.stack([k, v])  # (2, b, g, 2c, d) in the model dtype: one message per step
@@ -224,7 +226,7 @@ class _RingAttention(torch.autograd.Function):
         # (model dtype, no extra copy) for fused kernels
         ctx.save_for_backward(q, k, v, out if dtype == torch.float32 else result, lse)
         ctx.ring, ctx.p, ctx.blocks, ctx.replays = ring, p, blocks, replays
-        ctx.documents, ctx.piecewise = documents, piecewise
+        ctx.documents, ctx.piecewise, ctx.scale = documents, piecewise, scale
         return result
 
     @staticmethod
@@ -232,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, p, blocks, replays = ctx.ring, ctx.p, ctx.blocks, iter(ctx.replays)
         documents, piecewise = ctx.documents, ctx.piecewise
-        scale, qpg, dtype = _block_settings(q, k, blocks)
+        scale, qpg, dtype = _block_settings(q, k, blocks, ctx.scale)
         qs, dos = q.to(dtype).chunk(2, dim=2), dout.to(dtype).contiguous().chunk(2, dim=2)
         outs, lses = out.to(dtype).chunk(2, dim=2), lse.chunk(2, dim=2)
         lses = [t.contiguous() for t in lses]  # the kernels index LSE rows densely
@@ -264,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next
         _wait(dkv_requests)  # after CP steps the block's gradient is back home
         dk, dv = dkv_in.to(k.dtype).unbind(0)
-        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
 class RingAttention:
@@ -306,7 +308,24 @@ class RingAttention:
         blocks = select_blocks(self.backend, q.device, q.dtype, q.size(-1))
         return blocks if blocks.dropout or dropout_p == 0.0 else MATH
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0, documents: RingDocuments | None = None):
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        dropout_p: float = 0.0,
+        documents: RingDocuments | None = None,
+        scale: float | None = None,
+    ):
+        """`scale`: of the scores (default 1 / sqrt(q's head size)). Values may have another
+        head size than queries and keys (multi-latent attention): the narrower side is padded
+        with zeros, which changes no score and no output, and the output cut back."""
+        dv, dqk = v.size(-1), q.size(-1)
+        if dv != dqk:
+            scale = 1.0 / math.sqrt(dqk) if scale is None else scale
+            width = max(dv, dqk)
+            q, k, v = (F.pad(t, (0, width - t.size(-1))) for t in (q, k, v))
+            return self(q, k, v, dropout_p, documents, scale)[..., :dv]
         c = divide(q.size(2), 2)  # two chunks per rank
         divide(q.size(1), k.size(1))
         if documents is not None and documents.chunks.shape[1:] != (q.size(0), c):
@@ -316,4 +335,4 @@ class RingAttention:
             )
         p, blocks = float(dropout_p), self.blocks(q, float(dropout_p))
         piecewise = self.piecewise_documents and blocks is not MATH
-        return _RingAttention.apply(q, k, v, self.ring, p, blocks, documents, piecewise)
+        return _RingAttention.apply(q, k, v, self.ring, p, blocks, documents, piecewise, scale)

@@ -28,6 +28,15 @@ SHAPE_FIELDS = (
     "untie_embeddings_and_output_weights",
     "mtp_num_layers",
 )
+# Multi-latent attention's shape fields, with the value a checkpoint that predates them had.
+MLA_FIELDS = {
+    "multi_latent_attention": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": None,
+    "qk_head_dim": None,
+    "qk_pos_emb_head_dim": None,
+    "v_head_dim": None,
+}
 
 
 # MoE router settings a checkpoint records that change what its experts see: a resume keeps
@@ -65,6 +74,7 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
                 f"{path}: the checkpoint was saved with {name}={saved_model[name]!r} but this run "
                 f"has {current[name]!r}; pass the same model flags (or convert the checkpoint)"
             )
+    _check_attention(saved_model, current, path)
     if cfg.checkpoint.finetune or not cfg.model.moe or saved_model.get("num_experts") is None:
         return
     for name in ROUTER_FIELDS:
@@ -84,3 +94,24 @@ def _as_flag(flag: str, value) -> str:
     if isinstance(value, bool):
         return flag if value else f"no {flag}"
     return f"{flag} {value}"
+
+
+def _check_attention(saved_model: dict, current: dict, path: str) -> None:
+    """Multi-latent attention against the checkpoint's (absent from older ones: no MLA)."""
+    for name, absent in MLA_FIELDS.items():
+        was = saved_model.get(name, absent)
+        if was == current[name]:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "multi_latent_attention":
+            kind = "with" if was else "without"
+            raise CheckpointError(
+                f"{path}: the checkpoint was saved {kind} --multi-latent-attention and this run "
+                f"is {'without' if was else 'with'} it: its attention weights do not exist in "
+                f"this model. Fix: {'add' if was else 'drop'} --multi-latent-attention (and "
+                "its sizes) to resume it, or train the new attention from scratch"
+            )
+        raise CheckpointError(
+            f"{path}: the checkpoint was saved with {_as_flag(flag, was)} but this run has "
+            f"{_as_flag(flag, current[name])}; pass the same multi-latent attention sizes"
+        )

