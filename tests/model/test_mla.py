@@ -4,6 +4,8 @@ YaRN at factor 1 is plain RoPE."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,3 +130,32 @@ def test_kv_cache_holds_the_latent_and_gives_the_uncached_logits():
     params = SamplingParams(max_new_tokens=5, greedy=True)
     cached = generate(engine, prompts, params, use_cache=True)
     assert cached == generate(engine, prompts, params, use_cache=False)
+
+
+def test_mla_weights_reshard_over_tp_and_pp_by_their_recorded_partition(tmp_path):
+    """The up projections split their rows over TP (by heads), dense its columns; the down
+    projections and the latent norms are whole on every rank. A TP 2 x PP 2 checkpoint of a
+    one-process state merges back to it."""
+    from megatron.checkpoint.reading import load_shard
+    from megatron.checkpoint.resharding import load_checkpoint, model_layout, save_resharded
+
+    cfg = mla_cfg(num_layers=2, seq_length=16, vocab_size=96)
+    rules = model_layout(cfg)[1]
+    attn = "layers.1.self_attention."
+    expected = {"q_a_proj": None, "q_a_layernorm": None, "q_b_proj": (0, 1)}
+    expected |= {"kv_a_proj_with_mqa": None, "kv_a_layernorm": None, "kv_b_proj": (0, 1)}
+    expected |= {"dense": (1, 1)}
+    assert {k: rules[f"{attn}{k}.weight"] for k in expected} == expected
+    state = GPTModel(cfg, BuildContext(seed=9)).state_dict()
+    state["embedding.word_embeddings.weight"] = state["embedding.word_embeddings.weight"][:96]
+    args = {"model": dataclasses.asdict(cfg), "tensor_model_parallel_size": 1}
+    args |= {"pipeline_model_parallel_size": 1, "padded_vocab_size": 96}
+    save_resharded(state, args, str(tmp_path), 2, 2, 4, quiet=True)
+    shard = load_shard(str(tmp_path), 4, tp_rank=1, pp_rank=1, pp_size=2)
+    heads = cfg.num_attention_heads // 2
+    assert shard["model"][f"{attn}kv_b_proj.weight"].shape == (heads * (8 + 6), 16)
+    assert shard["partition"][f"{attn}kv_a_proj_with_mqa.weight"] is None
+    merged = load_checkpoint(str(tmp_path)).state
+    assert merged.keys() == state.keys()
+    for name, tensor in state.items():
+        torch.testing.assert_close(merged[name], tensor, msg=name)
