@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
@@ -130,6 +131,17 @@ class MultiLatentAttention(ParallelAttention):
 
     def new_cache(self, batch: int, max_length: int, device, dtype) -> LatentKVCache:
         return LatentKVCache(batch, max_length, self.kv_rank, self.pos, device, dtype)
+
+    def _attend(self, q, k, v, mask: AttentionMask):
+        """The core attention with the values zero-padded to the query/key head size where
+        they are narrower (no score and no output changes): PyTorch's flash kernels (CPU and
+        CUDA) take equal head sizes only, and would otherwise fall back to the score matrix
+        (as Transformer Engine pads MLA for flash attention). The ring pads for itself."""
+        fused = self.ops.attention_backend == "sdpa" and not self._fp32_softmax(q.dtype)
+        if self.ring is not None or v.size(-1) >= q.size(-1) or not fused:
+            return super()._attend(q, k, v, mask)
+        v = F.pad(v, (0, q.size(-1) - v.size(-1)))
+        return super()._attend(q, k, v, mask)[..., : self.v_dim]
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """(b, s, heads, nope + pos) of the whole sequence (x may be a sequence slice)."""

@@ -34,6 +34,8 @@ with the explicit block math, not SDPA's fused kernels, also its fp32 output, 4 
 never a score matrix. Parameters are replicated over CP:
 the distributed optimizer shards over DP x CP.
 
+Multi-latent attention's parameters, latents, heads and kernel: megatron/planning/mla.py.
+
 Selective recompute drops the attention core; full recompute keeps each group's input (D u,
 / t with SP) and rebuilds one group of layers at a time in backward (the recompute working set).
 The first virtual stage adds the token and position ids and the embedding's dropout mask, the
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
 from megatron.pipeline_order import pipeline_actions
+from megatron.planning import mla
 
 GiB = 1024**3
 
@@ -158,6 +161,8 @@ def layer_params(m: ModelConfig, tp: int, moe: bool = False) -> int:
     qkv = (m.num_attention_heads + 2 * m.query_groups) * hd // tp
     ctx = m.num_attention_heads * hd // tp
     attention = h * qkv + qkv * bias + ctx * h + h * bias + 2 * norm_params(m)
+    if m.multi_latent_attention:  # planning/mla.py
+        attention = mla.attention_params(m, tp) + 2 * norm_params(m)
     if not moe:
         return attention + mlp_params(m, m.ffn_size, tp)
     shared = m.moe_shared_expert_intermediate_size
@@ -277,6 +282,9 @@ def layer_activation_bytes(
         width += mlp * (m.moe_shared_expert_intermediate_size or 0)
     else:
         width += mlp * m.ffn_size
+    if m.multi_latent_attention:  # its latents, heads and kernel instead (planning/mla.py)
+        width -= (m.num_attention_heads + 2 * m.query_groups) * hd + m.num_attention_heads * hd
+        attention = mla.activation_bytes(m, s * b, tp, sp, D, core)
     inside = D * s * b * width // tp
     if moe:  # the tokens this rank dispatches: its s / t with SP (all s when ETP gathers them)
         etp = lay.expert_tp
@@ -284,6 +292,8 @@ def layer_activation_bytes(
         k, f = m.moe_router_topk, m.expert_ffn_size // etp
         per_slot = (3 + (lay.ep > 1)) * h + 2 * (mlp - 1) * f
         inside += D * tokens * k * per_slot + 12 * tokens * m.num_experts
+    if m.multi_latent_attention:
+        return outside + inside + attention
     return outside + inside + (_attention_core_bytes(m, lay, t, dev) if core else 0)
 
 

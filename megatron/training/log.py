@@ -10,6 +10,7 @@ import textwrap
 import torch
 
 from megatron.config.schema import LoggingConfig, ModelConfig
+from megatron.planning import mla
 
 # Dense bf16/fp16 tensor-core peak of one device, TFLOP/s (for MFU when --peak-tflops is unset).
 KNOWN_PEAK_TFLOPS = {
@@ -28,7 +29,8 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     Per layer forward: QKV 2sh(h + 2 g d), scores and weighted sum 2 x 2s^2 h, output 2sh^2,
     MLP 2sh f x (3 with SwiGLU, else 2); plus the logits 2shV. An MoE layer (--num-experts)
     counts its active parameters: the router 2shE, k experts of width f_e and the shared one.
-    Each --mtp-num-layers depth: a layer of the last layer's kind, eh_proj 2s(2h)h, the logits.
+    Multi-latent attention: megatron.planning.mla.attention_flops. Each --mtp-num-layers
+    depth: a layer of the last layer's kind, eh_proj 2s(2h)h, the logits.
     """
     h, d = m.hidden_size, m.head_dim
     attn_out = m.num_attention_heads * d
@@ -37,6 +39,8 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
         + 4 * seq * seq * attn_out
         + 2 * seq * attn_out * h
     )
+    if m.multi_latent_attention:  # latents, up projections, scores over d_qk, values over d_v
+        attention = mla.attention_flops(m, seq)
 
     def mlp(width: int) -> int:
         return 2 * seq * h * width * (3 if m.swiglu else 2)
