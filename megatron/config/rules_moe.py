@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from megatron.config.declare import fail
+from megatron.config.layer_pattern import parse_layer_freq
 from megatron.config.schema import MegatronConfig, ModelConfig
 
 
@@ -20,6 +21,11 @@ def validate_moe_model(m: ModelConfig, tp: int = 1) -> None:
                 ("--moe-expert-capacity-factor", m.moe_expert_capacity_factor is not None),
                 ("--moe-aux-loss-coeff", m.moe_aux_loss_coeff > 0),
                 ("--moe-z-loss-coeff", m.moe_z_loss_coeff is not None),
+                ("--moe-layer-freq", m.moe_layer_freq != "1"),
+                ("--moe-router-enable-expert-bias", m.moe_router_enable_expert_bias),
+                ("--moe-router-num-groups", m.moe_router_num_groups is not None),
+                ("--moe-router-group-topk", m.moe_router_group_topk is not None),
+                ("--moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor),
             )
             if given
         ]
@@ -42,6 +48,15 @@ def validate_moe_model(m: ModelConfig, tp: int = 1) -> None:
             "given with --moe-router-score-function sigmoid",
             "drop --moe-router-pre-softmax or use the softmax score function",
         )
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        fail(
+            "--moe-router-enable-expert-bias",
+            f"given with --moe-router-score-function {m.moe_router_score_function}; the "
+            "auxiliary-loss-free bias is added to sigmoid scores (Megatron-core refuses it too)",
+            "add --moe-router-score-function sigmoid (DeepSeek-V3's router)",
+        )
+    validate_router_groups(m)
+    validate_layer_freq(m)
     shared = m.moe_shared_expert_intermediate_size
     if m.moe_shared_expert_gate and shared is None:
         fail(
@@ -55,6 +70,83 @@ def validate_moe_model(m: ModelConfig, tp: int = 1) -> None:
             f"{shared} cannot be split over --tensor-model-parallel-size {tp}",
             "use a multiple of the tensor-parallel size",
         )
+
+
+def validate_router_groups(m: ModelConfig) -> None:
+    """Group-limited routing: G groups that split the experts, g <= G of them per token, k a
+    multiple of g that fits in g groups (Megatron-core's rules)."""
+    groups, top = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups is None and top is None:
+        return
+    if top is None:
+        fail(
+            "--moe-router-num-groups",
+            f"{groups} given without --moe-router-group-topk (the groups would limit nothing)",
+            "add --moe-router-group-topk g (the groups each token may use) or drop it",
+        )
+    if groups is None:
+        fail(
+            "--moe-router-group-topk",
+            "given without --moe-router-num-groups",
+            "add --moe-router-num-groups G (G divides --num-experts)",
+        )
+    e, k = m.num_experts, m.moe_router_topk
+    if e % groups:
+        fail(
+            "--moe-router-num-groups",
+            f"{groups} groups do not divide --num-experts {e}",
+            f"use a divisor of {e} (DeepSeek-V3: 256 experts in 8 groups)",
+        )
+    if top > groups:
+        fail(
+            "--moe-router-group-topk",
+            f"{top} groups per token but only --moe-router-num-groups {groups}",
+            f"use at most {groups}",
+        )
+    if k % top or k // top > e // groups:
+        fail(
+            "--moe-router-topk",
+            f"{k} experts per token cannot be taken evenly from --moe-router-group-topk {top} "
+            f"groups of {e // groups} experts (each group is scored by its top k / g experts)",
+            f"use a top-k that is a multiple of {top} and at most {top * (e // groups)}",
+        )
+
+
+def validate_layer_freq(m: ModelConfig) -> None:
+    """--moe-layer-freq: an int k <= --num-layers, or a 0/1 pattern of --num-layers entries
+    with at least one MoE layer; layers that share weights (--num-unique-layers) alike."""
+    freq = parse_layer_freq(m.moe_layer_freq)
+    if isinstance(freq, int):
+        if freq > m.num_layers:
+            fail(
+                "--moe-layer-freq",
+                f"{freq} exceeds --num-layers {m.num_layers}",
+                f"use at most {m.num_layers} (or a pattern such as '([0]*1+[1]*"
+                f"{m.num_layers - 1})')",
+            )
+        return
+    if len(freq) != m.num_layers:
+        fail(
+            "--moe-layer-freq",
+            f"the pattern has {len(freq)} entries but --num-layers is {m.num_layers}",
+            f"give one 0 (dense) or 1 (MoE) per layer, e.g. '([0]*{min(3, m.num_layers - 1)}"
+            f"+[1]*{m.num_layers - min(3, m.num_layers - 1)})'",
+        )
+    if not any(freq):
+        fail(
+            "--moe-layer-freq",
+            "the pattern has no MoE layer (all 0) but --num-experts is given",
+            "put a 1 for each MoE layer, or drop --num-experts for a dense model",
+        )
+    for i in range(m.num_layers):
+        owner = m.layer_owner(i)
+        if freq[i] != freq[owner]:
+            fail(
+                "--moe-layer-freq",
+                f"layer {i} runs the weights of layer {owner} (--num-unique-layers) but one is "
+                "MoE and the other dense",
+                "give layers that share weights the same entry",
+            )
 
 
 def validate_moe(cfg: MegatronConfig) -> None:
@@ -99,6 +191,17 @@ def validate_moe(cfg: MegatronConfig) -> None:
         par.pipeline_model_parallel_size,
     )
     _validate_expert_tp(m, par.expert_tp_size, tp)
+    groups = m.moe_router_num_groups
+    if groups is not None and groups % ep and ep % groups:
+        fail(
+            "--moe-router-num-groups",
+            f"{groups} groups of {m.num_experts // groups} experts do not line up with "
+            f"--expert-model-parallel-size {ep} ({m.num_experts // ep} experts per EP rank): "
+            "group-limited routing is meant to bound the EP ranks (devices, nodes) a token "
+            "reaches, so a group must hold whole EP ranks or sit within one",
+            f"use a number of groups that divides or is a multiple of {ep} (device-limited "
+            f"routing: {ep}), or an EP size that does",
+        )
     if (dp * cp) % ep:
         fail(
             "--expert-model-parallel-size",

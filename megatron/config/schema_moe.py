@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.declare import Section, setting
+from megatron.config.layer_pattern import parse_layer_freq
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,12 @@ class MoESettings(Section):
         "router + E experts (default: no MoE, a dense model)",
         min=1,
     )
-    moe_layer_freq: int = setting(
-        1, "layer i (0-based) is an MoE layer when i % k == 0 (1: every layer)", min=1
+    moe_layer_freq: str = setting(
+        "1",
+        "which layers are MoE: an integer k (layer i, 0-based, is MoE when i % k == 0; 1: "
+        "every layer) or a Python-style list of 0/1 per layer such as '([0]*3+[1]*58)' (first "
+        "3 dense, as DeepSeek-V3), its length --num-layers; dense layers use --ffn-hidden-size",
+        metavar="K|PATTERN",
     )
     moe_ffn_hidden_size: int | None = setting(
         None, "inner width of each expert's MLP (default: --ffn-hidden-size)", min=1
@@ -42,8 +47,39 @@ class MoESettings(Section):
     moe_router_topk: int = setting(2, "experts each token is sent to (k)", min=1)
     moe_router_score_function: str = setting(
         "softmax",
-        "router scores from the fp32 logits: softmax, or sigmoid (the top-k normalized to sum 1)",
+        "router scores from the fp32 logits: softmax, or sigmoid (DeepSeek-V3: the top k "
+        "normalized to sum 1 when k > 1)",
         choices=("softmax", "sigmoid"),
+    )
+    moe_router_topk_scaling_factor: float | None = setting(
+        None,
+        "multiply the top-k routing probabilities by this factor (DeepSeek-V3's "
+        "routed_scaling_factor; default: none, 1)",
+        above=0,
+    )
+    moe_router_num_groups: int | None = setting(
+        None,
+        "split the E experts into this many groups for group-limited routing (DeepSeek-V3's "
+        "n_group; device- or node-limited routing: the EP size or the nodes of the EP group)",
+        min=1,
+    )
+    moe_router_group_topk: int | None = setting(
+        None,
+        "group-limited routing: each token picks its experts from the top this-many groups, "
+        "a group scored by the sum of its top (k / this) expert scores (DeepSeek-V3's "
+        "topk_group; default: no group limit)",
+        min=1,
+    )
+    moe_router_enable_expert_bias: bool = setting(
+        False,
+        "auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert fp32 bias added to the "
+        "sigmoid scores for the top-k selection only, moved after each step by "
+        "--moe-router-bias-update-rate x sign(mean load - expert load) over the global batch",
+    )
+    moe_router_bias_update_rate: float = setting(
+        1e-3,
+        "the expert bias's step per optimizer step (--moe-router-enable-expert-bias)",
+        min=0,
     )
     moe_router_pre_softmax: bool = setting(
         False,
@@ -75,13 +111,34 @@ class MoESettings(Section):
         choices=("probs", "position"),
     )
 
+    def __post_init__(self) -> None:
+        # --moe-layer-freq 2 from a file or an older checkpoint (an int): one spelling, "2"
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            object.__setattr__(self, "moe_layer_freq", str(freq))
+        elif isinstance(freq, str):
+            object.__setattr__(self, "moe_layer_freq", "".join(freq.split()))
+        super().__post_init__()
+
     @property
     def moe(self) -> bool:
         return self.num_experts is not None
 
+    @property
+    def moe_layer_pattern(self) -> tuple[int, ...]:
+        """1 for each MoE layer, 0 for each dense one (--num-layers entries; a pattern of
+        another length is refused by megatron.config.rules_moe)."""
+        if not self.moe:
+            return (0,) * self.num_layers
+        freq = parse_layer_freq(self.moe_layer_freq)
+        if isinstance(freq, int):
+            return tuple(int(i % freq == 0) for i in range(self.num_layers))
+        return freq
+
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (0-based) has experts instead of a dense MLP."""
-        return self.moe and i % self.moe_layer_freq == 0
+        pattern = self.moe_layer_pattern
+        return self.moe and i < len(pattern) and pattern[i] == 1
 
     @property
     def moe_layers(self) -> int:

@@ -24,23 +24,20 @@ replicated over TP (Megatron-core's --expert-tensor-parallel-size 1); with --seq
 each TP rank routes and computes its own s / TP tokens and the expert and router gradients are
 summed over TP like the norms' (`sequence_parallel` marks, model/parallelize.py).
 
-Load balancing (switch transformer): aux = coeff E / (k T^2) sum_e count_e sum_t p_te over the
-micro batch's T tokens (seq_aux_loss: per sequence, averaged), z = coeff mean_t lse(logits_t)^2.
-With context parallelism (and sequence parallelism) each rank holds pieces of the sequences:
-the counts are summed over those ranks (`state.sequence_group`) and each rank adds its tokens'
-share, so the shares add up to the unsplit losses (Megatron-core's reduction over TP x CP).
-They reach backward without passing through the model's output: `_AttachLoss` gives them the
-gradient `loss_grad_scale` (1 / micro batches x the fp16 loss scale x CP, set by the trainer
-through `set_moe_loss_scale`), as the LM loss gets. Capacity is per rank, over its own tokens
-(as in Megatron-core), so with CP or SP it is not the one-process capacity. Their values and
-the tokens per expert are recorded in backward (once per micro batch, also under activation
-recompute) in `MoEStats`.
+The router (scores, top-k, groups, expert bias, capacity, aux and z losses) is
+megatron.model.router. The losses reach backward without passing through the model's output:
+`_AttachLoss` gives them the gradient `loss_grad_scale` (1 / micro batches x the fp16 loss
+scale x CP, set by the trainer through `set_moe_loss_scale`), as the LM loss gets. Capacity is
+per rank, over its own tokens (as in Megatron-core), so with CP or SP it is not the one-process
+capacity. Their values and the tokens per expert are recorded in backward (once per micro
+batch, also under activation recompute) in `MoEStats`; after the optimizer step
+`moe_step_stats` sums them over every rank, and those global tokens per expert move the expert
+biases (`update_expert_bias`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.distributed as dist
@@ -50,6 +47,7 @@ from torch import nn
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.mlp import ParallelMLP
+from megatron.model.router import Router, capacity_keep, route, select_topk  # noqa: F401 (importable here too)
 from megatron.mpu.mappings import (
     all_gather_rows,
     all_gather_sequence,
@@ -98,103 +96,6 @@ class _AttachLoss(torch.autograd.Function):
             ctx.stats.add(*ctx.record)
         loss_grad = torch.full((), ctx.scale, dtype=torch.float32, device=grad.device)
         return grad, loss_grad, None, None, None
-
-
-def route(logits: torch.Tensor, m: ModelConfig):
-    """fp32 logits (T, E) -> (probs (T, k), experts (T, k), scores (T, E) for the aux loss)."""
-    k = m.moe_router_topk
-    if m.moe_router_score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
-        probs, experts = scores.topk(k, dim=-1)
-        if k > 1:
-            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-        return probs, experts, scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    scores = torch.softmax(logits, dim=-1)
-    if m.moe_router_pre_softmax:  # softmax over all E, then the top k as they are
-        probs, experts = scores.topk(k, dim=-1)
-    else:  # the top k logits, then a softmax over them
-        top, experts = logits.topk(k, dim=-1)
-        probs = torch.softmax(top, dim=-1)
-    return probs, experts, scores
-
-
-def capacity_keep(probs, experts, num_experts: int, factor: float, policy: str) -> torch.Tensor:
-    """(T, k) booleans: the assignments an expert keeps with capacity ceil(T k / E x factor):
-    its highest-probability ones (probs) or its first tokens (position)."""
-    t, k = experts.shape
-    capacity = math.ceil(t * k / num_experts * factor)
-    routed = torch.zeros(t, num_experts, dtype=torch.bool, device=experts.device)
-    routed.scatter_(1, experts, True)
-    if capacity >= t:
-        return torch.ones_like(experts, dtype=torch.bool)
-    if policy == "probs":
-        rank_by = torch.zeros(t, num_experts, device=probs.device).scatter(1, experts, probs)
-    else:  # earlier tokens first
-        position = torch.arange(t, 0, -1, device=experts.device, dtype=torch.float32)
-        rank_by = position.unsqueeze(1).expand(t, num_experts)
-    rank_by = rank_by.masked_fill(~routed, -1.0)
-    kept = rank_by.topk(capacity, dim=0).indices  # (capacity, E)
-    keep = torch.zeros_like(routed).scatter_(0, kept, True) & routed
-    return keep.gather(1, experts)
-
-
-class Router(nn.Module):
-    """x (T, h) -> (probs (T, k), experts (T, k), kept (T, k), aux loss, z loss, tokens per
-    expert (E,)): the top-k routing of T tokens, dropped assignments' probabilities zeroed."""
-
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
-        super().__init__()
-        self.cfg, self.state = cfg, ctx.state
-        shape = (cfg.num_experts, cfg.hidden_size)
-        self.weight = nn.Parameter(torch.empty(shape, device=ctx.device, dtype=ctx.dtype))
-
-    def forward(self, x: torch.Tensor, batch: int):
-        m = self.cfg
-        logits = F.linear(x.float(), self.weight.float())  # (T, E) in fp32
-        probs, experts, scores = route(logits, m)
-        if m.moe_expert_capacity_factor is not None:
-            keep = capacity_keep(
-                probs, experts, m.num_experts, m.moe_expert_capacity_factor, m.moe_token_drop_policy
-            )
-            probs = probs * keep
-        else:
-            keep = torch.ones_like(experts, dtype=torch.bool)
-        counts = torch.bincount(experts[keep], minlength=m.num_experts)
-        aux, z = self._balance_loss(scores, experts, batch), self._z_loss(logits)
-        return probs, experts, keep, aux, z, counts
-
-    def _over_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """A statistic summed over the ranks holding other tokens of the same sequences
-        (`state.sequence_group`: CP ranks, times TP ranks under sequence parallelism)."""
-        if self.state.sequence_shards > 1:
-            t = t.clone()
-            dist.all_reduce(t, group=self.state.sequence_group)
-        return t
-
-    def _balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, batch: int):
-        """This rank's share of coeff E / (k T^2) sum_e count_e sum_t p_te: the counts are the
-        whole micro batch's (summed over the CP and, under sequence parallelism, TP ranks that
-        hold pieces of its sequences), the probabilities this rank's, so the shares add up to
-        the loss and its gradient. seq_aux_loss: the same per whole sequence, averaged."""
-        m, e, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
-        kind = m.moe_router_load_balancing_type
-        if kind == "none" or m.moe_aux_loss_coeff == 0:
-            return scores.new_zeros(())
-        groups = batch if kind == "seq_aux_loss" else 1  # per sequence, or the whole micro batch
-        chosen = torch.zeros_like(scores).scatter_(1, experts, 1.0)  # (T, E) routing map
-        counts = self._over_tokens(chosen.view(groups, -1, e).sum(1).detach())  # (groups, E)
-        tokens = scores.size(0) // groups * self.state.sequence_shards  # per group, all ranks
-        prob_sums = scores.view(groups, -1, e).sum(1)  # (groups, E), this rank's tokens
-        per_group = (counts * prob_sums).sum(-1) * (e / (k * tokens * tokens))
-        return m.moe_aux_loss_coeff * per_group.mean()
-
-    def _z_loss(self, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's share of coeff mean_t lse_t^2 over the micro batch's tokens."""
-        coeff = self.cfg.moe_z_loss_coeff
-        if not coeff:
-            return logits.new_zeros(())
-        total = logits.size(0) * self.state.sequence_shards
-        return coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
 
 
 class Experts(nn.Module):
@@ -432,12 +333,6 @@ def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     return blocks[which] + within - block_start[which]
 
 
-def _stats_row(name: str, cfg: ModelConfig) -> int:
-    """`layers.7.mlp` -> 7; the multi-token prediction depth k's `mtp.layers.k...` -> L + k."""
-    number = int(name.split("layers.")[1].split(".")[0])
-    return cfg.num_layers + number if "mtp.layers." in name else number
-
-
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
 
@@ -450,11 +345,13 @@ def set_moe_loss_scale(model: nn.Module, scale: float) -> None:
         layer.loss_grad_scale = float(scale)
 
 
-def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def moe_step_stats(model: nn.Module, state, cfg: ModelConfig, updated=True) -> dict:
     """The MoE statistics of the step just run, the same on every rank ({} without MoE): the
     load-balancing and z losses (each summed over the MoE layers, per micro batch) and the
     mean over layers of max / mean tokens per expert. One all-reduce over all ranks (also those
-    whose pipeline stage has no MoE layer); resets.
+    whose pipeline stage has no MoE layer); resets. With --moe-router-enable-expert-bias the
+    same tokens per expert then move the expert biases (`update_expert_bias`; not where the
+    optimizer skipped the step: `updated`, a bool or a device flag).
 
     A layer's numbers are counted once per replica: on TP rank 0, or, with sequence
     parallelism, on every TP rank, and on every CP rank (each routed its own tokens; their loss
@@ -469,15 +366,16 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch
         layer.stats.reset()
         if values is None or not (split or state.tp_rank == 0):
             continue
-        number = _stats_row(name, cfg)
         values = values.detach().to("cpu", torch.float32)
         if state.tp_rank != 0 or state.cp_rank != 0:
             values[2] = 0  # one micro-batch count per replica
-        table[number] += values
+        table[_layer_number(name, cfg.num_layers)] += values
     device = next(model.parameters()).device
     table = table.to(device)
     if state.world_size > 1:  # every rank of the job
         dist.all_reduce(table)
+    if cfg.moe_router_enable_expert_bias:
+        update_expert_bias(model, table[:, 3:], cfg.moe_router_bias_update_rate, updated)
     used = table[:, 2] > 0
     table = table[used]
     per_micro = table[:, :2] / table[:, 2:3]  # (layers, [aux, z])
@@ -488,3 +386,31 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig) -> dict[str, torch
         "z loss": per_micro[:, 1].sum(),
         "expert load max/mean": balance,
     }
+
+
+def _layer_number(name: str, num_layers: int) -> int:
+    """The global layer index in a module name (`...layers.<i>.mlp`, at any PP layout); the
+    multi-token prediction depth k's layer (`mtp.layers.<k>.transformer_layer.mlp`): L + k."""
+    number = int(name.split("layers.")[1].split(".")[0])
+    return num_layers + number if "mtp.layers." in name else number
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, load: torch.Tensor, rate: float, updated=True) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3; Megatron-core's get_updated_expert_bias):
+    b_e += rate x sign(mean_e' load_e' - load_e), load (layers, E) the tokens each expert got
+    over the whole global batch (every micro batch, every DP x CP (x EP) rank, already
+    all-reduced), so every rank moves its copy alike. Not on a skipped step (`updated` False,
+    or a device flag that is 0: no host read)."""
+    if updated is False:
+        return
+    for name, layer in moe_layers(model):
+        bias = layer.router.expert_bias
+        if bias is None:
+            continue
+        row = _layer_number(name, layer.cfg.num_layers)
+        counts = load[row].to(bias.device, torch.float32)  # exact integers
+        step = torch.sign(counts.sum() - counts.numel() * counts) * rate  # sign(mean - load)
+        if isinstance(updated, torch.Tensor):
+            step = step * updated.to(bias.device, torch.float32)
+        bias.add_(step)

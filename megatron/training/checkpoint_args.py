@@ -42,7 +42,16 @@ MLA_FIELDS = {
 # MoE router settings a checkpoint records that change what its experts see: a resume keeps
 # them; --finetune (a new run from the weights) may change them, as Megatron-LM's check of the
 # checkpoint's arguments is skipped with --finetune too.
-ROUTER_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax")
+ROUTER_FIELDS = (
+    "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_enable_expert_bias",
+)
 
 _TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
@@ -78,7 +87,7 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
     if cfg.checkpoint.finetune or not cfg.model.moe or saved_model.get("num_experts") is None:
         return
     for name in ROUTER_FIELDS:
-        if name in saved_model and saved_model[name] != current[name]:
+        if name in saved_model and _spelled(saved_model[name]) != _spelled(current[name]):
             flag = "--" + name.replace("_", "-")
             was, now = _as_flag(flag, saved_model[name]), _as_flag(flag, current[name])
             raise CheckpointError(
@@ -88,6 +97,13 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
                 "start a new run from these weights (iteration 0, fresh optimizer) with the "
                 "new router"
             )
+
+
+def _spelled(value):
+    """--moe-layer-freq as older checkpoints recorded it (the int 2) or now ("2")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return "".join(value.split()) if isinstance(value, str) else value
 
 
 def _as_flag(flag: str, value) -> str:

@@ -239,7 +239,8 @@ def train_step(
         scheduler.step()
     result = {"lm_loss": loss, "updated": updated, "grad_norm": grad_norm}
     others = other_losses(forward_step_func, stats, rt)
-    others.update(moe_step_stats(model, rt.state, _model_config(model)))  # {} without MoE
+    # {} without MoE; the expert biases move here, after the optimizer step (not if skipped)
+    others.update(moe_step_stats(model, rt.state, _model_config(model), updated))
     others.update(mtp_step_stats(model, rt.state, _model_config(model)))  # {} without MTP
     return {**result, "other_losses": others} if others else result
 

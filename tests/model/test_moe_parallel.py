@@ -2,9 +2,11 @@
 router statistics of an MoE GPT trained two steps at EP = 2 (and 4), EP x TP with sequence
 parallelism, EP x PP, the allgather dispatcher, capacity-limited routing and the distributed
 optimizer, and under context parallelism (EP within and across the CP ranks, with TP + SP, PP,
-the sequence-level aux loss); then an EP = 2 checkpoint resumed at EP = 1 and 2 and loaded by
-the inference tools, and a CP 2 x EP 2 run (equal to DP 4) resumed at CP 1 x EP 4: all in ONE
-4-rank spawn.
+the sequence-level aux loss), and DeepSeek-V3's router (sigmoid, group-limited, scaled, with
+the auxiliary-loss-free expert bias, whose buffers must equal one process's) at TP 2 x SP x
+EP 2 and at PP 2 x EP 2 (DP 2, distributed optimizer) with a dense first layer; then an EP = 2
+checkpoint resumed at EP = 1 and 2 and loaded by the inference tools, and a CP 2 x EP 2 run
+(equal to DP 4) resumed at CP 1 x EP 4: all in ONE 4-rank spawn.
 
 Each rank also trains the single-process model on every micro batch of the global batch (the
 reference), so the comparison needs no second spawn. Data-parallel rank d runs micro batches
@@ -135,6 +137,33 @@ LAYOUTS = [
 ]
 
 
+# DeepSeek-V3's router (sigmoid scores normalized over the chosen, scaled; group-limited;
+# the auxiliary-loss-free expert bias, fast enough to change step 2's routing)
+V3_ROUTER = {
+    "num_experts": 8,
+    "moe_router_topk": 2,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_topk_scaling_factor": 2.5,
+    "moe_router_num_groups": 2,  # groups of 4 scored by their top 2 (k / g), as DeepSeek-V3's
+    "moe_router_group_topk": 1,
+    "moe_router_enable_expert_bias": True,
+    "moe_router_bias_update_rate": 0.01,
+}
+LAYOUTS += [
+    ("tp2-sp-ep2-bias", 2, 1, 2, True, "alltoall", False, {**V3_ROUTER, "swiglu": True}),
+    (
+        "pp2-ep2-bias-dense-first",
+        1,
+        2,
+        2,
+        False,
+        "alltoall",
+        True,
+        {**V3_ROUTER, "num_layers": 4, "moe_layer_freq": "([0]*1+[1]*3)", "ffn_hidden_size": 48},
+    ),
+]
+
+
 _STATS = ("load balancing loss", "z loss", "expert load max/mean")
 
 
@@ -215,6 +244,8 @@ def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
         history.append((float(result["lm_loss"]), float(result["grad_norm"])) + logged)
         grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
     weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
+    biases = [(n, b) for c in model.chunks for n, b in c.named_buffers() if "expert_bias" in n]
+    weights.update({n: b.clone() for n, b in biases})  # --moe-router-enable-expert-bias
     return history, weights, grads
 
 
@@ -266,6 +297,11 @@ def _worker(rank, world):
                 atol=1e-6,
                 msg=lambda m, n=name: f"{n}: loss / grad norm / aux, z, load: {m}",
             )
+            biases = [n for n in weights if n.endswith("expert_bias")]
+            assert bool(biases) == ("moe_router_enable_expert_bias" in changes), name
+            for pname in biases:  # the same on every rank, moved off zero, as one process's
+                assert weights[pname].abs().sum() > 0, f"{name} {pname} never moved"
+                torch.testing.assert_close(weights.pop(pname), ref[1][pname], rtol=0, atol=1e-7)
             for pname, value in weights.items():
                 want = _local_view(ref[1][pname], params[pname], state)
                 torch.testing.assert_close(

@@ -24,6 +24,9 @@ _NEEDS = (
     ("moe_expert_capacity_factor", None, "no --moe-expert-capacity-factor (HF never drops)"),
     ("moe_router_score_function", "softmax", "--moe-router-score-function softmax"),
     ("add_bias_linear", False, "--disable-bias-linear"),
+    ("moe_router_enable_expert_bias", False, "no --moe-router-enable-expert-bias"),
+    ("moe_router_group_topk", None, "no --moe-router-group-topk (no group-limited routing)"),
+    ("moe_router_topk_scaling_factor", None, "no --moe-router-topk-scaling-factor"),
 )
 
 
@@ -33,8 +36,8 @@ def moe_architecture(cfg: ModelConfig, llama_problems: list[str]) -> str:
     mixtral = list(common)
     if cfg.moe_shared_expert_intermediate_size is not None:
         mixtral.append("no --moe-shared-expert-intermediate-size")
-    if cfg.moe_layer_freq != 1:
-        mixtral.append("--moe-layer-freq 1")
+    if not all(cfg.moe_layer_pattern):  # Mixtral has no dense layers
+        mixtral.append("--moe-layer-freq 1 (every layer MoE; Mixtral has no dense layers)")
     if cfg.moe_router_pre_softmax:
         mixtral.append("no --moe-router-pre-softmax")
     qwen = list(common)
@@ -163,19 +166,24 @@ def moe_config(hf: dict) -> dict:
     dense = sorted(hf.get("mlp_only_layers") or [])
     step = hf.get("decoder_sparse_step", 1)
     layers = hf["num_hidden_layers"]
-    sparse = [i for i in range(layers) if (i + 1) % step == 0 and i not in dense]
-    freq = sparse[1] - sparse[0] if len(sparse) > 1 else layers
-    if not sparse or sparse != list(range(0, layers, freq)):
-        raise ValueError(
-            "config.json decoder_sparse_step / mlp_only_layers: the MoE layers must be every "
-            "k-th from layer 0 (--moe-layer-freq k)"
-        )
+    pattern = [int((i + 1) % step == 0 and i not in dense) for i in range(layers)]
+    if not any(pattern):
+        raise ValueError("config.json decoder_sparse_step / mlp_only_layers: no MoE layer")
     return {
         **fields,
         "num_experts": hf["num_experts"],
-        "moe_layer_freq": freq,
+        "moe_layer_freq": layer_freq_of(pattern),
         "moe_ffn_hidden_size": hf["moe_intermediate_size"],
         "moe_shared_expert_intermediate_size": hf["shared_expert_intermediate_size"],
         "moe_shared_expert_gate": True,
         "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
     }
+
+
+def layer_freq_of(pattern: list[int]) -> str:
+    """--moe-layer-freq for a 0/1 list of MoE layers: k where they are every k-th from layer
+    0, else the list itself."""
+    for k in range(1, len(pattern) + 1):
+        if pattern == [int(i % k == 0) for i in range(len(pattern))]:
+            return str(k)
+    return "[" + ",".join(map(str, pattern)) + "]"

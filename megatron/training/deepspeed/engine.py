@@ -324,9 +324,10 @@ def ds_train_step(
         )
         value = global_loss([s["lm loss"] for s in stats], rt)
         others = other_losses(forward_step_func, stats, rt)
-        others.update(moe_step_stats(engine.module, rt.state, _model_config(engine)))
-        others.update(mtp_step_stats(engine.module, rt.state, _model_config(engine)))
     norm, updated = engine.get_global_grad_norm(), bool(engine.was_step_applied())
+    if not pipeline:  # the expert biases move after the engine's step, unless it skipped it
+        others.update(moe_step_stats(engine.module, rt.state, _model_config(engine), updated))
+        others.update(mtp_step_stats(engine.module, rt.state, _model_config(engine)))
     result = {
         "lm_loss": value,
         "updated": updated,

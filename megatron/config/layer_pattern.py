@@ -1,0 +1,112 @@
+"""--moe-layer-freq's value: an integer k, or a Python-style list expression of 0/1 per layer
+as Megatron-core writes it ('([0]*3+[1]*58)', '[1,0,1,0]'), read by a small parser of its own
+(integers, lists, `*`, `+` and parentheses), never by eval(). Standard library only."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from megatron.config.declare import ConfigError
+
+FLAG = "--moe-layer-freq"
+_LIMIT = 1_000_000  # no layer count, list or repeat is larger: a typo, not a model
+_TOKEN = re.compile(r"\d+|[\[\]\(\),*+]")
+
+
+def _refuse(value: str, problem: str) -> ConfigError:
+    return ConfigError(
+        f"{FLAG}: {value!r} {problem}. Fix: pass an integer k (every k-th layer is MoE) or a "
+        "list of 0 (dense) / 1 (MoE) per layer written with lists, integers, * and +, "
+        "e.g. '([0]*3+[1]*58)'"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def parse_layer_freq(value: str) -> int | tuple[int, ...]:
+    """`value` as an int k >= 1 or a tuple of 0/1 per layer; ConfigError naming the flag."""
+    text = "".join(str(value).split())
+    tokens = _TOKEN.findall(text)
+    if not text or "".join(tokens) != text:
+        raise _refuse(value, "is not an integer or a list expression")
+    parser = _Parser(tokens, value)
+    out = parser.expr()
+    if parser.pos != len(tokens):
+        raise _refuse(value, f"has an unexpected {tokens[parser.pos]!r}")
+    if isinstance(out, int):
+        if out < 1:
+            raise _refuse(value, "must be at least 1")
+        return out
+    if any(v not in (0, 1) for v in out):
+        raise _refuse(value, "holds entries other than 0 and 1")
+    return tuple(out)
+
+
+class _Parser:
+    """expr := term ('+' term)*; term := atom ('*' atom)*; atom := INT | '[' exprs ']' |
+    '(' expr ')'. Values are ints or lists of ints, with Python's + and * on them."""
+
+    def __init__(self, tokens: list[str], value: str):
+        self.tokens, self.value, self.pos = tokens, value, 0
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def _take(self, expected: str | None = None) -> str:
+        token = self._peek()
+        if token is None or (expected is not None and token != expected):
+            want = f"{expected!r}" if expected else "more"
+            raise _refuse(self.value, f"ends where {want} was expected")
+        self.pos += 1
+        return token
+
+    def expr(self):
+        out = self.term()
+        while self._peek() == "+":
+            self._take()
+            right = self.term()
+            if isinstance(out, int) != isinstance(right, int):
+                raise _refuse(self.value, "adds a list and an integer")
+            self._check(len(out) + len(right) if isinstance(out, list) else out + right)
+            out = out + right
+        return out
+
+    def term(self):
+        out = self.atom()
+        while self._peek() == "*":
+            self._take()
+            right = self.atom()
+            if isinstance(out, list) and isinstance(right, list):
+                raise _refuse(self.value, "multiplies two lists")
+            size = (len(out) if isinstance(out, list) else out) * (
+                len(right) if isinstance(right, list) else right
+            )
+            self._check(size)  # before the product is built
+            out = out * right
+        return out
+
+    def atom(self):
+        token = self._take()
+        if token.isdigit():
+            return self._check(int(token) if len(token) <= 8 else _LIMIT + 1)
+        if token == "(":
+            out = self.expr()
+            self._take(")")
+            return out
+        if token == "[":
+            items = []
+            while self._peek() != "]":
+                item = self.expr()
+                if not isinstance(item, int):
+                    raise _refuse(self.value, "nests lists")
+                items.append(item)
+                if self._peek() != "]":
+                    self._take(",")
+            self._take("]")
+            return items
+        raise _refuse(self.value, f"has an unexpected {token!r}")
+
+    def _check(self, v: int):
+        if v > _LIMIT:
+            raise _refuse(self.value, f"is larger than {_LIMIT}")
+        return v
