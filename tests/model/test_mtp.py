@@ -141,6 +141,26 @@ def test_impossible_mtp_settings_are_refused(extra, flag):
         parse_args([*BASE, *extra], world_size=2)
 
 
+DEEPSEEK = {
+    "multi_latent_attention": True,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_head_dim": 8,
+    "qk_pos_emb_head_dim": 4,
+    "v_head_dim": 8,
+    "rope_type": "rope",
+    "num_experts": 4,
+    "moe_ffn_hidden_size": 16,
+    "moe_shared_expert_intermediate_size": 16,
+    "moe_router_topk": 2,
+    "moe_router_score_function": "sigmoid",
+    "moe_layer_freq": "([0]*1+[1]*1)",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_bias_update_rate": 0.05,
+    "moe_router_num_groups": 2,
+    "moe_router_group_topk": 1,
+    "moe_router_topk_scaling_factor": 2.5,
+}
 # (name, TP, PP, sequence parallel, model changes): 2 ranks each, DP 1 (CP 2 with "cp")
 LAYOUTS = [
     ("tp2", 2, 1, False, {}),
@@ -153,6 +173,9 @@ LAYOUTS = [
         {"num_experts": 2, "moe_router_topk": 1, "moe_aux_loss_coeff": 0.01},
     ),
     ("pp2", 1, 2, False, {}),
+    # DeepSeek-V3's pieces: MLA, a dense first layer, the sigmoid router with the expert bias
+    # and group-limited routing; the MTP depth's layer is an MoE layer with a bias of its own
+    ("pp2-mla-bias-router", 1, 2, False, DEEPSEEK),
     (
         "pp2-untied-learned",
         1,
@@ -216,11 +239,12 @@ def _train(cfg, state):
         history.append([float(result["lm_loss"]), *mtp, float(result["grad_norm"])])
     grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
     weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
+    weights.update({n: b.clone() for c in model.chunks for n, b in c.named_buffers()})
     return history, weights, grads, {n: p for c in model.chunks for n, p in c.named_parameters()}
 
 
 def _local(full, param, state):
-    if mpu.is_tensor_parallel(param) and state.tp_size > 1:
+    if param is not None and mpu.is_tensor_parallel(param) and state.tp_size > 1:
         return mpu.shard(
             full, param.partition_dim, state.tp_rank, state.tp_size, param.partition_stride
         )
@@ -247,13 +271,13 @@ def _worker(rank, world):
                 msg=lambda m, n=name: f"{n}: lm loss / mtp losses / grad norm: {m}",
             )
             for pname, value in weights.items():
-                for got, ref, what in (
-                    (value, ref_weights, "weight"),
-                    (grads[pname], ref_grads, "grad"),
-                ):
+                pairs = [(value, ref_weights, "weight")]
+                if pname in grads:  # a parameter, not a buffer (the expert bias)
+                    pairs.append((grads[pname], ref_grads, "grad"))
+                for got, ref, what in pairs:
                     torch.testing.assert_close(
                         got,
-                        _local(ref[pname], params[pname], state),
+                        _local(ref[pname], params.get(pname), state),
                         rtol=1e-4,
                         atol=1e-6,
                         msg=lambda m, n=name, p=pname, w=what: f"{n} {w} {p}: {m}",
@@ -273,6 +297,11 @@ def test_mtp_at_tp2_and_pp2_matches_one_process():
     assert "mtp.layers.1.eh_proj.weight" in names and "embedding.word_embeddings.weight" in names
     assert not any(n.startswith("mtp.") for n in results[0]["pp2"][1])
     assert "embedding.word_embeddings.weight" in results[1]["pp2-untied-learned"][1]
+    # the MTP depth's MoE layer has its expert bias (moved, compared with one process's)
+    assert (
+        "mtp.layers.0.transformer_layer.mlp.router.expert_bias"
+        in results[1]["pp2-mla-bias-router"][1]
+    )
 
 
 @pytest.mark.parametrize("untied", [False, True])

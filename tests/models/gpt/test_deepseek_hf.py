@@ -166,6 +166,7 @@ def _mtp_reference(hf_model, weights: dict, cfg, depth: int):
     return layer.eval()
 
 
+@pytest.mark.slow  # transformers' import and three models: seconds
 @pytest.mark.parametrize("name", list(VARIANTS))
 @torch.no_grad()
 def test_trained_model_exports_to_transformers_and_back(tmp_path, name):
@@ -224,6 +225,7 @@ def test_trained_model_exports_to_transformers_and_back(tmp_path, name):
         torch.testing.assert_close(state[n], t, rtol=0, atol=0, msg=n)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_a_transformers_model_imports_with_equal_logits(tmp_path, capsys):
     hc = transformers.DeepseekV3Config(
