@@ -57,6 +57,8 @@ def deepseek_problems(cfg: ModelConfig) -> list[str]:
         (not cfg.add_bias_linear, "--disable-bias-linear"),
         (cfg.position_embedding_type == "rope", "--position-embedding-type rope"),
         (first_dense_layers(cfg) is not None, "--moe-layer-freq '([0]*k+[1]*(L-k))'"),
+        # HF builds the latent norms (q_a_layernorm, kv_a_layernorm) with eps 1e-6 always
+        (cfg.layernorm_epsilon == 1e-6, "--layernorm-epsilon 1e-6"),
     ]
     if cfg.moe:
         shared = cfg.moe_shared_expert_intermediate_size or 0
