@@ -288,9 +288,43 @@ def _worker(rank, world):
     return report
 
 
+def _resume_worker(rank, world, argv, save_dir):
+    """The trainer with one MTP depth at PP 2: 4 steps saving at 2; then from step 2 at TP 2
+    (resharded on load). Returns both runs' losses and grad norms (the MTP losses are in the
+    gradients)."""
+    import torch.distributed as dist
+
+    from tests.helpers.checkpoints import _checkpoint_at
+    from tests.helpers.training import _train
+
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    pp2 = ["--pipeline-model-parallel-size", "2", "--save", save_dir, "--save-interval", "2"]
+    straight, _, _ = _train(rank, world, argv + mtp + pp2)
+    if rank == 0:
+        _checkpoint_at(save_dir, 2, f"{save_dir}_at2")
+    dist.barrier()
+    tp2 = ["--tensor-model-parallel-size", "2", "--load", f"{save_dir}_at2"]
+    resumed, _, _ = _train(rank, world, argv + mtp + tp2)
+    return [[s["lm_loss"], s["grad_norm"]] for s in straight], [
+        [s["lm_loss"], s["grad_norm"]] for s in resumed
+    ]
+
+
+def _spawned(rank, world, argv, save_dir):
+    """Everything multi-rank of this file in one 2-rank spawn."""
+    return {"layouts": _worker(rank, world), "resume": _resume_worker(rank, world, argv, save_dir)}
+
+
 @pytest.mark.slow
-def test_mtp_at_tp2_and_pp2_matches_one_process():
-    results = run_distributed(_worker, 2, timeout=600)
+def test_mtp_at_tp2_and_pp2_matches_one_process(data_prefix, tmp_path):
+    from tests.helpers.training import flags
+
+    argv = flags(data_prefix, iters=4)
+    out = run_distributed(_spawned, 2, argv, str(tmp_path / "ckpt"), timeout=600)
+    straight, resumed = out[0]["resume"]  # a PP 2 run resumed at TP 2 from its step 2
+    assert len(resumed) == 2
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[2:]), rtol=2e-5, atol=0)
+    results = [o["layouts"] for o in out]
     for report in results:
         assert set(report) == {layout[0] for layout in LAYOUTS}
     names = results[1]["pp2"][1]  # the last stage holds the MTP modules and the embedding copy
