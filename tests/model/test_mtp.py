@@ -16,21 +16,15 @@ import torch.nn.functional as F
 from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
-from megatron.config.schema import ModelConfig, OptimizerConfig
-from megatron.initialize import Runtime
+from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
-from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.training.ddp import DistributedDataParallel
-from megatron.training.optimizer import MegatronOptimizer
-from megatron.training.schedules import get_forward_backward_func
-from megatron.training.step import train_step
-from megatron.training.timers import Timers
 from tests.helpers.distributed import run_distributed
+from tests.helpers.layouts import train_steps
 from tests.helpers.training import BASE
 
 MODEL = ModelConfig(
@@ -187,11 +181,6 @@ LAYOUTS = [
 MICRO, BATCH, STEPS = 2, 2, 2
 
 
-class _Scheduler:
-    def step(self, *args):
-        pass
-
-
 def _forward_step(state, data_iterator, model):
     tokens, labels, mask = (
         context_parallel_slice(x, state.cp_rank, state.cp_size) for x in next(data_iterator)
@@ -203,44 +192,23 @@ def _forward_step(state, data_iterator, model):
 
 def _train(cfg, state):
     """STEPS steps on MICRO micro batches: (lm loss, MTP losses, grad norm) per step, weights
-    and gradients."""
-    model = parallelize(build_model(cfg, BuildContext(state=state)), state)
-    shared = model.word_embeddings_weight() if state.pp_size > 1 else None
-    ddp = DistributedDataParallel(
-        model, state.dp_cp_group, own_bucket=(shared,) if shared is not None else ()
-    )
-    opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
-    opt = MegatronOptimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
-    schedule = get_forward_backward_func(
-        state,
-        micro_batch_size=BATCH,
-        seq_length=8 // state.cp_size,
-        hidden_size=32,
-        dtype=torch.float32,
-    )
-    rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
+    and buffers, gradients, parameters."""
+    steps = [
+        [_batch(cfg, BATCH, seed=100 * step + m) for m in range(MICRO)] for step in range(STEPS)
+    ]
+    steps = [[(t, lab, m.float()) for t, lab, m in batches] for batches in steps]
+    step = functools.partial(_forward_step, state)
+    results, model = train_steps(cfg, state, step, steps, micro_batch_size=BATCH)
     history = []
-    for step in range(STEPS):
-        batches = iter([_batch(cfg, BATCH, seed=100 * step + m) for m in range(MICRO)])
-        batches = ((t, lab, m.float()) for t, lab, m in batches)
-        result = train_step(
-            functools.partial(_forward_step, state),
-            batches,
-            ddp,
-            opt,
-            _Scheduler(),
-            MICRO,
-            rt,
-            Timers(),
-            schedule,
-        )
+    for result in results:
         mtp = [float(v) for k, v in result["other_losses"].items() if k.startswith("mtp_")]
         assert len(mtp) == cfg.mtp_num_layers
         history.append([float(result["lm_loss"]), *mtp, float(result["grad_norm"])])
-    grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
-    weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
+    params = {n: p for c in model.chunks for n, p in c.named_parameters()}
+    grads = {n: p.main_grad.clone() for n, p in params.items()}
+    weights = {n: p.detach().clone() for n, p in params.items()}
     weights.update({n: b.clone() for c in model.chunks for n, b in c.named_buffers()})
-    return history, weights, grads, {n: p for c in model.chunks for n, p in c.named_parameters()}
+    return history, weights, grads, params
 
 
 def _local(full, param, state):
