@@ -272,3 +272,29 @@ def test_a_transformers_model_imports_with_equal_logits(tmp_path, capsys):
     tokens = torch.randint(0, 80, (2, 12), generator=torch.Generator().manual_seed(3))
     ours = model(tokens)[..., :80]
     torch.testing.assert_close(ours, hf(tokens).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_export_refuses_what_deepseek_v3_cannot_compute_and_drops_mtp_elsewhere(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from megatron.models.gpt.hf import hf_architecture
+
+    bad = dataclasses.replace(V3, moe_router_score_function="softmax", layernorm_epsilon=1e-5)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM would need") as err:
+        hf_architecture(bad)
+    assert "--moe-router-score-function sigmoid" in str(err.value)
+    assert "--layernorm-epsilon 1e-6" in str(err.value)
+    groups = dataclasses.replace(V3, moe_router_topk=2)  # HF scores a group by its top 2
+    with pytest.raises(ValueError, match="2 x group-topk"):
+        hf_architecture(groups)
+    # a Llama-shaped GPT with an MTP depth: exported as Llama, the depth dropped with a note
+    llama = ModelConfig(
+        **{f: getattr(V3, f) for f in DENSE_FIELDS if "lora" not in f and "qk_" not in f}
+        | {"multi_latent_attention": False, "v_head_dim": None, "rope_type": None}
+        | {"rotary_scaling_factor": 1.0, "original_max_position_embeddings": 4096}
+        | {"mscale_all_dim": 0.0}
+    )
+    model = GPTModel(llama, BuildContext(seed=2))
+    assert to_hf(_unpadded(model, llama), _args(llama, 1, 1), str(tmp_path)) == "llama"
+    assert "multi-token prediction depth(s) are not exported" in capsys.readouterr().err
+    assert not any("eh_proj" in n for n in load_file(str(tmp_path / "model.safetensors")))
