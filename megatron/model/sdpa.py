@@ -87,6 +87,9 @@ def attention_report(m, ops, state, dtype, device) -> str | None:
     if state.cp_size > 1:
         return "SDPA backend: ring attention's blocks pick theirs (--context-parallel-size > 1)"
     heads = m.num_attention_heads // state.tp_size  # this TP rank's heads
+    head_dim = m.head_dim
+    if m.multi_latent_attention:  # queries and keys, and the values padded to them
+        head_dim = max(m.qk_nope_dim + m.qk_rope_dim, m.v_dim)
     return sdpa_report(
-        ops.sdpa_backend, heads, m.seq_length, m.head_dim, dtype, device, m.attention_dropout
+        ops.sdpa_backend, heads, m.seq_length, head_dim, dtype, device, m.attention_dropout
     )

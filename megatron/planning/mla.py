@@ -77,3 +77,15 @@ def attention_flops(m: ModelConfig, seq: int) -> int:
     kv = h * (m.kv_rank + m.qk_rope_dim) + m.kv_rank * n * (m.qk_nope_dim + m.v_dim)
     weights = q + kv + n * m.v_dim * h
     return 2 * seq * weights + 2 * seq * seq * n * (d_qk + m.v_dim)
+
+
+def core_flops(m: ModelConfig, micro_batch: int) -> int:
+    """Scores and weighted sum of one layer's forward over `micro_batch` sequences."""
+    d = m.qk_nope_dim + m.qk_rope_dim + m.v_dim
+    return 2 * micro_batch * m.seq_length**2 * m.num_attention_heads * d
+
+
+def ring_kv_width(m: ModelConfig) -> int:
+    """Elements per token of the K/V block ring attention passes (all heads, before TP): the
+    up-projected keys and the values, both at the padded head size."""
+    return 2 * m.num_attention_heads * max(m.qk_nope_dim + m.qk_rope_dim, m.v_dim)

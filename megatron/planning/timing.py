@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
+from megatron.planning import mla
 from megatron.planning.memory import (
     Layout,
     Training,
@@ -76,6 +77,8 @@ def layer_forward_flops(m: ModelConfig, micro_batch: int) -> tuple[float, float]
         active = layer_params(m, 1, moe=True) - 2 * norm_params(m) + expert_flops_weights(m)
         weights = (weights * (m.num_layers - m.moe_layers) + active * m.moe_layers) / m.num_layers
     core = 4 * micro_batch * m.seq_length**2 * m.num_attention_heads * m.head_dim
+    if m.multi_latent_attention:
+        core = mla.core_flops(m, micro_batch)
     return 2.0 * tokens * weights, float(core)
 
 
@@ -126,7 +129,8 @@ def cp_ring_seconds(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> d
     if cp == 1:
         return {"messages": 0.0, "exposed": 0.0}
     gbps = hw.intra_node_gbps if tp * cp <= hw.gpus_per_node else hw.inter_node_gbps
-    block = lay.micro_batch * m.seq_length // cp * 2 * m.query_groups * m.head_dim // tp
+    width = mla.ring_kv_width(m) if m.multi_latent_attention else 2 * m.query_groups * m.head_dim
+    block = lay.micro_batch * m.seq_length // cp * width // tp
     kv = t.dtype_bytes * block / (gbps * 1e9) + hw.latency_s
     dkv = 4 * block / (gbps * 1e9) + hw.latency_s
     step_fwd = layer_forward_flops(m, lay.micro_batch)[1] / (tp * cp * cp) / hw.flops_per_s

@@ -1,8 +1,9 @@
 """Multi-latent attention against one process: loss, grad norm, gradients and updated weights
 of an MLA GPT (YaRN RoPE, value heads narrower than query/key heads) trained two steps at TP 2
 with sequence parallelism, TP 2 without (plain query projection, selective recompute), CP 2
-(ring attention with the values padded) and PP 2 (full recompute); then the TP 2 model's
-state resharded to TP 1 x PP 2 and back: all in ONE 2-rank spawn.
+(ring attention with the values padded) and PP 2 (full recompute); the TP 2 and PP 2 models
+then generate through the latent KV cache the one-process model's logits: all in ONE 2-rank
+spawn.
 
 Each rank also trains the single-process model on the same micro batches (the reference), so
 the comparison needs no second spawn.
@@ -18,6 +19,7 @@ import torch
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.inference.engine import InferenceModel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
@@ -156,6 +158,25 @@ def _compare(name, ref, mine, params, state):
             )
 
 
+def _check_cached_generation(name, ref_model, model, state):
+    """Step-by-step logits through the latent KV cache on this layout == the one-process
+    model's uncached forward (the engine broadcasts them to every rank)."""
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    ref_chunk = ref_model.chunks[0]
+    ref_chunk.eval()
+    with torch.no_grad():
+        want = ref_chunk(tokens)[..., :64].float()  # (b, s, V)
+    engine = InferenceModel(model.chunks, state, 64, 32)
+    caches = engine.new_caches(2, 8)
+    positions = torch.arange(8).expand(2, -1)
+    for pos in range(3, 8):
+        window = slice(0, pos + 1) if pos == 3 else slice(pos, pos + 1)
+        got = engine.next_token_logits(tokens[:, window], positions[:, window], caches)
+        torch.testing.assert_close(
+            got, want[:, pos], rtol=1e-4, atol=1e-5, msg=lambda m, p=pos: f"{name} {p}: {m}"
+        )
+
+
 def _worker(rank, world):
     torch.manual_seed(0)
     report = {}
@@ -167,6 +188,8 @@ def _worker(rank, world):
             mine = _train(cfg, state, recompute)
             params = {n: p for c in mine[3].chunks for n, p in c.named_parameters()}
             _compare(name, ref, mine, params, state)
+            if not sp and cp == 1:  # generation: the latent cache on every rank
+                _check_cached_generation(name, ref[3], mine[3], state)
             report[name] = mine[0]
         finally:
             destroy_model_parallel(state)

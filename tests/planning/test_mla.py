@@ -18,7 +18,6 @@ from megatron.planning import mla
 from megatron.planning.memory import Device, Layout, Training, layer_activation_bytes, layer_params
 from tests.helpers.models import tiny_gpt
 
-
 _BASE = dict(
     hidden_size=128,
     seq_length=64,
@@ -93,3 +92,15 @@ def test_mla_flops_are_what_torch_counts():
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             attention(x)
         assert mla.attention_flops(cfg, cfg.seq_length) == counter.get_total_flops()
+
+
+def test_planner_time_model_counts_mla_flops():
+    from megatron.planning.memory import mlp_params
+    from megatron.planning.timing import layer_forward_flops
+
+    cfg = _cfg()
+    s = cfg.seq_length
+    mat, core = layer_forward_flops(cfg, micro_batch=1)
+    latent_norms = cfg.q_lora_rank + cfg.kv_lora_rank  # RMSNorm weights, not matmuls
+    mlp = 2 * s * mlp_params(cfg, cfg.ffn_size, 1)
+    assert mat + core == mla.attention_flops(cfg, s) + mlp + 2 * s * latent_norms
