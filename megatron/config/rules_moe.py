@@ -55,6 +55,14 @@ def validate_moe_model(m: ModelConfig, tp: int = 1) -> None:
             "auxiliary-loss-free bias is added to sigmoid scores (Megatron-core refuses it too)",
             "add --moe-router-score-function sigmoid (DeepSeek-V3's router)",
         )
+    if m.moe_router_bias_update_rate != 1e-3 and not m.moe_router_enable_expert_bias:
+        fail(
+            "--moe-router-bias-update-rate",
+            f"{m.moe_router_bias_update_rate} given without --moe-router-enable-expert-bias "
+            "(there is no bias to update)",
+            "add --moe-router-enable-expert-bias (with --moe-router-score-function sigmoid) "
+            "or drop the rate",
+        )
     validate_router_groups(m)
     validate_layer_freq(m)
     shared = m.moe_shared_expert_intermediate_size

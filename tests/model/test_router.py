@@ -258,6 +258,7 @@ BAD = [
     (["--moe-layer-freq", "__import__('os').system('x')"], "not an integer or a list"),
     (["--moe-layer-freq", "[0]*4"], "no MoE layer"),
     (["--moe-layer-freq", "8"], "exceeds --num-layers 4"),
+    (["--moe-router-bias-update-rate", "0.01"], "without --moe-router-enable-expert-bias"),
 ]
 
 
