@@ -167,6 +167,8 @@ LAYOUTS = [
         {"num_experts": 2, "moe_router_topk": 1, "moe_aux_loss_coeff": 0.01},
     ),
     ("pp2", 1, 2, False, {}),
+    # interleaved 1F1B (2 chunks per stage): the last chunk holds the MTP depth; recomputed
+    ("pp2-vp2-recompute", 1, 2, False, {"num_layers": 4, "vp": 2, "re": "full"}),
     # DeepSeek-V3's pieces: MLA, a dense first layer, the sigmoid router with the expert bias
     # and group-limited routing; the MTP depth's layer is an MoE layer with a bias of its own
     ("pp2-mla-bias-router", 1, 2, False, DEEPSEEK),
@@ -190,7 +192,7 @@ def _forward_step(state, data_iterator, model):
     return per_token, functools.partial(lm_loss, mask, context_parallel=cp)
 
 
-def _train(cfg, state):
+def _train(cfg, state, recompute=None):
     """STEPS steps on MICRO micro batches: (lm loss, MTP losses, grad norm) per step, weights
     and buffers, gradients, parameters."""
     steps = [
@@ -198,7 +200,7 @@ def _train(cfg, state):
     ]
     steps = [[(t, lab, m.float()) for t, lab, m in batches] for batches in steps]
     step = functools.partial(_forward_step, state)
-    results, model = train_steps(cfg, state, step, steps, micro_batch_size=BATCH)
+    results, model = train_steps(cfg, state, step, steps, BATCH, recompute)
     history = []
     for result in results:
         mtp = [float(v) for k, v in result["other_losses"].items() if k.startswith("mtp_")]
@@ -223,14 +225,19 @@ def _worker(rank, world):
     report = {}
     for name, tp, pp, sp, changes in LAYOUTS:
         changes = dict(changes)
-        cp = changes.pop("cp", 1)
+        cp, vp, recompute = changes.pop("cp", 1), changes.pop("vp", None), changes.pop("re", None)
         cfg = dataclasses.replace(MODEL, **changes)
         ref_history, ref_weights, ref_grads, _ = _train(cfg, mpu.single_process_state())
         state = initialize_model_parallel(
-            tp, pp, sequence_parallel=sp, context_parallel_size=cp, expert_tensor_parallel_size=1
+            tp,
+            pp,
+            vp,
+            sequence_parallel=sp,
+            context_parallel_size=cp,
+            expert_tensor_parallel_size=1,
         )
         try:
-            history, weights, grads, params = _train(cfg, state)
+            history, weights, grads, params = _train(cfg, state, recompute)
             torch.testing.assert_close(
                 torch.tensor(history),
                 torch.tensor(ref_history),
