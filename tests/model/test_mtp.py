@@ -337,3 +337,17 @@ def test_mtp_checkpoint_reshards_to_tp2_pp2_and_back(tmp_path, untied):
     save_resharded(merged, _args(cfg, 1, 1), tp1, 1, 2, 5, quiet=True)
     chunk = build_model(cfg, BuildContext(stage, seed=9))
     chunk.load_state_dict(load_shard(tp1, 5, tp_rank=0, pp_rank=1, pp_size=2)["model"])
+
+
+@pytest.mark.parametrize("changes", [{}, {"untie_embeddings_and_output_weights": True}, DEEPSEEK])
+def test_planner_counts_the_mtp_parameters_of_the_built_stages(changes):
+    from megatron.planning.memory import stage_params
+
+    cfg = dataclasses.replace(MODEL, **changes)
+    for pp in (1, 2):
+        for rank in range(pp):
+            stage = dataclasses.replace(mpu.single_process_state(), pp_size=pp, pp_rank=rank)
+            with torch.device("meta"):
+                chunk = build_model(cfg, BuildContext(stage))
+            built = sum(p.numel() for p in chunk.parameters())
+            assert stage_params(cfg, 1, pp, rank) == built, (pp, rank)
