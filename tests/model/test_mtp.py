@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
+from megatron.config.rules import validate
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
@@ -128,11 +129,13 @@ def test_evaluation_and_generation_skip_mtp():
             ["--mtp-num-layers", "1", "--deepspeed", "--pipeline-model-parallel-size", "2"],
             "--mtp-num-layers",
         ),
+        (["--mtp-num-layers", "1", "--deepspeed", "--zero-stage", "3"], "--mtp-num-layers"),
     ],
 )
 def test_impossible_mtp_settings_are_refused(extra, flag):
-    with pytest.raises(ConfigError, match=flag):
-        parse_args([*BASE, *extra], world_size=2)
+    with pytest.raises(ConfigError, match=flag):  # before any work (the training rules too)
+        argv = [*BASE, "--train-iters", "10", "--lr", "1e-3", *extra]
+        validate(parse_args(argv, world_size=2), "train-gpt")
 
 
 DEEPSEEK = {

@@ -114,8 +114,16 @@ class OutputHead(nn.Module):
                 dtype=dtype,
             )
 
-    def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
-        return self.logits(self.final_layernorm(x), word_embeddings)
+    def forward(self, x, word_embeddings=None, labels=None, ops=None, with_normed=False):
+        """This rank's vocab slice of the logits of final_layernorm(x); with `labels` the
+        per-token loss instead (`loss`), and with `with_normed` also the normed x, where the
+        multi-token prediction depths start. (One module call: DeepSpeed's ZeRO-3 gathers the
+        tied embedding for it.)"""
+        x = self.final_layernorm(x)
+        if labels is None:
+            return self.logits(x, word_embeddings)
+        loss = self.normed_loss(x, labels, ops, word_embeddings)
+        return (loss, x) if with_normed else loss
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor, ops, word_embeddings=None):
         """Per-token loss (b, s) fp32 from h (b, s, h) or (b, s/p, h): the final norm, then the
@@ -274,12 +282,13 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         weight = self.word_embeddings_weight()
-        x = self.head.final_layernorm(x)
-        if labels is None:
-            return self.head.logits(x, weight)
-        loss = self.head.normed_loss(x, labels, self.ops, weight)
-        if self.mtp is None or mask is None or not (self.training and torch.is_grad_enabled()):
-            return loss  # evaluation and generation skip the MTP depths
+        # evaluation and generation skip the MTP depths
+        mtp = self.mtp is not None and mask is not None and labels is not None
+        mtp = mtp and self.training and torch.is_grad_enabled()
+        out = self.head(x, weight, labels, self.ops, with_normed=mtp)
+        if not mtp:
+            return out
+        loss, x = out
         return self.mtp(
             loss,
             x,
