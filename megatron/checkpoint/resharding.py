@@ -196,24 +196,25 @@ def stage_names(
 ) -> list[str]:
     """Names of the full state a pipeline rank holds (its model chunks' union), model order.
 
-    The last stage of a PP > 1 model with tied embeddings also holds the word embedding (the
-    copy its output layer multiplies with).
+    The last stage of a PP > 1 model with tied embeddings or multi-token prediction also holds
+    the word embedding (the copy its output layer multiplies with, or MTP embeds with); the
+    MTP modules (`mtp.*`) live on the last stage.
     """
     vp = (cfg.num_layers // pp) // vp_layers if vp_layers else None
     layers = {
         i for c in range(vp or 1) for i in stage_layer_range(cfg.num_layers, pp, pp_rank, vp, c)
     }
     first, last = pp_rank == 0, pp_rank == pp - 1
-    tied = not cfg.untie_embeddings_and_output_weights
+    shared = not cfg.untie_embeddings_and_output_weights or cfg.mtp_num_layers is not None
     names = []
     for name in full_shapes(cfg, family):
         if name.startswith("layers."):
             keep = int(name.split(".")[1]) in layers
         elif name == WORD_EMBEDDINGS:
-            keep = first or (last and tied)
+            keep = first or (last and shared)
         elif name.startswith("embedding."):
             keep = first
-        else:  # head.*
+        else:  # head.*, mtp.*
             keep = last
         if keep:
             names.append(name)

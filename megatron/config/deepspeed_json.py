@@ -385,6 +385,12 @@ def build_ds_config(cfg: MegatronConfig) -> dict:
     _activation_checkpointing(ds, cfg)
     _sequence_parallel(ds, cfg)
     _experts(ds, cfg)
+    if cfg.model.mtp_num_layers and ds["zero_optimization"]["stage"] == 3:
+        raise ConfigError(
+            "--mtp-num-layers with ZeRO stage 3: the multi-token prediction depths project "
+            "through the output head's weight after the head's own forward, when ZeRO-3 has "
+            "released it. Fix: use --zero-stage 0, 1 or 2, or drop --mtp-num-layers"
+        )
     ds.setdefault("steps_per_print", 10**9)  # we log; DeepSpeed stays quiet
     ds.setdefault("wall_clock_breakdown", False)
     return ds

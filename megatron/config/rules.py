@@ -29,6 +29,7 @@ from megatron.config.rules_fsdp2 import validate_fsdp2
 from megatron.config.rules_ft import validate_fault_tolerance
 from megatron.config.rules_mla import validate_mla_model
 from megatron.config.rules_moe import validate_moe
+from megatron.config.rules_mtp import validate_mtp
 from megatron.config.rules_pipeline import validate_pipeline_schedule
 from megatron.config.rules_training import validate_batch, validate_training
 from megatron.config.schema import (
@@ -203,6 +204,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
         )
     validate_model(m, tp)
     validate_moe(cfg)
+    validate_mtp(cfg)
     _validate_context_parallel(cfg)
     _validate_sequence_parallel(cfg)
     if m.num_layers % pp:

@@ -47,6 +47,12 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "mixture of experts is trained, logged and converted for the GPT only",
             "drop it, or pretrain an MoE GPT with pretrain_gpt2.py",
         )
+    if cfg.model.mtp_num_layers is not None:
+        fail(
+            "--mtp-num-layers",
+            "multi-token prediction is built into the GPT only",
+            "drop it, or pretrain a GPT with pretrain_gpt2.py",
+        )
     if cfg.kernels.cross_entropy_fusion_impl != "native":
         fail(
             "--cross-entropy-fusion-impl",

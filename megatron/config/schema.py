@@ -138,6 +138,20 @@ class _DenseModelFields(Section):
         choices=("grouped", "spaced"),
     )
 
+    mtp_num_layers: int | None = setting(
+        None,
+        "multi-token prediction depth D (DeepSeek-V3): D sequential modules on the last stage, "
+        "module k predicting the token k + 1 places ahead through the shared embedding and "
+        "output head; their mean loss is added with --mtp-loss-scaling-factor (default: none)",
+        min=1,
+    )
+    mtp_loss_scaling_factor: float = setting(
+        0.1,
+        "weight of the multi-token prediction loss: the LM loss + factor / D x the sum of the "
+        "D depths' losses",
+        min=0,
+    )
+
     @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size is not None:

@@ -372,7 +372,8 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig, updated=True) -> d
     shares add up); the micro batches once, on TP and CP rank 0."""
     if not cfg.moe:
         return {}
-    table = torch.zeros(cfg.num_layers, 3 + cfg.num_experts)  # [aux, z, micro batches, load]
+    rows = cfg.num_layers + (cfg.mtp_num_layers or 0)  # the MTP depths' layers follow
+    table = torch.zeros(rows, 3 + cfg.num_experts)  # [aux, z, micro batches, load]
     split = state.sequence_parallel
     for name, layer in moe_layers(model):
         values = layer.stats.values
@@ -382,7 +383,7 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig, updated=True) -> d
         values = values.detach().to("cpu", torch.float32)
         if state.tp_rank != 0 or state.cp_rank != 0:
             values[2] = 0  # one micro-batch count per replica
-        table[_layer_number(name)] += values
+        table[_layer_number(name, cfg.num_layers)] += values
     device = next(model.parameters()).device
     table = table.to(device)
     if state.world_size > 1:  # every rank of the job
@@ -401,9 +402,11 @@ def moe_step_stats(model: nn.Module, state, cfg: ModelConfig, updated=True) -> d
     }
 
 
-def _layer_number(name: str) -> int:
-    """The global layer index in a module name (`...layers.<i>.mlp`, at any PP layout)."""
-    return int(name.split("layers.")[-1].split(".")[0])
+def _layer_number(name: str, num_layers: int) -> int:
+    """The global layer index in a module name (`...layers.<i>.mlp`, at any PP layout); the
+    multi-token prediction depth k's layer (`mtp.layers.<k>.transformer_layer.mlp`): L + k."""
+    number = int(name.split("layers.")[1].split(".")[0])
+    return num_layers + number if "mtp.layers." in name else number
 
 
 @torch.no_grad()
@@ -419,7 +422,8 @@ def update_expert_bias(model: nn.Module, load: torch.Tensor, rate: float, update
         bias = layer.router.expert_bias
         if bias is None:
             continue
-        counts = load[_layer_number(name)].to(bias.device, torch.float32)  # exact integers
+        row = _layer_number(name, layer.cfg.num_layers)
+        counts = load[row].to(bias.device, torch.float32)  # exact integers
         step = torch.sign(counts.sum() - counts.numel() * counts) * rate  # sign(mean - load)
         if isinstance(updated, torch.Tensor):
             step = step * updated.to(bias.device, torch.float32)

@@ -73,8 +73,9 @@ class ModelChunks(nn.Module):
                 raise KeyError(f"checkpoint keys not in this stage: {sorted(unused)[:5]}")
 
     def word_embeddings_weight(self) -> torch.Tensor | None:
-        """This rank's copy of the tied word embedding, if it is in the embedding group."""
+        """This rank's copy of the word embedding the first and last stage share (tied head,
+        or multi-token prediction's input), if it is in the embedding group."""
         for chunk in (self.chunks[0], self.chunks[-1]):
-            if chunk.tied and (chunk.pre_process or chunk.post_process):
+            if chunk.shares_embedding and (chunk.pre_process or chunk.post_process):
                 return chunk.word_embeddings_weight()
         return None

@@ -218,7 +218,20 @@ def stage_params(
         n += norm_params(m)
         if m.untie_embeddings_and_output_weights or (pp > 1 and not v_shape):
             n += words  # the output head, or the tied embedding's copy on the last stage
+        if m.untie_embeddings_and_output_weights and pp > 1 and m.mtp_num_layers:
+            n += words  # the untied head and multi-token prediction's embedding copy
+        n += mtp_params(m, tp, ep, etp)
     return n
+
+
+def mtp_params(m: ModelConfig, tp: int, ep: int = 1, etp: int = 1) -> int:
+    """The --mtp-num-layers depths on the last stage: each three norms, the column-parallel
+    eh_proj (2h -> h) and a layer of the last layer's kind."""
+    if not m.mtp_num_layers:
+        return 0
+    moe = m.is_moe_layer(m.num_layers - 1)
+    layer = layer_params(m, tp, moe=moe) + (expert_params(m, ep, etp) if moe else 0)
+    return m.mtp_num_layers * (3 * norm_params(m) + 2 * m.hidden_size**2 // tp + layer)
 
 
 def model_state_bytes(
@@ -354,9 +367,22 @@ def chunk_activation_bytes(
         else:  # block: the first k layers each keep their input only
             kept, working = k * x + (n - k) * full, full
     extra = (embedding_extra_bytes(m, lay, dev) if first else 0) + (
-        head_extra_bytes(m, lay, t) if last else 0
+        head_extra_bytes(m, lay, t) + mtp_activation_bytes(m, lay, t, dev) if last else 0
     )
     return kept + extra, working
+
+
+def mtp_activation_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device) -> int:
+    """The --mtp-num-layers depths (last virtual stage): each its layer's, its head's and the
+    norms' and projection's inputs (the embedding, two normed inputs of 2 h, the gathered
+    projection output)."""
+    if not m.mtp_num_layers:
+        return 0
+    core = lay.recompute != "selective"
+    moe = m.is_moe_layer(m.num_layers - 1)
+    layer = layer_activation_bytes(m, lay, t, dev, core=core, moe=moe)
+    inputs = 5 * layer_input_bytes(m, lay, t)
+    return m.mtp_num_layers * (layer + head_extra_bytes(m, lay, t) + inputs)
 
 
 # ---- the pipeline schedule ----

@@ -26,6 +26,7 @@ SHAPE_FIELDS = (
     "swiglu",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
+    "mtp_num_layers",
 )
 # Multi-latent attention's shape fields, with the value a checkpoint that predates them had.
 MLA_FIELDS = {

@@ -29,7 +29,8 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     Per layer forward: QKV 2sh(h + 2 g d), scores and weighted sum 2 x 2s^2 h, output 2sh^2,
     MLP 2sh f x (3 with SwiGLU, else 2); plus the logits 2shV. An MoE layer (--num-experts)
     counts its active parameters: the router 2shE, k experts of width f_e and the shared one.
-    Multi-latent attention: megatron.planning.mla.attention_flops.
+    Multi-latent attention: megatron.planning.mla.attention_flops. Each --mtp-num-layers
+    depth: a layer of the last layer's kind, eh_proj 2s(2h)h, the logits.
     """
     h, d = m.hidden_size, m.head_dim
     attn_out = m.num_attention_heads * d
@@ -48,7 +49,10 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     moe = 2 * seq * h * (m.num_experts or 0) + m.moe_router_topk * mlp(m.expert_ffn_size)
     moe += mlp(m.moe_shared_expert_intermediate_size or 0)
     layers = m.num_layers * attention + dense * mlp(m.ffn_size) + m.moe_layers * moe
-    forward = layers + 2 * seq * h * m.padded_vocab_size(1)
+    logits = 2 * seq * h * m.padded_vocab_size(1)
+    last = moe if m.is_moe_layer(m.num_layers - 1) else mlp(m.ffn_size)
+    mtp = (m.mtp_num_layers or 0) * (attention + last + 4 * seq * h * h + logits)
+    forward = layers + logits + mtp
     return (4 if recompute else 3) * forward
 
 

@@ -20,6 +20,7 @@ from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
+from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
 from megatron.model.parallelize import parallelize
 from megatron.model.sdpa import attention_report
 from megatron.mpu import all_reduce_sequence_parallel_grads
@@ -234,6 +235,7 @@ def train_step(
     # as the LM loss: each CP rank backpropagates its share, gradients are averaged over CP)
     scale = float(optimizer.scale_loss(torch.ones(()))) * rt.state.cp_size / num_micro_batches
     set_moe_loss_scale(model, scale)
+    set_mtp_loss_scale(model, scale)  # the multi-token prediction losses' likewise
     schedule = schedule or forward_backward_no_pipelining
     stats = schedule(
         forward_step_func,
@@ -272,6 +274,7 @@ def train_step(
     others = other_losses(forward_step_func, stats, rt)
     # {} without MoE; the expert biases move here, after the optimizer step (not if skipped)
     others.update(moe_step_stats(model, rt.state, _model_config(model), updated))
+    others.update(mtp_step_stats(model, rt.state, _model_config(model)))  # {} without MTP
     return {**result, "other_losses": others} if others else result
 
 

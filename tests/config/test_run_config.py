@@ -200,6 +200,7 @@ def test_pretrain_prints_the_config_before_any_distributed_or_data_work(tmp_path
 
 WORLDS = {"gpt2_345m.yaml": 1, "gpt3_1.3b_dp.yaml": 8, "gpt3_6.7b_sharded.yaml": 16}
 WORLDS["shakespeare_char_cpu.yaml"] = 1
+WORLDS["deepseek_v3_proxy.yaml"] = 1
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -221,6 +222,7 @@ def test_every_shipped_example_resolves(path):
             "gpt3_1.3b_dp.yaml": (24, 2048, 16, 1024),
             "gpt3_6.7b_sharded.yaml": (32, 4096, 32, 1024),
             "shakespeare_char_cpu.yaml": (4, 128, 4, 64),
+            "deepseek_v3_proxy.yaml": (4, 128, 4, 128),
         }[path.name]
     )
     if cfg.deepspeed.enabled:

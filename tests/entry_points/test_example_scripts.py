@@ -85,3 +85,27 @@ def test_fault_tolerant_script_launches_one_torchrun_per_replica_group(tmp_path)
         assert args[args.index("--ft-group-size") + 1] == "4"
         assert args[args.index("--ft-lighthouse") + 1] == "http://h:1"
         assert "--max-restarts" in args and "--fault-tolerance" in args
+
+
+def test_deepseek_v3_proxy_config_trains_two_steps(tmp_path):
+    """The DeepSeek-V3 proxy run file (MLA, MTP, the expert-bias sigmoid router with groups, a
+    dense first layer) trains 2 steps on a toy corpus, its MTP and router statistics logged."""
+    from tests.helpers.training import counting_corpus
+
+    data = counting_corpus(tmp_path)
+    config = ROOT / "examples/configs/deepseek_v3_proxy.yaml"
+    ids = ["-o", "data.tokenizer.tokenizer_type=null", "-o", "data.tokenizer.vocab_file=null"]
+    ids += ["-o", "data.tokenizer.merge_file=null", "--vocab-size", "128"]  # the corpus's ids
+    short = ["--train-iters", "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
+    short += ["--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "1"]
+    argv = [sys.executable, ROOT / "pretrain_gpt2.py", "-c", config, "--data-path", data]
+    argv += [*ids, *short, "--save", tmp_path / "ckpt", "--tensorboard-dir", tmp_path / "tb"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        list(map(str, argv)), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith(" iteration")]
+    assert len(lines) == 2 and all("mtp_1 loss:" in line for line in lines), run.stdout
+    assert "expert load max/mean" in lines[-1]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -16,7 +16,6 @@ import time
 import traceback
 from datetime import timedelta
 
-
 # Ports come from below the kernel's ephemeral range (Linux: 32768-60999), one block per
 # pytest-xdist worker, in turn: a port the kernel handed out to any socket (gloo's own pair
 # listeners and connections included) is never picked, and two workers never pick the same

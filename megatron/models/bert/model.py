@@ -128,6 +128,7 @@ class BertModel(nn.Module):
         self.cfg, self.state, self.rng_tracker, self.ops = cfg, ctx.state, ctx.rng_tracker, ctx.ops
         self.layer_recompute: LayerRecompute | None = None  # set by megatron.model.parallelize
         self.pre_process, self.post_process, self.tied = pre_process, post_process, True
+        self.shares_embedding = True
         layer_range = range(cfg.num_layers) if layer_range is None else layer_range
         self.embedding = None
         if pre_process or post_process:

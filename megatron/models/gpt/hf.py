@@ -4,7 +4,9 @@ Two architectures match our GPT exactly (same logits in fp32):
   GPT2LMHeadModel   learned positions, LayerNorm, exact GeLU ("gelu") or with --openai-gelu
                     GPT-2's own tanh GeLU ("gelu_new"), biases, one KV head per head
   LlamaForCausalLM  RoPE (rotate-half, as ours), RMSNorm, SwiGLU; any GQA, biases optional
-With --num-experts, MixtralForCausalLM or Qwen2MoeForCausalLM (megatron.models.gpt.hf_moe).
+With --num-experts, MixtralForCausalLM or Qwen2MoeForCausalLM (megatron.models.gpt.hf_moe);
+with --multi-latent-attention, DeepseekV3ForCausalLM (megatron.models.gpt.hf_deepseek), whose
+config.json also carries the multi-token prediction depths (the other architectures drop them).
 Shared layers (--num-unique-layers) are written out once per layer; --apply-query-key-layer-
 scaling changes no logits. --apply-residual-connection-post-layernorm has no HF twin, and
 other flag combinations raise ValueError. Files written: config.json, model.safetensors,
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 import torch
 
@@ -24,6 +27,17 @@ from megatron.checkpoint.hf_files import save_safetensors
 from megatron.checkpoint.resharding import POSITION_EMBEDDINGS, check_full_state, model_config
 from megatron.config.schema import ModelConfig
 from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
+from megatron.models.gpt.hf_deepseek import (
+    ARCH as DEEPSEEK,
+)
+from megatron.models.gpt.hf_deepseek import (
+    deepseek_config,
+    deepseek_hf_config,
+    deepseek_problems,
+    deepseek_state,
+    deepseek_tensors,
+    mtp_depth_held,
+)
 from megatron.models.gpt.hf_moe import (
     moe_architecture,
     moe_config,
@@ -58,6 +72,14 @@ def hf_architecture(cfg: ModelConfig) -> str:
             "takes its residuals after the layer norm (GPT-2 and Llama are pre-norm), so no "
             "export would compute this model's logits"
         )
+    if cfg.multi_latent_attention:
+        problems = deepseek_problems(cfg)
+        if problems:
+            raise ValueError(
+                "no Hugging Face architecture matches this multi-latent-attention model: "
+                f"DeepseekV3ForCausalLM would need {', '.join(problems)}"
+            )
+        return DEEPSEEK
     if cfg.moe:
         llama = [flag for f, (v, flag) in _LLAMA_NEEDS.items() if getattr(cfg, f) != v]
         return moe_architecture(cfg, llama)
@@ -263,6 +285,8 @@ def _hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, eod: int | None)
         "pretraining_tp": 1,
         **common,
     }
+    if arch == DEEPSEEK:
+        return deepseek_hf_config(cfg, common)
     return moe_hf_config(cfg, arch, llama) if arch in MOE_ARCHITECTURES else llama
 
 
@@ -283,10 +307,18 @@ def to_hf(
     check_full_state(full_state, cfg, "the state to export")
     if arch == "gpt2":
         tensors = _gpt2_tensors(full_state, cfg)
+    elif arch == DEEPSEEK:
+        tensors = deepseek_tensors(full_state, cfg)
     else:
         tensors = _llama_tensors(full_state, cfg)
         if arch in MOE_ARCHITECTURES:
             tensors.update(moe_tensors(full_state, cfg, arch))
+    if cfg.mtp_num_layers and arch != DEEPSEEK:
+        print(
+            f"note: the {cfg.mtp_num_layers} multi-token prediction depth(s) are not exported: "
+            f"the {arch} architecture has no place for them (DeepseekV3's has)",
+            file=sys.stderr,
+        )
     os.makedirs(out_dir, exist_ok=True)
     eod = export_tokenizer(args.get("tokenizer") or {}, out_dir, tokenizer_files, cfg)
     dtype = full_state[WORD_EMBEDDINGS].dtype
@@ -387,28 +419,36 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     with open(config_path, encoding="utf-8") as f:
         hf_cfg = json.load(f)
     kind = hf_cfg.get("model_type")
-    if kind not in ("gpt2", "llama", *MOE_ARCHITECTURES):
+    if kind not in ("gpt2", "llama", DEEPSEEK, *MOE_ARCHITECTURES):
         raise ValueError(
             f"--from-hf {hf_dir}: model_type {kind!r} is not supported (gpt2, llama, "
-            "mixtral, qwen2_moe; BERT: bert, megatron-bert)"
+            "mixtral, qwen2_moe, deepseek_v3; BERT: bert, megatron-bert)"
         )
-    fields = _gpt2_config(hf_cfg) if kind == "gpt2" else _llama_config(hf_cfg)
+    hf = _read_safetensors(hf_dir)
+    if kind == DEEPSEEK:
+        fields = deepseek_config(hf_cfg, mtp_depth_held(hf, hf_cfg))
+    elif kind == "gpt2":
+        fields = _gpt2_config(hf_cfg)
+    else:
+        fields = _llama_config(hf_cfg)
     if kind in MOE_ARCHITECTURES:
         fields.update(moe_config(hf_cfg))
-    # transformers' default is tied for both, when the key is absent.
-    tied = hf_cfg.get("tie_word_embeddings", True)
+    # transformers' default is tied when the key is absent (DeepseekV3's: untied)
+    tied = hf_cfg.get("tie_word_embeddings", kind != DEEPSEEK)
     cfg = ModelConfig(
         vocab_size=hf_cfg["vocab_size"],
         init_method_std=hf_cfg.get("initializer_range", 0.02),
         untie_embeddings_and_output_weights=not tied,
         **fields,
     )
-    hf = _read_safetensors(hf_dir)
     if kind == "gpt2":
         # Hub files name GPT-2's tensors without the `transformer.` prefix; both are read.
         hf = {n.removeprefix("transformer."): t for n, t in hf.items()}
         ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old versions
         state = _gpt2_state(hf, cfg)
+    elif kind == DEEPSEEK:
+        ignored = ("rotary_emb.inv_freq",)
+        state = deepseek_state(hf, hf_cfg, cfg)
     else:
         ignored = ("rotary_emb.inv_freq",)
         moe = moe_state(hf, cfg, kind) if kind in MOE_ARCHITECTURES else {}

@@ -19,6 +19,7 @@ from torch import nn
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.masks import CAUSAL, AttentionMask
+from megatron.model.mtp import MultiTokenPrediction
 from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range, virtual_stage
 from megatron.model.transformer import TransformerLayer, build_norm, split_dropout_rng
@@ -71,6 +72,14 @@ class Embedding(nn.Module):
             if self.sequence_parallel:  # (s,) or (b, s) -> this rank's s / p positions
                 position_ids = sequence_slice(position_ids, self.tp_group, dim=-1)
             x = x + self.position_embeddings(position_ids)
+        return self._dropout(x)
+
+    def words(self, tokens: torch.Tensor) -> torch.Tensor:
+        """dropout(word embedding) only: the multi-token prediction modules' input (their
+        position is the hidden state's)."""
+        return self._dropout(self.word_embeddings(tokens, self.sequence_parallel))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if p == 0.0:
             return x
@@ -106,14 +115,29 @@ class OutputHead(nn.Module):
                 dtype=dtype,
             )
 
-    def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor | None = None):
-        return self.logits(self.final_layernorm(x), word_embeddings)
+    def forward(self, x, word_embeddings=None, labels=None, ops=None, with_normed=False):
+        """This rank's vocab slice of the logits of final_layernorm(x); with `labels` the
+        per-token loss instead (`loss`), and with `with_normed` also the normed x, where the
+        multi-token prediction depths start. (One module call: DeepSpeed's ZeRO-3 gathers the
+        tied embedding for it.)"""
+        x = self.final_layernorm(x)
+        if labels is None:
+            return self.logits(x, word_embeddings)
+        loss = self.normed_loss(x, labels, ops, word_embeddings)
+        return (loss, x) if with_normed else loss
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor, ops, word_embeddings=None):
         """Per-token loss (b, s) fp32 from h (b, s, h) or (b, s/p, h): the final norm, then the
         output layer and the vocab-parallel cross-entropy fused over chunks of tokens
         (--cross-entropy-fusion-impl linear; the padding masked there, by `num_valid`)."""
-        x = self.final_layernorm(x)
+        return self.normed_loss(self.final_layernorm(x), labels, ops, word_embeddings)
+
+    def normed_loss(self, x: torch.Tensor, labels: torch.Tensor, ops, word_embeddings=None):
+        """`loss` of a normed x: the output layer and loss only (the MTP depths' own norms
+        precede it)."""
+        if ops.cross_entropy_fusion_impl != "linear":
+            logits = self.logits(x, word_embeddings)
+            return ops.vocab_cross_entropy(logits, labels, self.tp_group)
         weight = word_embeddings if self.output_layer is None else self.output_layer.weight
         if not self.sequence_parallel:  # backward: all-reduce dL/dx over TP
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
@@ -163,9 +187,11 @@ class GPTModel(nn.Module):
         self.layer_recompute: LayerRecompute | None = None  # set by megatron.model.parallelize
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = not cfg.untie_embeddings_and_output_weights
+        # the last stage reads the word embedding too: the tied head's, or MTP's input
+        self.shares_embedding = self.tied or cfg.mtp_num_layers is not None
         layer_range = range(cfg.num_layers) if layer_range is None else layer_range
         self.embedding = None
-        if pre_process or (post_process and self.tied):
+        if pre_process or (post_process and self.shares_embedding):
             self.embedding = Embedding(cfg, ctx, word_only=not pre_process)
             if not pre_process:
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
@@ -183,6 +209,9 @@ class GPTModel(nn.Module):
                     cfg, ctx, layer_number=cfg.unique_layer(i) + 1
                 )
         self.head = OutputHead(cfg, ctx) if post_process else None
+        self.mtp = None  # --mtp-num-layers: after the head, on the last stage
+        if post_process and cfg.mtp_num_layers is not None:
+            self.mtp = MultiTokenPrediction(cfg, ctx)
         self._input: torch.Tensor | None = None
         init_weights(self, cfg, ctx.state, ctx.seed)
 
@@ -213,13 +242,20 @@ class GPTModel(nn.Module):
         return AttentionMask.documents(document_ids)
 
     def forward(
-        self, tokens=None, position_ids=None, labels=None, kv_caches=None, document_ids=None
+        self,
+        tokens=None,
+        position_ids=None,
+        labels=None,
+        kv_caches=None,
+        document_ids=None,
+        loss_mask=None,
     ):
         """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference.engine).
         `position_ids`, `document_ids` (b, s): positions, and the document of each token that
         attention stays within (--reset-position-ids / --reset-attention-mask); every pipeline
         stage gets them (RoPE and the mask act in each layer). With context parallelism both are
-        those of this rank's chunks."""
+        those of this rank's chunks. `loss_mask` (b, s): the tokens the loss keeps, which the
+        multi-token prediction losses (training only) roll with the labels."""
         if kv_caches is not None and self.state.sequence_parallel:
             raise ValueError("generation with a KV cache runs without --sequence-parallel")
         cp = self.state.cp_size
@@ -229,6 +265,7 @@ class GPTModel(nn.Module):
                 b, local * cp, self.state.cp_rank, cp, tokens.device
             )
         x = self.embedding(tokens, position_ids) if self.pre_process else self._input
+        mask = None
         if kv_caches is not None:
             for number, layer in zip(self.layer_numbers, self.run_order(), strict=True):
                 x = layer(x, position_ids, kv_caches[number])
@@ -247,13 +284,27 @@ class GPTModel(nn.Module):
             return x
         # untied: the head has its own weight, and the embedding's (under FSDP2 a sharded
         # parameter outside the embedding's forward) is not handed to it
-        tied = self.word_embeddings_weight() if self.tied else None
-        if labels is not None and self.ops.cross_entropy_fusion_impl == "linear":
-            return self.head.loss(x, labels, self.ops, tied)
-        logits = self.head(x, tied)
-        if labels is None:
-            return logits
-        return self.ops.vocab_cross_entropy(logits, labels, self.state.tp_group)
+        weight = self.word_embeddings_weight() if self.tied else None
+        # evaluation and generation skip the MTP depths
+        mtp = self.mtp is not None and mask is not None and labels is not None
+        mtp = mtp and self.training and torch.is_grad_enabled()
+        out = self.head(x, weight, labels, self.ops, with_normed=mtp)
+        if not mtp:
+            return out
+        loss, x = out
+        return self.mtp(
+            loss,
+            x,
+            tokens,
+            labels,
+            loss_mask,
+            self.embedding.words,
+            lambda h, target: self.head.normed_loss(h, target, self.ops, weight),
+            position_ids=position_ids,
+            mask=mask,
+            recompute=self.layer_recompute,
+            tracker=self.rng_tracker,
+        )
 
 
 def build_model(cfg: ModelConfig, ctx: BuildContext) -> ModelChunks:

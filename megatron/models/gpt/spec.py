@@ -12,6 +12,7 @@ def _hf_export(full_state, args, out_dir, tokenizer_files=None) -> str:
     arch = hf.to_hf(full_state, args, out_dir, tokenizer_files=tokenizer_files)
     names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
     names.update(mixtral="MixtralForCausalLM", qwen2_moe="Qwen2MoeForCausalLM")
+    names.update(deepseek_v3="DeepseekV3ForCausalLM")
     return names[arch]
 
 
@@ -34,7 +35,7 @@ SPEC = register(
         deepspeed_pipeline=_deepspeed_pipeline,
         hf_export=_hf_export,
         hf_import=lambda hf_dir, hf_config: hf.from_hf(hf_dir),
-        hf_model_types=("gpt2", "llama", "mixtral", "qwen2_moe"),
+        hf_model_types=("gpt2", "llama", "mixtral", "qwen2_moe", "deepseek_v3"),
         causal_lm=True,
         purpose="train-gpt",
     )

@@ -60,6 +60,7 @@ def forward_step(data_iterator, model):
         position_ids=batch.position_ids,
         labels=batch.labels,
         document_ids=batch.document_ids,
+        loss_mask=batch.loss_mask,  # multi-token prediction rolls it with the labels
     )
     cp = state if state is not None and state.cp_size > 1 else None
     return output, functools.partial(lm_loss, batch.loss_mask, context_parallel=cp)

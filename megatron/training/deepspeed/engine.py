@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.config.deepspeed_json import build_ds_config, uses_deepspeed_checkpointing
 from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
+from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
 from megatron.mpu import (
     ParallelState,
     checkpoint,
@@ -317,6 +318,7 @@ def ds_train_step(
         # MoE aux / z losses: the LM loss's gradient scale (1 / micro batches x fp16 scale)
         fp16_scale = engine.optimizer.loss_scale if engine.fp16_enabled() else 1.0
         set_moe_loss_scale(engine.module, float(fp16_scale) / num_micro_batches)
+        set_mtp_loss_scale(engine.module, float(fp16_scale) / num_micro_batches)
         stats = forward_backward_no_pipelining(
             forward_step_func, data_iterator, engine, num_micro_batches, timers=timers, engine=True
         )
@@ -325,6 +327,7 @@ def ds_train_step(
     norm, updated = engine.get_global_grad_norm(), bool(engine.was_step_applied())
     if not pipeline:  # the expert biases move after the engine's step, unless it skipped it
         others.update(moe_step_stats(engine.module, rt.state, _model_config(engine), updated))
+        others.update(mtp_step_stats(engine.module, rt.state, _model_config(engine)))
     result = {
         "lm_loss": value,
         "updated": updated,

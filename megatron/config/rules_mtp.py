@@ -1,0 +1,41 @@
+"""Rules of multi-token prediction (--mtp-num-layers, --mtp-loss-scaling-factor) against the
+model and the layout; each setting's own limits are declared on it (megatron.config.schema)."""
+
+from __future__ import annotations
+
+from megatron.config.declare import fail
+from megatron.config.schema import MegatronConfig, ModelConfig
+
+
+def validate_mtp_model(m: ModelConfig) -> None:
+    """The MTP settings among themselves (what a checkpoint's model needs at any layout)."""
+    if m.mtp_num_layers is None:
+        if m.mtp_loss_scaling_factor != 0.1:
+            fail(
+                "--mtp-loss-scaling-factor",
+                "given without --mtp-num-layers (the model has no MTP modules)",
+                "add --mtp-num-layers D or drop it",
+            )
+        return
+    if m.mtp_num_layers >= m.seq_length:
+        fail(
+            "--mtp-num-layers",
+            f"depth {m.mtp_num_layers} leaves no target inside --seq-length {m.seq_length} "
+            "(depth k predicts the token k + 1 places ahead)",
+            "use a depth below the sequence length",
+        )
+
+
+def validate_mtp(cfg: MegatronConfig) -> None:
+    """MTP against the layout and the backends (training and conversion)."""
+    validate_mtp_model(cfg.model)
+    if cfg.model.mtp_num_layers is None:
+        return
+    par = cfg.parallel
+    if cfg.deepspeed.enabled and par.pipeline_model_parallel_size > 1:
+        fail(
+            "--mtp-num-layers",
+            "DeepSpeed's pipeline engine passes only the hidden states between stages, and "
+            "the MTP modules on the last stage need the tokens and the loss mask",
+            "use our pipeline (drop --deepspeed) or --pipeline-model-parallel-size 1",
+        )

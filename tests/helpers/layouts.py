@@ -1,0 +1,55 @@
+"""A model trained a few steps at a parallel layout with our DDP and optimizer, without the
+trainer's loop: what the layouts-against-one-process tests of the model pieces share."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.initialize import Runtime
+from megatron.model.context import BuildContext
+from megatron.model.parallelize import parallelize
+from megatron.models.gpt.model import build_model
+from megatron.training.ddp import DistributedDataParallel
+from megatron.training.optimizer import MegatronOptimizer
+from megatron.training.schedules import get_forward_backward_func
+from megatron.training.step import train_step
+from megatron.training.timers import Timers
+
+
+class _Scheduler:
+    def step(self, *args):
+        pass
+
+
+def train_steps(
+    cfg: ModelConfig, state, forward_step, steps: list[list], micro_batch_size: int, recompute=None
+):
+    """One train_step per entry of `steps` (that step's micro batches, in order) of the GPT
+    `cfg` at `state`: AdamW lr 1e-2, eps 1e-4, no weight decay, no clipping, fp32, our DDP
+    over DP x CP (the shared embedding in its own bucket). Returns (the steps' results, model
+    chunks)."""
+    policy = RecomputeConfig(granularity=recompute) if recompute else None
+    model = parallelize(build_model(cfg, BuildContext(state=state)), state, policy)
+    shared = model.word_embeddings_weight() if state.pp_size > 1 else None
+    ddp = DistributedDataParallel(
+        model, state.dp_cp_group, own_bucket=(shared,) if shared is not None else ()
+    )
+    opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
+    opt = MegatronOptimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
+    schedule = get_forward_backward_func(
+        state,
+        micro_batch_size=micro_batch_size,
+        seq_length=cfg.seq_length // state.cp_size,
+        hidden_size=cfg.hidden_size,
+        dtype=torch.float32,
+    )
+    rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
+    results = [
+        train_step(
+            forward_step, iter(batches), ddp, opt, _Scheduler(), len(batches), rt, Timers(),
+            schedule,
+        )
+        for batches in steps
+    ]  # fmt: skip
+    return results, model
