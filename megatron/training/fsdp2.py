@@ -5,7 +5,8 @@ hold replicas of the same TP-local weights; CP splits the sequence, not the weig
 transformer layer is a unit (its weights all-gathered before it runs, freed after forward with
 --torch-fsdp2-reshard-after-forward true or auto, and its gradients reduce-scattered as its
 backward ends); so is the untied embedding and the head; the chunk itself is the root unit
-holding the rest (a tied word embedding: the head reads it outside the embedding's forward;
+holding the rest (a tied word embedding, or with MTP: the head or the MTP depths read it outside the
+embedding's forward;
 auto keeps the root's weights gathered from forward to backward, which needs them first). TP is
 untouched: the TP-local tensors are what FSDP2 shards, and TP's collectives run inside the
 layers as before.
@@ -73,12 +74,17 @@ def local_tensor(param: DTensor) -> torch.Tensor:
 
 def _units(chunk: nn.Module) -> list[nn.Module]:
     """The layers of `chunk` that are sharding units of their own: each transformer layer, the
-    embedding unless tied (the head reads its weight), the head."""
+    embedding unless the last stage reads its weight outside its forward (a tied head, or
+    the MTP depths' input embedding), the head unless MTP calls it outside its forward."""
     layers = chunk.layer_list() if hasattr(chunk, "layer_list") else []
-    tied = getattr(chunk, "tied", False)
+    tied = getattr(chunk, "shares_embedding", getattr(chunk, "tied", False))
+    # the MTP depths call the head's loss outside its forward: the head stays in the root too
+    mtp = getattr(chunk, "mtp", None) is not None
+    outside = [getattr(chunk, "embedding", None) if tied else None]
+    outside.append(getattr(chunk, "head", None) if mtp else None)
     units, seen = [], set()
     for layer in layers:
-        if id(layer) in seen or (tied and layer is getattr(chunk, "embedding", None)):
+        if id(layer) in seen or any(layer is m for m in outside if m is not None):
             continue
         seen.add(id(layer))
         units.append(layer)

@@ -234,3 +234,30 @@ def test_reshard_after_forward_takes_megatron_cores_spellings():
     ):
         cfg = parse_args([*BASE, *FSDP, *argv], world_size=2)
         assert cfg.distributed.torch_fsdp2_reshard_after_forward == want
+
+
+def test_what_mtp_reads_outside_a_forward_stays_in_the_root_unit():
+    """Untied with MTP, the depths read the word embedding and call the head's loss outside
+    those modules' forwards: neither may be a unit of its own (its weight would still be a
+    shard there: "mixed torch.Tensor and DTensor"); without MTP both are units."""
+    from torch import nn
+
+    from megatron.training.fsdp2 import _units
+
+    class Chunk(nn.Module):
+        def __init__(self, mtp):
+            super().__init__()
+            self.embedding, self.layer, self.head = (
+                nn.Linear(2, 2),
+                nn.Linear(2, 2),
+                nn.Linear(2, 2),
+            )
+            self.mtp = nn.Linear(2, 2) if mtp else None
+            self.tied, self.shares_embedding = False, mtp
+
+        def layer_list(self):
+            return [self.embedding, self.layer, self.head]
+
+    plain, mtp = Chunk(False), Chunk(True)
+    assert _units(plain) == [plain.embedding, plain.layer, plain.head]
+    assert _units(mtp) == [mtp.layer]
