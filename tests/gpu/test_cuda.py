@@ -33,7 +33,7 @@ from megatron.fused_kernels import TORCH_OPS, select_ops
 from megatron.inference.engine import InferenceModel
 from megatron.inference.evaluation import evaluate_loose_json
 from megatron.inference.generation import SamplingParams, generate
-from megatron.model import moe
+from megatron.model import moe, router
 from megatron.model.context import BuildContext
 from megatron.model.moe import set_moe_loss_scale
 from megatron.models.gpt.model import GPTModel, build_model
@@ -460,21 +460,21 @@ MOE_AUX = 0.01  # the load-balancing loss joins the backward pass (training mode
 
 
 class _Routing:
-    """Stands in for moe.route: `record` keeps each call's chosen experts (T, k); `replay`
-    returns them in the same order, with this model's probabilities for them, so a float64
-    reference takes the device's discrete choices (a near tie may fall either way in bf16) and
-    counts how many of its own choices agree."""
+    """Stands in for router.route (softmax routers): `record` keeps each call's chosen experts
+    (T, k); `replay` returns them in the same order, with this model's probabilities for them,
+    so a float64 reference takes the device's discrete choices (a near tie may fall either
+    way in bf16) and counts how many of its own choices agree."""
 
     def __init__(self, real):
         self.real, self.chosen, self.agree, self.total = real, [], 0, 0
 
-    def record(self, logits, m):
-        probs, experts, scores = self.real(logits, m)
+    def record(self, logits, m, expert_bias=None):
+        probs, experts, scores = self.real(logits, m, expert_bias)
         self.chosen.append(experts.detach().cpu())
         return probs, experts, scores
 
-    def replay(self, logits, m):
-        _, own, scores = self.real(logits, m)
+    def replay(self, logits, m, expert_bias=None):
+        _, own, scores = self.real(logits, m, expert_bias)
         experts = self.chosen.pop(0).to(logits.device)
         self.agree += int((own.sort(1).values == experts.sort(1).values).all(1).sum())
         self.total += experts.size(0)
@@ -517,12 +517,12 @@ def test_moe_gpt_forward_backward_matches_float64_reference(
     ref = _moe_model(cfg, torch.device("cpu"), torch.float64)
     ref.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
     tokens, labels = batch(cfg, test_device)
-    routing = _Routing(moe.route)
-    monkeypatch.setattr(moe, "route", routing.record)
+    routing = _Routing(router.route)
+    monkeypatch.setattr(router, "route", routing.record)
     logits = model(tokens)
     loss = model(tokens, labels=labels)
     loss.float().mean().backward()
-    monkeypatch.setattr(moe, "route", routing.replay)
+    monkeypatch.setattr(router, "route", routing.replay)
     ref_logits = ref(tokens.cpu())
     ref_loss = ref(tokens.cpu(), labels=labels.cpu())
     ref_loss.mean().backward()

@@ -288,6 +288,13 @@ class GPTModel(nn.Module):
         # evaluation and generation skip the MTP depths
         mtp = self.mtp is not None and mask is not None and labels is not None
         mtp = mtp and self.training and torch.is_grad_enabled()
+        if not mtp and (labels is None or self.ops.cross_entropy_fusion_impl != "linear"):
+            # the loss after the head's call: under --torch-compile the (Triton) loss is then
+            # the one graph break, at the end (inside the head it cut the graph in three)
+            logits = self.head(x, weight)
+            if labels is None:
+                return logits
+            return self.ops.vocab_cross_entropy(logits, labels, self.state.tp_group)
         out = self.head(x, weight, labels, self.ops, with_normed=mtp)
         if not mtp:
             return out
