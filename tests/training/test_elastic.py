@@ -168,17 +168,19 @@ def test_sigterm_with_default_loader_workers_lands_in_saves_and_still_saves(
     )
     for line in run.stdout:
         if " iteration        5/" in line:
-            sent = time.monotonic()
             run.send_signal(signal.SIGTERM)
             break
-    out, err = run.communicate(timeout=60)
-    stop_s = time.monotonic() - sent
+    out, err = run.communicate(timeout=120)
     rank_errors = [x for x in err.splitlines() if x.startswith("[rank") and "Error" in x]
     assert not rank_errors and "killed by signal" not in err, err[-3000:]
     saved = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())
     assert f" exiting on SIGTERM at iteration {saved} (saving first)" in out, err[-3000:]
     assert f" saved checkpoint at iteration {saved} " in out
-    assert stop_s < 15, f"{stop_s:.1f} s to stop (torchrun SIGKILLs the ranks after 30 s)"
+    # The ranks stopped by themselves within torchrun's 30 s grace: it passed SIGTERM on and
+    # did not have to SIGKILL a rank, which it logs. What happened, not a wall-time bound (a
+    # loaded machine took 20 s).
+    assert "closing signal SIGTERM" in err, err[-3000:]
+    assert "Unable to shutdown process" not in err, err[-3000:]
 
 
 @pytest.mark.slow
