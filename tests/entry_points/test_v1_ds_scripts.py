@@ -11,15 +11,9 @@ from tests.helpers.v1_scripts import (
     check,
     deepspeed_cmd,
     ds_options,
-    make_workdir,
     on_cpu,
     run,
 )
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return make_workdir(tmp_path_factory)
 
 
 @pytest.mark.slow

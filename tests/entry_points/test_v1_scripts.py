@@ -10,14 +10,8 @@ from tests.helpers.v1_scripts import (
     PRETRAIN,
     check,
     gpt_options,
-    make_workdir,
     run,
 )
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return make_workdir(tmp_path_factory)
 
 
 @pytest.mark.slow
