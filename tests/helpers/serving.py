@@ -4,6 +4,8 @@ started on 127.0.0.1 as real processes (gloo ranks)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from tests.helpers.distributed import free_port
-from tests.helpers.paths import MMAP, ROOT
+from tests.helpers.paths import MMAP, ROOT, load_tool
 
 # A wikitext-103 passage (its tokenization: spaces around punctuation, " @-@ ").
 WIKI = (
@@ -84,13 +86,15 @@ def make_checkpoint(
 
 
 def convert(args: list[str]) -> None:
-    """tools/convert_checkpoint.py with these arguments (reshard or export to HF)."""
-    tool = str(ROOT / "tools" / "convert_checkpoint.py")
-    done = subprocess.run(
-        [sys.executable, tool, *args], capture_output=True, text=True, timeout=120
-    )
-    if done.returncode:
-        raise AssertionError(done.stderr)
+    """tools/convert_checkpoint.py's main with these arguments (reshard or export to HF), in
+    this process: the tool is one process without torch.distributed, and a subprocess costs
+    a Python + torch start-up per call (its command line is tested in
+    tests/checkpoint/test_convert_checkpoint.py)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = load_tool("convert_checkpoint").main([str(a) for a in args])
+    if code:
+        raise AssertionError(f"convert_checkpoint.py {' '.join(map(str, args))}: {err.getvalue()}")
 
 
 def rank_env(rank: int, world: int, master_port: int) -> dict:

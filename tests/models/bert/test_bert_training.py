@@ -116,10 +116,18 @@ def test_tp2_and_pp2_equal_one_process_and_resume_exactly(bert_data, tmp_path):
                 assert _losses(out["resumed"], key) == _losses(out["straight"], key)[2:], extra
 
 
-@pytest.mark.slow
-def test_tp2_pp2_dp2_equals_one_process(bert_data):
+@pytest.fixture(scope="module")
+def three_steps(bert_data):
+    """(bert_flags for 3 iterations, their one-process history): the reference that the
+    TP2 x PP2 x DP2 and the DeepSpeed tests share (one spawn for both)."""
     argv = bert_flags(bert_data, iters=3)
     ((ref, _),) = run_distributed(_train, 1, argv)
+    return argv, ref
+
+
+@pytest.mark.slow
+def test_tp2_pp2_dp2_equals_one_process(three_steps):
+    argv, ref = three_steps
     extra = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     for out, _ in run_distributed(_train, 8, argv + extra):
         for key in ("lm_loss", "nsp loss"):
@@ -177,9 +185,8 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero1_dp2_equals_one_process(bert_data):
-    argv = bert_flags(bert_data, iters=3)
-    ((ref, _),) = run_distributed(_train, 1, argv)
+def test_deepspeed_zero1_dp2_equals_one_process(three_steps):
+    argv, ref = three_steps
     for out, _ in run_distributed(_train, 2, argv + ["--deepspeed", "--zero-stage", "1"]):
         for key in ("lm_loss", "nsp loss"):
             np.testing.assert_allclose(_losses(out, key), _losses(ref, key), rtol=2e-5)
