@@ -69,6 +69,22 @@ class _Piece:
     buf_hi: int
 
 
+def optimizer_over_pieces(mains, pieces, model, cfg, state, muon):
+    """The torch optimizer over this rank's flat master ranges `mains` (one per piece): the
+    weight-decay and no-decay groups (both always, so every rank's state has the same shape);
+    with --optimizer muon `muon(groups, cfg, model, pairs, tp_group)`, where each DP rank
+    orthogonalises a share of the matrices."""
+    wd_mult = {id(p): g["wd_mult"] for g in param_groups(model.module) for p in g["params"]}
+    groups = []
+    for mult in (1.0, 0.0):
+        pairs = zip(mains, pieces, strict=True)
+        mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
+        groups.append({"params": mine, "wd_mult": mult})
+    if cfg.optimizer == "muon":
+        return muon(groups, cfg, model, list(zip(mains, pieces, strict=True)), state.tp_group)
+    return _torch_optimizer(groups, cfg)
+
+
 def parameter_names(module) -> dict[int, str]:
     """id(param) -> its layout-independent name (the chunk's state-dict name)."""
     names = {}
@@ -115,18 +131,10 @@ class DistributedOptimizer(MegatronOptimizer):
         self.half = params_dtype in (torch.float16, torch.bfloat16)
         self.kind = cfg.optimizer
         self.pieces = shard_pieces(model)
-        wd_mult = {id(p): g["wd_mult"] for g in param_groups(model.module) for p in g["params"]}
         self.mains = [self._main(piece) for piece in self.pieces]
-        groups = []
-        for mult in (1.0, 0.0):  # both groups always, so every rank's state has the same shape
-            pairs = zip(self.mains, self.pieces, strict=True)
-            mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
-            groups.append({"params": mine, "wd_mult": mult})
-        if cfg.optimizer == "muon":  # each DP rank orthogonalises a share of the matrices
-            pairs = list(zip(self.mains, self.pieces, strict=True))
-            self.optimizer = sharded_muon(groups, cfg, model, pairs, state.tp_group)
-        else:
-            self.optimizer = _torch_optimizer(groups, cfg)
+        self.optimizer = optimizer_over_pieces(
+            self.mains, self.pieces, model, cfg, state, sharded_muon
+        )
         self.scaler = make_grad_scaler(cfg, params_dtype)
 
     def _main(self, piece: _Piece) -> torch.Tensor:

@@ -26,10 +26,14 @@ import torch
 
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState
-from megatron.training.distrib_optimizer import DistributedOptimizer, _Piece
+from megatron.training.distrib_optimizer import (
+    DistributedOptimizer,
+    _Piece,
+    optimizer_over_pieces,
+)
 from megatron.training.fsdp2 import FullyShardedModel, local_rows, local_tensor
 from megatron.training.muon_sharded import row_sharded_muon
-from megatron.training.optimizer import _torch_optimizer, make_grad_scaler, param_groups
+from megatron.training.optimizer import make_grad_scaler
 
 
 def fsdp_pieces(model: FullyShardedModel) -> list[_Piece]:
@@ -62,17 +66,9 @@ class FSDPOptimizer(DistributedOptimizer):
         self.pieces = fsdp_pieces(model)
         # flat views of the shards: the distributed optimizer's flat ranges, updated in place
         self.mains = [local_tensor(pc.param).view(-1) for pc in self.pieces]
-        wd_mult = {id(p): g["wd_mult"] for g in param_groups(model.module) for p in g["params"]}
-        groups = []
-        for mult in (1.0, 0.0):  # both groups always, so every rank's state has the same shape
-            pairs = zip(self.mains, self.pieces, strict=True)
-            mine = [m for m, pc in pairs if wd_mult[id(pc.param)] == mult]
-            groups.append({"params": mine, "wd_mult": mult})
-        if cfg.optimizer == "muon":  # each DP rank orthogonalises a share of the matrices
-            pairs = list(zip(self.mains, self.pieces, strict=True))
-            self.optimizer = row_sharded_muon(groups, cfg, model, pairs, state.tp_group)
-        else:
-            self.optimizer = _torch_optimizer(groups, cfg)
+        self.optimizer = optimizer_over_pieces(
+            self.mains, self.pieces, model, cfg, state, row_sharded_muon
+        )
         self.scaler = make_grad_scaler(cfg, params_dtype)
 
     def _weights(self, piece: _Piece) -> torch.Tensor:

@@ -138,8 +138,13 @@ def _check_the_run(tmp_path, procs, replacement):
     assert "took the state of a live peer" in logs["replacement.log"], logs["replacement.log"]
     raised = int(re.search(r"injected error in iteration (\d+)", logs["group2.log"])[1])
     assert raised >= RAISE_AT
-    for r in sets[raised]:  # every group redid the step group 2 failed
-        assert f"iteration {raised} not committed" in logs[f"group{r}.log"], r
+    # the groups in the failed attempt's quorum dropped the step group 2 failed and redid it
+    # (a group slow to reach that quorum, under load, joins only the redone step: which
+    # groups were in it is timing; that the redone step equals the replay is checked below)
+    redid = [
+        r for r in range(GROUPS) if f"iteration {raised} not committed" in logs[f"group{r}.log"]
+    ]
+    assert 2 in redid and len(redid) >= 2, redid
     for out in outs[1:]:  # every group ends with the same weights
         for name, w in out["weights"].items():
             torch.testing.assert_close(w, outs[0]["weights"][name], rtol=0, atol=0)
