@@ -18,21 +18,13 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
-from megatron.initialize import Runtime
-from megatron.model.context import BuildContext
-from megatron.model.parallelize import parallelize
-from megatron.models.gpt.model import build_model
 from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.training.ddp import DistributedDataParallel
-from megatron.training.optimizer import MegatronOptimizer
-from megatron.training.schedules import get_forward_backward_func
-from megatron.training.step import train_step
-from megatron.training.timers import Timers
 from tests.helpers.distributed import run_distributed
+from tests.helpers.layouts import train_steps
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -66,11 +58,6 @@ LAYOUTS = [
 ]
 
 
-class _Scheduler:
-    def step(self, *args):
-        pass
-
-
 def _micro_batches(step: int, state) -> list[dict]:
     out = []
     for g in range(MICRO):
@@ -96,37 +83,11 @@ def _forward_step(state, data_iterator, model):
 
 def _train(cfg: ModelConfig, state, recompute: str | None):
     """STEPS steps on the same micro batches; (losses and norms, weights, grads, model)."""
-    policy = RecomputeConfig(granularity=recompute) if recompute else None
-    model = parallelize(build_model(cfg, BuildContext(state=state)), state, policy)
-    tied = model.word_embeddings_weight() if state.pp_size > 1 else None
-    ddp = DistributedDataParallel(
-        model, state.dp_cp_group, own_bucket=(tied,) if tied is not None else ()
-    )
-    opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
-    opt = MegatronOptimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
-    schedule = get_forward_backward_func(
-        state,
-        micro_batch_size=BATCH,
-        seq_length=8 // state.cp_size,
-        hidden_size=32,
-        dtype=torch.float32,
-    )
-    rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
-    history = []
-    for step in range(STEPS):
-        result = train_step(
-            functools.partial(_forward_step, state),
-            iter(_micro_batches(step, state)),
-            ddp,
-            opt,
-            _Scheduler(),
-            MICRO,
-            rt,
-            Timers(),
-            schedule,
-        )
-        history.append((float(result["lm_loss"]), float(result["grad_norm"])))
-        grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
+    steps = [_micro_batches(step, state) for step in range(STEPS)]
+    step = functools.partial(_forward_step, state)
+    results, model = train_steps(cfg, state, step, steps, BATCH, recompute)
+    history = [(float(r["lm_loss"]), float(r["grad_norm"])) for r in results]
+    grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
     weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
     return history, weights, grads, model
 
