@@ -50,6 +50,13 @@ class ParallelState:
     dp_group: object | None = None
     mp_group: object | None = None  # TP x PP: every rank holding a piece of one model replica
     embedding_group: object | None = None  # first and last pipeline stage (tied embeddings)
+    # The pipeline's point-to-point traffic, one group per direction (PP > 1): sends to a later
+    # stage go through pp_up_group, to an earlier one through pp_down_group. Between two stages
+    # each group then carries one direction only, so NCCL (whose sends block its stream until
+    # the peer receives) never has both stages sending to each other on one stream: see
+    # megatron/training/pipeline.py.
+    pp_up_group: object | None = None
+    pp_down_group: object | None = None
     virtual_pp_size: int | None = None
     # --pipeline-schedule zbv / dualpipev: the two chunks of stage s are virtual stages s and
     # 2 P - 1 - s (a V), so stage 0 holds the embedding, the head and the loss
@@ -272,6 +279,13 @@ def initialize_model_parallel(
         if rank in ranks:
             emb_ranks = e
             emb_group = group if rank in e and len(e) > 1 else None
+    directions: dict[str, object] = {}
+    if pipeline_model_parallel_size > 1:
+        for ranks in _groups_along(grid, "pp"):
+            for direction in ("up", "down"):
+                group = dist.new_group(list(ranks), timeout=timeout)
+                if rank in ranks:
+                    directions[direction] = group
     etp = expert_tensor_parallel_size
     if etp not in (1, tensor_model_parallel_size):
         raise ValueError(
@@ -309,6 +323,8 @@ def initialize_model_parallel(
         dp_group=mine["dp"][1],
         mp_group=mine["mp"][1],
         embedding_group=emb_group,
+        pp_up_group=directions.get("up"),
+        pp_down_group=directions.get("down"),
         virtual_pp_size=virtual_pipeline_model_parallel_size,
         pipeline_v=pipeline_v,
         sequence_parallel=sequence_parallel,
@@ -336,6 +352,8 @@ def destroy_model_parallel(state: ParallelState) -> None:
         state.dp_group,
         state.mp_group,
         state.embedding_group,
+        state.pp_up_group,
+        state.pp_down_group,
         state.cp_group,
         state.dp_cp_group,
         state.tp_cp_group,

@@ -9,7 +9,12 @@ bottom of a V, sends nothing); a stage blocks only when it receives, and the tim
 there is the pipeline bubble it sees (timer 'pipeline-wait'). Messages carry a tag naming
 (direction, receiving virtual stage, micro batch), and a stage posts its receives from a peer
 in the order that peer sends (`megatron.pipeline_order.messages`), so a backend that ignores
-tags (NCCL) pairs them right too.
+tags (NCCL) pairs them right too. NCCL also blocks a stream's later operations behind a send
+until the peer receives it, and runs a stage pair's sends and receives on one stream per
+group: two stages each sending to the other before receiving (1F1B's steady state, a V's
+turns) would wait for each other for ever. So sends to a later stage use one group
+(`pp_up_group`) and sends to an earlier stage another (`pp_down_group`): each carries one
+direction between two stages, its receives posted in its sends' order.
 
 Zero-bubble schedules: during their step the layers build ops whose weight gradients can wait
 (megatron.mpu.weight_grad); a 'B' computes the input gradient and queues, per (chunk, micro
@@ -66,8 +71,11 @@ class _Comm:
         if timer:
             timer.start()
         tensor = tensor.contiguous()
-        rank = self.state.pp_ranks[dst_stage]
-        self.pending.append((dist.isend(tensor, rank, tag=_message_tag(message)), tensor))
+        rank, group = self.state.pp_ranks[dst_stage], self._group(self.state.pp_rank, dst_stage)
+        handle = dist.isend(tensor, rank, group=group, tag=_message_tag(message))
+        # keep a sent tensor alive until its send completes, not to the end of the step
+        self.pending = [(h, t) for h, t in self.pending if not h.is_completed()]
+        self.pending.append((handle, tensor))
         if timer:
             timer.stop()
 
@@ -78,8 +86,8 @@ class _Comm:
         while message not in self.posted:  # post the peer's earlier messages first
             early = queue.pop(0)
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            rank = self.state.pp_ranks[src_stage]
-            self.posted[early] = (dist.irecv(out, rank, tag=_message_tag(early)), out)
+            rank, group = self.state.pp_ranks[src_stage], self._group(src_stage, self.state.pp_rank)
+            self.posted[early] = (dist.irecv(out, rank, group=group, tag=_message_tag(early)), out)
         handle, out = self.posted.pop(message)
         timer = self.timers("pipeline-wait", 1) if self.timers else None
         if timer:
@@ -88,6 +96,13 @@ class _Comm:
         if timer:
             timer.stop()
         return out
+
+    def _group(self, src_stage: int, dst_stage: int):
+        """The group carrying src -> dst: one per direction (None: the default group, for a
+        state built without them)."""
+        if dst_stage > src_stage:
+            return self.state.pp_up_group
+        return self.state.pp_down_group
 
     def wait_all(self) -> None:
         for handle, _ in self.pending:

@@ -46,5 +46,6 @@ def test_sigterm_to_any_rank_stops_every_rank_cleanly(tp2_checkpoint, ranks):
     srv = Server(tp2_checkpoint, world=2)
     codes, seconds = _signal_and_wait(srv, ranks)
     errors = [p.stderr.read()[-2000:] for p in srv.procs]
-    assert codes == [0, 0], (codes, errors)
-    assert seconds < 10, (seconds, errors)
+    # a rank still running after _signal_and_wait's 20 s (the old hang) fails here; no finer
+    # time bound: a loaded machine takes 10 s to stop a healthy server
+    assert codes == [0, 0], (codes, seconds, errors)
