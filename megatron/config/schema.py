@@ -24,6 +24,7 @@ from megatron.config.schema_data import (
     DataConfig,
     TokenizerConfig,
     parse_blend,
+    prefix_names_a_file,
     split_weights,
 )
 from megatron.config.schema_mla import MLASettings
@@ -62,6 +63,7 @@ __all__ = [
     "TrainingConfig",
     "model_config_from_saved",
     "parse_blend",
+    "prefix_names_a_file",
     "split_weights",
 ]
 
