@@ -3,10 +3,14 @@ setting's own limits are declared on it (megatron.config.schema)."""
 
 from __future__ import annotations
 
-import os
-
 from megatron.config.declare import fail
-from megatron.config.schema import ConfigError, DataConfig, parse_blend, split_weights
+from megatron.config.schema import (
+    ConfigError,
+    DataConfig,
+    parse_blend,
+    prefix_names_a_file,
+    split_weights,
+)
 from megatron.config.schema_corpora import parse_corpus_list
 
 
@@ -29,7 +33,9 @@ def validate_data(d: DataConfig) -> None:
         ("--test-data-path", d.test_data_path),
     ):
         for _, prefix in parse_blend(paths, flag):
-            _check_prefix(flag, prefix)
+            named_file = prefix_names_a_file(prefix, flag)
+            if named_file:
+                fail(flag, *named_file)
     try:
         split_weights(d.split)
     except ValueError as e:
@@ -50,17 +56,6 @@ def validate_data(d: DataConfig) -> None:
             "--tokenizer-type is set",
             "pass the --tokenizer-type the data was preprocessed with (NullTokenizer for "
             "pre-tokenized ids: its end-of-document id is --vocab-size)",
-        )
-
-
-def _check_prefix(flag: str, prefix: str) -> None:
-    """`--data-path x.bin` (or .idx) where x.bin.idx does not exist: the flag takes the prefix."""
-    stem, ext = os.path.splitext(prefix)
-    if ext in (".bin", ".idx") and not os.path.exists(f"{prefix}.idx"):
-        fail(
-            flag,
-            f"{prefix} names the {ext} file, but the flag takes the prefix of the .bin/.idx pair",
-            f"drop {ext}: {flag} {stem}",
         )
 
 

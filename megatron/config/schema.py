@@ -24,10 +24,12 @@ from megatron.config.schema_data import (
     DataConfig,
     TokenizerConfig,
     parse_blend,
+    prefix_names_a_file,
     split_weights,
 )
 from megatron.config.schema_mla import MLASettings
 from megatron.config.schema_moe import MoESettings
+from megatron.config.schema_parallel import LAUNCHER_VARIABLES, DistributedConfig, ParallelConfig
 from megatron.config.schema_run import (
     CheckpointConfig,
     DeepSpeedConfig,
@@ -39,9 +41,10 @@ from megatron.config.schema_run import (
 if TYPE_CHECKING:  # torch is imported lazily: the data tools start faster without it
     import torch
 
-# The run, data and compute sections are declared in schema_run.py, schema_data.py and
-# schema_compute.py (for size) and belong to this one tree.
+# The run, data, compute and parallel sections are declared in schema_run.py, schema_data.py,
+# schema_compute.py and schema_parallel.py (for size) and belong to this one tree.
 __all__ = [
+    "LAUNCHER_VARIABLES",
     "TOKENIZER_TYPES",
     "CheckpointConfig",
     "ConfigError",
@@ -60,6 +63,7 @@ __all__ = [
     "TrainingConfig",
     "model_config_from_saved",
     "parse_blend",
+    "prefix_names_a_file",
     "split_weights",
 ]
 
@@ -212,244 +216,6 @@ def model_config_from_saved(saved: dict) -> ModelConfig:
     (fusions, recompute, ...) hold them, and newer code may add others."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in saved.items() if k in names})
-
-
-LAUNCHER_VARIABLES = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),  # torchrun, deepspeed, torch.distributed.launch
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # OpenMPI
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH, Intel MPI
-    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),  # MVAPICH
-)
-
-
-@dataclass(frozen=True)
-class ParallelConfig(Section):
-    """How the ranks are split: TP fastest, then CP, then DP, then PP."""
-
-    tensor_model_parallel_size: int = setting(
-        1, "tensor-parallel ranks per layer", "--model-parallel-size", min=1
-    )
-    pipeline_model_parallel_size: int = setting(
-        1,
-        "pipeline stages (v1.x --pipe-parallel-size 0, no pipeline, means 1)",
-        "--pipe-parallel-size",
-        min=1,
-    )
-    context_parallel_size: int = setting(
-        1,
-        "context-parallel ranks per sequence (CP): each sample's sequence is cut into 2 x CP "
-        "chunks, CP rank r holding chunks r and 2 CP - 1 - r, and attention passes keys and "
-        "values round the CP group (ring attention); needs --seq-length divisible by 2 x CP",
-        min=1,
-    )
-    expert_model_parallel_size: int = setting(
-        1,
-        "expert-parallel ranks (EP), carved from the data-parallel x context-parallel ones: "
-        "each holds E / EP experts of every MoE layer and tokens go to them by all-to-all; "
-        "expert gradients are averaged over the DP x CP / EP ranks holding the same experts",
-        min=1,
-    )
-    expert_tensor_parallel_size: int | None = setting(
-        None,
-        "expert-tensor-parallel ranks (ETP): 1 replicates every expert over the TP group, the "
-        "TP size splits each expert's FFN over it as the dense MLP is (fc1 column-, fc2 "
-        "row-parallel; with --sequence-parallel the TP group's tokens are gathered for the "
-        "experts and their outputs scattered back); no other size (default: the TP size, as "
-        "in Megatron-core; 1 with --deepspeed, as in Megatron-DeepSpeed)",
-        min=1,
-    )
-    moe_token_dispatcher_type: str = setting(
-        "alltoall",
-        "how tokens reach their experts' EP rank: alltoall (each token sent where it goes), or "
-        "allgather (every token gathered on every EP rank, outputs reduce-scattered back)",
-        choices=("alltoall", "allgather"),
-    )
-    num_layers_per_virtual_pipeline_stage: int | None = setting(
-        None, "layers per model chunk for the interleaved pipeline schedule", min=1
-    )
-    pipeline_schedule: str | None = setting(
-        None,
-        "the pipeline-parallel schedule (megatron/pipeline_order.py): 1f1b; interleaved (model "
-        "chunks of --num-layers-per-virtual-pipeline-stage layers); zb-h1 (zero bubble: 1F1B "
-        "with each backward split into the input gradient and a later weight gradient that "
-        "fills the bubble, at 1F1B's activation memory); zbv (two chunks per stage placed "
-        "in a V, stage 0 holding the first and the last layers, zero bubble at about 1F1B's "
-        "memory) and dualpipev (DeepSeek-V3's order on the same V). Default: interleaved when "
-        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b",
-        choices=("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
-    )
-    sequence_parallel: bool = setting(
-        False,
-        "split the activations outside the tensor-parallel regions (norms, dropout, residuals) "
-        "along the sequence over the TP group, s / TP tokens per rank (needs TP > 1 and a "
-        "sequence length divisible by TP)",
-    )
-    auto_parallel: bool = setting(
-        False,
-        "choose TP, PP, virtual stages, --sequence-parallel, the micro batch and recompute for "
-        "the launched world size with the planner (tools/plan_parallel.py): the fastest layout "
-        "predicted to fit; those of them given away from their defaults stay as given; the "
-        "resolved run config records the choice (with auto_parallel off)",
-    )
-    auto_parallel_gpu_memory_gb: float | None = setting(
-        None,
-        "GiB per GPU for --auto-parallel (default: the first CUDA device's total memory)",
-        above=0,
-    )
-    auto_parallel_gpus_per_node: int = setting(
-        8,
-        "GPUs per node for --auto-parallel (TP within a node, DP / PP traffic across nodes)",
-        min=1,
-    )
-    auto_parallel_overhead_gb: float = setting(
-        1.0,
-        "GiB per GPU the planner reserves for the framework (CUDA context, allocator cache)",
-        min=0,
-    )
-    fault_tolerance: bool = setting(
-        False,
-        "torchft's per-step fault tolerance of data-parallel replica groups: each replica "
-        "group (TP ranks, launched as a job of its own) averages its gradients with the "
-        "replicas alive at that step, a dead one is dropped without a restart, a restarted one "
-        "fetches the weights and optimizer state from a live peer (docs/operations.md)",
-    )
-    ft_replica_id: int = setting(
-        0, "--fault-tolerance: this replica group's index, 0 to --ft-group-size - 1", min=0
-    )
-    ft_group_size: int = setting(
-        1,
-        "--fault-tolerance: the replica groups at full strength; the data-parallel size of "
-        "--global-batch-size (each group reads its 1 / N share of it)",
-        min=1,
-    )
-    ft_min_replica_size: int = setting(
-        1, "--fault-tolerance: a step commits only with at least this many replica groups", min=1
-    )
-    ft_lighthouse: str | None = setting(
-        None,
-        "--fault-tolerance: the torchft lighthouse's address, e.g. http://HOST:29510 "
-        "(default: $TORCHFT_LIGHTHOUSE); start it with `torchft_lighthouse --min_replicas 1`",
-    )
-    ft_max_retries: int = setting(
-        3,
-        "--fault-tolerance: steps in a row that may fail to commit (a replica group raised or "
-        "died) before the run stops",
-        min=0,
-    )
-    ft_timeout_seconds: float = setting(
-        60.0,
-        "--fault-tolerance: how long a cross-replica all-reduce, a commit or a recovery from a "
-        "peer may take before the step is given up and redone (a quorum waits at least 60 s)",
-        above=0,
-    )
-    world_size: int = setting(
-        1,
-        "processes in the job, set by the launcher (WORLD_SIZE or SLURM_NTASKS)",
-        from_env=True,
-        min=1,
-    )
-
-    @property
-    def data_parallel_size(self) -> int:
-        """DP ranks of the job; with --fault-tolerance the replica groups at full strength."""
-        groups = self.ft_group_size if self.fault_tolerance else 1
-        return (
-            groups
-            * self.world_size
-            // (
-                self.tensor_model_parallel_size
-                * self.context_parallel_size
-                * self.pipeline_model_parallel_size
-            )
-        )
-
-    @property
-    def expert_tp_size(self) -> int:
-        """--expert-tensor-parallel-size, or the TP size when not given."""
-        etp = self.expert_tensor_parallel_size
-        return self.tensor_model_parallel_size if etp is None else etp
-
-    @property
-    def resolved_pipeline_schedule(self) -> str:
-        """--pipeline-schedule, or the one the other flags imply."""
-        if self.pipeline_schedule is not None:
-            return self.pipeline_schedule
-        return "1f1b" if self.num_layers_per_virtual_pipeline_stage is None else "interleaved"
-
-    def virtual_pipeline_size(self, num_layers: int) -> int | None:
-        """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""
-        if self.pipeline_schedule in ("zbv", "dualpipev"):
-            return 2  # the two legs of the V
-        if self.num_layers_per_virtual_pipeline_stage is None:
-            return None
-        per_stage = num_layers // self.pipeline_model_parallel_size
-        return per_stage // self.num_layers_per_virtual_pipeline_stage
-
-
-@dataclass(frozen=True)
-class DistributedConfig(Section):
-    """Process groups and data-parallel gradient reduction."""
-
-    backend: str | None = setting(
-        None,
-        "collective backend (default nccl on CUDA, gloo on CPU)",
-        flag="--distributed-backend",
-        choices=("nccl", "gloo"),
-    )
-    timeout_minutes: float = setting(
-        10.0,
-        "a collective that waits longer fails the job",
-        flag="--distributed-timeout-minutes",
-        above=0,
-    )
-    local_rank: int | None = setting(
-        None, "set by some launchers; LOCAL_RANK from the environment wins", "--local_rank"
-    )
-    ddp_bucket_size: int = setting(
-        40_000_000, "gradient elements per data-parallel all-reduce bucket"
-    )
-    overlap_grad_reduce: bool = setting(
-        True, "all-reduce gradients after backward instead of during it"
-    )
-    ddp_impl: str = setting(
-        "local",
-        "data parallelism: local = our fp32 gradient buckets; torch = "
-        "torch.nn.parallel.DistributedDataParallel (PP = 1, fp32 weights)",
-        "--DDP-impl",
-        choices=("local", "torch"),
-    )
-    allreduce_dtype: str = setting(
-        "fp32",
-        "dtype of the data-parallel gradient all-reduce: fp32, or params = the fp16/bf16 "
-        "weights' dtype (half the traffic; gradients still accumulate in fp32)",
-        choices=("fp32", "params"),
-        shortcuts={"--fp32-allreduce": ("fp32", "classic flag: --allreduce-dtype fp32")},
-    )
-    use_cpu_initialization: bool = setting(
-        False, "build the model on the CPU, then move it to the device (the same weights)"
-    )
-    use_torch_fsdp2: bool = setting(
-        False,
-        "shard weights, gradients and optimizer state over the data-parallel (x context-"
-        "parallel) ranks with torch's FSDP2 (torch.distributed.fsdp.fully_shard, per "
-        "transformer layer): weights all-gathered before each layer runs, gradients "
-        "reduce-scattered (ZeRO-3); replaces our DDP buckets",
-    )
-    torch_fsdp2_reshard_after_forward: str = setting(
-        "auto",
-        "with --use-torch-fsdp2: free each unit's gathered weights after its forward and gather "
-        "them again for backward (true, ZeRO-3), keep them until backward (false: one "
-        "all-gather per step fewer, ZeRO-2's memory for the weights), or auto: true for the "
-        "layers, false for each model chunk's root unit (FSDP2's reshard_after_forward=None)",
-        choices=("auto", "true", "false"),
-        shortcuts={
-            "--torch-fsdp2-no-reshard-after-forward": (
-                "false",
-                "Megatron-core's spelling of --torch-fsdp2-reshard-after-forward false",
-            )
-        },
-    )
 
 
 @dataclass(frozen=True)

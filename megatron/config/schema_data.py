@@ -195,6 +195,21 @@ def _merge_repeated_prefixes(pairs, flag: str, on_merge) -> list[tuple[float, st
     return [(w, p) for w, p, _ in merged.values()]
 
 
+def prefix_names_a_file(prefix: str, flag: str = "--data-path") -> tuple[str, str] | None:
+    """(problem, fix) when a dataset prefix names its .bin or .idx file (`x.bin`, with no
+    x.bin.idx beside it) instead of the prefix of the pair; None otherwise. The rules refuse it
+    at start-up; the readers (megatron.data.indexed_dataset.prefix_hint) say it when a prefix
+    reaches them without the rules."""
+    prefix = str(prefix)
+    stem, ext = os.path.splitext(prefix)
+    if ext not in (".bin", ".idx") or os.path.exists(f"{prefix}.idx"):
+        return None
+    return (
+        f"{prefix} names the {ext} file, but the flag takes the prefix of the .bin/.idx pair",
+        f"drop {ext}: {flag} {stem}",
+    )
+
+
 def split_weights(split: str) -> list[float]:
     """'949,50,1' (or '949/50/1', or fewer values) -> three normalized weights."""
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]

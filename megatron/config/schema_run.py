@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.declare import Section, setting
+from megatron.config.schema_resilience import StragglerSettings
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -204,8 +205,8 @@ class CheckpointConfig(Section):
 
 
 @dataclass(frozen=True)
-class LoggingConfig(Section):
-    """Log lines, timers, TensorBoard, Weights & Biases and the profiler."""
+class _LoggingFields(Section):
+    """The logging fields of LoggingConfig (declared first, so they lead in --help)."""
 
     log_interval: int = setting(100, "iterations between log lines", min=1)
     tensorboard_dir: str | None = setting(None, "write TensorBoard scalars here")
@@ -246,26 +247,14 @@ class LoggingConfig(Section):
     wandb_save_dir: str | None = setting(
         None, "W&B's local files (default: SAVE/wandb with --save, else ./wandb)"
     )
-    log_straggler: bool = setting(
-        False,
-        "every --log-interval, gather each rank's forward/backward/optimizer/data/communication "
-        "times (one all-gather of a few floats) and log the slowest ranks, their host and how "
-        "much slower than the median they are; TensorBoard/W&B get the spread",
-    )
-    straggler_minmax_count: int = setting(
-        1, "--log-straggler: how many of the slowest (and fastest) ranks the report names", min=1
-    )
-    straggler_ctrlr_port: int = setting(
-        65535,
-        "--log-straggler: rank 0 listens on this TCP port; any connection (curl HOST:PORT) "
-        "toggles the detector on/off at the next log line",
-        min=1,
-        max=65535,
-    )
-    disable_straggler_on_startup: bool = setting(
-        False,
-        "--log-straggler: start with the detector off (turn it on through --straggler-ctrlr-port)",
-    )
+
+
+@dataclass(frozen=True)
+class LoggingConfig(StragglerSettings, _LoggingFields):
+    """Log lines, timers, TensorBoard, Weights & Biases and the profiler.
+
+    The straggler detector's fields (--log-straggler, ...) follow, declared in
+    megatron.config.schema_resilience."""
 
 
 @dataclass(frozen=True)

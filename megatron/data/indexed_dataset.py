@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.config.schema import prefix_names_a_file
 from megatron.data.dataset_pair import PairMismatch, verify_pair
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -196,10 +197,9 @@ def write_index(path, dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> None:
 
 def prefix_hint(prefix: str | os.PathLike) -> str:
     """Why PREFIX.idx may be missing: a prefix given with its .bin/.idx, or a wrong prefix."""
-    prefix = str(prefix)
-    stem, ext = os.path.splitext(prefix)
-    if ext in (".bin", ".idx") and os.path.exists(index_file_path(stem)):
-        return f"give the prefix without {ext}: {stem}"
+    named_file = prefix_names_a_file(str(prefix))
+    if named_file:
+        return "; ".join(named_file)
     return "is the --data-path prefix right? It names PREFIX for PREFIX.bin and PREFIX.idx"
 
 

@@ -72,8 +72,11 @@ def _file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def tokenizer_fingerprint(spec: CacheSpec) -> dict:
-    """The tokenizer's type and the content digests of its files."""
+def _tokenizer_files_key(spec: CacheSpec) -> dict:
+    """The tokenizer's type and the content digests of its files: the cache key's tokenizer
+    part. Not dataset_pair.tokenizer_fingerprint (the ids of a probe text, which the entry's
+    sidecar records too): a cache is rebuilt on any change to the files, even one the probe
+    text does not show (an added token)."""
     t = spec.tokenizer
     files = {k: v for k, v in t.kwargs().items() if v is not None}
     out = {"type": t.tokenizer_type, "files": {k: _file_digest(v) for k, v in files.items()}}
@@ -102,7 +105,7 @@ def _wanted_manifest(spec: CacheSpec, corpus: Corpus) -> dict:
         "version": CACHE_VERSION,
         "corpus": corpus.name,
         "sources": source_stats(corpus),
-        "tokenizer": tokenizer_fingerprint(spec),
+        "tokenizer": _tokenizer_files_key(spec),
         "text_key": spec.text_key,
         "level": spec.level,
     }

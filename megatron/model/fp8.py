@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from megatron.config.schema import ConfigError, PrecisionConfig
-from megatron.model.moe import MoELayer
 from megatron.model.transformer import TransformerLayer
 from megatron.mpu import ColumnParallelLinear, RowParallelLinear
 from megatron.mpu.fp8 import (
@@ -51,7 +50,8 @@ def apply_fp8(
     """Give the transformer layers' linears of `model` (built, on its device) a Float8Matmul
     for `precision.fp8_format` / `fp8_recipe`; None when fp8 is off. `emulate` (default: the
     MEGATRON_FP8_EMULATE environment variable, for tests): float8 rounding, fp32 GEMMs.
-    Raises ConfigError when this model or device cannot take it."""
+    Raises ConfigError when this device cannot take it; `precision` has passed
+    megatron.config.rules_fp8 (--bf16 weights, no experts)."""
     if precision.fp8_format is None:
         return None
     emulate = emulation_requested() if emulate is None else emulate
@@ -73,17 +73,10 @@ def apply_fp8(
 
 
 def _check(model: nn.Module, precision: PrecisionConfig, emulate: bool) -> None:
-    """What the built model and its device show (megatron.config.rules_fp8 checks the flags):
-    bf16 weights, no experts, float8 GEMMs on the device, torchao installed."""
+    """What only the run time shows: float8 GEMMs on the model's device, torchao installed.
+    The flags (--bf16, no experts, the recipe) are megatron.config.rules_fp8's to refuse."""
     flag = f"--fp8-format {precision.fp8_format}"
     param = next(model.parameters(), None)
-    if param is not None and param.dtype != torch.bfloat16:
-        raise ConfigError(f"{flag}: the model's weights are {param.dtype}. Fix: add --bf16")
-    if any(isinstance(m, MoELayer) for m in model.modules()):
-        raise ConfigError(
-            f"{flag}: the MoE experts have no float8 GEMMs (their token counts change every "
-            "step). Fix: drop --fp8-format or --num-experts"
-        )
     device = param.device if param is not None else torch.device("cpu")
     problem = device_problem(device, emulate)
     if problem is not None:

@@ -47,7 +47,8 @@ def parallelize(
 ) -> nn.Module:
     """`model`: ModelChunks or one chunk (or a piece of one: a DeepSpeed pipeline layer).
     Returns it, transformed in place. `precision`: its --fp8-format, if any, is applied (and
-    logged on rank 0)."""
+    logged on rank 0). `cuda_graph` replays what `torch_compile` compiled; the flags that
+    cannot take it are refused by megatron.config.rules_compute, the device is checked here."""
     apply_sequence_parallel(model, state)
     if recompute is not None:
         apply_recompute(model, recompute, checkpoint_impl)
@@ -56,8 +57,6 @@ def parallelize(
         print(report.describe(), flush=True)
     if torch_compile:
         apply_compile(model, compile_backend, cuda_graph)
-    elif cuda_graph:
-        raise ValueError("--enable-cuda-graph replays the compiled chunks: add --torch-compile")
     return model
 
 
@@ -101,7 +100,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor", cuda_graph: bool 
     its parameters keep their names. `cuda_graph`: Inductor's CUDA graph trees replay the
     compiled forward and backward (a CUDA device and the inductor backend)."""
     if cuda_graph:
-        _check_cuda_graph_device(model, backend)
+        _check_cuda_graph_device(model)
     chunks = model.chunks if isinstance(model, ModelChunks) else [model]
     for chunk in chunks:
         if cuda_graph:
@@ -110,12 +109,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor", cuda_graph: bool 
             chunk.compile(backend=backend)
 
 
-def _check_cuda_graph_device(model: nn.Module, backend: str) -> None:
-    if backend != "inductor":
-        raise ValueError(
-            f"--enable-cuda-graph captures Inductor's code; --torch-compile-backend {backend} "
-            "generates none. Fix: --torch-compile-backend inductor, or drop --enable-cuda-graph"
-        )
+def _check_cuda_graph_device(model: nn.Module) -> None:
+    """What only the run time shows (the flags are megatron.config.rules_compute's)."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError(

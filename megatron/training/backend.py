@@ -1,6 +1,6 @@
 """The trainer's backend contract, and the loss averaging both backends report with.
 
-pretrain()'s loop (megatron/training/loop.py) owns the iteration count, consumed samples,
+pretrain()'s loop (megatron/training/train_loop.py) owns the iteration count, consumed samples,
 batch-size ramp, logging, evaluation cadence, checkpoint cadence and exit conditions. A backend
 owns the model, optimizer and LR schedule and answers the loop through `TrainerBackend` only:
 

@@ -147,6 +147,15 @@ def test_missing_files_are_named(tmp_path):
         MMapIndexedDataset(prefix)
 
 
+@pytest.mark.parametrize("ext", [".bin", ".idx"])
+def test_a_prefix_naming_its_bin_says_to_drop_it(ext):
+    """The readers give the config rule's fix (one check: schema_data.prefix_names_a_file)."""
+    with pytest.raises(FileNotFoundError) as err:
+        MMapIndexedDataset(f"{MEGATRON}{ext}")
+    assert f"{MEGATRON}{ext} names the {ext} file" in str(err.value)
+    assert f"drop {ext}: --data-path {MEGATRON})" in str(err.value)
+
+
 def test_out_of_range_access_raises():
     ds = MMapIndexedDataset(MEGATRON)
     with pytest.raises(IndexError):

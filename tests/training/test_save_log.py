@@ -16,8 +16,8 @@ from megatron.checkpoint.async_save import AsyncSaver
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
 from megatron.training.backend import TrainerBackend
-from megatron.training.loop import _TrainLoop
 from megatron.training.state import TrainState
+from megatron.training.train_loop import TrainLoop
 from tests.helpers.training import BASE
 
 
@@ -46,13 +46,13 @@ def _raise(error):
         raise error
 
 
-def _loop(tmp_path, backend) -> tuple[_TrainLoop, io.StringIO]:
+def _loop(tmp_path, backend) -> tuple[TrainLoop, io.StringIO]:
     argv = [*BASE, "--train-iters", "8", "--lr", "1e-3", "--global-batch-size", "4"]
     cfg = parse_args([*argv, "--save", str(tmp_path), "--async-save"], world_size=1)
     state = SimpleNamespace(rank=0, world_size=1, dp_size=1, dp_rank=0)
     rt = SimpleNamespace(state=state, device=torch.device("cpu"), heartbeat=None)
     out = io.StringIO()
-    return _TrainLoop(cfg, rt, backend, out), out
+    return TrainLoop(cfg, rt, backend, out), out
 
 
 def test_an_async_save_is_logged_staged_then_saved_once_durable(tmp_path):
