@@ -15,8 +15,11 @@ from tests.helpers.pipeline_memory import SCHEDULES, case_flags, measure_peaks, 
 _FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 _FULL += ["--recompute-num-layers", "1"]
 _SELECTIVE = ["--recompute-granularity", "selective"]
-# PP 2 (x DP 2 on the same 4 ranks): recompute, full or selective, under some schedules.
-_PP2_EXTRA = {"1f1b": _SELECTIVE, "zb-h1": _FULL, "dualpipev": _FULL}
+_MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+_TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+# PP 2 (x DP 2 or TP 2 on the same 4 ranks): full or selective recompute, an MoE model, TP 2
+# with sequence parallelism (the W queue then holds the gathered inputs).
+_PP2_EXTRA = {"1f1b": _SELECTIVE, "zb-h1": _MOE, "zbv": _TP2_SP, "dualpipev": _FULL}
 
 
 @pytest.mark.slow
