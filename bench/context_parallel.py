@@ -57,13 +57,8 @@ from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu import context_parallel as cpm  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron.mpu.ring_documents import BlockKind, causal_kind  # noqa: E402
-from megatron.planning.memory import (  # noqa: E402
-    Device,
-    Layout,
-    Training,
-    per_rank_sequence,
-    stage_activation_peak,
-)
+from megatron.planning.memory import Device, Layout, Training, per_rank_sequence  # noqa: E402
+from megatron.planning.pipeline_memory import stage_activation_peak  # noqa: E402
 from megatron.planning.timing import Hardware, cp_ring_seconds, layer_forward_flops  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 

@@ -2,6 +2,7 @@
 and without recompute.
 
     .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 4 8 16 --ms 4] [--real H]
+        [--skip-bubble] [--skip-memory] [--recompute {selective,full}]
 
 1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, for each
    --pipeline-schedule (1f1b, interleaved V=2, zb-h1, zbv, dualpipev), driving model chunks
@@ -17,7 +18,14 @@ and without recompute.
    millisecond on a busy 2-core machine) that the simulator does not: the measured idle sits
    above the simulated by about that over t, more for the V schedules' half-size chunks;
    `--ms 20` brings them closer.
-2. Memory: bytes of activations kept for backward during one forward of a GPT (counted with
+2. Activation peak per schedule and stage: one real training step of a tiny GPT (8 layers,
+   h 32, s 16, micro batch 2, M = 16 / DP, fp32) on P gloo ranks through pretrain() and the
+   schedule executor, each rank's peak of what it holds for backward (autograd's saved tensors
+   plus the zero-bubble W queue, each storage once: megatron.model.memory.LiveActivations),
+   next to the planner's `activations` term for that stage
+   (megatron.planning.pipeline_memory.stage_activation_peak) and their difference
+   (tests/helpers/pipeline_memory.py; `--recompute` for full or selective recompute).
+3. Memory: bytes of activations kept for backward during one forward of a GPT (counted with
    autograd's saved-tensor hooks, so it works on any device), for no / selective / full
    recompute.
 """
@@ -25,6 +33,7 @@ and without recompute.
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -44,7 +53,9 @@ from megatron.pipeline_order import V_SHAPED  # noqa: E402
 from megatron.pipeline_sim import simulate, textbook_bubble  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
+from tests.helpers import pipeline_memory  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
+from tests.helpers.training import counting_corpus  # noqa: E402
 
 SHAPE = (1, 4, 8)
 
@@ -166,6 +177,35 @@ def bench_bubble(P: int, Ms: list[int], ms: float, real: int | None = None) -> l
     return rows
 
 
+def bench_stage_peaks(P: int, recompute: str | None) -> list[tuple]:
+    """Rows (schedule, stage, measured bytes, planned bytes): one step per schedule, P ranks."""
+    extra = ["--recompute-granularity", recompute] if recompute else []
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = counting_corpus(tmp)
+        schedules = pipeline_memory.SCHEDULES
+        argvs = [pipeline_memory.case_flags(prefix, s, P, *extra) for s in schedules]
+        per_rank = run_distributed(pipeline_memory.measure_peaks, P, argvs)
+    rows = []
+    for i, schedule in enumerate(schedules):
+        for results in per_rank:
+            stage, measured = results[i]
+            planned = pipeline_memory.planned_peak(argvs[i], P, stage)
+            rows.append((schedule, stage, measured, planned))
+    return rows
+
+
+def _print_stage_peaks(P: int, recompute: str | None) -> None:
+    what = f"recompute {recompute}" if recompute else "no recompute"
+    print(f"\nactivation peak per stage over one step, PP {P}, {what} (KiB)")
+    print(f"{'schedule':12s} {'stage':>5s} | {'measured':>9s} | {'planner':>9s} | {'diff':>7s}")
+    for schedule, stage, measured, planned in bench_stage_peaks(P, recompute):
+        diff = (planned - measured) / measured
+        print(
+            f"{schedule:12s} {stage:5d} | {measured / 1024:9.1f} | {planned / 1024:9.1f} | "
+            f"{diff:+7.2%}"
+        )
+
+
 def _saved_bytes(cfg: ModelConfig, recompute: RecomputeConfig, batch: int) -> int:
     tracker = mpu.RNGStatesTracker("cpu")
     tracker.add(mpu.MODEL_PARALLEL_RNG, 1)
@@ -218,8 +258,25 @@ def main():
         help="real compute instead of sleeping: chunks of 256 x H times H x H GEMMs, one "
         "thread per rank (the P ranks then share this machine's cores)",
     )
+    p.add_argument("--skip-bubble", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument(
+        "--recompute",
+        choices=("selective", "full"),
+        help="the activation-peak table with --recompute-granularity (uniform, 1 layer)",
+    )
     args = p.parse_args()
+    if not args.skip_bubble:
+        _print_bubble(args)
+    if args.skip_memory:
+        return
+    _print_stage_peaks(args.stages, args.recompute)
+    print(f"\n{'activation memory (GPT L8 h256 s256 b4, fp32)':48s} | saved for backward")
+    for label, mib in bench_memory():
+        print(f"{label:48s} | {mib:8.1f} MiB")
+
+
+def _print_bubble(args) -> None:
     what = f"{args.ms} ms sleeps" if args.real is None else f"256 x {args.real} GEMMs"
     print(f"P = {args.stages}, F = B = W = {what} per micro batch and stage, gloo")
     print(
@@ -235,11 +292,6 @@ def main():
         print(
             f"{schedule:12s} {M:3d} | {step:8.1f} | {measured:>27s} | {simulated:>27s} | {book:>8s}"
         )
-    if args.skip_memory:
-        return
-    print(f"\n{'activation memory (GPT L8 h256 s256 b4, fp32)':48s} | saved for backward")
-    for label, mib in bench_memory():
-        print(f"{label:48s} | {mib:8.1f} MiB")
 
 
 if __name__ == "__main__":

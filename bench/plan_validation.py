@@ -54,52 +54,6 @@ def cpu_device(cfg):
     return Device(mask_bytes=4, flash_attention=cfg.model.attention_dropout == 0)
 
 
-class PeakSaved:
-    """The peak bytes autograd holds for backward: a storage counts from the first saved
-    reference to it until the last one is released (saved_tensors_hooks with a holder)."""
-
-    def __init__(self, exclude):
-        import torch
-
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
-        self._refs: dict[int, int] = {}
-        self._size: dict[int, int] = {}
-        self.live = self.peak = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._excluded or storage.nbytes() == 0:
-            return t
-        if key not in self._refs:
-            self._refs[key], self._size[key] = 0, storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self._refs[key] += 1
-        return _Held(t, key, self)
-
-    @staticmethod
-    def _unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-    def release(self, key: int) -> None:
-        self._refs[key] -= 1
-        if self._refs[key] == 0:
-            del self._refs[key]
-            self.live -= self._size.pop(key)
-
-
-class _Held:
-    __slots__ = ("tensor", "key", "owner")
-
-    def __init__(self, tensor, key, owner):
-        self.tensor, self.key, self.owner = tensor, key, owner
-
-    def __del__(self):
-        self.owner.release(self.key)
-
-
 def _calibrate(rank: int) -> dict[str, float]:
     """Time model inputs, measured while all ranks run the same thing (as in training)."""
     import torch
@@ -164,6 +118,7 @@ def _run_layout(cfg, lay, steps: int) -> dict:
     import torch
 
     from megatron.initialize import Runtime, set_random_seeds
+    from megatron.model.memory import LiveActivations
     from megatron.models.gpt.train import forward_step, model_provider
     from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.training.step import NativeBackend
@@ -189,11 +144,11 @@ def _run_layout(cfg, lay, steps: int) -> dict:
             }
 
     data, timers, seconds = batches(), Timers(), []
-    saved = PeakSaved(backend.model.parameters())
+    saved = LiveActivations(backend.model.parameters())
     for _ in range(steps):
         torch.distributed.barrier()
         start = time.perf_counter()
-        with saved.hooks:
+        with saved:
             backend.train_step(data, lay.num_micro_batches, timers)
         seconds.append(time.perf_counter() - start)
     out = {"stage": state.pp_rank, "activations": saved.peak, **_state_bytes(backend)}
@@ -267,7 +222,7 @@ def _hardware(calibrations):
 def compare(cfg, layouts, runs, hw) -> list[dict]:
     """One row per layout: the worst rank's memory error, predicted vs measured step time."""
     from megatron.planning.enumerate import training_of
-    from megatron.planning.memory import stage_memory
+    from megatron.planning.pipeline_memory import stage_memory
     from megatron.planning.timing import step_time
 
     t, dev, rows = training_of(cfg), cpu_device(cfg), []

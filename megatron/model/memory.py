@@ -7,6 +7,10 @@
 Sequence parallelism (--sequence-parallel) is meant to divide the part of this that lives
 outside the tensor-parallel regions (norm inputs, residuals, dropout masks) by the TP size; this
 is how a benchmark sees it on any device, CPU included (no allocator statistics needed).
+
+`LiveActivations` follows the same bytes over time, through a whole pipeline step: the peak of
+what is held for backward, the zero-bubble weight-gradient queue included (the quantity the
+planner's per-schedule `activations` term models, megatron.planning.pipeline_memory).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from megatron.mpu.weight_grad import weight_grad_hooks
 
 
 class SavedActivations:
@@ -51,3 +57,77 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class LiveActivations:
+    """The peak bytes held for backward while the block runs (a whole pipeline step): what
+    autograd saves (saved_tensors_hooks) and what the weight-gradient queue holds between a
+    zero-bubble B and its W (megatron.mpu.weight_grad: the linears' inputs and output
+    gradients). A storage counts once, at its full size, from its first saved reference until
+    the last one is dropped (autograd frees a node's saved tensors once it ran; a W drops its
+    entry). Parameters (`exclude`, growing: a pipeline chunk's are added before it runs) are
+    not activations. Not seen: the output buffers the pipeline exchanges, and what torch's
+    checkpoint rebuilds in backward (it saves through its own hooks): under full recompute a
+    group counts its input, as the planner's `activations` term does; its working set is the
+    planner's separate `recompute_working`.
+
+        with LiveActivations(model.parameters()) as live:
+            step()
+        live.peak
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._excluded: set[int] = set()
+        self.exclude(exclude)
+        self._refs: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+        self.live = self.peak = 0
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_held)
+        self._queued = None
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded or storage.nbytes() == 0:
+            return t
+        if key not in self._refs:
+            self._refs[key], self._size[key] = 0, storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        return _Held(t, key, self)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= self._size.pop(key)
+
+    def __enter__(self) -> LiveActivations:
+        self._queued = weight_grad_hooks(self._pack, _unpack_held)
+        self._saved.__enter__()
+        self._queued.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._queued.__exit__(*exc)
+        self._saved.__exit__(*exc)
+
+
+def _unpack_held(held):
+    return held.tensor if isinstance(held, _Held) else held
+
+
+class _Held:
+    """A saved reference: dropping it releases the storage's count."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor: torch.Tensor, key: int, owner: LiveActivations):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self):
+        self.owner._release(self.key)

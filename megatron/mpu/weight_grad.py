@@ -14,20 +14,23 @@ output gradient). `run_weight_grads(queue)` computes them first in, first out an
 to autograd as the parameter's gradient, so it accumulates into `.grad` and fires the
 post-accumulate hooks that move it into DDP's fp32 buffer (megatron.training.ddp) as an
 ordinary backward would; a backward with no W of its own (1F1B's, DualPipeV's full ones) runs
-its queue at once. Biases and norm weights keep their gradients in B (they cost next to
-nothing). fp8 GEMMs and the fused linear cross-entropy compute both gradients in B (their
-kernels produce them together).
+its queue at once. A queued entry names the tensors it holds until its W (the linear's input
+and output gradient, the embedding's ids and output gradient), so memory accounting sees them
+(`weight_grad_hooks`, megatron.model.memory.LiveActivations). Biases and norm weights keep
+their gradients in B (they cost next to nothing). fp8 GEMMs and the fused linear cross-entropy
+compute both gradients in B (their kernels produce them together).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-_state: dict = {"split": False, "queue": None}
+_state: dict = {"split": False, "queue": None, "hooks": None}
 
 
 def splitting() -> bool:
@@ -54,25 +57,41 @@ def defer_weight_grads(queue: list):
         _state["queue"] = previous
 
 
-def queue_weight_grad(param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
-    """Queue `compute` (dL/dparam) for run_weight_grads."""
+@contextlib.contextmanager
+def weight_grad_hooks(pack: Callable, unpack: Callable):
+    """Tensors queued inside are stored as pack(t) and given back as unpack(packed) at their
+    W: autograd's saved_tensors_hooks for the weight-gradient queue (memory accounting)."""
+    previous, _state["hooks"] = _state["hooks"], (pack, unpack)
+    try:
+        yield
+    finally:
+        _state["hooks"] = previous
+
+
+def queue_weight_grad(param: torch.Tensor, compute: Callable, *tensors: torch.Tensor) -> None:
+    """Queue compute(*tensors) (dL/dparam) for run_weight_grads; the queue holds `tensors`
+    until then (compute must capture no other activation)."""
     queue = _state["queue"]
     if queue is None:
         raise RuntimeError(
             "a backward through split weight gradients ran outside defer_weight_grads "
             "(megatron.training.pipeline opens the queue around every backward it runs)"
         )
-    queue.append((param, compute))
+    pack, unpack = _state["hooks"] or (None, None)
+    if pack is not None:
+        tensors = tuple(pack(t) for t in tensors)
+    queue.append((param, compute, tensors, unpack))
 
 
 def run_weight_grads(queue: list) -> None:
     """Compute the queued weight gradients (first in, first out) and accumulate them."""
     sums: dict[int, list] = {}
-    for param, compute in queue:
-        grad = compute()
+    while queue:  # each entry (and what it holds) dropped once computed
+        param, compute, tensors, unpack = queue.pop(0)
+        grad = compute(*(tensors if unpack is None else [unpack(t) for t in tensors]))
+        del tensors
         entry = sums.setdefault(id(param), [param, None])
         entry[1] = grad if entry[1] is None else entry[1] + grad
-    queue.clear()
     if sums:
         params, grads = zip(*sums.values(), strict=True)
         torch.autograd.backward(list(params), list(grads))
@@ -117,7 +136,11 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 
 def linear_weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
     """Queue the weight gradient of Y = X W^T from dL/dY and X."""
-    queue_weight_grad(weight, lambda: _flat(grad).t().matmul(_flat(x)))
+    queue_weight_grad(weight, _linear_weight_grad, grad, x)
+
+
+def _linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _flat(grad).t().matmul(_flat(x))
 
 
 class _SplitGroupedMatmul(torch.autograd.Function):
@@ -136,7 +159,8 @@ class _SplitGroupedMatmul(torch.autograd.Function):
         grad, counts = grad.contiguous(), ctx.counts
         grad_x = ctx.matmul(grad, w.transpose(1, 2).contiguous(), counts)
         if ctx.owner[0].requires_grad:
-            queue_weight_grad(ctx.owner[0], lambda: _grouped_weight_grad(x, grad, w, counts))
+            weight_grad = functools.partial(_grouped_weight_grad, w=w, counts=counts)
+            queue_weight_grad(ctx.owner[0], weight_grad, x, grad)
         return grad_x, None, None, None, None, None
 
 
@@ -166,15 +190,15 @@ class _SplitEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        shape = ctx.shape
-
-        def compute():
-            out = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
-            return out.index_add_(0, ids.reshape(-1), _flat(grad))
-
         if ctx.owner[0].requires_grad:
-            queue_weight_grad(ctx.owner[0], compute)
+            weight_grad = functools.partial(_embedding_weight_grad, shape=ctx.shape)
+            queue_weight_grad(ctx.owner[0], weight_grad, ids, grad)
         return None, None, None, None
+
+
+def _embedding_weight_grad(ids: torch.Tensor, grad: torch.Tensor, shape) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+    return out.index_add_(0, ids.reshape(-1), _flat(grad))
 
 
 def split_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,9 @@ from megatron.planning.memory import (
     Layout,
     MemoryEstimate,
     Training,
-    estimate_memory,
     gib_above,
 )
+from megatron.planning.pipeline_memory import estimate_memory
 from megatron.planning.timing import Hardware, limiting_term, mfu, step_time
 
 

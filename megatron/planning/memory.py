@@ -40,8 +40,8 @@ Selective recompute drops the attention core; full recompute keeps each group's 
 / t with SP) and rebuilds one group of layers at a time in backward (the recompute working set).
 The first virtual stage adds the token and position ids and the embedding's dropout mask, the
 last the final norm, the fp32 logits 4 s b V / t (with --cross-entropy-fusion-impl linear, an
-fp32 log-sum-exp per token instead) and the labels. Pipeline stages hold the activations of the
-micro batches in flight, simulated with the schedule's own action order.
+fp32 log-sum-exp per token instead) and the labels. The micro batches a pipeline stage holds
+at once, walked in its schedule's own order, and the rank's total: planning/pipeline_memory.py.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
-from megatron.pipeline_order import V_SHAPED, schedule_actions, virtual_stage
+from megatron.pipeline_order import V_SHAPED
 from megatron.planning import mla
 
 GiB = 1024**3
@@ -385,75 +385,11 @@ def mtp_activation_bytes(m: ModelConfig, lay: Layout, t: Training, dev: Device) 
     return m.mtp_num_layers * (layer + head_extra_bytes(m, lay, t) + inputs)
 
 
-# ---- the pipeline schedule ----
-
-
-def stage_activation_peak(
-    m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
-) -> dict[str, int]:
-    """Peak bytes of a stage over one step: activations kept for backward (all micro batches
-    in flight), the recompute working set on top, the pipeline's output buffers. The stage's
-    action list (megatron.pipeline_order) is walked as the schedule runs it: a micro batch's
-    activations leave at its backward, or with a zero-bubble schedule at its W (which still
-    reads the linears' inputs: counted whole until then, an upper bound)."""
-    P, schedule = lay.pp, lay.pipeline_schedule
-    V = 2 if lay.v_shape else lay.vp or 1
-    sizes = {}
-    for c in range(V):
-        virtual = virtual_stage(schedule, P, stage, c)
-        sizes[c] = chunk_activation_bytes(m, lay, t, dev, virtual == 0, virtual == P * V - 1)
-    if P == 1:  # gradient accumulation: one micro batch at a time
-        kept, working = sizes[0]
-        return {"activations": kept, "recompute_working": working, "p2p_buffers": 0}
-    live, peak, with_working, outputs, peak_out = 0, 0, 0, 0, 0
-    out_bytes = layer_input_bytes(m, lay, t)
-    # After the warm-up the live set repeats every P micro batches: 4P of them show the peak.
-    M = min(lay.num_micro_batches, 4 * P)
-    actions = schedule_actions(schedule, P, stage, M, V)
-    split = {(c, mb) for kind, c, mb in actions if kind == "W"}
-    for kind, c, mb in actions:
-        kept, working = sizes[c]
-        last = virtual_stage(schedule, P, stage, c) == P * V - 1
-        if kind == "F":
-            live += kept
-            outputs += 0 if last else out_bytes
-            peak, peak_out = max(peak, live), max(peak_out, outputs)
-        elif kind == "B":
-            with_working = max(with_working, live + working)
-            live -= 0 if (c, mb) in split else kept
-            outputs -= 0 if last else out_bytes
-        else:
-            live -= kept
-    working = max(0, with_working - peak)
-    return {"activations": peak, "recompute_working": working, "p2p_buffers": peak_out}
-
-
-def stage_memory(
-    m: ModelConfig, lay: Layout, t: Training, dev: Device, stage: int
-) -> dict[str, int]:
-    """Every term of one pipeline stage's rank, in bytes."""
-    params = stage_params(m, lay.tp, lay.pp, stage, lay.ep, lay.expert_tp, lay.v_shape)
-    experts = stage_expert_params(m, lay.pp, stage, lay.ep, lay.expert_tp)
-    terms = model_state_bytes(params, lay.dp * lay.cp, t, experts, lay.ep)
-    terms.update(stage_activation_peak(per_rank_sequence(m, lay), lay, t, dev, stage))
-    terms["overhead"] = dev.overhead_bytes
-    return terms
-
-
 def per_rank_sequence(m: ModelConfig, lay: Layout) -> ModelConfig:
     """The model as one rank's activations see it: s / CP tokens of each sequence."""
     if lay.cp == 1:
         return m
     return dataclasses.replace(m, seq_length=m.seq_length // lay.cp)
-
-
-def estimate_memory(
-    m: ModelConfig, lay: Layout, t: Training, dev: Device = Device()
-) -> MemoryEstimate:
-    """The fullest rank of the layout (the pipeline stage with the largest total)."""
-    # Middle stages hold fewer micro batches than the first and no embedding or head.
-    stages = [MemoryEstimate(s, stage_memory(m, lay, t, dev, s)) for s in {0, lay.pp - 1}]
-    return max(stages, key=lambda e: e.total)
 
 
 def replace(lay: Layout, **changes) -> Layout:

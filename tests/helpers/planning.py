@@ -9,7 +9,8 @@ from megatron.fused_kernels import select_ops
 from megatron.model.context import BuildContext
 from megatron.model.memory import SavedActivations
 from megatron.models.gpt.model import GPTModel
-from megatron.planning.memory import Device, Layout, Training, stage_activation_peak
+from megatron.planning.memory import Device, Layout, Training
+from megatron.planning.pipeline_memory import stage_activation_peak
 
 
 def saved_and_predicted_activations(m: ModelConfig, ce_impl: str = "native") -> tuple[int, int]:

@@ -475,13 +475,8 @@ def test_planner_takes_expert_parallelism_from_dp_x_cp():
     one replica) and shards the expert state over the DP x CP / EP ranks holding it."""
     from megatron.config.schema import MegatronConfig, OptimizerConfig, TrainingConfig
     from megatron.planning.enumerate import Search, layouts
-    from megatron.planning.memory import (
-        Layout,
-        Training,
-        estimate_memory,
-        stage_expert_params,
-        stage_params,
-    )
+    from megatron.planning.memory import Layout, Training, stage_expert_params, stage_params
+    from megatron.planning.pipeline_memory import estimate_memory
 
     cfg = MegatronConfig(
         model=ModelConfig(

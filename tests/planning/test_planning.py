@@ -19,12 +19,11 @@ from megatron.planning.memory import (
     GiB,
     Layout,
     Training,
-    estimate_memory,
     gib_above,
     model_state_bytes,
-    stage_activation_peak,
     stage_params,
 )
+from megatron.planning.pipeline_memory import estimate_memory, stage_activation_peak
 from megatron.planning.timing import Hardware, step_time
 from tests.helpers.pipeline import simulate
 from tests.helpers.planning import saved_and_predicted_activations

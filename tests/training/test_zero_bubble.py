@@ -217,7 +217,8 @@ def test_the_planner_walks_the_new_schedules():
     0, and --auto-parallel keeps a given --pipeline-schedule."""
     from megatron.config.schema import ModelConfig
     from megatron.planning.auto import search_for
-    from megatron.planning.memory import Layout, Training, estimate_memory, stage_params
+    from megatron.planning.memory import Layout, Training, stage_params
+    from megatron.planning.pipeline_memory import estimate_memory
     from megatron.planning.timing import Hardware, step_time
 
     m = ModelConfig(
