@@ -25,8 +25,9 @@ and without recompute.
    micro batch's MoE all-to-alls behind another's compute) against the same pairs run in turn
    (--no-overlap-moe-expert-parallel-comm): a tiny MoE GPT trained on 4 gloo ranks (PP 2 x EP 2),
    ms per step after a warm-up step, each setting run twice alternately, best kept; the
-   hand-overs per step. What gloo on a 2-core machine can show: that the pairs run, how often
-   they hand over, and what the second thread costs. What it cannot: the gain, which needs the
+   hand-overs per step, and what one hand-over costs alone (two threads passing the turn).
+   What gloo on a 2-core machine can show: that the pairs run, how often they hand over, and
+   what the second thread costs. What it cannot: the gain, which needs the
    all-to-all to move on links and engines of its own (NCCL's stream beside the compute
    stream) while the other micro batch computes; here 4 ranks share 2 cores, gloo's own
    threads compete with the compute, and loopback all-to-alls take microseconds.
@@ -246,6 +247,18 @@ def _overlap_worker(rank, world, argv):
     return best
 
 
+def hand_over_us(n: int = 2000) -> float:
+    """Microseconds per hand-over of a pair whose sides do nothing else (one process)."""
+
+    def side():
+        for _ in range(n):
+            overlap.hand_over()
+
+    start = time.perf_counter()
+    overlap.run_pair(side, side)
+    return 1e6 * (time.perf_counter() - start) / (2 * n)
+
+
 def bench_overlap(hidden: int, iters: int) -> dict:
     """dualpipev at PP 2 x EP 2 (4 gloo ranks), 4 MoE layers, pairs overlapped and in turn."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -283,6 +296,7 @@ def main():
         print(f"{'pairs':12s} | {'ms per step':>11s} | {'hand-overs per step':>19s}")
         for label, (ms, hand_overs) in bench_overlap(args.hidden, args.iters).items():
             print(f"{label:12s} | {ms:11.1f} | {hand_overs:19.0f}")
+        print(f"one hand-over alone (no compute, one process): {hand_over_us():.0f} us")
         return
     what = f"{args.ms} ms sleeps" if args.real is None else f"256 x {args.real} GEMMs"
     print(f"P = {args.stages}, F = B = W = {what} per micro batch and stage, gloo")

@@ -3,7 +3,7 @@ their expert-parallel all-to-alls so that the tokens of one travel while the oth
 (DualPipeV's overlap, DeepSeek-V3; megatron.training.pipeline runs its pairs through here).
 
 `run_pair(forward, backward)` runs `forward()` in the calling thread and `backward()` in a
-second one, one of them at a time: the side holding the turn runs until it reaches
+second one (started once per process and kept), one of them at a time: the side holding the turn runs until it reaches
 `hand_over()`, which the MoE token all-to-all (megatron.mpu.mappings, forward and backward)
 calls between launching its collective asynchronously and waiting for it; the turn then
 passes to the other side, which computes while the first one's all-to-all is in flight. Once
@@ -36,6 +36,7 @@ hand-over, or is never started) and the first exception is raised in the caller.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
 
@@ -108,13 +109,13 @@ class _Pair:
             if self.finished[1 - me]:
                 return
             self._pass(me)
+            _counts["hand_overs"] += 1
             self._wait_turn(me)
 
     def _pass(self, me: int) -> None:
         """Give the turn away (under the lock), keeping this side's generators."""
         self.rng[me] = self.generators.get()
         self.turn = 1 - me
-        _counts["hand_overs"] += 1
         self.cond.notify_all()
 
     def _wait_turn(self, me: int) -> None:
@@ -154,6 +155,27 @@ class _Pair:
             self.finish(BACKWARD)
 
 
+_worker: list = [None, None]  # the second thread and its queue of backwards
+
+
+def _second_thread() -> queue.SimpleQueue:
+    """The queue of the thread that runs the pairs' backwards: started once per process (again
+    in a forked child) and kept, because a thread of its own per pair costs more than the pair
+    (a new thread's first backward sets up autograd's per-thread state: about 100 ms here)."""
+    thread, jobs = _worker
+    if thread is None or not thread.is_alive():
+        jobs = queue.SimpleQueue()
+        thread = threading.Thread(target=_serve, args=(jobs,), name="overlap-backward", daemon=True)
+        thread.start()
+        _worker[:] = [thread, jobs]
+    return jobs
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get()()  # run_backward: never raises, hands its error to the pair
+
+
 def run_pair(
     forward: Callable[[], None], backward: Callable[[], None], trackers: Sequence = ()
 ) -> None:
@@ -165,21 +187,17 @@ def run_pair(
     device = _cuda_device()
     pair = _Pair(trackers, device)
     stream = None if device is None else torch.cuda.current_stream(device)
-    thread = threading.Thread(
-        target=pair.run_backward, args=(backward, stream), name="overlap-backward", daemon=True
-    )
     _active[0] = pair
     _counts["pairs"] += 1
     try:
-        thread.start()
+        _second_thread().put(lambda: pair.run_backward(backward, stream))
         try:
             forward()
-        except BaseException as error:  # noqa: BLE001 (raised below, after the join)
+        except BaseException as error:  # noqa: BLE001 (raised below, once both ended)
             pair.fail(error)
         pair.finish(FORWARD)
         with pair.cond:
             pair.cond.wait_for(lambda: pair.finished[BACKWARD])
-        thread.join()
     finally:
         _active[0] = None
     pair.generators.set(pair.rng[FORWARD])
