@@ -3,12 +3,12 @@ their expert-parallel all-to-alls so that the tokens of one travel while the oth
 (DualPipeV's overlap, DeepSeek-V3; megatron.training.pipeline runs its pairs through here).
 
 `run_pair(forward, backward)` runs `forward()` in the calling thread and `backward()` in a
-second one (started once per process and kept), one of them at a time: the side holding the turn runs until it reaches
-`hand_over()`, which the MoE token all-to-all (megatron.mpu.mappings, forward and backward)
-calls between launching its collective asynchronously and waiting for it; the turn then
-passes to the other side, which computes while the first one's all-to-all is in flight. Once
-a side has finished, the other's hand-overs return at once and it runs to its end. Outside a
-pair `hand_over()` does nothing.
+second one (started once per process and kept), one of them at a time: the side holding the
+turn runs until it reaches `hand_over()`, which the MoE token all-to-all (megatron.mpu.mappings,
+forward and backward) calls between launching its collective asynchronously and waiting for
+it; the turn then passes to the other side, which computes while the first one's all-to-all is
+in flight. Once a side has finished, the other's hand-overs return at once and it runs to its
+end. Outside a pair `hand_over()` does nothing.
 
 Why one side at a time: both issue collectives on the same groups (EP, TP). With strict
 alternation at points fixed by the model's code, every rank of a group issues them in the
@@ -30,8 +30,9 @@ State kept per side and swapped at every hand-over:
   kernels queue on one stream and the all-to-alls run beside it, on the communicator's).
   Autograd runs CUDA backwards in its own device threads: every thread but the caller's is
   the backward's side.
-An exception on either side ends the pair: the other side is released (it raises at its next
-hand-over, or is never started) and the first exception is raised in the caller.
+An exception on either side ends the pair: the other side is released (it raises
+`PairAborted` at its next hand-over, or before it starts) and the first exception is raised in
+the caller.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ def run_pair(
         with pair.cond:
             pair.cond.wait_for(lambda: pair.finished[BACKWARD])
     finally:
+        if not pair.finished[BACKWARD]:  # left early (an interrupt): free the second thread
+            pair.fail(PairAborted("the caller left the overlapped pair"))
         _active[0] = None
     pair.generators.set(pair.rng[FORWARD])
     if pair.error is not None:
