@@ -3,6 +3,7 @@ and without recompute.
 
     .venv/bin/python bench/pipeline.py [--stages 4 --micro-batches 4 8 16 --ms 4] [--real H]
         [--skip-bubble] [--skip-memory] [--recompute {selective,full}]
+    .venv/bin/python bench/pipeline.py --overlap [--hidden 64 --iters 4]
 
 1. Bubble: the real schedule executor (megatron.training.pipeline) on P gloo ranks, for each
    --pipeline-schedule (1f1b, interleaved V=2, zb-h1, zbv, dualpipev), driving model chunks
@@ -28,10 +29,22 @@ and without recompute.
 3. Memory: bytes of activations kept for backward during one forward of a GPT (counted with
    autograd's saved-tensor hooks, so it works on any device), for no / selective / full
    recompute.
+3. `--overlap`: DualPipeV's forward / backward pairs overlapped (megatron.mpu.overlap: one
+   micro batch's MoE all-to-alls behind another's compute) against the same pairs run in turn
+   (--no-overlap-moe-expert-parallel-comm): a tiny MoE GPT trained on 4 gloo ranks (PP 2 x EP 2),
+   ms per step after a warm-up step, each setting run twice alternately, best kept; the
+   hand-overs per step, and what one hand-over costs alone (two threads passing the turn).
+   What gloo on a 2-core machine can show: that the pairs run, how often they hand over, and
+   what the second thread costs. What it cannot: the gain, which needs the
+   all-to-all to move on links and engines of its own (NCCL's stream beside the compute
+   stream) while the other micro batch computes; here 4 ranks share 2 cores, gloo's own
+   threads compete with the compute, and loopback all-to-alls take microseconds.
 """
 
 import argparse
+import io
 import os
+import re
 import sys
 import tempfile
 import time
@@ -42,20 +55,24 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import mpu  # noqa: E402
+from megatron.config.cli import parse_args  # noqa: E402
+from megatron.config.rules import validate  # noqa: E402
 from megatron.config.schema import ModelConfig, RecomputeConfig  # noqa: E402
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel  # noqa: E402
+from megatron.mpu import overlap  # noqa: E402
 from megatron.mpu.layers import local_linear  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.mpu.weight_grad import queue_weight_grad, splitting  # noqa: E402
 from megatron.pipeline_order import V_SHAPED  # noqa: E402
 from megatron.pipeline_sim import simulate, textbook_bubble  # noqa: E402
+from megatron.training.loop import pretrain  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
 from tests.helpers import pipeline_memory  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
-from tests.helpers.training import counting_corpus  # noqa: E402
+from tests.helpers.training import counting_corpus, flags  # noqa: E402
 
 SHAPE = (1, 4, 8)
 
@@ -135,6 +152,7 @@ def _forward_step(data_iterator, chunk):
 
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
 _COMPUTE = ("forward-compute", "backward-compute", "backward-weight-compute")
+_COMPUTE += ("forward-backward-overlap",)  # dualpipev's pairs, when overlapped
 
 
 def _bubble_worker(rank, world, micro_batches, ms, real=None):
@@ -246,6 +264,53 @@ def bench_memory() -> list[tuple]:
     return rows
 
 
+_SETTINGS = (("overlapped", []), ("in turn", ["--no-overlap-moe-expert-parallel-comm"]))
+_STEP_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def _overlap_worker(rank, world, argv):
+    """{setting: (best ms per step after the first, hand-overs per step)} on this rank."""
+    torch.set_num_threads(1)
+    best = {}
+    for _ in range(2):
+        for label, extra in _SETTINGS:
+            cfg = parse_args([*argv, *extra], world_size=world)
+            validate(cfg, "train-gpt")
+            out, before = io.StringIO(), overlap.counts()["hand_overs"]
+            result = pretrain(cfg, out=out)
+            steps = [float(ms) for ms in _STEP_MS.findall(out.getvalue())][1:]
+            hand_overs = (overlap.counts()["hand_overs"] - before) / result.iteration
+            if steps and (label not in best or min(steps) < best[label][0]):
+                best[label] = (min(steps), hand_overs)
+    return best
+
+
+def hand_over_us(n: int = 2000) -> float:
+    """Microseconds per hand-over of a pair whose sides do nothing else (one process)."""
+
+    def side():
+        for _ in range(n):
+            overlap.hand_over()
+
+    start = time.perf_counter()
+    overlap.run_pair(side, side)
+    return 1e6 * (time.perf_counter() - start) / (2 * n)
+
+
+def bench_overlap(hidden: int, iters: int) -> dict:
+    """dualpipev at PP 2 x EP 2 (4 gloo ranks), 4 MoE layers, pairs overlapped and in turn."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = flags(counting_corpus(tmp), iters=iters)
+        for name, value in (("--hidden-size", hidden), ("--seq-length", 64), ("--num-layers", 4)):
+            argv[argv.index(name) + 1] = str(value)
+        argv += ["--num-experts", "4", "--moe-router-topk", "2"]
+        argv += ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+        argv += ["--pipeline-schedule", "dualpipev", "--micro-batch-size", "1"]
+        argv[argv.index("--global-batch-size") + 1] = "16"
+        per_rank = run_distributed(_overlap_worker, 4, argv)
+    return next(r for r in per_rank if r)  # the last stage logs the step time
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
@@ -265,7 +330,18 @@ def main():
         choices=("selective", "full"),
         help="the activation-peak table with --recompute-granularity (uniform, 1 layer)",
     )
+    p.add_argument("--overlap", action="store_true", help="only the dualpipev overlap table")
+    p.add_argument("--hidden", type=int, default=64, help="--overlap: the MoE GPT's width")
+    p.add_argument("--iters", type=int, default=4, help="--overlap: steps per run")
     args = p.parse_args()
+    if args.overlap:
+        print("dualpipev, PP 2 x EP 2 on 4 gloo ranks, MoE GPT 4 layers x 4 experts top-2, "
+              f"h {args.hidden}, s 64, 8 micro batches of 1 per DP rank")  # fmt: skip
+        print(f"{'pairs':12s} | {'ms per step':>11s} | {'hand-overs per step':>19s}")
+        for label, (ms, hand_overs) in bench_overlap(args.hidden, args.iters).items():
+            print(f"{label:12s} | {ms:11.1f} | {hand_overs:19.0f}")
+        print(f"one hand-over alone (no compute, one process): {hand_over_us():.0f} us")
+        return
     if not args.skip_bubble:
         _print_bubble(args)
     if args.skip_memory:

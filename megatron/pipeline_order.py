@@ -21,7 +21,9 @@ virtual stage c P + s, "loop" placement); 'zb-h1' (1F1B's order, its backwards s
 W's of stage s delayed by s micro batches: the bubble of 1F1B cut to about a third at 1F1B's
 peak activations); 'zbv' and 'dualpipev' (two chunks per stage placed in a V: chunk 0 of stage
 s is virtual stage s, chunk 1 is virtual stage 2 P - 1 - s, so the first stage also holds the
-last virtual stage).
+last virtual stage). DualPipeV's steady state pairs a forward with a full backward of the
+other chunk (`overlapped_pairs`), which the runtime overlaps when the stage has expert-parallel
+all-to-alls to hide.
 """
 
 from __future__ import annotations
@@ -193,6 +195,22 @@ def schedule_actions(
     if schedule == "dualpipev":
         return dualpipev_actions(P, s, M)
     return pipeline_actions(P, s, M, V)
+
+
+def overlapped_pairs(schedule: str, actions: list[Action]) -> set[int]:
+    """DualPipeV's steady-state pairs: the indices i where actions[i] is a forward and
+    actions[i + 1] a full backward (no W of its own) of the other chunk, which the runtime
+    overlaps (megatron.mpu.overlap) once both their inputs arrived. Empty for the other
+    schedules."""
+    if schedule != "dualpipev":
+        return set()
+    split = {(c, mb) for kind, c, mb in actions if kind == "W"}
+    pairs = set()
+    for i in range(len(actions) - 1):
+        (kind, c, _), (after, c2, mb2) = actions[i], actions[i + 1]
+        if kind == "F" and after == "B" and c2 != c and (c2, mb2) not in split:
+            pairs.add(i)
+    return pairs
 
 
 def messages(schedule: str, P: int, M: int, V: int = 1) -> tuple[dict, dict]:

@@ -7,7 +7,9 @@ its own forward), a W for its own B; each waits `comm` more when the tensor cros
 `simulate` runs the lists until every action ran, or raises naming the stuck actions: a
 schedule it finishes cannot deadlock on a runtime that sends asynchronously and receives in
 blocking order (megatron.training.pipeline). It returns the step time, each stage's idle
-fraction (its bubble) and each stage's peak of micro batches held.
+fraction (its bubble) and each stage's peak of micro batches held. With `overlap` it runs
+DualPipeV's forward / backward pairs as the runtime overlaps them (both inputs received first),
+which proves that order deadlock-free too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from megatron.pipeline_order import (
     SPLIT_BACKWARD,
     V_SHAPED,
+    overlapped_pairs,
     schedule_actions,
     stage_of,
     virtual_stage,
@@ -91,43 +94,78 @@ def simulate(
     V: int | None = None,
     costs: Costs = Costs(),
     comm: float = 0.0,
+    overlap: bool = False,
 ) -> Simulation:
-    """Run every stage's list of `schedule` for P stages and M micro batches."""
+    """Run every stage's list of `schedule` for P stages and M micro batches. `overlap`:
+    DualPipeV's pairs (megatron.pipeline_order.overlapped_pairs) run as the runtime overlaps
+    them: one step that starts once both inputs (the forward's activation, the backward's
+    gradient) arrived, takes both actions' time (the all-to-alls it hides are not modelled)
+    and hands both outputs on at its end."""
     V = chunks_per_stage(schedule, V)
     lists = [schedule_actions(schedule, P, s, M, V) for s in range(P)]
     check_lists(schedule, P, M, V, lists)
-    split = [{(c, mb) for kind, c, mb in acts if kind == "W"} for acts in lists]
-    cost = {"F": costs.f / V, "B": costs.b / V, "W": costs.w / V}
-    done: dict[tuple, float] = {}  # (stage, action) -> end time
-    free, held, peak = [0.0] * P, [0] * P, [0] * P
-    busy, timeline, heads = [0.0] * P, [[] for _ in range(P)], [0] * P
-    last = P * V - 1
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(P):
-            while heads[s] < len(lists[s]):
-                action = lists[s][heads[s]]
-                dep = _dependency(schedule, P, last, s, action)
-                if dep is not None and dep[0] not in done:
-                    break
-                ready = done[dep[0]] + (comm if dep[1] else 0.0) if dep else 0.0
-                kind, c, mb = action
-                took = cost[kind] + (cost["W"] if kind == "B" and (c, mb) not in split[s] else 0)
-                start = max(free[s], ready)
-                free[s] = start + took
-                busy[s] += took
-                done[(s, action)] = free[s]
-                timeline[s].append((start, free[s], action))
-                held[s] += 1 if kind == "F" else -1 if _releases(kind, c, mb, split[s]) else 0
-                peak[s] = max(peak[s], held[s])
-                heads[s] += 1
-                progressed = True
-    stuck = [(s, lists[s][heads[s]]) for s in range(P) if heads[s] < len(lists[s])]
+    run = _Run(schedule, P, V, lists, costs, comm, overlap)
+    while any([run.advance(s) for s in range(P)]):  # a list: every stage advances each round
+        pass
+    stuck = [(s, lists[s][run.heads[s]]) for s in range(P) if run.heads[s] < len(lists[s])]
     if stuck:
         raise Deadlock(f"{schedule} P={P} M={M}: stages wait forever at {stuck}")
-    step = max(free)
-    return Simulation(step, busy, [1 - b / step for b in busy], peak, timeline)
+    step = max(run.free)
+    bubble = [1 - b / step for b in run.busy]
+    return Simulation(step, run.busy, bubble, run.peak, run.timeline)
+
+
+class _Run:
+    """The stages' clocks while simulate() runs their lists."""
+
+    def __init__(self, schedule, P, V, lists, costs, comm, overlap):
+        self.schedule, self.P, self.lists, self.comm = schedule, P, lists, comm
+        self.last = P * V - 1
+        self.split = [{(c, mb) for kind, c, mb in acts if kind == "W"} for acts in lists]
+        self.pairs = [overlapped_pairs(schedule, acts) if overlap else set() for acts in lists]
+        self.cost = {"F": costs.f / V, "B": costs.b / V, "W": costs.w / V}
+        self.done: dict[tuple, float] = {}  # (stage, action) -> end time
+        self.free, self.busy = [0.0] * P, [0.0] * P
+        self.held, self.peak, self.heads = [0] * P, [0] * P, [0] * P
+        self.timeline: list[list] = [[] for _ in range(P)]
+
+    def _ready(self, s: int, action: tuple) -> float | None:
+        """When the action's input is here (None: not yet produced)."""
+        dep = _dependency(self.schedule, self.P, self.last, s, action)
+        if dep is None:
+            return 0.0
+        if dep[0] not in self.done:
+            return None
+        return self.done[dep[0]] + (self.comm if dep[1] else 0.0)
+
+    def advance(self, s: int) -> bool:
+        """Run stage s's next actions (a pair as one) while their inputs are there."""
+        progressed = False
+        while self.heads[s] < len(self.lists[s]):
+            i = self.heads[s]
+            group = self.lists[s][i : i + (2 if i in self.pairs[s] else 1)]
+            ready = [self._ready(s, action) for action in group]
+            if None in ready:
+                break
+            self._run(s, group, max(ready))
+            self.heads[s] += len(group)
+            progressed = True
+        return progressed
+
+    def _run(self, s: int, group: list, ready: float) -> None:
+        start = max(self.free[s], ready)
+        took = 0.0
+        for kind, c, mb in group:
+            full = kind == "B" and (c, mb) not in self.split[s]  # computes the W too
+            took += self.cost[kind] + (self.cost["W"] if full else 0.0)
+        self.free[s] = start + took
+        self.busy[s] += took
+        for kind, c, mb in group:
+            self.done[(s, (kind, c, mb))] = self.free[s]
+            self.timeline[s].append((start, self.free[s], (kind, c, mb)))
+            released = _releases(kind, c, mb, self.split[s])
+            self.held[s] += 1 if kind == "F" else -1 if released else 0
+            self.peak[s] = max(self.peak[s], self.held[s])
 
 
 def _releases(kind: str, c: int, mb: int, split: set) -> bool:

@@ -12,6 +12,8 @@ def validate_pipeline_schedule(cfg: MegatronConfig) -> None:
     par = cfg.parallel
     schedule, vlayers = par.pipeline_schedule, par.num_layers_per_virtual_pipeline_stage
     if schedule is None:
+        if par.overlap_moe_expert_parallel_comm:
+            _validate_overlap(cfg)
         return  # 1f1b, or interleaved with --num-layers-per-virtual-pipeline-stage
     if par.pipeline_model_parallel_size < 2:
         fail(
@@ -34,6 +36,8 @@ def validate_pipeline_schedule(cfg: MegatronConfig) -> None:
         )
     if schedule in ("zbv", "dualpipev"):
         _validate_v_shape(cfg, schedule)
+    if par.overlap_moe_expert_parallel_comm:
+        _validate_overlap(cfg)
     if cfg.deepspeed.enabled and schedule != "1f1b":
         fail(
             f"{_FLAG} {schedule}",
@@ -67,4 +71,45 @@ def _validate_v_shape(cfg: MegatronConfig, schedule: str) -> None:
             "--num-unique-layers shares weights between layers, which the V places on "
             "chunks the sharing rules do not know",
             "drop --num-unique-layers, or use --pipeline-schedule zb-h1",
+        )
+
+
+def overlaps_moe_pairs(cfg: MegatronConfig) -> bool:
+    """Whether dualpipev's forward / backward pairs run overlapped: the schedule is
+    dualpipev, the model's MoE layers exchange tokens by all-to-all over EP > 1, and
+    --no-overlap-moe-expert-parallel-comm was not given."""
+    par = cfg.parallel
+    return (
+        par.overlap_moe_expert_parallel_comm is not False
+        and par.resolved_pipeline_schedule == "dualpipev"
+        and _has_all_to_alls(cfg)
+    )
+
+
+def _has_all_to_alls(cfg: MegatronConfig) -> bool:
+    par = cfg.parallel
+    return (
+        bool(cfg.model.num_experts)
+        and par.expert_model_parallel_size > 1
+        and par.moe_token_dispatcher_type == "alltoall"
+    )
+
+
+def _validate_overlap(cfg: MegatronConfig) -> None:
+    """--overlap-moe-expert-parallel-comm given: refused where nothing would overlap."""
+    flag = "--overlap-moe-expert-parallel-comm"
+    if cfg.parallel.resolved_pipeline_schedule != "dualpipev":
+        fail(
+            flag,
+            "only the dualpipev schedule overlaps one micro batch's all-to-alls with another's "
+            f"compute here, not {cfg.parallel.resolved_pipeline_schedule} (Megatron-core's "
+            "combined 1F1B is not implemented)",
+            "add --pipeline-schedule dualpipev, or drop the flag",
+        )
+    if not _has_all_to_alls(cfg):
+        fail(
+            flag,
+            "there are no MoE token all-to-alls to hide: it needs --num-experts, "
+            "--expert-model-parallel-size > 1 and --moe-token-dispatcher-type alltoall",
+            "set those, or drop the flag",
         )

@@ -78,6 +78,21 @@ class _ParallelFields(Section):
         "--num-layers-per-virtual-pipeline-stage is given, else 1f1b",
         choices=("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
     )
+    overlap_moe_expert_parallel_comm: bool | None = setting(
+        None,
+        "hide the MoE token all-to-alls (EP > 1, alltoall dispatcher) behind compute: "
+        "--pipeline-schedule dualpipev runs each steady-state pair, the forward of one micro "
+        "batch and the backward of another, in two threads that take turns at the "
+        "all-to-alls, so one's tokens travel while the other computes (the same numbers as "
+        "running them one after the other). Default: on wherever dualpipev has EP all-to-alls "
+        "(what DualPipeV is; torchtitan's pipeline_parallel_expert_parallel_overlap)",
+        shortcuts={
+            "--no-overlap-moe-expert-parallel-comm": (
+                False,
+                "run dualpipev's forward / backward pairs one after the other",
+            )
+        },
+    )
     sequence_parallel: bool = setting(
         False,
         "split the activations outside the tensor-parallel regions (norms, dropout, residuals) "

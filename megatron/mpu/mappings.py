@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.mpu.overlap import hand_over
 from megatron.mpu.utils import divide, group_rank, group_size
 
 
@@ -209,20 +210,26 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.
 
 
 def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
-    out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(
+    """Launched asynchronously, then the turn handed to the other micro batch of an overlapped
+    pair (megatron.mpu.overlap: DualPipeV), which computes while the tokens travel; waited."""
+    out, x = x.new_empty((sum(output_splits), *x.shape[1:])), x.contiguous()
+    work = dist.all_to_all_single(
         out,
-        x.contiguous(),
+        x,
         output_split_sizes=output_splits,
         input_split_sizes=input_splits,
         group=group,
+        async_op=True,
     )
+    hand_over()  # a no-op outside a pair
+    work.wait()
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     """Forward: rows [sum(input_splits[:j]), +input_splits[j]) go to EP rank j, and rank j's
-    rows for this rank arrive in rank order (output_splits). Backward: the reverse all-to-all."""
+    rows for this rank arrive in rank order (output_splits). Backward: the reverse all-to-all.
+    Both are hand-over points of an overlapped forward / backward pair (megatron.mpu.overlap)."""
 
     @staticmethod
     def forward(ctx, x, group, output_splits, input_splits):

@@ -21,6 +21,14 @@ Zero-bubble schedules: during their step the layers build ops whose weight gradi
 batch), what the weight gradients need; its 'W' computes them later. A 'B' with no 'W' in the
 list (1F1B, DualPipeV's full backwards) runs its queue at once. The weight gradients reach
 `.grad` and the DDP hooks in the order the W's run.
+
+DualPipeV with `overlap` (expert-parallel all-to-alls to hide, megatron.training.step): each
+steady-state pair, a forward and the full backward of the other chunk
+(`megatron.pipeline_order.overlapped_pairs`), receives both its inputs, then runs the forward
+here and the backward in a second thread, taking turns at the MoE all-to-alls
+(megatron.mpu.overlap); the forward's output is sent when it ends, the backward's input
+gradient when it ends but never before the forward's (the peer receives in list order). The
+pair is timed as one ('forward-backward-overlap'), its two halves interleaving.
 """
 
 from __future__ import annotations
@@ -30,10 +38,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron.mpu.overlap import run_pair
+from megatron.mpu.random import RNGStatesTracker
 from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
 from megatron.pipeline_order import (
     SPLIT_BACKWARD,
     messages,
+    overlapped_pairs,
     schedule_actions,
     stage_of,
     virtual_stage,
@@ -57,7 +68,7 @@ class _Comm:
 
     def __init__(self, state, shape, dtype, device, timers, expected):
         self.state, self.shape, self.dtype, self.device = state, shape, dtype, device
-        self.timers, self.pending = timers, []
+        self.timers, self.pending, self.quiet = timers, [], False  # quiet: inside a pair
         self.expected = expected  # peer stage -> its messages to this stage, in send order
         self.posted = {}  # message -> (handle, buffer)
         self.local = {}  # message -> tensor handed over within this stage
@@ -67,7 +78,7 @@ class _Comm:
         if dst_stage == self.state.pp_rank:
             self.local[message] = tensor
             return
-        timer = self.timers("pipeline-send", 2) if self.timers else None
+        timer = self.timers("pipeline-send", 2) if self.timers and not self.quiet else None
         if timer:
             timer.start()
         tensor = tensor.contiguous()
@@ -138,11 +149,13 @@ def forward_backward_pipelining(
     forward_only=False,
     timers=None,
     schedule: str | None = None,
+    overlap: bool = False,
 ) -> list[dict]:
     """Run one step of `schedule` (default: 1F1B, interleaved when V > 1) on this stage.
 
     `model` holds V chunks (`model[c]`); `shape` is the (micro batch, seq, hidden) activation
-    shape. Returns the last virtual stage's per-micro-batch stats (empty on other stages).
+    shape. `overlap`: run DualPipeV's forward / backward pairs overlapped. Returns the last
+    virtual stage's per-micro-batch stats (empty on other stages).
     """
     chunks = getattr(model, "module", model)  # DDP-wrapped ModelChunks, or the chunks
     P, s, V, M = state.pp_size, state.pp_rank, len(chunks), num_micro_batches
@@ -162,13 +175,27 @@ def forward_backward_pipelining(
     split = schedule in SPLIT_BACKWARD and not forward_only
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     reduce = _GradSync(model, chunks, actions) if not forward_only else None
+    pairs = overlapped_pairs(schedule, actions) if overlap and not forward_only else set()
     with no_sync(), split_weight_grads(split):
-        for i, (kind, c, mb) in enumerate(actions):
-            getattr(run, {"F": "forward", "B": "backward", "W": "weight"}[kind])(c, mb)
-            if reduce is not None:
-                reduce.after(i)
+        _run_actions(run, actions, pairs, reduce)
         comm.wait_all()
     return run.stats
+
+
+def _run_actions(run: _Runner, actions: list, pairs: set, reduce: _GradSync | None) -> None:
+    i = 0
+    while i < len(actions):
+        kind, c, mb = actions[i]
+        if i in pairs:  # this forward and the next action, a full backward, overlapped
+            run.pair((c, mb), actions[i + 1][1:])
+            done = (i, i + 1)
+        else:
+            getattr(run, {"F": "forward", "B": "backward", "W": "weight"}[kind])(c, mb)
+            done = (i,)
+        for j in done:
+            if reduce is not None:
+                reduce.after(j)
+        i += len(done)
 
 
 class _GradSync:
@@ -209,6 +236,17 @@ def _forward_messages(schedule: str, P: int, M: int, V: int) -> dict:
     return sent
 
 
+def _trackers(chunks) -> list[RNGStatesTracker]:
+    """The chunks' named RNG streams (megatron.mpu.random), each once."""
+    found = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            tracker = getattr(module, "rng_tracker", None)
+            if isinstance(tracker, RNGStatesTracker):
+                found[id(tracker)] = tracker
+    return list(found.values())
+
+
 class _Runner:
     """Executes one stage's actions; keeps the activations alive between F and B, and the
     queued weight-gradient work between B and W."""
@@ -220,6 +258,8 @@ class _Runner:
         self.V, self.M, self.last = len(chunks), M, comm.state.pp_size * len(chunks) - 1
         self.scale_loss, self.forward_only, self.deferred = (lambda x: x), False, set()
         self.inputs, self.outputs, self.stats, self.weights = {}, {}, [], {}
+        self.in_pair = False  # the halves of an overlapped pair are not timed apart
+        self.trackers = _trackers(chunks)  # swapped with the generators at each hand-over
 
     def _virtual(self, c: int) -> int:
         return virtual_stage(self.schedule, self.P, self.s, c)
@@ -228,14 +268,31 @@ class _Runner:
         return stage_of(self.schedule, self.P, v)[0]
 
     def _timer(self, name: str):
-        return self.comm.timers(name, 1) if self.comm.timers else NULL_TIMER
+        return self.comm.timers(name, 1) if self.comm.timers and not self.in_pair else NULL_TIMER
 
     def forward(self, c: int, mb: int) -> None:
+        self._forward(c, mb, self._input(c, mb))
+
+    def backward(self, c: int, mb: int) -> None:
+        self._backward(c, mb, self._output_grad(c, mb), self.comm.send)
+
+    def _input(self, c: int, mb: int) -> torch.Tensor | None:
+        """The previous virtual stage's activation (None on the first virtual stage)."""
+        v = self._virtual(c)
+        if v == 0:
+            return None
+        x = self.comm.recv(self._stage(v - 1), ("F", v, mb))
+        return x.requires_grad_(not self.forward_only)
+
+    def _output_grad(self, c: int, mb: int) -> torch.Tensor | None:
+        """The next virtual stage's gradient (None on the last virtual stage: the loss)."""
+        v = self._virtual(c)
+        return None if v == self.last else self.comm.recv(self._stage(v + 1), ("B", v, mb))
+
+    def _forward(self, c: int, mb: int, x: torch.Tensor | None) -> None:
         v = self._virtual(c)
         chunk = self.model[c]
-        if v > 0:
-            x = self.comm.recv(self._stage(v - 1), ("F", v, mb))
-            x.requires_grad_(not self.forward_only)
+        if x is not None:
             chunk.set_input_tensor(x)
             self.inputs[(c, mb)] = x
         self._timer("forward-compute").start()
@@ -250,12 +307,9 @@ class _Runner:
         if not self.forward_only:
             self.outputs[(c, mb)] = output
 
-    def backward(self, c: int, mb: int) -> None:
+    def _backward(self, c: int, mb: int, grad, send) -> None:
         v = self._virtual(c)
         output, x = self.outputs.pop((c, mb)), self.inputs.pop((c, mb), None)
-        grad = None
-        if v != self.last:
-            grad = self.comm.recv(self._stage(v + 1), ("B", v, mb))
         self._timer("backward-compute").start()
         queue = []
         with defer_weight_grads(queue):
@@ -265,11 +319,37 @@ class _Runner:
                 torch.autograd.backward(output, grad)
         self._timer("backward-compute").stop()
         if v > 0:
-            self.comm.send(x.grad, self._stage(v - 1), ("B", v - 1, mb))
+            send(x.grad, self._stage(v - 1), ("B", v - 1, mb))
         if (c, mb) in self.deferred:
             self.weights[(c, mb)] = queue
         else:  # a full backward: its weight gradients now
             self._run_weights(queue)
+
+    def pair(self, f: tuple[int, int], b: tuple[int, int]) -> None:
+        """F(f) and the full B(b) of the other chunk, overlapped (module docstring)."""
+        x, grad = self._input(*f), self._output_grad(*b)
+        held, forward_sent = [], []
+
+        def send_after_forward(*message) -> None:  # the peers receive in list order: F, B
+            if forward_sent:
+                self.comm.send(*message)
+            else:
+                held.append(message)
+
+        def forward() -> None:
+            self._forward(*f, x)
+            forward_sent.append(True)
+            for message in held:
+                self.comm.send(*message)
+
+        timer = self._timer("forward-backward-overlap")
+        timer.start()
+        self.in_pair = self.comm.quiet = True
+        try:
+            run_pair(forward, lambda: self._backward(*b, grad, send_after_forward), self.trackers)
+        finally:
+            self.in_pair = self.comm.quiet = False
+        timer.stop()
 
     def weight(self, c: int, mb: int) -> None:
         self._run_weights(self.weights.pop((c, mb)))

@@ -90,10 +90,12 @@ def get_forward_backward_func(
     hidden_size: int,
     dtype,
     schedule: str | None = None,
+    overlap: bool = False,
 ) -> Callable:
     """The schedule for this layout, with the pipeline's activation shape bound: (b, s, h), or
     with sequence parallelism this TP rank's slice (b, s / tp, h), which is all a stage sends.
-    `schedule`: --pipeline-schedule (None: 1F1B, or interleaved with model chunks)."""
+    `schedule`: --pipeline-schedule (None: 1F1B, or interleaved with model chunks); `overlap`:
+    DualPipeV's forward / backward pairs overlapped (megatron.training.pipeline)."""
     if state.pp_size == 1:
         return forward_backward_no_pipelining
     if state.sequence_parallel:
@@ -104,4 +106,5 @@ def get_forward_backward_func(
         shape=(micro_batch_size, seq_length, hidden_size),
         dtype=dtype,
         schedule=schedule,
+        overlap=overlap,
     )

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint.async_save import AsyncSaver
 from megatron.config.lr_schedule import schedule_steps
+from megatron.config.rules_pipeline import overlaps_moe_pairs
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
@@ -211,6 +212,7 @@ def _schedule(cfg: MegatronConfig, rt: Runtime):
         hidden_size=cfg.model.hidden_size,
         dtype=cfg.precision.params_dtype,
         schedule=cfg.parallel.resolved_pipeline_schedule,
+        overlap=overlaps_moe_pairs(cfg),
     )
 
 

@@ -14,8 +14,15 @@ from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
+from megatron.mpu import overlap
 from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
-from megatron.pipeline_order import SCHEDULES, check_message_order, messages, schedule_actions
+from megatron.pipeline_order import (
+    SCHEDULES,
+    check_message_order,
+    messages,
+    overlapped_pairs,
+    schedule_actions,
+)
 from megatron.pipeline_sim import Costs, Deadlock, simulate, textbook_bubble
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
@@ -26,6 +33,8 @@ from tests.helpers.training import (
     _train,
     assert_same_run,
     flags,
+    train_run,
+    with_dropout,
 )
 
 
@@ -48,6 +57,24 @@ def test_every_schedule_runs_every_action_once_without_deadlock():
                 for pair in sent:  # the same messages, whatever their order
                     assert sorted(sent[pair]) == sorted(received[pair]), (schedule, P, M, pair)
     check_message_order(4, 8, 1, "zb-h1")  # ZB-H1 keeps 1F1B's per-pair order
+
+
+def test_dualpipev_with_overlapped_pairs_cannot_deadlock():
+    """Each overlapped pair receives both its inputs before it computes and sends as each half
+    ends: the simulator runs such lists to the end for P = 2..6, M = 2P..3P+1 (even), and the
+    pairs are the steady state (every micro batch's forward of one chunk but the warm-up's)."""
+    for P in range(2, 7):
+        for M in range(2 * P, 3 * P + 2, 2):
+            paired = simulate("dualpipev", P, M, overlap=True)
+            alone = simulate("dualpipev", P, M)
+            assert paired.peak == alone.peak and paired.busy == alone.busy
+            for s in range(P):
+                actions = schedule_actions("dualpipev", P, s, M, 2)
+                pairs = overlapped_pairs("dualpipev", actions)
+                assert len(pairs) >= M - 2 * P + s + 1, (P, M, s)
+                for i in pairs:  # a pair is one step: both halves start and end together
+                    assert paired.timeline[s][i][:2] == paired.timeline[s][i + 1][:2]
+    assert not overlapped_pairs("zbv", schedule_actions("zbv", 4, 0, 8, 2))
 
 
 def test_a_deadlocking_order_is_caught(monkeypatch):
@@ -161,6 +188,8 @@ def test_the_default_schedule_is_what_the_other_flags_imply():
 
 _MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 _PP2, _PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+_EP2 = [*_PP2, "--expert-model-parallel-size", "2", "--moe-grouped-gemm"]
+_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 # (schedule, layout, dense 0 / MoE 1): every schedule at PP 4 and PP 2; TP 2 with sequence
 # parallelism, the distributed optimizer and an MoE model more than once among them.
 _LAYOUTS = [
@@ -170,8 +199,9 @@ _LAYOUTS = [
     ("zb-h1", [*_PP2, "--use-distributed-optimizer"], 0),
     ("zbv", [*_PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"], 0),
     ("dualpipev", [*_PP2, "--use-distributed-optimizer"], 1),
-    # EP 2 (the all-to-all in B) and grouped GEMMs: losses and gradient norms (expert shards)
-    ("dualpipev", [*_PP2, "--expert-model-parallel-size", "2", "--moe-grouped-gemm"], 1),
+    # EP 2 (the all-to-all in B; dualpipev's pairs overlapped) and grouped GEMMs: losses and
+    # gradient norms (expert shards)
+    ("dualpipev", _EP2, 1),
     ("zb-h1", _PP2, 1),
 ]
 
@@ -196,7 +226,22 @@ def _zb_layouts(rank, world, models, refs, save_dir):
     two = [a if a != "3" else "2" for a in argv]  # --train-iters 2
     _train(rank, world, [*two, "--save", save_dir])
     resumed, _, iteration = _train(rank, world, [*argv, "--load", save_dir])
-    return out, (resumed, iteration)
+    return out, (resumed, iteration), _overlap_with_dropout(rank, world, models[1])
+
+
+def _overlap_with_dropout(rank, world, moe):
+    """dualpipev at PP 2 x EP 2 with dropout and full recompute (the MoE all-to-alls replayed
+    in B), its pairs overlapped, then run one after the other: both histories, whether the
+    final weights are equal bit for bit, and the hand-overs the overlapped run made."""
+    argv = [*with_dropout(moe), "--pipeline-schedule", "dualpipev", *_EP2, *_RECOMPUTE]
+    argv += ["--micro-batch-size", "1"]  # 4 micro batches per DP rank: pairs in the steady state
+    before = overlap.counts()["hand_overs"]
+    paired = train_run(rank, world, argv)
+    hand_overs = overlap.counts()["hand_overs"] - before
+    alone = train_run(rank, world, [*argv, "--no-overlap-moe-expert-parallel-comm"])
+    weights = [dict(run.model.named_parameters()) for run in (paired, alone)]
+    same = all(torch.equal(p, weights[1][name]) for name, p in weights[0].items())
+    return paired.history, alone.history, same, hand_overs
 
 
 @pytest.mark.slow
@@ -206,10 +251,15 @@ def test_zero_bubble_schedules_train_like_one_process(data_prefix, tmp_path):
     ((dense_ref, moe_ref),) = run_distributed(_refs, 1, dense, moe)
     refs = (dense_ref, moe_ref)
     results = run_distributed(_zb_layouts, 4, (dense, moe), refs, str(tmp_path / "zbv"))
-    for rank, (runs, (resumed, iteration)) in enumerate(results):
+    for rank, (runs, (resumed, iteration), overlapped) in enumerate(results):
         for (schedule, extra, model), history in zip(_LAYOUTS, runs, strict=True):
             assert_same_run(history, refs[model][0], f"{schedule} {extra} rank {rank}")
         assert iteration == 3 and _losses(resumed) == _losses(runs[4])[2:], "zbv resume"
+        paired, alone, same_weights, hand_overs = overlapped  # bit for bit, dropout on
+        assert hand_overs > 0 and same_weights, f"dualpipev overlap rank {rank}"
+        assert [(h["lm_loss"], h["grad_norm"]) for h in paired] == [
+            (h["lm_loss"], h["grad_norm"]) for h in alone
+        ], f"dualpipev overlap rank {rank}"
 
 
 def test_the_planner_walks_the_new_schedules():

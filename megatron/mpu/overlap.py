@@ -1,0 +1,208 @@
+"""Two micro batches at once: the forward of one and the backward of another, interleaved at
+their expert-parallel all-to-alls so that the tokens of one travel while the other computes
+(DualPipeV's overlap, DeepSeek-V3; megatron.training.pipeline runs its pairs through here).
+
+`run_pair(forward, backward)` runs `forward()` in the calling thread and `backward()` in a
+second one (started once per process and kept), one of them at a time: the side holding the
+turn runs until it reaches `hand_over()`, which the MoE token all-to-all (megatron.mpu.mappings,
+forward and backward) calls between launching its collective asynchronously and waiting for
+it; the turn then passes to the other side, which computes while the first one's all-to-all is
+in flight. Once a side has finished, the other's hand-overs return at once and it runs to its
+end. Outside a pair `hand_over()` does nothing.
+
+Why one side at a time: both issue collectives on the same groups (EP, TP). With strict
+alternation at points fixed by the model's code, every rank of a group issues them in the
+same order, as NCCL and gloo need; a side with fewer hand-overs (a chunk with fewer MoE
+layers) just finishes first. (torchtitan lets both threads run between the two-thread
+barriers of its MoE hooks, so it must count the layers and stop coordinating after the
+smaller count, and it does not support activation checkpointing.)
+
+State kept per side and swapped at every hand-over:
+- the random generators: the CPU default generator, the CUDA device's, and the named streams
+  of the trackers given (megatron.mpu.random). The forward draws its dropout masks as if it
+  ran alone. The backward draws none of its own: a recompute (activation checkpointing)
+  restores the state its forward saved and afterwards puts back what it found. So the pair
+  draws the masks of the sequential order bit for bit, and leaves the generators where the
+  forward left them.
+- grad mode and autocast are thread-local: the forward keeps the caller's (its thread); the
+  backward needs neither (a recompute restores its forward's autocast itself).
+- CUDA: the second thread runs on the caller's device and current stream (so the two sides'
+  kernels queue on one stream and the all-to-alls run beside it, on the communicator's).
+  Autograd runs CUDA backwards in its own device threads: every thread but the caller's is
+  the backward's side.
+An exception on either side ends the pair: the other side is released (it raises
+`PairAborted` at its next hand-over, or before it starts) and the first exception is raised in
+the caller.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+FORWARD, BACKWARD = 0, 1
+
+_active: list = [None]  # the _Pair running now (one at a time per process)
+_counts = {"pairs": 0, "hand_overs": 0}  # since the process started: for tests and benches
+
+
+class PairAborted(RuntimeError):
+    """Raised on one side of a pair when the other side failed."""
+
+
+def hand_over() -> None:
+    """Pass the turn to the other side of the running pair and wait to get it back; a no-op
+    outside a pair or once the other side has finished."""
+    pair = _active[0]
+    if pair is not None:
+        pair.hand_over()
+
+
+def counts() -> dict[str, int]:
+    """Pairs run and hand-overs made in this process so far."""
+    return dict(_counts)
+
+
+def _cuda_device() -> int | None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
+class _Generators:
+    """The random state a side sees: CPU, the CUDA device's, the trackers' named streams."""
+
+    def __init__(self, trackers: Sequence, device: int | None):
+        self.trackers, self.device = trackers, device
+
+    def get(self) -> tuple:
+        cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state(), cuda, [t.get_states() for t in self.trackers]
+
+    def set(self, state: tuple) -> None:
+        cpu, cuda, streams = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+        for tracker, named in zip(self.trackers, streams, strict=True):
+            tracker.set_states(named)
+
+
+class _Pair:
+    def __init__(self, trackers: Sequence, device: int | None):
+        self.cond = threading.Condition()
+        self.turn, self.finished, self.error = FORWARD, [False, False], None
+        self.caller = threading.get_ident()
+        self.generators = _Generators(trackers, device)
+        start = self.generators.get()
+        self.rng = [start, start]  # per side; the backward's start state is never drawn from
+
+    def side(self) -> int:
+        return FORWARD if threading.get_ident() == self.caller else BACKWARD
+
+    def hand_over(self) -> None:
+        me = self.side()
+        with self.cond:
+            self._raise_if_failed()
+            if self.finished[1 - me]:
+                return
+            self._pass(me)
+            _counts["hand_overs"] += 1
+            self._wait_turn(me)
+
+    def _pass(self, me: int) -> None:
+        """Give the turn away (under the lock), keeping this side's generators."""
+        self.rng[me] = self.generators.get()
+        self.turn = 1 - me
+        self.cond.notify_all()
+
+    def _wait_turn(self, me: int) -> None:
+        self.cond.wait_for(lambda: self.turn == me or self.error is not None)
+        self._raise_if_failed()
+        self.generators.set(self.rng[me])
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise PairAborted("the other micro batch of the overlapped pair failed")
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+    def finish(self, me: int) -> None:
+        with self.cond:
+            self.finished[me] = True
+            self._pass(me)
+
+    def run_backward(self, backward: Callable[[], None], stream) -> None:
+        """The second thread: wait for the first turn, then run the backward to its end."""
+        try:
+            with self.cond:
+                self._wait_turn(BACKWARD)
+            if stream is not None:  # the caller's device and stream (CUDA)
+                torch.cuda.set_device(self.generators.device)
+                with torch.cuda.stream(stream):
+                    backward()
+            else:
+                backward()
+        except BaseException as error:  # noqa: BLE001 (handed to the caller, raised there)
+            self.fail(error)
+        finally:
+            self.finish(BACKWARD)
+
+
+_worker: list = [None, None]  # the second thread and its queue of backwards
+
+
+def _second_thread() -> queue.SimpleQueue:
+    """The queue of the thread that runs the pairs' backwards: started once per process (again
+    in a forked child) and kept, because a thread of its own per pair costs more than the pair
+    (a new thread's first backward sets up autograd's per-thread state: about 100 ms here)."""
+    thread, jobs = _worker
+    if thread is None or not thread.is_alive():
+        jobs = queue.SimpleQueue()
+        thread = threading.Thread(target=_serve, args=(jobs,), name="overlap-backward", daemon=True)
+        thread.start()
+        _worker[:] = [thread, jobs]
+    return jobs
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get()()  # run_backward: never raises, hands its error to the pair
+
+
+def run_pair(
+    forward: Callable[[], None], backward: Callable[[], None], trackers: Sequence = ()
+) -> None:
+    """Run `forward()` here and `backward()` in a second thread, alternating at hand_over();
+    returns when both ended, with the random generators where `forward` left them. Raises the
+    first exception of either side."""
+    if _active[0] is not None:
+        raise RuntimeError("megatron.mpu.overlap.run_pair: a pair is already running")
+    device = _cuda_device()
+    pair = _Pair(trackers, device)
+    stream = None if device is None else torch.cuda.current_stream(device)
+    _active[0] = pair
+    _counts["pairs"] += 1
+    try:
+        _second_thread().put(lambda: pair.run_backward(backward, stream))
+        try:
+            forward()
+        except BaseException as error:  # noqa: BLE001 (raised below, once both ended)
+            pair.fail(error)
+        pair.finish(FORWARD)
+        with pair.cond:
+            pair.cond.wait_for(lambda: pair.finished[BACKWARD])
+    finally:
+        if not pair.finished[BACKWARD]:  # left early (an interrupt): free the second thread
+            pair.fail(PairAborted("the caller left the overlapped pair"))
+        _active[0] = None
+    pair.generators.set(pair.rng[FORWARD])
+    if pair.error is not None:
+        raise pair.error
