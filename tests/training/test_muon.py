@@ -1,8 +1,9 @@
 """--optimizer muon: the update against torch.optim.Muon and against a direct per-logical-matrix
 computation; TP2, PP2 (interleaved), DP2 with the distributed optimizer (overlapped gather) and
-DP2 with FSDP2 equal one process (losses, grad norms, weights after 6 steps); Muon's momentum
-saves, resumes exactly and reshards (a 1-process plain checkpoint resumed at TP2, and at DP2
-with the distributed optimizer and with FSDP2); a NaN on one rank skips the Muon step on both."""
+DP2 with FSDP2, and TP2 x DP2 with each of these two, equal one process (losses, grad norms,
+weights after 6 steps); Muon's momentum saves, resumes exactly and reshards (a 1-process plain
+checkpoint resumed at TP2, and at DP2 with the distributed optimizer and with FSDP2); a NaN on
+one rank skips the Muon step on both."""
 
 import numpy as np
 import pytest
@@ -225,9 +226,15 @@ def _check_weights(ddp, ref_weights, what):
 
 
 def _check_saved_weights(model, ref_weights, what):
+    """FSDP2's whole TP-local weights (on DP x CP rank 0; meta elsewhere) against the
+    reference's TP shard (the parameters keep their TP attributes under fully_shard)."""
+    st = model.module.chunks[0].state
+    params = {n: p for c in model.module.chunks for n, p in c.named_parameters()}
     for name, v in model.state_dict().items():
         if not v.is_meta:
             expected = torch.from_numpy(ref_weights[name])
+            if name in params:
+                expected = _shard_of(expected, params[name], st.tp_rank, st.tp_size)
             torch.testing.assert_close(
                 v.float(), expected, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{what} {n}: {m}"
             )
@@ -250,24 +257,61 @@ RESUMES = [
 ]
 
 
-@pytest.mark.slow
-def test_tp2_pp2_and_dp2_distributed_equal_one_process_and_resume(data_prefix, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(data_prefix, tmp_path_factory):
+    """The one-process reference: flags, 6 straight steps (history, weights), 3 saved and
+    resumed to 6 (history), the save directory."""
     argv = flags(data_prefix, *MUON, "--num-layers", "4", iters=6)
-    save = str(tmp_path / "one")
+    save = str(tmp_path_factory.mktemp("muon") / "one")
     ((straight, weights, resumed),) = run_distributed(_reference_worker, 1, argv, save)
+    return argv, straight, weights, resumed, save
+
+
+def _assert_same_history(history, straight, what):
+    np.testing.assert_allclose(_losses(history), _losses(straight), rtol=2e-5, err_msg=what)
+    norms = [[h["grad_norm"] for h in run] for run in (history, straight)]
+    np.testing.assert_allclose(*norms, rtol=1e-4, err_msg=f"{what} grad norms")
+
+
+@pytest.mark.slow
+def test_tp2_pp2_and_dp2_distributed_equal_one_process_and_resume(one_process):
+    argv, straight, weights, resumed, save = one_process
     np.testing.assert_allclose(_losses(resumed), _losses(straight)[3:], rtol=0, atol=0)
     assert _losses(straight)[-1] < _losses(straight)[0] - 0.05  # it learns
     results = run_distributed(_layouts_worker, 2, argv, weights, save)
     for rank, out in enumerate(results):
         for what, _ in LAYOUTS:
-            np.testing.assert_allclose(
-                _losses(out[what]), _losses(straight), rtol=2e-5, err_msg=f"{what} rank {rank}"
-            )
-            norms = [[h["grad_norm"] for h in run] for run in (out[what], straight)]
-            np.testing.assert_allclose(*norms, rtol=1e-4, err_msg=f"{what} grad norms")
+            _assert_same_history(out[what], straight, f"{what} rank {rank}")
         assert [h["updated"] for h in out["nan"]] == [True, False, True, True, True, True]
         assert np.isfinite(_losses(out["nan"])[2:]).all(), out["nan"]
         for what, _ in RESUMES:
             np.testing.assert_allclose(
                 _losses(out[what]), _losses(straight)[3:], rtol=2e-5, err_msg=f"{what} {rank}"
             )
+
+
+def _four_rank_worker(rank, world, argv, ref_weights):
+    """TP2 x DP2 with the distributed optimizer and with FSDP2: each rank's TP-local weights
+    against the reference's TP shard (FSDP2: as saved, whole on DP rank 0); the histories."""
+    out = {}
+    for what, extra in TP_DP:
+        result = train_run(rank, world, argv + extra)
+        if hasattr(result.model, "mesh"):
+            _check_saved_weights(result.model, ref_weights, what)
+        else:
+            _check_weights(result.model, ref_weights, what)
+        out[what] = result.history
+    return out
+
+
+TP_DP = [("TP2 x DP2 distributed optimizer", TP2 + DISTRIB), ("TP2 x DP2 FSDP2", TP2 + FSDP)]
+
+
+@pytest.mark.slow
+def test_tp2_x_dp2_distributed_and_fsdp2_equal_one_process(one_process):
+    """A TP-split matrix orthogonalised whole by the DP rank that owns it (each TP rank of
+    that DP rank gathers its TP shards), the update scattered back over DP."""
+    argv, straight, weights, *_ = one_process
+    for rank, out in enumerate(run_distributed(_four_rank_worker, 4, argv, weights)):
+        for what, _ in TP_DP:
+            _assert_same_history(out[what], straight, f"{what} rank {rank}")
