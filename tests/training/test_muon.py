@@ -1,9 +1,10 @@
 """--optimizer muon: the update against torch.optim.Muon and against a direct per-logical-matrix
-computation; TP2, PP2 (interleaved), DP2 with the distributed optimizer (overlapped gather) and
-DP2 with FSDP2, and TP2 x DP2 with each of these two, equal one process (losses, grad norms,
-weights after 6 steps); Muon's momentum saves, resumes exactly and reshards (a 1-process plain
-checkpoint resumed at TP2, and at DP2 with the distributed optimizer and with FSDP2); a NaN on
-one rank skips the Muon step on both."""
+(and per-expert) computation; TP2, PP2 (interleaved), DP2 with the distributed optimizer
+(overlapped gather) and DP2 with FSDP2, TP2 x DP2 with each of these two, and an MoE model at
+DP2, EP2 (plain and distributed optimizer), TP2 with ETP1 and PP2 equal one process (losses,
+grad norms, weights after 6 steps); Muon's momentum saves, resumes exactly and reshards (a
+1-process plain checkpoint resumed at TP2, and at DP2 with the distributed optimizer and with
+FSDP2); a NaN on one rank skips the Muon step on both."""
 
 import numpy as np
 import pytest
@@ -147,6 +148,31 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
     assert all(not u.qkv and u.stacked == 1 for u in unsplit.values())
 
 
+def test_each_expert_is_orthogonalised_on_its_own():
+    """(experts, in, out) weights: each expert's (out x in) matrix, SwiGLU's gate and up apart,
+    scaled by its own shape (unit_rms_norm: sqrt(out / in), so the orientation shows)."""
+    cfg = ModelConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=64,
+        swiglu=True, num_experts=3, moe_ffn_hidden_size=6,
+    )  # fmt: skip
+    model = GPTModel(cfg, BuildContext(seed=1))
+    layouts = matrix_layouts(model, MuonSettings())
+    by_name = {n: layouts.get(id(p)) for n, p in model.named_parameters()}
+    w1, w2 = by_name["layers.0.mlp.experts.weight1"], by_name["layers.0.mlp.experts.weight2"]
+    assert w1.experts and w1.stacked == 2 and w2.experts and w2.stacked == 1
+    assert by_name["layers.0.mlp.experts.bias1"] is None  # (experts, out): biases, AdamW's
+    assert by_name["layers.0.mlp.router.weight"].shape == (3, 16)  # a plain matrix (Megatron-core)
+    settings = MuonSettings(scale_mode="unit_rms_norm")
+    u1, u2 = torch.randn(3, 16, 12), torch.randn(3, 6, 16)
+
+    def direct(m):  # (in, out) -> NS of (out, in) scaled by sqrt(out / in), back
+        return (newton_schulz(m.T, 5) * 0.2 * (m.shape[1] / m.shape[0]) ** 0.5).T
+
+    want1 = torch.stack([torch.cat([direct(w[:, :6]), direct(w[:, 6:])], dim=1) for w in u1])
+    torch.testing.assert_close(orthogonalize(u1, w1, settings), want1)
+    torch.testing.assert_close(orthogonalize(u2, w2, settings), torch.stack(list(map(direct, u2))))
+
+
 def test_matrices_are_dealt_once_in_decreasing_size():
     owners = deal([10, 40, 40, 20, 5], 2)
     assert owners == [1, 0, 1, 0, 0]  # sizes 40, 40, 20, 10, 5 dealt to 0, 1, 0, 1, 0
@@ -158,7 +184,10 @@ def test_matrices_are_dealt_once_in_decreasing_size():
     [
         (["--deepspeed"], "--deepspeed"),
         (["--cpu-optimizer"], "--cpu-optimizer"),
-        (["--num-experts", "4"], "--num-experts"),
+        (
+            ["--num-experts", "4", "--tensor-model-parallel-size", "2"],
+            "--expert-tensor-parallel-size 2",
+        ),
     ],
 )
 def test_muon_refuses_what_it_cannot_run_with(extra, says):
@@ -166,7 +195,10 @@ def test_muon_refuses_what_it_cannot_run_with(extra, says):
 
     argv = [*BASE, "--optimizer", "muon", "--lr", "1e-3", "--train-iters", "2", *extra]
     with pytest.raises(ConfigError, match=says):
-        validate(parse_args(argv, world_size=1), "train-gpt")
+        validate(parse_args(argv, world_size=2), "train-gpt")
+    if "--num-experts" in extra:  # experts whole on each rank: Muon takes them
+        ok = [*argv, "--expert-tensor-parallel-size", "1"]
+        validate(parse_args(ok, world_size=2), "train-gpt")
 
 
 @pytest.mark.parametrize(
@@ -190,17 +222,24 @@ def _weights(result) -> dict:
     return {k: v.numpy().copy() for k, v in result.model.state_dict().items()}
 
 
-def _reference_worker(rank, world, argv, save_dir):
-    """One process: 6 straight steps; 3 steps saved, resumed to 6."""
+def _reference_worker(rank, world, argv, save_dir, moe_argv):
+    """One process: 6 straight steps; 3 steps saved, resumed to 6; the MoE model's 6 steps."""
     straight = train_run(rank, world, argv)
     first = [a if a != "6" else "3" for a in argv]
     _train(rank, world, first + ["--save", save_dir])
     resumed = _train(rank, world, argv + ["--load", save_dir, "--save", save_dir + "_b"])
-    return straight.history, _weights(straight), resumed[0]
+    moe = train_run(rank, world, moe_argv)
+    return straight.history, _weights(straight), resumed[0], (moe.history, _weights(moe))
 
 
-def _layouts_worker(rank, world, argv, ref_weights, load_dir):
+def _layouts_worker(rank, world, argv, ref_weights, load_dir, moe):
+    """LAYOUTS (weights checked here), RESUMES, a NaN skip; `moe`: (flags, reference weights)
+    of the MoE model, trained at MOE_LAYOUTS."""
     out = {}
+    for what, extra in MOE_LAYOUTS:
+        result = train_run(rank, world, moe[0] + extra)
+        _check_weights(result.model, moe[1], what)
+        out[what] = result.history
     for what, extra in LAYOUTS:
         result = train_run(rank, world, argv + extra)
         if hasattr(result.model, "mesh"):  # FSDP2: whole weights as saved, on DP rank 0
@@ -220,6 +259,8 @@ def _check_weights(ddp, ref_weights, what):
     for chunk in ddp.module.chunks:
         for name, p in chunk.named_parameters():
             expected = _shard_of(torch.from_numpy(ref_weights[name]), p, st.tp_rank, st.tp_size)
+            if getattr(p, "expert_parallel", False):  # this EP rank's experts
+                expected = expected.chunk(st.ep_size)[st.ep_rank]
             torch.testing.assert_close(
                 p.detach(), expected, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{what} {n}: {m}"
             )
@@ -250,6 +291,17 @@ LAYOUTS = [
     ("DP2 distributed optimizer", DISTRIB + ["--overlap-param-gather"]),
     ("DP2 FSDP2", FSDP),
 ]
+EP2 = ["--expert-model-parallel-size", "2"]
+MOE = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--num-layers", "2"]
+MOE += ["--adam-eps", "1e-4"]  # AdamW's part: near-zero bias gradients summed in another order
+MOE_LAYOUTS = [  # each expert's [gate; up] and down matrices orthogonalised on their own
+    ("MoE DP2", []),
+    ("MoE DP2 distributed optimizer", DISTRIB),
+    ("MoE EP2", EP2),
+    ("MoE EP2 distributed optimizer", EP2 + DISTRIB),
+    ("MoE TP2 (ETP1)", TP2 + ["--expert-tensor-parallel-size", "1"]),
+    ("MoE PP2", ["--pipeline-model-parallel-size", "2"]),
+]
 RESUMES = [
     ("resumed at TP2", TP2),
     ("resumed at DP2 distributed", DISTRIB),
@@ -262,9 +314,12 @@ def one_process(data_prefix, tmp_path_factory):
     """The one-process reference: flags, 6 straight steps (history, weights), 3 saved and
     resumed to 6 (history), the save directory."""
     argv = flags(data_prefix, *MUON, "--num-layers", "4", iters=6)
+    moe_argv = flags(data_prefix, *MUON, *MOE, iters=6)
     save = str(tmp_path_factory.mktemp("muon") / "one")
-    ((straight, weights, resumed),) = run_distributed(_reference_worker, 1, argv, save)
-    return argv, straight, weights, resumed, save
+    ((straight, weights, resumed, moe),) = run_distributed(
+        _reference_worker, 1, argv, save, moe_argv
+    )
+    return argv, straight, weights, resumed, save, (moe_argv, *moe)
 
 
 def _assert_same_history(history, straight, what):
@@ -274,12 +329,16 @@ def _assert_same_history(history, straight, what):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_and_dp2_distributed_equal_one_process_and_resume(one_process):
-    argv, straight, weights, resumed, save = one_process
+def test_tp2_pp2_dp2_distributed_and_moe_equal_one_process_and_resume(one_process):
+    argv, straight, weights, resumed, save, (moe_argv, moe_straight, moe_weights) = one_process
     np.testing.assert_allclose(_losses(resumed), _losses(straight)[3:], rtol=0, atol=0)
-    assert _losses(straight)[-1] < _losses(straight)[0] - 0.05  # it learns
-    results = run_distributed(_layouts_worker, 2, argv, weights, save)
+    for run in (straight, moe_straight):
+        assert _losses(run)[-1] < _losses(run)[0] - 0.05  # it learns
+    moe = (moe_argv, moe_weights)
+    results = run_distributed(_layouts_worker, 2, argv, weights, save, moe)
     for rank, out in enumerate(results):
+        for what, _ in MOE_LAYOUTS:
+            _assert_same_history(out[what], moe_straight, f"{what} rank {rank}")
         for what, _ in LAYOUTS:
             _assert_same_history(out[what], straight, f"{what} rank {rank}")
         assert [h["updated"] for h in out["nan"]] == [True, False, True, True, True, True]
