@@ -4,7 +4,7 @@
 DP2, EP2 (plain and distributed optimizer), TP2 with ETP1 and PP2 equal one process (losses,
 grad norms, weights after 6 steps); Muon's momentum saves, resumes exactly and reshards (a
 1-process plain checkpoint resumed at TP2, and at DP2 with the distributed optimizer and with
-FSDP2); a NaN on one rank skips the Muon step on both."""
+FSDP2; the MoE one at EP2); a NaN on one rank skips the Muon step on both."""
 
 import numpy as np
 import pytest
@@ -229,6 +229,7 @@ def _reference_worker(rank, world, argv, save_dir, moe_argv):
     _train(rank, world, first + ["--save", save_dir])
     resumed = _train(rank, world, argv + ["--load", save_dir, "--save", save_dir + "_b"])
     moe = train_run(rank, world, moe_argv)
+    _train(rank, world, [a if a != "6" else "3" for a in moe_argv] + ["--save", save_dir + "_moe"])
     return straight.history, _weights(straight), resumed[0], (moe.history, _weights(moe))
 
 
@@ -249,6 +250,8 @@ def _layouts_worker(rank, world, argv, ref_weights, load_dir, moe):
         out[what] = result.history
     for what, extra in RESUMES:
         out[what] = _train(rank, world, argv + extra + ["--load", load_dir, "--no-load-rng"])[0]
+    moe_load = ["--load", load_dir + "_moe", "--no-load-rng"]  # experts' momentum cut over EP
+    out["MoE resumed at EP2"] = _train(rank, world, moe[0] + EP2 + DISTRIB + moe_load)[0]
     _CALLS["n"] = 0  # rank 1's 3rd micro batch (iteration 2) has a NaN loss: both ranks skip
     out["nan"] = _train(rank, world, argv + DISTRIB, _poison_third_micro_batch_on_rank1)[0]
     return out
@@ -347,6 +350,8 @@ def test_tp2_pp2_dp2_distributed_and_moe_equal_one_process_and_resume(one_proces
             np.testing.assert_allclose(
                 _losses(out[what]), _losses(straight)[3:], rtol=2e-5, err_msg=f"{what} {rank}"
             )
+        moe_resumed = out["MoE resumed at EP2"]
+        np.testing.assert_allclose(_losses(moe_resumed), _losses(moe_straight)[3:], rtol=2e-5)
 
 
 def _four_rank_worker(rank, world, argv, ref_weights):
