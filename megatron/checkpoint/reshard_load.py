@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.checkpoint.expert_bias import is_expert_bias, zero_bias
 from megatron.checkpoint.experts import ENTRY_PLACES, saved_elements, whole_flat_index
 from megatron.checkpoint.reading import load_shard, marker_files, marker_layout
 from megatron.checkpoint.storage import (
@@ -355,7 +356,14 @@ class SavedShards:
             )
         return self.stage_of[name]
 
+    def _absent_bias(self, name: str) -> bool:
+        """An expert bias this checkpoint was saved without (it starts at zero; module doc
+        of megatron.checkpoint.expert_bias)."""
+        return is_expert_bias(name) and name not in self.stage_of
+
     def weight(self, name: str, target: RankTarget) -> torch.Tensor:
+        if self._absent_bias(name):
+            return zero_bias(target.shapes[name])
         p = self._stage(name)
         return cut(
             name,
@@ -427,6 +435,8 @@ class SavedShards:
 
     def optimizer_state(self, name: str, target: RankTarget) -> dict[str, torch.Tensor]:
         """{state key: the target rank's flat local tensor, or a scalar} for `name`."""
+        if self._absent_bias(name):  # a buffer: no optimizer state
+            return {}
         p, rule = self._stage(name), self.rule(name)
         per_rank = functools.cache(lambda k: self._local_state(k, p, name))
         out = {}

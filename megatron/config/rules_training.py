@@ -93,11 +93,6 @@ def _validate_muon(cfg: MegatronConfig) -> None:
             cfg.deepspeed.cpu_optimizer,
             "Muon all-gathers TP-split matrices where the gradients are, not on the CPU",
         ),
-        (
-            "--num-experts",
-            cfg.model.moe,
-            "expert weights (EP-sharded, grouped) are not orthogonalised per expert yet",
-        ),
     )
     for flag, given, why in clash:
         if given:
@@ -106,6 +101,15 @@ def _validate_muon(cfg: MegatronConfig) -> None:
                 f"given with {flag}: {why}",
                 f"use --optimizer adam with {flag}, or drop {flag}",
             )
+    etp = cfg.parallel.expert_tp_size
+    if cfg.model.moe and etp > 1:  # each expert is orthogonalised whole on its EP rank
+        fail(
+            "--optimizer muon",
+            f"given with --num-experts at --expert-tensor-parallel-size {etp} (its default is "
+            "--tensor-model-parallel-size): experts split over ETP are not gathered for "
+            "Newton-Schulz",
+            "pass --expert-tensor-parallel-size 1, or use --optimizer adam",
+        )
 
 
 def _validate_interleaved(cfg: MegatronConfig) -> None:

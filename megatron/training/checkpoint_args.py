@@ -50,8 +50,7 @@ ROUTER_FIELDS = (
     "moe_router_topk_scaling_factor",
     "moe_router_num_groups",
     "moe_router_group_topk",
-    "moe_router_enable_expert_bias",
-)
+)  # not --moe-router-enable-expert-bias: turned on, the bias starts at zero (expert_bias_note)
 
 _TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
@@ -97,6 +96,26 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
                 "start a new run from these weights (iteration 0, fresh optimizer) with the "
                 "new router"
             )
+
+
+def expert_bias_note(saved: dict, cfg: MegatronConfig) -> str | None:
+    """The line a load logs when --moe-router-enable-expert-bias differs from the checkpoint's
+    (megatron.checkpoint.expert_bias: the biases start at zero, or are dropped); None if not."""
+    saved_model = saved.get("args", {}).get("model", {})
+    if not cfg.model.moe or saved_model.get("num_experts") is None:
+        return None
+    was = bool(saved_model.get("moe_router_enable_expert_bias", False))
+    if was == cfg.model.moe_router_enable_expert_bias:
+        return None
+    if was:
+        return (
+            "the checkpoint's MoE router expert biases are dropped: this run has no "
+            "--moe-router-enable-expert-bias (add it to keep them)"
+        )
+    return (
+        "--moe-router-enable-expert-bias: the checkpoint has no expert bias; each MoE "
+        "router's bias starts at zero and is updated from here"
+    )
 
 
 def _spelled(value):

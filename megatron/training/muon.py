@@ -89,17 +89,22 @@ class MatrixLayout:
     `partition_dim`: the dim its TP shards split (None: every TP rank holds it whole).
     `qkv`: (local query groups, queries per group, head dim) of a fused query_key_value weight.
     `stacked`: matrices stacked along dim 0, each TP-split on its own (SwiGLU's [gate; up]: 2).
+    `experts`: an MoE expert weight (local experts, in, out) of this rank's whole experts (not
+    split over ETP); each expert's (out x in) matrix, [gate; up] taken apart, is one matrix.
     """
 
     name: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     partition_dim: int | None = None
     qkv: tuple[int, int, int] | None = None
     stacked: int = 1
+    experts: bool = False
 
     def parts(self, t: torch.Tensor) -> list[torch.Tensor]:
         """This rank's slice of each logical matrix (each a slice along partition_dim)."""
         t = t.view(self.shape)
+        if self.experts:  # (E, in, out) -> per expert (out, in), split in `stacked`
+            return [m for w in t.unbind(0) for m in w.mT.chunk(self.stacked, dim=0)]
         if self.qkv is not None:
             g, per, d = self.qkv
             t4 = t.view(g, per + 2, d, self.shape[1])  # (groups, [q_1..q_per, k, v], d, h)
@@ -110,6 +115,10 @@ class MatrixLayout:
 
     def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The inverse of `parts`: the TP-local weight's layout again."""
+        if self.experts:
+            k = self.stacked
+            per = [torch.cat(parts[i : i + k], dim=0).mT for i in range(0, len(parts), k)]
+            return torch.stack(per).reshape(self.shape)
         if self.qkv is not None:
             g, per, d = self.qkv
             q, k, v = (p.reshape(g, -1, d, self.shape[1]) for p in parts)  # (g, n, d, h)
@@ -154,7 +163,13 @@ def matrix_layouts(model: nn.Module, settings: MuonSettings) -> dict[int, Matrix
         if not isinstance(module, TransformerLayer):
             continue
         for name, p in module.named_parameters():
-            if p.ndim != 2 or not p.requires_grad or id(p) in layouts:
+            if not p.requires_grad or id(p) in layouts:
+                continue
+            if getattr(p, "expert_parallel", False):  # weights (E, in, out); biases (E, out)
+                if p.ndim == 3:  # are AdamW's, as every bias
+                    layouts[id(p)] = _expert_layout(name, p, settings)
+                continue
+            if p.ndim != 2:
                 continue
             split = bool(getattr(p, "tensor_model_parallel", False))
             layouts[id(p)] = MatrixLayout(
@@ -167,6 +182,16 @@ def matrix_layouts(model: nn.Module, settings: MuonSettings) -> dict[int, Matrix
                 int(getattr(p, "partition_stride", 1)) if split and settings.split_qkv else 1,
             )
     return layouts
+
+
+def _expert_layout(name: str, p: torch.Tensor, settings: MuonSettings) -> MatrixLayout:
+    """An MoE expert weight, (local experts, in, out); weight1 under SwiGLU stacks [gate; up]
+    along its out dim (partition stride 2)."""
+    if getattr(p, "expert_tensor_parallel", False):  # rules_training refuses it before
+        raise ValueError(f"Muon: {name} is split over --expert-tensor-parallel-size")
+    part = getattr(p, "expert_partition", None)
+    stacked = part[1] if part is not None and settings.split_qkv else 1
+    return MatrixLayout(name, tuple(p.shape), None, None, stacked, experts=True)
 
 
 Orthogonalizer = Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]

@@ -13,6 +13,9 @@ Newton-Schulz needs whole matrices, so one step runs, on every DP rank r:
              by bucket: r receives the update of its own ranges. Every element is non-zero on
              its owner only, so the sum adds zeros and is exact.
 
+MoE experts (megatron.training.muon: each expert's matrices on their own) are dealt the same
+way over the expert-DP group, the ranks that hold the same experts (EP = DP: each rank its own).
+
 Each matrix is orthogonalised by one DP rank (and, TP-split, by every TP rank of that DP rank),
 the exchange costs one all-gather and one reduce-scatter of the Muon buckets (the size of the
 weights, as the distributed optimizer's own gradient and weight exchanges), and the update
@@ -63,9 +66,18 @@ class ShardedMatrices:
     def __init__(self, ddp, pairs, layouts: dict[int, MatrixLayout], settings: MuonSettings, tp):
         self.ddp, self.layouts, self.settings, self.tp_group = ddp, layouts, settings, tp
         self.piece_of = {id(main): pc for main, pc in pairs}
-        matrices = [(p, lo, hi) for p, lo, hi in ddp.param_ranges if id(p) in layouts]
-        owners = deal([p.numel() for p, _, _ in matrices], ddp.dp_size)
-        self.owned = [m for m, owner in zip(matrices, owners, strict=True) if owner == ddp.dp_rank]
+        self.owned = []
+        # MoE experts differ between EP ranks: dealt over the expert-DP group (the ranks
+        # holding the same experts, over which their buckets are sharded), the rest over DP
+        for experts, group in ((False, ddp.dp_group), (True, ddp.expert_group)):
+            matrices = [
+                (p, lo, hi)
+                for p, lo, hi in ddp.param_ranges
+                if id(p) in layouts and getattr(p, "expert_parallel", False) == experts
+            ]
+            owners = deal([p.numel() for p, _, _ in matrices], group_size(group))
+            mine = group_rank(group)
+            self.owned += [m for m, owner in zip(matrices, owners, strict=True) if owner == mine]
         self.buckets = [b for b in ddp.buckets if any(id(p) in layouts for p in b.params)]
 
     def __call__(self, mains: list[torch.Tensor], updates: list[torch.Tensor]):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint.async_save import AsyncSaver
+from megatron.checkpoint.expert_bias import fit_expert_biases
 from megatron.checkpoint.experts import (
     gather_experts,
     gather_optimizer_experts,
@@ -46,7 +47,11 @@ from megatron.checkpoint.storage import (
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
 from megatron.training import reshard
-from megatron.training.checkpoint_args import check_model_args, checkpoint_args
+from megatron.training.checkpoint_args import (
+    check_model_args,
+    checkpoint_args,
+    expert_bias_note,
+)
 from megatron.training.distrib_optimizer import (
     _plain_order,
     distributed_to_plain,
@@ -294,8 +299,11 @@ def load_training_state(
             return restore_resharded(iteration, value)
         shard = value
         check_model_args(shard, cfg, checkpoint_dir(c.load, iteration))
-        if list(shard["model"]) != list(model.state_dict()):  # other model chunks (no record)
+        own = model.state_dict()
+        shard["model"] = fit_expert_biases(shard["model"], own)  # the bias turned on or off
+        if list(shard["model"]) != list(own):  # other model chunks (no record)
             return restore_resharded(iteration, read_layout(c.load, iteration))
+        _note_expert_bias(shard, cfg, rt)
         model.load_state_dict(local_experts(shard["model"], model, st))  # this EP/ETP rank's
         if not with_optim:
             optimizer.reload_model_params()
@@ -313,6 +321,7 @@ def load_training_state(
         shards, entries = reshard.open_checkpoint(cfg, c.load, iteration, saved)
         # a named error before any tensor is cut
         check_model_args(entries, cfg, checkpoint_dir(c.load, iteration))
+        _note_expert_bias(entries, cfg, rt)
         _require(entries, c, iteration)
         optim = with_optim and "optimizer" in entries
         state, optim_state = reshard.read_resharded(cfg, rt, model, shards, optim)
@@ -330,6 +339,12 @@ def load_training_state(
         return entries
 
     return resume(cfg, rt, read, restore, agree=_gather)
+
+
+def _note_expert_bias(saved: dict, cfg: MegatronConfig, rt: Runtime) -> None:
+    note = expert_bias_note(saved, cfg)
+    if note and rt.state.rank == 0:
+        print(f" {note}", file=sys.stderr)
 
 
 # checkpoint key -> (the flag that skips loading it, the flag that saved without it)

@@ -2,7 +2,8 @@
 scaled, group-limited routing, the expert bias that moves only the choice (against transformers'
 DeepseekV3TopkRouter and a per-token reference), the bias update from the global tokens per
 expert, --moe-layer-freq patterns (dense first layers), a resume that restores the biases
-exactly and a conversion that carries them, and the refusals."""
+exactly and a conversion that carries them, the bias turned on over a checkpoint without it
+(zero at first) or off over one with it (dropped), and the refusals."""
 
 from __future__ import annotations
 
@@ -223,7 +224,9 @@ def _biases(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow  # three short training runs and a conversion
-def test_resume_restores_the_expert_bias_exactly_and_conversion_carries_it(data_prefix, tmp_path):
+def test_resume_restores_the_expert_bias_exactly_and_conversion_carries_it(
+    data_prefix, tmp_path, capsys
+):
     from megatron.checkpoint.reading import load_shard
     from tests.helpers.checkpoints import _checkpoint_at, _cli
 
@@ -242,6 +245,56 @@ def test_resume_restores_the_expert_bias_exactly_and_conversion_carries_it(data_
     for r in range(2):
         shard = load_shard(str(tmp_path / "tp2"), 2, tp_rank=r, pp_rank=0, pp_size=1)["model"]
         assert all(torch.equal(shard[k], saved[k]) for k in saved if k.endswith("expert_bias"))
+    # a run without the bias drops the checkpoint's biases with a line saying so (Megatron-
+    # core's default load ignores checkpoint tensors the model does not ask for), resuming as
+    # saved and from the TP2 conversion (resharded on load)
+    for where in (at2, str(tmp_path / "tp2")):
+        run = train_run(0, 1, flags(data_prefix, *NO_BIAS, "--load", where, *NO_RNG, iters=3))
+        assert not _biases(run.model.module) and len(run.history) == 1
+        assert "expert biases are dropped" in capsys.readouterr().err
+
+
+NO_BIAS = ["--num-experts", "4", "--moe-router-score-function", "sigmoid"]
+NO_RNG = ["--no-load-rng"]  # the conversion to TP2 keeps no RNG state (dropout is 0 here)
+
+
+@pytest.mark.slow  # four short training runs and a conversion
+def test_the_bias_turned_on_over_a_checkpoint_without_it_starts_at_zero(
+    data_prefix, tmp_path, capsys
+):
+    """Saved without the expert bias, resumed (as saved, and resharded from a TP2
+    conversion) and fine-tuned with it: each bias starts at zero, so the first step routes
+    and loses exactly as without it, then moves; the load says so in one line."""
+    from tests.helpers.checkpoints import _checkpoint_at, _cli
+
+    save = ["--save", str(tmp_path / "a"), "--save-interval", "2"]
+    straight = train_run(0, 1, flags(data_prefix, *NO_BIAS, *save, iters=3)).history
+    at2 = _checkpoint_at(str(tmp_path / "a"), 2, tmp_path / "at2")
+    tp2 = ["--target-tensor-model-parallel-size", "2"]
+    assert _cli()(["--load", at2, "--save", str(tmp_path / "tp2"), *tp2]) == 0
+    capsys.readouterr()
+    for where in (at2, str(tmp_path / "tp2")):
+        run = train_run(0, 1, _bias_flags(data_prefix, "--load", where, *NO_RNG, iters=3))
+        assert run.history[0]["lm_loss"] == straight[2]["lm_loss"], where
+        assert all(b.abs().sum() > 0 for b in _biases(run.model.module).values())
+        assert capsys.readouterr().err.count("bias starts at zero") == 1
+    tuned = train_run(0, 1, _bias_flags(data_prefix, "--load", at2, "--finetune", iters=1))
+    assert [h["iteration"] for h in tuned.history] == [1]
+    assert all(b.abs().sum() > 0 for b in _biases(tuned.model.module).values())
+    assert "bias starts at zero" in capsys.readouterr().err
+
+
+def test_only_the_expert_biases_may_differ_from_the_checkpoint():
+    from megatron.checkpoint.expert_bias import fit_expert_biases
+
+    w, b = torch.ones(2), torch.full((4,), 0.5)
+    model = {"layers.0.mlp.router.weight": w, "layers.0.mlp.router.expert_bias": b}
+    without = {"layers.0.mlp.router.weight": w}
+    fitted = fit_expert_biases(without, model)
+    assert list(fitted) == list(model) and torch.equal(fitted[list(model)[1]], torch.zeros(4))
+    assert fit_expert_biases(model, without) == without  # dropped
+    other = {"layers.0.mlp.router.weight2": w}  # any other difference: left to the checks
+    assert fit_expert_biases(other, model) is other and fit_expert_biases(model, other) is model
 
 
 BAD = [
