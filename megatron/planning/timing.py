@@ -17,7 +17,11 @@
                 block in hand, only the excess counts (cp_ring_seconds has the whole volume)
     ep_comm     MoE: per MoE layer and micro batch, the token dispatch and combine all-to-alls
                 (2 forward, 2 backward, 2 more with full recompute) of the T k h x D bytes a
-                rank routes, (EP-1)/EP of them leaving the rank (over the DP links)
+                rank routes, (EP-1)/EP of them leaving the rank (over the DP links). With
+                --pipeline-schedule dualpipev (EP > 1) each overlapped pair of a forward and a
+                backward (megatron.pipeline_order.overlapped_pairs; the stage with fewest)
+                hides the forward's all-to-alls behind the backward's compute and the
+                backward's behind the forward's, each up to the other's compute
     launch      M x layers x a fixed cost per layer forward + backward (kernel launches,
                 framework overhead): what makes tiny micro batches slow
     optimizer   reading and writing weights, gradients and Adam state (memory-bound)
@@ -37,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
+from megatron.pipeline_order import overlapped_pairs, schedule_actions
 from megatron.pipeline_sim import simulate
 from megatron.planning import mla
 from megatron.planning.memory import (
@@ -162,6 +167,8 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
     moe = moe_seconds(m, lay, t, hw)
     compute += M * moe["redundant"]
     ep_comm = M * moe["all_to_all"]
+    if overlaps_moe_pairs(lay):
+        ep_comm -= hidden_all_to_all(lay, moe["all_to_all"], 3 * fwd / hw.flops_per_s)
     busy = compute + recompute + launch + tp_comm + cp_comm + ep_comm
     bubble = busy * idle_per_work(lay)
     ranks = tp * cp * lay.dp * P
@@ -190,6 +197,29 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
     }
 
 
+def overlaps_moe_pairs(lay: Layout) -> bool:
+    """DualPipeV with EP > 1: the runtime overlaps its forward / backward pairs (megatron.mpu.
+    overlap; the default, as megatron.config.rules_pipeline.overlaps_moe_pairs decides for a
+    run; the planner assumes the alltoall dispatcher)."""
+    return lay.pipeline_schedule == "dualpipev" and lay.ep > 1 and lay.pp > 1
+
+
+def hidden_all_to_all(lay: Layout, per_micro_batch: float, compute: float) -> float:
+    """Seconds of a stage's all-to-alls its overlapped pairs hide: per pair the forward's
+    share (2 of the calls) up to the backward's compute (2/3 of a micro batch's), the
+    backward's share up to the forward's (1/3). `per_micro_batch`, `compute`: one micro
+    batch's all-to-all and forward + backward seconds."""
+    P, M = lay.pp, lay.num_micro_batches
+    pairs = min(
+        len(overlapped_pairs("dualpipev", schedule_actions("dualpipev", P, s, M, 2)))
+        for s in range(P)
+    )
+    forward_share = per_micro_batch * 2 / (6 if lay.recompute == "full" else 4)
+    backward_share = per_micro_batch - forward_share
+    per_pair = min(forward_share, compute * 2 / 3) + min(backward_share, compute / 3)
+    return pairs * per_pair
+
+
 def idle_per_work(lay: Layout) -> float:
     """A stage's idle time per unit of its own work: (P - 1) / (V M) for 1F1B and interleaved;
     the zero-bubble schedules' lists run by the simulator (megatron.pipeline_sim) with a
@@ -197,7 +227,9 @@ def idle_per_work(lay: Layout) -> float:
     P, M = lay.pp, lay.num_micro_batches
     if lay.pipeline_schedule in ("1f1b", "interleaved") or P == 1:
         return (P - 1) / ((lay.vp or 1) * M)
-    run = simulate(lay.pipeline_schedule, P, M, 2 if lay.v_shape else None)
+    run = simulate(
+        lay.pipeline_schedule, P, M, 2 if lay.v_shape else None, overlap=overlaps_moe_pairs(lay)
+    )
     return (run.step_time - run.busy[0]) / run.busy[0]
 
 

@@ -12,6 +12,7 @@ from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.config.schema_run import OptimizerConfig, TrainingConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
+from megatron.pipeline_order import overlapped_pairs, schedule_actions
 from megatron.planning.auto import auto_parallel
 from megatron.planning.enumerate import PlanError, Search, best_plan, layouts, plans
 from megatron.planning.memory import (
@@ -303,3 +304,32 @@ def test_plan_parallel_with_no_arguments_plans_its_example(capsys):
     out = capsys.readouterr().out
     assert "No model given: planning the example" in out and "--help lists" in out
     assert "best: " in out
+
+
+def test_dualpipev_pairs_hide_all_to_alls_up_to_the_other_micro_batchs_compute():
+    """The planner's ep_comm under dualpipev (EP > 1): each overlapped pair hides its forward's
+    all-to-alls behind the backward's compute and the backward's behind the forward's; zbv
+    (same V, no pairs) exposes them all."""
+    moe = ModelConfig(
+        num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1000, num_experts=8
+    )
+    P, M = 2, 8
+    pairs = min(
+        len(overlapped_pairs("dualpipev", schedule_actions("dualpipev", P, s, M, 2)))
+        for s in range(P)
+    )
+    assert pairs > 0
+    fast, slow = Hardware(intra_node_gbps=1e6, latency_s=0.0), Hardware(intra_node_gbps=1e-4)
+    for hw, bound in ((fast, "network"), (slow, "compute")):
+        zbv, dualpipev = (
+            step_time(moe, Layout(1, P, 4, 1, M, ep=2, schedule=s), Training(), hw)
+            for s in ("zbv", "dualpipev")
+        )
+        assert dualpipev["compute"] == zbv["compute"]
+        hidden = zbv["ep_comm"] - dualpipev["ep_comm"]
+        if bound == "network":  # fast links: every pair hides one micro batch's all-to-alls
+            assert hidden == pytest.approx(pairs * zbv["ep_comm"] / M)
+        else:  # slow links: it hides as much as one micro batch computes
+            assert hidden == pytest.approx(pairs * zbv["compute"] / M)
+    one_rank_experts = step_time(moe, Layout(1, P, 4, 1, M, schedule="dualpipev"), Training(), slow)
+    assert one_rank_experts["ep_comm"] == 0  # EP 1: nothing to overlap
