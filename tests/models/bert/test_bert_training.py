@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.data.preprocess import main as preprocess_main
 from tests.helpers.checkpoints import _cli as _convert_cli
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import ROOT
@@ -41,20 +42,12 @@ def bert_data(tmp_path_factory):
             if i % 7 == 0:  # Chinese sentences end at 。
                 text += "".join(CJK[(i + k) % 11] for k in range(4)) + "。天地。"
             f.write(json.dumps({"text": text}) + "\n")
-    common = [
-        sys.executable,
-        f"{ROOT}/tools/preprocess_data.py",
-        "--input",
-        str(d / "corpus.jsonl"),
-    ]
-    common += ["--vocab-file", vocab, "--tokenizer-type", "BertWordPieceLowerCase"]
+    # tools/preprocess_data.py's main, in this process (one worker encodes inline)
+    common = ["--input", str(d / "corpus.jsonl"), "--vocab-file", vocab]
+    common += ["--tokenizer-type", "BertWordPieceLowerCase"]
     for extra in (["--split-sentences"], []):
-        subprocess.run(
-            [*common, *extra, "--output-prefix", str(d / "c"), "--workers", "1"],
-            check=True,
-            capture_output=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        argv = [*common, *extra, "--output-prefix", str(d / "c"), "--workers", "1"]
+        assert preprocess_main(argv) == 0, argv
     return str(d / "c_text_sentence"), str(d / "c_text_document"), vocab
 
 
