@@ -369,6 +369,11 @@ def _ds_worker(rank, world, argv, save_dir):
         ds_ckpt.num_layers,
     ]
     out["no_save_rng"] = _ds_no_save_rng(rank, world, argv + ["--deepspeed"], save_dir)
+    # On the CPU the comm layer was set up without compiling DeepSpeed's shared-memory
+    # all-reduce op (a minute of both cores; megatron/training/deepspeed/engine.py).
+    from deepspeed.comm import comm as ds_comm
+
+    out["shm_op"] = getattr(ds_comm.cdb, "shm_comm_op", "no attribute")
     return out
 
 
@@ -398,3 +403,4 @@ def test_deepspeed_v1_flags_reach_the_engine(data_prefix, tmp_path):
         assert out["checkpointing"] == [True, True, True, True, True, True, 2]
         assert "no rng_state state (saved with --no-save-rng" in out["no_save_rng"]
         assert "Fix: resume with --no-load-rng" in out["no_save_rng"]
+        assert out["shm_op"] is None, "DeepSpeed compiled its shared-memory op on the CPU"

@@ -17,6 +17,7 @@ they set TRITON_INTERPRET=1 when imported, and kernels defined then stay interpr
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -653,17 +654,21 @@ def test_pretrain_gpt2_one_rank_moe_trains_saves_and_resumes_exactly(
     data_prefix,
     tmp_path,
 ):
-    """An MoE GPT (4 experts, top-2, grouped GEMM, aux loss) on one rank: it learns, and 6
-    steps + a resume for 2 give the losses of 8 straight steps (on the CPU bit for bit; on a
-    GPU within bf16 rounding, whose atomics are not deterministic)."""
+    """An MoE GPT (4 experts, top-2, grouped GEMM, aux loss) on one rank: it learns, and its
+    checkpoint of step 6 resumed for 2 steps gives the losses of the 8 straight steps (on the
+    CPU bit for bit; on a GPU within bf16 rounding, whose atomics are not deterministic)."""
     moe_flags = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm"]
     moe_flags += ["--moe-aux-loss-coeff", "0.01"]
-    out, straight = _pretrain(test_device, data_prefix, tmp_path / "a", *moe_flags, iters=8)
+    ck = tmp_path / "ck"
+    out, straight = _pretrain(test_device, data_prefix, ck, *moe_flags, iters=8)
     assert straight[-1] < straight[0], "the toy corpus is learnable: the loss must fall"
     assert "load balancing loss:" in out and "expert load max/mean:" in out, out[-2000:]
-    _pretrain(test_device, data_prefix, tmp_path / "b", *moe_flags, iters=6)
-    load = ["--load", str(tmp_path / "b")]
-    out, resumed = _pretrain(test_device, data_prefix, tmp_path / "b", *moe_flags, *load, iters=8)
+    # The straight run saved at 3, 6 and 8: make it a run stopped after step 6 (one process
+    # fewer than training 6 steps apart; the same save code wrote step 6).
+    shutil.rmtree(ck / "iter_0000008")
+    (ck / "latest_checkpointed_iteration.txt").write_text("6")
+    load = ["--load", str(ck)]
+    out, resumed = _pretrain(test_device, data_prefix, ck, *moe_flags, *load, iters=8)
     assert re.search(r"iteration\s+7/\s*8", out) and len(resumed) == 2, out[-2000:]
     if test_device.type == "cuda":
         assert resumed == pytest.approx(straight[-2:], rel=1e-2), (resumed, straight)

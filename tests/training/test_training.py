@@ -233,8 +233,20 @@ def test_sigterm_on_one_rank_saves_everywhere_and_exits_cleanly(data_prefix, tmp
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
+def _refused_in_process(argv, capsys) -> tuple[int, str]:
+    """pretrain_gpt2.main(argv), which `python pretrain_gpt2.py` exits with, run here: (its
+    status, its stderr) for a command line refused before any distributed or data work (a
+    process of its own would only add its imports); no process group is left behind."""
+    import pretrain_gpt2
+
+    capsys.readouterr()
+    status = pretrain_gpt2.main(argv)
+    assert not torch.distributed.is_initialized(), "a refused run left a process group"
+    return status, capsys.readouterr().err
+
+
 @pytest.mark.slow
-def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp_path):
+def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp_path, capsys):
     extra = [
         "--exit-interval",
         "2",
@@ -275,10 +287,8 @@ def test_command_line_run_logs_like_megatron_and_bad_flags_fail(data_prefix, tmp
     assert b"run-config" in events and b"hidden_size: 32" in events
     no_lr = flags(data_prefix)
     del no_lr[no_lr.index("--lr") : no_lr.index("--lr") + 2]
-    bad = subprocess.run(
-        [*cmd[:2], *no_lr], capture_output=True, text=True, timeout=60, cwd=tmp_path
-    )
-    assert bad.returncode == 1 and "error: --lr: a positive peak learning rate" in bad.stderr
+    status, err = _refused_in_process(no_lr, capsys)
+    assert status == 1 and "error: --lr: a positive peak learning rate" in err
 
 
 def test_batch_size_ramp_up():
@@ -359,7 +369,9 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(data_prefix, t
 
 
 @pytest.mark.slow
-def test_empty_validation_split_warns_and_a_bad_save_dir_is_one_named_line(data_prefix, tmp_path):
+def test_empty_validation_split_warns_and_a_bad_save_dir_is_one_named_line(
+    data_prefix, tmp_path, capsys, monkeypatch
+):
     """Default --num-workers. `--split 100,0,0 --eval-iters 2` used to train without ever
     validating, silently (as Megatron-LM does); --save naming a file failed with a traceback
     (FileExistsError) after the model and data were built."""
@@ -379,12 +391,11 @@ def test_empty_validation_split_warns_and_a_bad_save_dir_is_one_named_line(data_
     assert run.stdout.count("note: no --save: this run writes no checkpoint") == 1, run.stdout
     assert run.stdout.count(" number of parameters: ") == 1, run.stdout
     (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.chdir(tmp_path)
     for save, problem in (("a-file", "is an existing file"), ("a-file/ck", "cannot write there")):
-        bad = subprocess.run(
-            [*cmd, "--save", save], capture_output=True, text=True, timeout=120, cwd=tmp_path
-        )
-        assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
-        assert bad.stderr.strip().splitlines()[-1].startswith(f"error: --save {save}: {problem}")
+        status, err = _refused_in_process([*argv, "--save", save], capsys)
+        assert status == 1 and "Traceback" not in err, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith(f"error: --save {save}: {problem}")
 
 
 def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatch):

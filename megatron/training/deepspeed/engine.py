@@ -55,6 +55,19 @@ def import_deepspeed():
     return deepspeed
 
 
+def _skip_shared_memory_all_reduce(deepspeed) -> None:
+    """On the CPU accelerator, DeepSpeed's comm layer JIT-compiles its shared-memory all-reduce
+    op (deepspeed_shm_comm: two C++ files, ~30-60 s of both cores of a small machine, again
+    whenever another environment rebuilt the shared torch_extensions cache) at
+    init_distributed. Its only user is deepspeed.comm.inference_all_reduce, which the trainer
+    never calls (gradients go through the engine's and our torch.distributed collectives), so
+    it is marked incompatible here and DeepSpeed falls back to the process group, as on a
+    machine without a compiler."""
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
 class MpuAdapter:
     """The `mpu` object DeepSpeed asks for, answered from our ParallelState. DeepSpeed's "model
     parallel" is our tensor parallel (pipeline parallelism runs inside DeepSpeed or not at all)."""
@@ -157,6 +170,8 @@ def setup_deepspeed(
     # Our process group already exists; DeepSpeed's comm layer adopts it. DeepSpeed also insists
     # on LOCAL_RANK, which a launcher other than torchrun/deepspeed may not set.
     os.environ.setdefault("LOCAL_RANK", str(rt.device.index or 0))
+    if rt.device.type == "cpu":
+        _skip_shared_memory_all_reduce(deepspeed)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     ds_config = build_ds_config(cfg)
     impl, tracked = _checkpoint_fn(cfg, rt)

@@ -8,7 +8,9 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
+from megatron.data.preprocess import main as preprocess_main
 from tests.helpers.checkpoints import _cli as _convert_cli
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import ROOT
@@ -40,20 +42,12 @@ def bert_data(tmp_path_factory):
             if i % 7 == 0:  # Chinese sentences end at 。
                 text += "".join(CJK[(i + k) % 11] for k in range(4)) + "。天地。"
             f.write(json.dumps({"text": text}) + "\n")
-    common = [
-        sys.executable,
-        f"{ROOT}/tools/preprocess_data.py",
-        "--input",
-        str(d / "corpus.jsonl"),
-    ]
-    common += ["--vocab-file", vocab, "--tokenizer-type", "BertWordPieceLowerCase"]
+    # tools/preprocess_data.py's main, in this process (one worker encodes inline)
+    common = ["--input", str(d / "corpus.jsonl"), "--vocab-file", vocab]
+    common += ["--tokenizer-type", "BertWordPieceLowerCase"]
     for extra in (["--split-sentences"], []):
-        subprocess.run(
-            [*common, *extra, "--output-prefix", str(d / "c"), "--workers", "1"],
-            check=True,
-            capture_output=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        argv = [*common, *extra, "--output-prefix", str(d / "c"), "--workers", "1"]
+        assert preprocess_main(argv) == 0, argv
     return str(d / "c_text_sentence"), str(d / "c_text_document"), vocab
 
 
@@ -145,7 +139,7 @@ def _cli(*argv):
 
 
 @pytest.mark.slow
-def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
+def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path, capsys):
     sentence, document, vocab = bert_data
     # examples/pretrain_bert.sh of v1.1.5, sizes and paths shrunk, no GPU (no --fp16)
     v115 = (
@@ -173,15 +167,20 @@ def test_v115_command_line_runs_and_bad_input_is_named(bert_data, tmp_path):
     metrics = dict(part.split(": ") for part in scored.stdout.strip().splitlines()[-1].split(" | "))
     assert set(metrics) == {"mlm loss", "mlm accuracy", "nsp accuracy"}, metrics
     assert 0 <= float(metrics["mlm accuracy"]) <= 1 and float(metrics["mlm loss"]) > 0
-    bad = _cli(*v115, *paths, "--data-path", document)
-    assert bad.returncode == 1 and "--split-sentences" in bad.stderr, bad.stderr[-2000:]
-    gpt = subprocess.run(
-        [sys.executable, f"{ROOT}/pretrain_gpt2.py", *v115, *paths, "--mask-prob", "0.2"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert gpt.returncode == 1 and "pretrain_bert.py" in gpt.stderr, gpt.stderr[-2000:]
+    # Refused command lines: the scripts' main() (what `python pretrain_*.py` exits with) run
+    # here, as they fail before any distributed work; no process group is left behind.
+    import pretrain_bert
+    import pretrain_gpt2
+
+    capsys.readouterr()
+    status = pretrain_bert.main([*v115, *paths, "--data-path", document])
+    err = capsys.readouterr().err
+    assert status == 1 and "--split-sentences" in err, err[-2000:]
+    assert not torch.distributed.is_initialized()
+    status = pretrain_gpt2.main([*v115, *paths, "--mask-prob", "0.2"])
+    err = capsys.readouterr().err
+    assert status == 1 and "pretrain_bert.py" in err, err[-2000:]
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.slow
