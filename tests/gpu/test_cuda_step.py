@@ -7,10 +7,12 @@ inf/NaN step skipped on the device; the whole compiled chunk replayed as CUDA gr
 giving the math backend's loss and gradients, and the one auto picks.
 """
 
+import contextlib
 import math
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from megatron.config.schema import KernelConfig, OptimizerConfig
 from megatron.fused_kernels import select_ops
@@ -19,7 +21,7 @@ from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.model.sdpa import attention_report
 from megatron.models.gpt.model import GPTModel, build_model
-from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state
+from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, overlap, single_process_state
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.optimizer import MegatronOptimizer
@@ -143,3 +145,71 @@ def test_each_sdpa_backend_that_runs_gives_the_math_backends_loss_and_gradients(
             scale = grads0[name].abs().max().clamp_min(1e-6)
             err = (g - grads0[name]).abs().max()
             assert err <= 5 * tol * scale, f"{backend} {name}: {err:.3g} vs {scale:.3g}"
+
+
+class _HandOver(torch.autograd.Function):
+    """An identity passing the turn in its forward and backward, as the MoE all-to-all does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        overlap.hand_over()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        overlap.hand_over()  # on CUDA: in autograd's device thread, the backward's side
+        return grad
+
+
+def _dropout_mlp(layers, x, out, recompute=False):
+    def block(layer, h):
+        return torch.nn.functional.dropout(_HandOver.apply(layer(h)), 0.3)
+
+    def run():
+        h = x
+        for layer in layers:
+            if recompute:  # its backward redraws the masks from the saved generator state
+                h = torch.utils.checkpoint.checkpoint(block, layer, h, use_reentrant=False)
+            else:
+                h = block(layer, h)
+        out.append(h)
+
+    return run
+
+
+def test_an_overlapped_pair_on_the_device_computes_what_the_sequential_order_does(test_device):
+    """DualPipeV's pair (megatron.mpu.overlap): the forward of one micro batch and the backward
+    of another, turns passed at every layer, with dropout on the device's generator and the
+    backward recomputing its layers (their masks redrawn from the saved generator state while
+    the forward draws new ones). Equal to forward then backward: the output, every gradient,
+    the generator after. On CUDA also: the
+    backward's thread works on the caller's stream (a side stream here)."""
+    cuda = test_device.type == "cuda"
+    results = []
+    for paired in (False, True):
+        stream = torch.cuda.Stream(test_device) if cuda else None
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            torch.manual_seed(0)
+            layers = [torch.nn.Linear(32, 32).to(test_device) for _ in range(3)]
+            x1, x2 = (torch.randn(8, 32, device=test_device) for _ in range(2))
+            first, out, seen = [], [], {}
+            _dropout_mlp(layers, x1, first, recompute=True)()
+            loss = first[0].square().sum()
+
+            def backward(loss=loss, seen=seen):
+                seen["stream"] = torch.cuda.current_stream(test_device) if cuda else None
+                loss.backward()
+
+            if paired:
+                overlap.run_pair(_dropout_mlp(layers, x2, out), backward)
+            else:
+                _dropout_mlp(layers, x2, out)()
+                backward()
+            generator = torch.cuda.get_rng_state(test_device) if cuda else torch.get_rng_state()
+        if cuda:
+            torch.cuda.synchronize(test_device)
+            assert seen["stream"] == stream
+        grads = [p.grad for layer in layers for p in layer.parameters()]
+        results.append([out[0], *grads, generator])
+    for sequential, paired in zip(*results, strict=True):
+        assert torch.equal(sequential.cpu(), paired.cpu())
