@@ -18,7 +18,8 @@ barriers of its MoE hooks, so it must count the layers and stop coordinating aft
 smaller count, and it does not support activation checkpointing.)
 
 State kept per side and swapped at every hand-over:
-- the random generators: the CPU default generator, the CUDA device's, and the named streams
+- the random generators: the CPU default generator, the model's accelerator's (the device
+  run_pair is given: CUDA or another torch accelerator; none on the CPU), and the named streams
   of the trackers given (megatron.mpu.random). The forward draws its dropout masks as if it
   ran alone. The backward draws none of its own: a recompute (activation checkpointing)
   restores the state its forward saved and afterwards puts back what it found. So the pair
@@ -26,8 +27,9 @@ State kept per side and swapped at every hand-over:
   forward left them.
 - grad mode and autocast are thread-local: the forward keeps the caller's (its thread); the
   backward needs neither (a recompute restores its forward's autocast itself).
-- CUDA: the second thread runs on the caller's device and current stream (so the two sides'
-  kernels queue on one stream and the all-to-alls run beside it, on the communicator's).
+- an accelerator: the second thread runs on the caller's device and current stream (so the
+  two sides' kernels queue on one stream and the all-to-alls run beside it, on the
+  communicator's).
   Autograd runs CUDA backwards in its own device threads: every thread but the caller's is
   the backward's side.
 An exception on either side ends the pair: the other side is released (it raises
@@ -66,33 +68,38 @@ def counts() -> dict[str, int]:
     return dict(_counts)
 
 
-def _cuda_device() -> int | None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.current_device()
-    return None
+def _accelerator(device: torch.device | None):
+    """The torch module of `device`'s accelerator (torch.cuda, torch.xpu, ...), or None on
+    the CPU: its generator, current device and stream are what a side must share."""
+    if device is None or device.type == "cpu":
+        return None
+    return torch.get_device_module(device)
 
 
 class _Generators:
-    """The random state a side sees: CPU, the CUDA device's, the trackers' named streams."""
+    """The random state a side sees: the CPU default generator, the model's accelerator's,
+    the trackers' named streams."""
 
-    def __init__(self, trackers: Sequence, device: int | None):
-        self.trackers, self.device = trackers, device
+    def __init__(self, trackers: Sequence, device: torch.device | None):
+        self.trackers, self.module, self.index = trackers, _accelerator(device), None
+        if self.module is not None:  # "cuda" alone: the current device
+            self.index = device.index if device.index is not None else self.module.current_device()
 
     def get(self) -> tuple:
-        cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state(), cuda, [t.get_states() for t in self.trackers]
+        own = None if self.module is None else self.module.get_rng_state(self.index)
+        return torch.get_rng_state(), own, [t.get_states() for t in self.trackers]
 
     def set(self, state: tuple) -> None:
-        cpu, cuda, streams = state
+        cpu, own, streams = state
         torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.device)
+        if own is not None:
+            self.module.set_rng_state(own, self.index)
         for tracker, named in zip(self.trackers, streams, strict=True):
             tracker.set_states(named)
 
 
 class _Pair:
-    def __init__(self, trackers: Sequence, device: int | None):
+    def __init__(self, trackers: Sequence, device: torch.device | None):
         self.cond = threading.Condition()
         self.turn, self.finished, self.error = FORWARD, [False, False], None
         self.caller = threading.get_ident()
@@ -144,9 +151,10 @@ class _Pair:
         try:
             with self.cond:
                 self._wait_turn(BACKWARD)
-            if stream is not None:  # the caller's device and stream (CUDA)
-                torch.cuda.set_device(self.generators.device)
-                with torch.cuda.stream(stream):
+            module = self.generators.module
+            if stream is not None:  # the caller's device and stream (an accelerator)
+                module.set_device(stream.device)
+                with module.stream(stream):
                     backward()
             else:
                 backward()
@@ -178,16 +186,20 @@ def _serve(jobs: queue.SimpleQueue) -> None:
 
 
 def run_pair(
-    forward: Callable[[], None], backward: Callable[[], None], trackers: Sequence = ()
+    forward: Callable[[], None],
+    backward: Callable[[], None],
+    trackers: Sequence = (),
+    device: torch.device | None = None,
 ) -> None:
     """Run `forward()` here and `backward()` in a second thread, alternating at hand_over();
     returns when both ended, with the random generators where `forward` left them. Raises the
-    first exception of either side."""
+    first exception of either side. `device`: the model's (None or CPU: no accelerator state
+    to share)."""
     if _active[0] is not None:
         raise RuntimeError("megatron.mpu.overlap.run_pair: a pair is already running")
-    device = _cuda_device()
     pair = _Pair(trackers, device)
-    stream = None if device is None else torch.cuda.current_stream(device)
+    module = pair.generators.module
+    stream = None if module is None else module.current_stream(pair.generators.index)
     _active[0] = pair
     _counts["pairs"] += 1
     try:

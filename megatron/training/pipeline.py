@@ -346,7 +346,12 @@ class _Runner:
         timer.start()
         self.in_pair = self.comm.quiet = True
         try:
-            run_pair(forward, lambda: self._backward(*b, grad, send_after_forward), self.trackers)
+            run_pair(
+                forward,
+                lambda: self._backward(*b, grad, send_after_forward),
+                self.trackers,
+                self.comm.device,
+            )
         finally:
             self.in_pair = self.comm.quiet = False
         timer.stop()

@@ -201,7 +201,7 @@ def test_an_overlapped_pair_on_the_device_computes_what_the_sequential_order_doe
                 loss.backward()
 
             if paired:
-                overlap.run_pair(_dropout_mlp(layers, x2, out), backward)
+                overlap.run_pair(_dropout_mlp(layers, x2, out), backward, device=test_device)
             else:
                 _dropout_mlp(layers, x2, out)()
                 backward()

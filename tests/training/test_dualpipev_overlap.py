@@ -93,6 +93,7 @@ def test_an_overlapped_pair_sends_the_forwards_output_before_the_backwards_gradi
 
     class Comm:
         state, timers, quiet, sent = SimpleNamespace(pp_size=2, pp_rank=0), None, False, []
+        device = torch.device("cpu")
 
         def send(self, tensor, stage, message):
             self.sent.append((message, list(log)))
