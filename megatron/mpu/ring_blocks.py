@@ -128,12 +128,12 @@ class MathBlocks:
 
 class _FusedBlocks:
     """Common ground of the fused kernels: inputs in the model dtype, fp32 LSE. Each kernel
-    names the device types PyTorch implements its op for (`devices`) and the dtypes it takes;
-    anything else (another accelerator, float64) runs the explicit math."""
+    names the dtypes it takes; which devices it runs on is PyTorch's to say (an op with no
+    kernel for the device raises NotImplementedError in the choice's check, and the next is
+    tried). Nothing fused for the device and dtype (float64, say): the explicit math."""
 
     name = ""
     dropout = False
-    devices: tuple[str, ...] = ()
     dtypes: tuple[torch.dtype, ...] = ()
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -141,7 +141,7 @@ class _FusedBlocks:
 
 
 class CpuFlashBlocks(_FusedBlocks):
-    name, devices, dtypes = "cpu-flash", ("cpu",), (torch.float32, *_HALF)
+    name, dtypes = "cpu-flash", (torch.float32, *_HALF)
 
     def forward(self, q, k, v, scale, causal, p):
         if p > 0.0:  # the CPU kernel has no dropout; the ring runs such blocks in the math
@@ -156,7 +156,7 @@ class CpuFlashBlocks(_FusedBlocks):
 
 
 class CudaFlashBlocks(_FusedBlocks):
-    name, dropout, devices, dtypes = "flash", True, ("cuda",), _HALF
+    name, dropout, dtypes = "flash", True, _HALF
 
     def forward(self, q, k, v, scale, causal, p):
         op = torch.ops.aten._scaled_dot_product_flash_attention
@@ -174,7 +174,7 @@ class CudaFlashBlocks(_FusedBlocks):
 
 
 class CudaEfficientBlocks(_FusedBlocks):
-    name, dropout, devices, dtypes = "efficient", True, ("cuda",), (torch.float32, *_HALF)
+    name, dropout, dtypes = "efficient", True, (torch.float32, *_HALF)
 
     def forward(self, q, k, v, scale, causal, p):
         op = torch.ops.aten._scaled_dot_product_efficient_attention
@@ -197,11 +197,6 @@ class CudaEfficientBlocks(_FusedBlocks):
 MATH = MathBlocks()
 # Every fused kernel, in order of preference where several serve a device.
 FUSED_KERNELS = (CpuFlashBlocks(), CudaFlashBlocks(), CudaEfficientBlocks())
-
-
-def fused_for(device_type: str) -> tuple:
-    """The fused kernels that run on `device_type`, in order of preference."""
-    return tuple(b for b in FUSED_KERNELS if device_type in b.devices)
 
 
 def block_step(blocks, q, k, v, scale, causal, p, keep=None):
@@ -240,11 +235,15 @@ def _select(preference: str, device: torch.device, dtype: torch.dtype, head_dim:
     if preference == "math":
         return MATH
     problems = []
-    for blocks in fused_for(device.type):
+    for blocks in FUSED_KERNELS:
         if dtype not in blocks.dtypes:
             problems.append(f"{blocks.name}: no {dtype}")
             continue
-        problem = _self_check(blocks, device, dtype, head_dim)
+        try:
+            problem = _self_check(blocks, device, dtype, head_dim)
+        except NotImplementedError:  # PyTorch has no such kernel for this device: no warning
+            problems.append(f"{blocks.name}: none on {device.type}")
+            continue
         if problem is None:
             return blocks
         problems.append(f"{blocks.name}: {problem}")
@@ -255,7 +254,7 @@ def _select(preference: str, device: torch.device, dtype: torch.dtype, head_dim:
                 stacklevel=2,
             )
     if preference == "fused":
-        why = "; ".join(problems) or f"none for {device.type}"
+        why = "; ".join(problems)
         raise ValueError(
             f"no fused attention kernel for ring attention on {device} in {dtype} ({why}). "
             "Fix: --attention-backend unfused (explicit fp32 math)"
@@ -283,6 +282,8 @@ def _self_check(blocks, device, dtype, head_dim: int) -> str | None:
                 err = (mine.float() - want).abs().max().item()
                 if not err <= tol * max(1.0, want.abs().max().item()):
                     return f"{what} differs by {err:.3g} (causal={causal})"
-    except (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError) as e:
+    except NotImplementedError:  # no kernel for the device (a RuntimeError): the caller's case
+        raise
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return None

@@ -259,7 +259,7 @@ def _ring_kernel(device, name):
     needs_cuda(device, "the flash / memory-efficient SDPA kernels are CUDA kernels")
     if name == "flash" and not torch.backends.cuda.is_flash_attention_available():
         pytest.skip("this torch build has no flash attention kernel")
-    return {b.name: b for b in ring_blocks.fused_for("cuda")}[name]
+    return {b.name: b for b in ring_blocks.FUSED_KERNELS}[name]
 
 
 @pytest.mark.parametrize("kernel,precision", _RING_KERNELS)

@@ -5,6 +5,8 @@ The CUDA kernels get the same checks in tests/gpu/test_cuda.py."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,10 +104,18 @@ def test_the_block_backend_is_chosen_by_device_and_dtype(monkeypatch):
         rb.select_blocks("fused", CPU, torch.float64, 64)
     with pytest.raises(ValueError, match="expected one of"):
         rb.select_blocks("flash", CPU, torch.float32, 64)
-    # The kernels declare their devices; a device none names (here "meta") runs the math.
-    assert [b.name for b in rb.fused_for("cpu")] == ["cpu-flash"]
-    assert [b.name for b in rb.fused_for("cuda")] == ["flash", "efficient"]
-    assert rb.select_blocks("auto", torch.device("meta"), torch.float32, 64) is rb.MATH
+    # PyTorch says where a kernel runs: the CUDA kernels, tried on the CPU, are passed over
+    # without a warning (they have no CPU implementation), and the choice is the math.
+    monkeypatch.setattr(rb, "FUSED_KERNELS", (rb.CudaFlashBlocks(), rb.CudaEfficientBlocks()))
+    rb.select_blocks.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert rb.select_blocks("auto", CPU, torch.float32, 64) is rb.MATH
+        with pytest.raises(ValueError, match="flash: no torch.float32; efficient: none on cpu"):
+            rb.select_blocks("fused", CPU, torch.float32, 64)
+    finally:
+        rb.select_blocks.cache_clear()
 
 
 def test_the_chosen_blocks_are_logged_once(capsys):
@@ -150,7 +160,7 @@ def test_cuda_block_kernels_are_called_as_torch_declares_them(kernel):
     """The CUDA kernels' calls on meta tensors (torch's shape functions, no GPU needed): the
     outputs unpacked as declared, the efficient kernel's LSE cut to the real rows and padded back
     for its backward. Their numbers are checked on a GPU in tests/gpu/test_cuda.py."""
-    blocks = {b.name: b for b in rb.fused_for("cuda")}[kernel]
+    blocks = {b.name: b for b in rb.FUSED_KERNELS}[kernel]
     q = torch.empty(2, 4, 40, 64, device="meta", dtype=torch.bfloat16)
     k = v = torch.empty(2, 4, 56, 64, device="meta", dtype=torch.bfloat16)
     out, lse, replay = rb.block_step(blocks, q, k, v, 0.125, False, 0.1)
