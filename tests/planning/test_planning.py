@@ -333,3 +333,16 @@ def test_dualpipev_pairs_hide_all_to_alls_up_to_the_other_micro_batchs_compute()
             assert hidden == pytest.approx(pairs * zbv["compute"] / M)
     one_rank_experts = step_time(moe, Layout(1, P, 4, 1, M, schedule="dualpipev"), Training(), slow)
     assert one_rank_experts["ep_comm"] == 0  # EP 1: nothing to overlap
+
+
+@pytest.mark.slow  # two full plans: over a second on 2 cores
+def test_plan_parallel_tries_the_zero_bubble_schedules_it_is_given(capsys):
+    from tools import plan_parallel
+
+    def layouts(*extra) -> str:
+        assert plan_parallel.main([*plan_parallel.EXAMPLE, "--top", "0", *extra]) == 0
+        return capsys.readouterr().out.split("\nbest: ")[0]
+
+    plain, zero_bubble = layouts(), layouts("--pipeline-schedules", "zb-h1", "zbv")
+    assert " PP2" in plain and "zb-h1" not in plain and "zbv" not in plain
+    assert "zb-h1" in zero_bubble and "zbv" in zero_bubble and "dualpipev" not in zero_bubble
