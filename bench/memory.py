@@ -41,11 +41,11 @@ from megatron.model.stages import ModelChunks  # noqa: E402
 from megatron.model.transformer import TransformerLayer  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron.optim.distributed import distributed_optimizer  # noqa: E402
+from megatron.optim.fsdp2 import fsdp2_optimizer  # noqa: E402
+from megatron.optim.plain import plain_optimizer  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
-from megatron.training.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.training.fsdp2 import FullyShardedModel  # noqa: E402
-from megatron.training.fsdp2_optimizer import FSDPOptimizer  # noqa: E402
-from megatron.training.optimizer import MegatronOptimizer  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 MODELS = {
@@ -89,13 +89,12 @@ def model_state_bytes(cfg: ModelConfig, state, dp: int, distributed: bool, dtype
     kw = {"params_dtype": dtype, "state": state, "clip_grad": 1.0}
     ocfg = OptimizerConfig(lr=1e-4)
     opt = (
-        DistributedOptimizer(ddp, ocfg, **kw)
+        distributed_optimizer(ddp, ocfg, **kw)
         if distributed
-        else MegatronOptimizer(model, ocfg, **kw)
+        else plain_optimizer(model, ocfg, **kw)
     )
-    mains = [m for _, m in opt._pairs()]
-    for main, grad in zip(mains, _grads(opt, ddp), strict=True):
-        main.grad = grad
+    opt.pieces.grads()  # each main's .grad: its fp32 gradient
+    mains = [m for g in opt.optimizer.param_groups for m in g["params"]]
     for group in opt.optimizer.param_groups:  # torch's fused kernel does not run on meta
         group.update(fused=False, foreach=True)
     opt.optimizer.step()  # Adam allocates its moments at the first step
@@ -111,12 +110,6 @@ def model_state_bytes(cfg: ModelConfig, state, dp: int, distributed: bool, dtype
         "optimizer": sum(map(_nbytes, own_mains)) + sum(map(_nbytes, moments)),
         "n": n,
     }
-
-
-def _grads(opt, ddp):
-    if isinstance(opt, DistributedOptimizer):
-        return opt._grads()
-    return [p.main_grad.detach() for p, _ in opt._pairs()]
 
 
 def _saved_bytes(fn, weights: set[int], dropout: float) -> tuple[int, int]:
@@ -220,16 +213,16 @@ def fsdp2_state_bytes(cfg: ModelConfig, state, dtype) -> dict:
     unit = max(sum(p.numel() for p in m.parameters()) for m in model.layer_list())
     fsdp = FullyShardedModel(ModelChunks([model]), state.dp_cp_group, params_dtype=dtype)
     kw = {"params_dtype": dtype, "state": state, "clip_grad": 1.0}
-    opt = FSDPOptimizer(fsdp, OptimizerConfig(lr=1e-4), **kw)
-    grads = [torch.zeros_like(m) for m in opt.mains]  # the reduce-scattered fp32 shards
-    for main, grad in zip(opt.mains, grads, strict=True):
+    opt = fsdp2_optimizer(fsdp, OptimizerConfig(lr=1e-4), **kw)
+    grads = [torch.zeros_like(m) for m in opt.pieces.mains]  # the reduce-scattered fp32 shards
+    for main, grad in zip(opt.pieces.mains, grads, strict=True):
         main.grad = grad
     for group in opt.optimizer.param_groups:
         group.update(fused=False, foreach=True)
     opt.optimizer.step()
     moments = [t for s in opt.optimizer.state.values() for t in s.values() if t.ndim > 0]
     return {
-        "params": sum(map(_nbytes, opt.mains)),
+        "params": sum(map(_nbytes, opt.pieces.mains)),
         "grads": sum(map(_nbytes, grads)),
         "optimizer": sum(map(_nbytes, moments)),
         "n": n,

@@ -35,8 +35,8 @@ from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.moe import grouped_gemm_path  # noqa: E402
 from megatron.models.gpt.model import build_model  # noqa: E402
 from megatron.mpu import single_process_state  # noqa: E402
+from megatron.optim.plain import plain_optimizer  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
-from megatron.training.optimizer import MegatronOptimizer  # noqa: E402
 from megatron.training.step import train_step  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
 
@@ -66,7 +66,7 @@ class Trainer:
         ctx = BuildContext(state, seed, self.device, dtype, moe_grouped_gemm=grouped)
         self.model = build_model(cfg, ctx)
         self.ddp = DistributedDataParallel(self.model, None)
-        self.opt = MegatronOptimizer(
+        self.opt = plain_optimizer(
             self.model,
             OptimizerConfig(lr=3e-3, weight_decay=0.0),
             params_dtype=dtype,

@@ -28,10 +28,10 @@ from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.parallelize import parallelize  # noqa: E402
 from megatron.models.gpt.model import build_model  # noqa: E402
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
+from megatron.optim.plain import plain_optimizer  # noqa: E402
 from megatron.training.ddp import DistributedDataParallel  # noqa: E402
 from megatron.training.learning_rates import AnnealingLR  # noqa: E402
 from megatron.training.log import model_flops_per_sample, peak_tflops  # noqa: E402
-from megatron.training.optimizer import MegatronOptimizer  # noqa: E402
 from megatron.training.step import train_step  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
 
@@ -105,7 +105,7 @@ def build_ours(
         cuda_graph=cuda_graph,
     )
     ddp = DistributedDataParallel(model, None)
-    opt = MegatronOptimizer(
+    opt = plain_optimizer(
         model,
         OptimizerConfig(lr=1e-4, weight_decay=0.01),
         params_dtype=dtype,

@@ -46,6 +46,7 @@ def setting(
     shortcuts: dict[str, tuple[object, str]] | None = None,
     from_env: bool = False,
     resolved: bool = False,
+    requires: tuple[str, object] | None = None,
 ):
     """A config field with everything the command line and config files need to know.
 
@@ -56,7 +57,10 @@ def setting(
     `from_env`: set by the launcher's environment, neither a flag nor a config-file key.
     `resolved`: read by the resolution step (megatron.config.rules.validate) from a file another
     setting names; neither a flag nor a config-file key, and not part of the hash.
-    `choices`: the accepted values. `min`/`max`: inclusive limits, `above`/`below`: exclusive
+    `choices`: the accepted values (a tuple, or a live container such as a registry's names,
+    read when a value is checked). `requires`: (sibling field, value): given (not its
+    default) the setting means something only when that field has that value, and
+    `check_requires` refuses it otherwise. `min`/`max`: inclusive limits, `above`/`below`: exclusive
     ones (a probability in [0, 1) is min=0, below=1); None (an unset optional) is never checked.
     The help says what the value means; the builder appends the limits and the default.
     """
@@ -66,12 +70,13 @@ def setting(
         "help": help,
         "aliases": aliases,
         "flag": flag,
-        "choices": tuple(choices) if choices is not None else None,
+        "choices": tuple(choices) if isinstance(choices, (list, tuple, set)) else choices,
         "bounds": Bounds(min, max, above, below),
         "metavar": metavar,
         "shortcuts": dict(shortcuts or {}),
         "from_env": from_env or resolved,
         "resolved": resolved,
+        "requires": requires,
     }
     return dataclasses.field(default=default, metadata=meta, hash=False if resolved else None)
 
@@ -199,6 +204,21 @@ def _check_declared(f: dataclasses.Field, value) -> None:
             )
         if isinstance(v, (int, float)) and not bounds.admit(v):
             raise ConfigError(out_of_bounds(_flag_of(f), v, bounds, f.default))
+
+
+def check_requires(section) -> None:
+    """Refuse a setting given (not its default) without the sibling value it `requires`."""
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    for f in fields.values():
+        need = f.metadata.get("requires")
+        if need is None or getattr(section, f.name) == f.default:
+            continue
+        other, wanted = need
+        if getattr(section, other) != wanted:
+            flag = _flag_of(fields[other])
+            fail(
+                _flag_of(f), f"given with {flag} {getattr(section, other)}", f"add {flag} {wanted}"
+            )
 
 
 def _flag_of(f: dataclasses.Field) -> str:

@@ -17,9 +17,9 @@ import json
 import math
 
 from megatron.config.declare import ConfigError, fail
+from megatron.config.optimizers import kinds as optimizer_kinds
 from megatron.config.schema import MegatronConfig
 
-_JSON_OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
 _JSON_OPTIMIZER_PARAMS = {
     "lr": ("optimizer.lr", "--lr"),
     "eps": ("optimizer.adam_eps", "--adam-eps"),
@@ -36,13 +36,14 @@ def json_optimizer_values(section: object, where: str) -> dict[str, tuple[object
         raise ConfigError(f"{where}optimizer in the DeepSpeed JSON must be an object")
     kind = str(section.get("type", "Adam"))
     params = dict(section.get("params", {}))
-    if kind.lower() not in _JSON_OPTIMIZER_TYPES or params.pop("adam_w_mode", True) is not True:
+    ours = [k.name for k in optimizer_kinds() if kind.lower() in k.deepspeed_types]
+    if not ours or params.pop("adam_w_mode", True) is not True:
         raise ConfigError(
             f"'optimizer' in the DeepSpeed JSON: type {kind!r} cannot be honoured; the optimizer "
             "comes from --optimizer/--lr/--weight-decay/--adam-* (AdamW or SGD). Fix: remove "
             "'optimizer' from the JSON, or use type Adam/AdamW"
         )
-    out = {"optimizer.optimizer": ("adam", "optimizer.type", "--optimizer")}
+    out = {"optimizer.optimizer": (ours[0], "optimizer.type", "--optimizer")}
     if "betas" in params:
         b1, b2 = params.pop("betas")
         out["optimizer.adam_beta1"] = (float(b1), "optimizer.params.betas[0]", "--adam-beta1")

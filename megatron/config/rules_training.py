@@ -4,8 +4,9 @@ schedule's micro-batch rounds."""
 
 from __future__ import annotations
 
-from megatron.config.declare import fail
+from megatron.config.declare import check_requires, fail
 from megatron.config.lr_schedule import schedule_steps
+from megatron.config.optimizers import get_kind
 from megatron.config.rules_logging import validate_logging
 from megatron.config.schema import MegatronConfig, OptimizerConfig, TrainingConfig
 from megatron.config.tokenizer_files import validate_vocab
@@ -63,28 +64,17 @@ def validate_training(cfg: MegatronConfig) -> None:
         )
     _validate_rampup(t, cfg.parallel.data_parallel_size)
     _validate_interleaved(cfg)
-    _validate_muon(cfg)
+    _validate_whole_matrices(cfg)
     validate_vocab(cfg)
 
 
-_MUON_FLAGS = {
-    "muon_momentum": "--muon-momentum",
-    "muon_nesterov": "--no-muon-nesterov",
-    "muon_num_ns_steps": "--muon-num-ns-steps",
-    "muon_scale_mode": "--muon-scale-mode",
-    "muon_extra_scale_factor": "--muon-extra-scale-factor",
-    "muon_split_qkv": "--muon-no-split-qkv",
-}
-
-
-def _validate_muon(cfg: MegatronConfig) -> None:
-    """--optimizer muon runs in our own optimizers (plain, --use-distributed-optimizer and
-    --use-torch-fsdp2); its flags mean nothing to another optimizer."""
-    if cfg.optimizer.optimizer != "muon":
-        defaults, given = OptimizerConfig(), cfg.optimizer.optimizer
-        for key, flag in _MUON_FLAGS.items():
-            if getattr(cfg.optimizer, key) != getattr(defaults, key):
-                fail(flag, f"given with --optimizer {given}", "add --optimizer muon")
+def _validate_whole_matrices(cfg: MegatronConfig) -> None:
+    """An optimizer of whole matrices (Muon) runs in our own optimizers (plain,
+    --use-distributed-optimizer and --use-torch-fsdp2); the settings that require an optimizer
+    (Muon's) mean nothing to another one (their declarations say so)."""
+    check_requires(cfg.optimizer)
+    name = cfg.optimizer.optimizer
+    if not get_kind(name).whole_matrices:
         return
     clash = (
         ("--deepspeed", cfg.deepspeed.enabled, "DeepSpeed's engine builds its own optimizer"),
@@ -97,14 +87,14 @@ def _validate_muon(cfg: MegatronConfig) -> None:
     for flag, given, why in clash:
         if given:
             fail(
-                "--optimizer muon",
+                f"--optimizer {name}",
                 f"given with {flag}: {why}",
                 f"use --optimizer adam with {flag}, or drop {flag}",
             )
     etp = cfg.parallel.expert_tp_size
     if cfg.model.moe and etp > 1:  # each expert is orthogonalised whole on its EP rank
         fail(
-            "--optimizer muon",
+            f"--optimizer {name}",
             f"given with --num-experts at --expert-tensor-parallel-size {etp} (its default is "
             "--tensor-model-parallel-size): experts split over ETP are not gathered for "
             "Newton-Schulz",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.declare import Section, setting
+from megatron.config.optimizers import NAMES as OPTIMIZER_NAMES
 from megatron.config.schema_resilience import StragglerSettings
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "exponential", "inverse-square-root", "WSD")
@@ -67,6 +68,9 @@ class TrainingConfig(Section):
         return self.micro_batch_size * data_parallel_size * (self.gradient_accumulation_steps or 1)
 
 
+_MUON = ("optimizer", "muon")  # the Muon settings mean something to --optimizer muon only
+
+
 @dataclass(frozen=True)
 class OptimizerConfig(Section):
     """Optimizer, learning-rate schedule and fp16 loss scaling (Megatron's flag names)."""
@@ -76,7 +80,7 @@ class OptimizerConfig(Section):
         "adam = AdamW (decoupled weight decay), sgd with momentum, or muon (the transformer "
         "layers' matrices take Muon, embeddings, output head, norms and biases AdamW with "
         "--lr and the --adam-* flags; docs/configuration.md)",
-        choices=("adam", "sgd", "muon"),
+        choices=OPTIMIZER_NAMES,
     )
     lr: float | None = setting(None, "peak learning rate (required)", above=0)
     min_lr: float = setting(0.0, "floor of the decay", min=0)
@@ -90,6 +94,7 @@ class OptimizerConfig(Section):
         "Muon: momentum (EMA of the gradients that Newton-Schulz orthogonalises)",
         min=0,
         below=1,
+        requires=_MUON,
     )
     muon_nesterov: bool = setting(
         True,
@@ -98,9 +103,15 @@ class OptimizerConfig(Section):
             "--muon-nesterov": (True, "Megatron-core's spelling: Nesterov on (the default)"),
             "--muon-use-nesterov": (True, "older Megatron / MindSpeed spelling of --muon-nesterov"),
         },
+        requires=_MUON,
     )
     muon_num_ns_steps: int = setting(
-        5, "Muon: quintic Newton-Schulz iterations per update", "--muon-ns-steps", min=1, max=99
+        5,
+        "Muon: quintic Newton-Schulz iterations per update",
+        "--muon-ns-steps",
+        min=1,
+        max=99,
+        requires=_MUON,
     )
     muon_scale_mode: str = setting(
         "spectral",
@@ -108,18 +119,21 @@ class OptimizerConfig(Section):
         "unit_rms_norm sqrt(A / B), shape_scaling sqrt(max(1, A / B)); times "
         "--muon-extra-scale-factor",
         choices=("spectral", "unit_rms_norm", "shape_scaling"),
+        requires=_MUON,
     )
     muon_extra_scale_factor: float = setting(
         0.2,
         "Muon: multiplies the update scale; 0.2 with spectral is Moonlight's rule, which gives "
         "Muon's update AdamW's RMS so one --lr serves both (Megatron-core's default is 1.0)",
         above=0,
+        requires=_MUON,
     )
     muon_split_qkv: bool = setting(
         True,
         "Muon: orthogonalise Q, K and V of the fused query_key_value weight (and, beyond "
         "Megatron-core's flag, SwiGLU's gate and up) as separate matrices",
         flag="--muon-no-split-qkv",
+        requires=_MUON,
     )
     lr_decay_style: str = setting(
         "linear",

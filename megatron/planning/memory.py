@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron.config.optimizers import get_kind
 from megatron.config.schema import ModelConfig
 from megatron.pipeline_order import V_SHAPED
 from megatron.planning import mla
@@ -132,7 +133,7 @@ class Training:
     """The run settings the memory model reads besides the model and the layout."""
 
     dtype_bytes: int = 2  # weights and activations: 2 for fp16/bf16, 4 for fp32
-    optimizer: str = "adam"  # adam, muon (counted as adam), or sgd
+    optimizer: str = "adam"  # a name of megatron.config.optimizers (its state bytes)
     sgd_momentum: float = 0.9
     sharding: str = "none"  # none, distributed (= ZeRO-1), zero2, zero3, fsdp2
     recompute_method: str = "uniform"
@@ -240,10 +241,7 @@ def model_state_bytes(
     """Weights, fp32 gradient buffer and optimizer state of `params` parameters, of which
     `experts` are MoE experts, sharded over the dp / ep ranks holding the same experts."""
     half = t.dtype_bytes < 4
-    if t.optimizer in ("adam", "muon"):  # muon: its matrices hold 4 bytes, not 8: an upper bound
-        opt = 12 if half else 8
-    else:
-        opt = (4 if half else 0) + (4 if t.sgd_momentum else 0)
+    opt = (4 if half else 0) + get_kind(t.optimizer).state_bytes(t)  # masters + state
     if t.sharding == "fsdp2":  # fp32 shards of weights (the masters), gradients, moments
         opt -= 4 if half else 0
         return {

@@ -42,8 +42,8 @@ from megatron.mpu.utils import group_rank, group_size
 
 # Shard sizes are multiples of this (elements): aligned shard starts for the collectives.
 _SHARD_ALIGN = 64
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -172,7 +172,7 @@ class DistributedDataParallel(nn.Module):
         elif self.distributed:  # in place: this rank's shard of the bucket gets the average
             start, end = bucket.shard(bucket.rank, bucket.size)
             shard = self.grad_buffer[start:end]
-            bucket.handle = _reduce_scatter(shard, view, group=bucket.group, async_op=True)
+            bucket.handle = reduce_scatter(shard, view, group=bucket.group, async_op=True)
         else:
             if self.reduce_dtype != view.dtype:
                 bucket.reduced = view.to(self.reduce_dtype)  # copied back in finish_grad_sync
@@ -222,7 +222,7 @@ class DistributedDataParallel(nn.Module):
                 continue
             start, end = bucket.shard(bucket.rank, bucket.size)
             whole = self.param_buffer[bucket.start : bucket.end]
-            bucket.gather = _all_gather(
+            bucket.gather = all_gather(
                 whole, self.param_buffer[start:end], group=bucket.group, async_op=True
             )
         if not overlap:

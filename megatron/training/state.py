@@ -46,16 +46,12 @@ from megatron.checkpoint.storage import (
 )
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
+from megatron.optim.shards import distributed_to_plain, plain_order, plain_parameter_names
 from megatron.training import reshard
 from megatron.training.checkpoint_args import (
     check_model_args,
     checkpoint_args,
     expert_bias_note,
-)
-from megatron.training.distrib_optimizer import (
-    _plain_order,
-    distributed_to_plain,
-    plain_parameter_names,
 )
 from megatron.training.preflight import starts_fresh_by_design
 
@@ -171,7 +167,7 @@ def resume(
 def current_layout(cfg: MegatronConfig, rt: Runtime, optimizer) -> SavedLayout:
     """The layout this run writes (and reads) its shards at."""
     st = rt.state
-    kind = "distributed" if hasattr(optimizer, "shard_state_dict") else "plain"
+    kind = "distributed" if optimizer.sharded else "plain"
     return SavedLayout(
         tp=st.tp_size,
         pp=st.pp_size,
@@ -206,14 +202,14 @@ def save_training_state(
         "model": gather_experts(model.state_dict(), model, st),
         "partition": partition_record(model),  # how each tensor is split, for resharding
     }
-    sharded = getattr(optimizer, "shard_state_dict", None)  # the distributed optimizer's
+    sharded = optimizer.shard_state_dict if optimizer.sharded else None
     if cfg.checkpoint.no_save_optim:
         sharded = None
     else:
         shard["optimizer"] = optimizer.state_dict()
         shard["opt_param_scheduler"] = scheduler.state_dict()
         if sharded is None:  # the plain one: moments of all experts, named by position
-            order = _plain_order(model.module)
+            order = plain_order(model.module)
             shard["optimizer"] = gather_optimizer_experts(shard["optimizer"], model, order, st)
             shard["optimizer"]["param_names"] = plain_parameter_names(model.module)
     optim_shard = sharded() if sharded is not None else None
@@ -374,7 +370,7 @@ def load_optimizer(optimizer, model, shard: dict) -> None:
     part + every saved DP rank's ranges) reassembles per parameter for any DP size, or for the
     plain optimizer; the plain one's (keyed by position) is cut into ranges."""
     saved = shard["optimizer"]
-    distributed = hasattr(optimizer, "shard_state_dict")
+    distributed = optimizer.sharded
     st = optimizer.state
     if saved.get("distributed") and distributed:
         optimizer.load_state_dict(saved, shard["distrib_optim"])
@@ -386,5 +382,5 @@ def load_optimizer(optimizer, model, shard: dict) -> None:
     elif distributed:
         optimizer.load_state_dict(saved)  # converts a plain state itself (experts whole)
     else:  # this EP rank's experts of the saved moments and masters
-        order = _plain_order(model.module)
+        order = plain_order(model.module)
         optimizer.load_state_dict(local_optimizer_experts(saved, model, order, st))

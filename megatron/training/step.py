@@ -26,6 +26,9 @@ from megatron.model.parallelize import parallelize
 from megatron.model.sdpa import attention_report
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
+from megatron.optim.distributed import distributed_optimizer
+from megatron.optim.fsdp2 import fsdp2_optimizer
+from megatron.optim.plain import plain_optimizer
 from megatron.training.backend import (
     StepResult,
     TrainerBackend,
@@ -34,12 +37,9 @@ from megatron.training.backend import (
     other_losses,
 )
 from megatron.training.ddp import wrap_data_parallel
-from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.fault_tolerance import ReplicaGroup, batch_share
 from megatron.training.fsdp2 import RESHARD_AFTER_FORWARD, FullyShardedModel
-from megatron.training.fsdp2_optimizer import FSDPOptimizer
 from megatron.training.learning_rates import AnnealingLR
-from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron.training.state import (
     TrainState,
@@ -113,7 +113,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
     kw = {"params_dtype": dtype, "state": rt.state, "clip_grad": cfg.training.clip_grad}
     if cfg.distributed.use_torch_fsdp2:
         model = shard_fully(model, cfg, rt)
-        optimizer = FSDPOptimizer(model, cfg.optimizer, **kw)
+        optimizer = fsdp2_optimizer(model, cfg.optimizer, **kw)
         return model, optimizer, make_scheduler(cfg, rt.state.dp_size, optimizer.optimizer)
     distributed = cfg.optimizer.use_distributed_optimizer
     tied = model.word_embeddings_weight() if rt.state.pp_size > 1 else None
@@ -130,11 +130,11 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
         expert_group=rt.state.expert_data_group,
     )
     if distributed:
-        optimizer = DistributedOptimizer(
+        optimizer = distributed_optimizer(
             ddp, cfg.optimizer, overlap_param_gather=cfg.optimizer.overlap_param_gather, **kw
         )
     else:
-        optimizer = MegatronOptimizer(
+        optimizer = plain_optimizer(
             model, cfg.optimizer, cpu_offload=cfg.deepspeed.cpu_optimizer, **kw
         )
     _, dp_size = batch_share(cfg, rt.state)  # --fault-tolerance: the replica groups
@@ -302,7 +302,8 @@ def evaluate(
 
 
 class NativeBackend(TrainerBackend):
-    """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer, our schedules."""
+    """Our own TP x PP x DP: DistributedDataParallel, MegatronOptimizer (megatron.optim), our
+    schedules."""
 
     def __init__(self, cfg: MegatronConfig, rt: Runtime, forward_step_func, model_provider):
         self.cfg, self.rt, self.forward_step = cfg, rt, forward_step_func

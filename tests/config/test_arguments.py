@@ -344,7 +344,8 @@ _MAY_IMPORT = {
     "pipeline_order": set(),
     "pipeline_sim": {"pipeline_order"},
     # planning runs before any model or process group exists
-    "planning": {"config.schema", "config.rules", "pipeline_order", "pipeline_sim"},
+    "planning": {"config.optimizers", "config.schema", "config.rules"}
+    | {"pipeline_order", "pipeline_sim"},
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     # The generic code names no model family: it reads the families' registrations in

@@ -39,7 +39,7 @@ from megatron.model.context import BuildContext
 from megatron.model.moe import set_moe_loss_scale
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu import ring_blocks
-from megatron.training.optimizer import MegatronOptimizer
+from megatron.optim.plain import plain_optimizer
 from tests.helpers.attention import two_block_row
 from tests.helpers.checkpoints import _write_checkpoint
 from tests.helpers.paths import MMAP, ROOT
@@ -149,7 +149,7 @@ def test_tp_layers_at_tp1_are_plain_linear_and_embedding(test_device):
 @pytest.mark.slow  # over a second on 2 cores
 def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(test_device):
     model = GPTModel(GPT2, BuildContext(seed=3, device=test_device, dtype=torch.half))
-    opt = MegatronOptimizer(
+    opt = plain_optimizer(
         model,
         OptimizerConfig(lr=1e-3, initial_loss_scale=2.0**16, hysteresis=1),
         params_dtype=torch.half,

@@ -22,9 +22,9 @@ from megatron.model.parallelize import parallelize
 from megatron.model.sdpa import attention_report
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, overlap, single_process_state
+from megatron.optim.plain import plain_optimizer
 from megatron.training.ddp import DistributedDataParallel
 from megatron.training.learning_rates import AnnealingLR
-from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
 from tests.helpers.models import tiny_gpt
@@ -53,7 +53,7 @@ def _trainer(device, kernels: KernelConfig, dtype=torch.bfloat16):
         cuda_graph=kernels.enable_cuda_graph,
     )
     ddp = DistributedDataParallel(model, None)
-    opt = MegatronOptimizer(
+    opt = plain_optimizer(
         model, OptimizerConfig(lr=1e-3), params_dtype=dtype, state=state, clip_grad=1.0
     )
     sched = AnnealingLR(opt.optimizer, max_lr=1e-3, warmup_steps=2, decay_steps=100)

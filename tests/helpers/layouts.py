@@ -10,8 +10,8 @@ from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
+from megatron.optim.plain import plain_optimizer
 from megatron.training.ddp import DistributedDataParallel
-from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import get_forward_backward_func
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
@@ -36,7 +36,7 @@ def train_steps(
         model, state.dp_cp_group, own_bucket=(shared,) if shared is not None else ()
     )
     opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
-    opt = MegatronOptimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
+    opt = plain_optimizer(model, opt_cfg, params_dtype=torch.float32, state=state, clip_grad=0.0)
     schedule = get_forward_backward_func(
         state,
         micro_batch_size=micro_batch_size,

@@ -321,7 +321,8 @@ def test_expert_shards_and_their_whole_indices(swiglu, bias):
 def test_distributed_optimizer_ranges_match_element_by_element():
     """Saved entries with a whole-tensor "index" (an ETP shard's) or a "range" are read back
     element by element for any wanted indices; a gap is an error."""
-    from megatron.training.distrib_optimizer import _assemble, _Piece
+    from megatron.optim.shards import Piece as _Piece
+    from megatron.optim.shards import assemble as _assemble
 
     values = torch.arange(20.0)
     entries = [

@@ -33,9 +33,9 @@ from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.expert_shards import cut_whole
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron.optim.distributed import distributed_optimizer
+from megatron.optim.plain import plain_optimizer
 from megatron.training.ddp import DistributedDataParallel
-from megatron.training.distrib_optimizer import DistributedOptimizer
-from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import get_forward_backward_func
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
@@ -213,9 +213,9 @@ def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
     opt_cfg = OptimizerConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.0)
     kw = {"params_dtype": torch.float32, "state": state, "clip_grad": 0.0}
     opt = (
-        DistributedOptimizer(ddp, opt_cfg, **kw)
+        distributed_optimizer(ddp, opt_cfg, **kw)
         if distributed
-        else MegatronOptimizer(model, opt_cfg, **kw)
+        else plain_optimizer(model, opt_cfg, **kw)
     )
     schedule = get_forward_backward_func(
         state,

@@ -11,8 +11,8 @@ from torch import nn
 
 from megatron import mpu
 from megatron.config.schema import OptimizerConfig
+from megatron.optim.plain import plain_optimizer
 from megatron.training.loop import TrainingError
-from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.timers import Timers
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import _train, flags
@@ -23,7 +23,7 @@ def _optimizer(dtype=torch.bfloat16, **cfg):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(dtype)
     for p in model.parameters():
         p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-    opt = MegatronOptimizer(
+    opt = plain_optimizer(
         model,
         OptimizerConfig(lr=1e-2, **cfg),
         params_dtype=dtype,

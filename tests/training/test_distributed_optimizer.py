@@ -9,9 +9,12 @@ import torch
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig
 from megatron.models.gpt.model import GPTModel
+from megatron.optim.distributed import shard_pieces
+from megatron.optim.shards import Piece as _Piece
+from megatron.optim.shards import assemble as _assemble
+from megatron.optim.shards import parameter_names
 from megatron.training import ddp as ddp_module
 from megatron.training.ddp import DistributedDataParallel
-from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_names, shard_pieces
 from tests.helpers.checkpoints import _checkpoint_at, _cli
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (

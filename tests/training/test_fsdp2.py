@@ -14,8 +14,8 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError
-from megatron.training.distrib_optimizer import parameter_names
-from megatron.training.fsdp2_optimizer import fsdp_pieces
+from megatron.optim.fsdp2 import fsdp_pieces
+from megatron.optim.shards import parameter_names
 from tests.helpers.checkpoints import _checkpoint_at
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (

@@ -14,17 +14,16 @@ from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from megatron.training.muon import (
+from megatron.optim.build import check_state_kind
+from megatron.optim.matrices import Whole, deal
+from megatron.optim.muon import (
     MatrixLayout,
     MuonSettings,
-    WholeMatrices,
     build_muon,
     matrix_layouts,
     newton_schulz,
     orthogonalize,
 )
-from megatron.training.muon_sharded import deal
-from megatron.training.optimizer import check_state_kind
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
     _CALLS,
@@ -44,6 +43,11 @@ def _cfg(*extra):
     return parse_args(["--optimizer", "muon", "--lr", "0.01", *extra]).optimizer
 
 
+def _whole(params, layouts):
+    """The plain optimizer's orthogonalizer of whole weights (params: id -> weight)."""
+    return Whole(params, lambda p, u: orthogonalize(u, layouts[id(p)], MuonSettings()))
+
+
 def test_one_matrix_matches_torch_optim_muon():
     """Moonlight's scale (spectral x 0.2) is torch's adjust_lr_fn="match_rms_adamw"; the
     momentum is the same EMA; torch runs NS in bf16, we in fp32 (hence the tolerance)."""
@@ -55,7 +59,7 @@ def test_one_matrix_matches_torch_optim_muon():
         [{"params": [ours], "wd_mult": 1.0}],
         _cfg("--weight-decay", "0.1"),
         [ours],
-        WholeMatrices(layouts, MuonSettings(), None),
+        _whole({id(ours): ours}, layouts),
     )
     ref = torch.optim.Muon([theirs], lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     for g in grads:
@@ -74,9 +78,7 @@ def test_a_state_saved_by_another_optimizer_is_refused():
     w.grad = torch.randn(8, 4)
     adam.step()
     layouts = {id(w): MatrixLayout("w", (8, 4))}
-    muon = build_muon(
-        [{"params": [w], "wd_mult": 1.0}], _cfg(), [w], WholeMatrices(layouts, MuonSettings(), None)
-    )
+    muon = build_muon([{"params": [w], "wd_mult": 1.0}], _cfg(), [w], _whole({id(w): w}, layouts))
     muon.load_state_dict(adam.state_dict())  # torch loads it; our check names the fix
     with pytest.raises(ValueError, match="--no-load-optim"):
         check_state_kind(muon, "muon")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config.deepspeed_json import build_ds_config, uses_deepspeed_checkpointing
+from megatron.config.optimizers import get_kind
 from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
@@ -31,6 +32,7 @@ from megatron.mpu import (
     checkpoint,
     reduce_sequence_parallel_grads_in_backward,
 )
+from megatron.optim.build import build_torch_optimizer, param_groups
 from megatron.training.backend import global_loss, other_losses
 from megatron.training.data import get_batch
 from megatron.training.deepspeed.moe import (
@@ -39,7 +41,6 @@ from megatron.training.deepspeed.moe import (
     prepare_experts,
     split_expert_param_groups,
 )
-from megatron.training.optimizer import _torch_optimizer, param_groups
 from megatron.training.schedules import forward_backward_no_pipelining
 from megatron.training.step import _model_config, build_parallelized_model, evaluate
 
@@ -149,8 +150,12 @@ def _client_optimizer(groups: list[dict], cfg: MegatronConfig):
     """Our AdamW/SGD, or with --cpu-optimizer (ZeRO offload) DeepSpeed's CPU Adam kernel in
     AdamW mode (--cpu_torch_adam: torch's AdamW, which DeepSpeed is told to accept)."""
     d, o = cfg.deepspeed, cfg.optimizer
-    if not d.cpu_optimizer or d.cpu_torch_adam or o.optimizer != "adam":
-        return _torch_optimizer(groups, o)
+    if (
+        not d.cpu_optimizer
+        or d.cpu_torch_adam
+        or "adam" not in get_kind(o.optimizer).deepspeed_types
+    ):
+        return build_torch_optimizer(groups, o)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     for g in groups:

@@ -42,6 +42,7 @@ from torch.optim.adam import adam as adam_functional
 
 from megatron.model.transformer import ParallelAttention, TransformerLayer
 from megatron.mpu.utils import group_rank, group_size
+from megatron.optim.elementwise import set_weight_decay
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
@@ -197,31 +198,18 @@ def _expert_layout(name: str, p: torch.Tensor, settings: MuonSettings) -> Matrix
 Orthogonalizer = Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
 
 
-class WholeMatrices:
-    """The plain optimizer's orthogonalizer: every main is a whole TP-local weight (the same
-    work on every DP rank, as Adam's update)."""
-
-    def __init__(self, layouts: dict[int, MatrixLayout], settings: MuonSettings, tp_group):
-        self.layouts, self.settings, self.tp_group = layouts, settings, tp_group
-
-    def __call__(self, mains: list[torch.Tensor], updates: list[torch.Tensor]):
-        return [
-            orthogonalize(u, self.layouts[id(m)], self.settings, self.tp_group)
-            for m, u in zip(mains, updates, strict=True)
-        ]
-
-
 class MuonAdamW(torch.optim.Optimizer):
     """One torch optimizer for both halves, so checkpoints, the LR schedule and the resharding
     code see one state keyed by position: parameters in `muon_params` keep Muon's
-    `momentum_buffer`, the others AdamW's `exp_avg`, `exp_avg_sq` and `step` (torch's names).
+    `momentum_buffer`, the others AdamW's `exp_avg`, `exp_avg_sq` and `step` (torch's names;
+    megatron.config.optimizers' entry says so for the resume check, which reads `matrix_ids`).
 
     `orthogonalize(mains, updates)`: s NS(U) of every Muon parameter with a gradient, in one
     call per step on every rank (it may run collectives)."""
 
     def __init__(self, groups, *, muon_params, orthogonalize: Orthogonalizer, **defaults):
         super().__init__(groups, {"weight_decay": 0.0, **defaults})
-        self.muon_ids = {id(p) for p in muon_params}
+        self.matrix_ids = {id(p) for p in muon_params}
         self.orthogonalize = orthogonalize
 
     def __setstate__(self, state: dict) -> None:
@@ -238,9 +226,9 @@ class MuonAdamW(torch.optim.Optimizer):
         muon = []  # (group, main, U_t)
         for group in self.param_groups:
             with_grad = [p for p in group["params"] if p.grad is not None]
-            self._adamw(group, [p for p in with_grad if id(p) not in self.muon_ids])
+            self._adamw(group, [p for p in with_grad if id(p) not in self.matrix_ids])
             muon += [
-                (group, p, self._momentum(group, p)) for p in with_grad if id(p) in self.muon_ids
+                (group, p, self._momentum(group, p)) for p in with_grad if id(p) in self.matrix_ids
             ]
         updates = self.orthogonalize([p for _, p, _ in muon], [u for *_, u in muon])
         for (group, p, _), o in zip(muon, updates, strict=True):
@@ -294,12 +282,23 @@ def muon_settings(cfg) -> MuonSettings:
     )
 
 
+def build(groups: list[dict], cfg, feed) -> MuonAdamW:
+    """The table's builder: MuonAdamW over the param groups (their weight_decay set from
+    wd_mult); the backend's `feed` (megatron.optim.matrices.Feed) finds the mains of the matrices
+    and runs s NS(U) on each whole."""
+    settings = muon_settings(cfg)
+    layouts = matrix_layouts(feed.module, settings)
+
+    def whole(p: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        return orthogonalize(update, layouts[id(p)], settings, feed.tp_group)
+
+    return build_muon(groups, cfg, feed.mains_of(layouts), feed.whole(layouts, whole))
+
+
 def build_muon(groups: list[dict], cfg, muon_params, orthogonalizer: Orthogonalizer) -> MuonAdamW:
     """MuonAdamW over the param groups (their weight_decay set from wd_mult)."""
-    for g in groups:
-        g["weight_decay"] = cfg.weight_decay * g["wd_mult"]
     return MuonAdamW(
-        groups,
+        set_weight_decay(groups, cfg),
         muon_params=muon_params,
         orthogonalize=orthogonalizer,
         lr=cfg.lr,
