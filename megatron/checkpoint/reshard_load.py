@@ -23,7 +23,7 @@ position in its parameter order, recorded as `param_names`) or by the distribute
 ranges per DP rank, reassembled per TP-local parameter).
 The result is in the distributed optimizer's checkpoint form (one range covering each
 parameter; an expert tensor's range in the coordinates of the whole tensor, as that optimizer
-saves it), which either optimizer loads (megatron.training.distrib_optimizer).
+saves it), which either optimizer loads (megatron.optim.shards).
 Nothing here touches torch.distributed.
 """
 

@@ -7,7 +7,7 @@ in reverse parameter order, roughly the order backward produces gradients) is av
 DP group as soon as its last gradient arrives, overlapping the all-reduce with the rest of
 backward. `finish_grad_sync()` waits for all of it before the optimizer step.
 
-With `use_distributed_optimizer` (megatron.training.distrib_optimizer) each bucket is padded to
+With `use_distributed_optimizer` (megatron.optim.distributed) each bucket is padded to
 a multiple of DP and cut into DP equal contiguous shards; the bucket is reduce-scattered instead
 of all-reduced, so DP rank r ends with the averaged gradient of shard r of every bucket only
 (the rest of the buffer holds this rank's unreduced gradients and must not be read). The

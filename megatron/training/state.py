@@ -167,7 +167,7 @@ def resume(
 def current_layout(cfg: MegatronConfig, rt: Runtime, optimizer) -> SavedLayout:
     """The layout this run writes (and reads) its shards at."""
     st = rt.state
-    kind = "distributed" if optimizer.sharded else "plain"
+    kind = "distributed" if getattr(optimizer, "sharded", False) else "plain"
     return SavedLayout(
         tp=st.tp_size,
         pp=st.pp_size,

@@ -358,7 +358,7 @@ _MAY_IMPORT = {
 }
 # Above them: the trainer (which may use any layer below it, but nothing of megatron.models)
 # and the model families, each of which may use everything but another family.
-_GENERIC_ABOVE = ("training",)
+_GENERIC_ABOVE = ("training", "optim")
 
 
 def _megatron_imports(path) -> set[str]:
