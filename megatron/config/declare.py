@@ -207,9 +207,13 @@ def _check_declared(f: dataclasses.Field, value) -> None:
 
 
 def check_requires(section) -> None:
-    """Refuse a setting given (not its default) without the sibling value it `requires`."""
+    """Refuse a setting given (not its default) without the sibling value it `requires`, in
+    `section` and every section below it."""
     fields = {f.name: f for f in dataclasses.fields(section)}
     for f in fields.values():
+        if dataclasses.is_dataclass(getattr(section, f.name)):
+            check_requires(getattr(section, f.name))
+            continue
         need = f.metadata.get("requires")
         if need is None or getattr(section, f.name) == f.default:
             continue

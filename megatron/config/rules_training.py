@@ -72,7 +72,7 @@ def _validate_whole_matrices(cfg: MegatronConfig) -> None:
     """An optimizer of whole matrices (Muon) runs in our own optimizers (plain,
     --use-distributed-optimizer and --use-torch-fsdp2); the settings that require an optimizer
     (Muon's) mean nothing to another one (their declarations say so)."""
-    check_requires(cfg.optimizer)
+    check_requires(cfg)
     name = cfg.optimizer.optimizer
     if not get_kind(name).whole_matrices:
         return

@@ -7,16 +7,15 @@ rank keeps them only for its shard of every gradient bucket (megatron.training.d
 padded to a multiple of DP and cut into DP contiguous shards), so per parameter it holds
 4 + 4 + 8 / DP (fp32) or 2 + 4 + 12 / DP (half) bytes.
 
-One step, on every DP rank r:
+One step, on every DP rank r (megatron.optim.optimizer's tail, megatron.optim.sharded's norm):
     grad   buckets reduce-scattered during backward (DDP): shard r holds the DP-averaged grad
     check  inf/NaN over shard r, MAX-all-reduced over all ranks (every rank skips together)
     norm   ||g||^2 = sum over ranks of the shard sums (TP-replicated params on TP rank 0 only,
            the tied embedding's last-stage copy never), summed over DP, then over TP x PP
-    update AdamW/SGD on shard r's fp32 mains; copied into the param buffer (half models)
+    update the torch optimizer on shard r's fp32 mains; copied into the param buffer (half)
     gather param buckets all-gathered in place (--overlap-param-gather: the next forward waits
            per module, so the all-gather overlaps with the forward)
 
-Checkpoints (megatron.training.state): the shard of each DP rank is saved by that rank as
 Checkpoints (megatron.training.state): the shard of each DP rank is saved by that rank in the
 form of megatron.optim.shards, which any DP size, the plain optimizer and FSDP2 read.
 """

@@ -19,8 +19,9 @@ A backend ("pieces") provides: `groups()` (torch param groups of its fp32 mains)
 (megatron.optim.matrices.Feed), `grads()` (each main's gradient, attached as its .grad),
 `norm_and_clip(grads, clip)`, `before_update()`, `after_update()` (the updated mains into the
 model's weights), `release()`, `reload_model_params()`, `state_dict(optimizer, scaler)`,
-`load_state_dict(optimizer, sd, shards)` (returning the (param, state) pairs to check),
-`offload`, `masters`, `sharded` and `state` (the ParallelState).
+`load_state_dict(optimizer, sd, shards, check)` (calling `check` on the restored states),
+`offload`, `masters`, `sharded` and `state` (the ParallelState); the sharded ones also
+`shard_state_dict(optimizer)`.
 """
 
 from __future__ import annotations

@@ -48,13 +48,15 @@ class ShardPieces:
     sharded, offload = True, False
 
     def __init__(self, place, state: ParallelState, masters: bool):
-        self.place, self.ddp, self.state, self.masters = place, place.model, state, masters
+        self.place, self.model, self.state, self.masters = place, place.model, state, masters
         self.pieces, self.mains, self.device = place.pieces, place.mains, place.device
 
     def groups(self) -> list[dict]:
         """The weight-decay and no-decay groups (both always, so every rank's state has the
         same shape)."""
-        wd_mult = {id(p): g["wd_mult"] for g in param_groups(self.ddp.module) for p in g["params"]}
+        wd_mult = {
+            id(p): g["wd_mult"] for g in param_groups(self.model.module) for p in g["params"]
+        }
         groups = []
         for mult in (1.0, 0.0):
             pairs = zip(self.mains, self.pieces, strict=True)
@@ -65,7 +67,7 @@ class ShardPieces:
     def feed(self) -> Feed:
         pairs = list(zip(self.mains, self.pieces, strict=True))
         return Feed(
-            self.ddp.module,
+            self.model.module,
             self.state.tp_group,
             [(main, pc.param) for main, pc in pairs],
             lambda selected, fn: self.place.exchange(pairs, selected, fn),
@@ -90,7 +92,7 @@ class ShardPieces:
         squares = [n.float() ** 2 for n in per_tensor_norms(counted, 2.0)]  # fused per dtype
         total = torch.stack(squares).sum() if squares else torch.zeros(())
         total = total.to(self.device)
-        for group in (self.ddp.dp_group, self.state.mp_group):
+        for group in (self.model.dp_group, self.state.mp_group):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         norm = total.sqrt()
@@ -116,7 +118,7 @@ class ShardPieces:
         """What every DP rank shares (DP rank 0 writes it in the model shard); the sharded
         part is `shard_state_dict`."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        sd = {"distributed": True, "dp_size": self.ddp.dp_size, "param_groups": groups}
+        sd = {"distributed": True, "dp_size": self.model.dp_size, "param_groups": groups}
         if scaler is not None:
             sd["grad_scaler"] = scaler.state_dict()
         return sd
@@ -137,12 +139,12 @@ class ShardPieces:
                 off = expert_offset(pc.param, self.state)  # experts: ranges in the whole tensor
                 entry["range"] = (pc.lo + off, pc.hi + off)
             pieces[pc.name] = entry
-        return {"dp_rank": self.ddp.dp_rank, "dp_size": self.ddp.dp_size, "pieces": pieces}
+        return {"dp_rank": self.model.dp_rank, "dp_size": self.model.dp_size, "pieces": pieces}
 
     def load_state_dict(self, optimizer, sd: dict, shards, check) -> None:
         """Restore from the shared part `sd` and the saved DP ranks' `shards` (any DP size)."""
         if not sd.get("distributed"):  # the plain optimizer's: every parameter whole
-            sd, shards = plain_to_distributed(sd, self.ddp.module)
+            sd, shards = plain_to_distributed(sd, self.model.module)
         saved_groups = {g.get("wd_mult"): g for g in sd["param_groups"]}
         for group in optimizer.param_groups:
             saved = saved_groups.get(group["wd_mult"], {})
