@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.config.optimizers import NAMES, OptimizerKind, get_kind, register
+from megatron.config.optimizers import OptimizerKind, register
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import _losses, _ref_worker, _train, flags
 
@@ -35,7 +35,11 @@ def build_lion(groups, cfg, feed):
     return Lion(groups, cfg.lr, (cfg.adam_beta1, cfg.adam_beta2))
 
 
-register(OptimizerKind("lion", build_lion, ("exp_avg",), lambda settings: 4))
+def register_lion() -> None:
+    """The one registration --optimizer lion needs (made in the ranks' processes, so the
+    table of the test session itself, docs/flags.md's choices included, stays as shipped)."""
+    register(OptimizerKind("lion", build_lion, ("exp_avg",), lambda settings: 4))
+
 
 LION = ["--optimizer", "lion", "--lr", "1e-3", "--weight-decay", "0.1"]
 DISTRIB = ["--use-distributed-optimizer"]
@@ -53,6 +57,7 @@ def _refusal(rank, world, argv) -> str:
 
 def _one_process_worker(rank, world, argv, save_dir):
     """Lion on one process; then FSDP2 checkpoints of AdamW and Muon resumed by another."""
+    register_lion()
     out = {"lion": _ref_worker(rank, world, argv + LION)}
     short = [a if a != "6" else "2" for a in argv] + FSDP
     for saved, resumed in (("adam", "sgd"), ("adam", "muon"), ("muon", "adam")):
@@ -64,6 +69,7 @@ def _one_process_worker(rank, world, argv, save_dir):
 
 
 def _dp2_worker(rank, world, argv):
+    register_lion()
     return [_ref_worker(rank, world, argv + LION + extra) for extra in ([], DISTRIB)]
 
 
@@ -73,10 +79,6 @@ def runs(data_prefix, tmp_path_factory):
     save_dir = str(tmp_path_factory.mktemp("kinds"))
     (one,) = run_distributed(_one_process_worker, 1, argv, save_dir)
     return one, run_distributed(_dp2_worker, 2, argv)
-
-
-def test_a_registered_optimizer_is_a_choice_with_its_table_entry():
-    assert "lion" in NAMES and get_kind("lion").state_bytes(None) == 4
 
 
 @pytest.mark.slow
