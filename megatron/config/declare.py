@@ -56,8 +56,10 @@ def setting(
     `from_env`: set by the launcher's environment, neither a flag nor a config-file key.
     `resolved`: read by the resolution step (megatron.config.rules.validate) from a file another
     setting names; neither a flag nor a config-file key, and not part of the hash.
-    `choices`: the accepted values. `min`/`max`: inclusive limits, `above`/`below`: exclusive
-    ones (a probability in [0, 1) is min=0, below=1); None (an unset optional) is never checked.
+    `choices`: the accepted values (or a registry's live view of its names, which `in` and
+    iteration read when asked: megatron.schedules.registry.Names). `min`/`max`: inclusive
+    limits, `above`/`below`: exclusive ones (a probability in [0, 1) is min=0, below=1); None
+    (an unset optional) is never checked.
     The help says what the value means; the builder appends the limits and the default.
     """
     if (min is not None and above is not None) or (max is not None and below is not None):
@@ -66,7 +68,7 @@ def setting(
         "help": help,
         "aliases": aliases,
         "flag": flag,
-        "choices": tuple(choices) if choices is not None else None,
+        "choices": tuple(choices) if isinstance(choices, (list, tuple)) else choices,
         "bounds": Bounds(min, max, above, below),
         "metavar": metavar,
         "shortcuts": dict(shortcuts or {}),
