@@ -13,7 +13,7 @@ and without recompute.
    compute on two cores (`--real H`: real GEMMs through the model's linear, one thread per
    rank, which then measures the cores' contention too). Per rank: idle = 1 - (its forward +
    backward + W time) / step time,
-   next to the simulator's idle fraction for the same lists and costs (megatron.pipeline_sim)
+   next to the simulator's idle fraction for the same lists and costs (megatron.schedules.sim)
    and the textbook bubble ((P - 1) / (M + P - 1) for 1F1B, ...; "-" where none is published).
    Each action also pays a fixed cost (the sleep's overshoot, a gloo message, Python: about a
    millisecond on a busy 2-core machine) that the simulator does not: the measured idle sits
@@ -65,8 +65,8 @@ from megatron.mpu import overlap  # noqa: E402
 from megatron.mpu.layers import local_linear  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.mpu.weight_grad import queue_weight_grad, splitting  # noqa: E402
-from megatron.pipeline_order import V_SHAPED  # noqa: E402
-from megatron.pipeline_sim import simulate, textbook_bubble  # noqa: E402
+from megatron.schedules.registry import V_SHAPED  # noqa: E402
+from megatron.schedules.sim import simulate, textbook_bubble  # noqa: E402
 from megatron.training.loop import pretrain  # noqa: E402
 from megatron.training.pipeline import forward_backward_pipelining  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402

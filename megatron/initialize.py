@@ -150,7 +150,7 @@ def initialize_megatron(cfg: MegatronConfig, env: LaunchEnv | None = None) -> Ru
         context_parallel_size=cfg.parallel.context_parallel_size,
         expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=cfg.parallel.expert_tp_size,
-        pipeline_v=cfg.parallel.resolved_pipeline_schedule in ("zbv", "dualpipev"),
+        pipeline_v=cfg.parallel.schedule.v_shape,
     )
     tracker = set_random_seeds(cfg.training.seed, state, device)
     heartbeat = Heartbeat.start_default(timeout.total_seconds())

@@ -27,6 +27,7 @@ from megatron.planning.auto import given_schedule  # noqa: E402
 from megatron.planning.enumerate import Search, best_plan  # noqa: E402
 from megatron.planning.memory import Device, GiB  # noqa: E402
 from megatron.planning.timing import Hardware  # noqa: E402
+from megatron.schedules.registry import Names, is_default  # noqa: E402
 
 # The first command of the module doc: a 1.3B GPT on one node of 8 32-GiB GPUs.
 EXAMPLE = (
@@ -52,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         "--pipeline-schedules",
         nargs="+",
         default=[],
-        choices=("zb-h1", "zbv", "dualpipev"),
+        choices=Names(lambda s: not is_default(s)),
         help="zero-bubble schedules to try too at PP > 1 (--pipeline-schedule given: only it)",
     )
     return parser

@@ -71,7 +71,7 @@ class SavedLayout:
     ep: int | None = None  # expert-parallel size (None: not recorded; experts are saved whole)
     etp: int | None = None  # expert-tensor-parallel size (None: not recorded, or 1)
     recorded: bool = True  # False: inferred from the shard directories (an older checkpoint)
-    v_shape: bool = False  # the chunks placed in a V (--pipeline-schedule zbv / dualpipev)
+    v_shape: bool = False  # the chunks placed in a V (the ZBV and DualPipeV schedules)
 
     def record(self) -> dict:
         v_shape = {"pipeline_v_shape": True} if self.v_shape else {}  # loop placements: as before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megatron.config.declare import fail
 from megatron.config.schema import MegatronConfig
+from megatron.schedules.one_f_one_b import ONE_F_ONE_B
 
 
 def validate_bert(cfg: MegatronConfig) -> None:
@@ -15,11 +16,11 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "BERT runs one model chunk per pipeline stage",
             "drop the flag",
         )
-    if cfg.parallel.pipeline_schedule not in (None, "1f1b"):
+    if cfg.parallel.pipeline_schedule is not None and cfg.parallel.schedule is not ONE_F_ONE_B:
         fail(
             "--pipeline-schedule",
             "pretrain_bert.py runs the 1F1B schedule only",
-            "drop the flag (or --pipeline-schedule 1f1b)",
+            f"drop the flag (or --pipeline-schedule {ONE_F_ONE_B})",
         )
     if cfg.parallel.context_parallel_size > 1:
         fail(

@@ -7,6 +7,7 @@ import dataclasses
 
 from megatron.config.declare import fail
 from megatron.config.schema import MegatronConfig
+from megatron.schedules.registry import Names
 
 FLAG = "--use-torch-fsdp2"
 
@@ -86,10 +87,11 @@ def _clashes(cfg: MegatronConfig) -> tuple[tuple[str, bool, str, str], ...]:
         ),
         (
             f"--pipeline-schedule {cfg.parallel.pipeline_schedule}",
-            cfg.parallel.pipeline_schedule in ("zb-h1", "zbv", "dualpipev"),
+            cfg.parallel.schedule.split_backward,
             "a zero-bubble schedule computes weight gradients after the backward that FSDP2 "
             "reduce-scatters them in; the two are not wired together",
-            "use --pipeline-schedule 1f1b or interleaved with --use-torch-fsdp2, or "
+            f"use --pipeline-schedule {' or '.join(Names(lambda s: not s.split_backward))} with "
+            "--use-torch-fsdp2, or "
             "--use-distributed-optimizer with the zero-bubble schedules",
         ),
     )

@@ -4,41 +4,46 @@ from __future__ import annotations
 
 from megatron.config.declare import fail
 from megatron.config.schema import MegatronConfig
+from megatron.schedules.base import PipelineSchedule
+from megatron.schedules.one_f_one_b import ONE_F_ONE_B
+from megatron.schedules.registry import OVERLAPS_PAIRS, default_schedule
+from megatron.schedules.zero_bubble import ZB_H1
 
 _FLAG = "--pipeline-schedule"
 
 
 def validate_pipeline_schedule(cfg: MegatronConfig) -> None:
     par = cfg.parallel
-    schedule, vlayers = par.pipeline_schedule, par.num_layers_per_virtual_pipeline_stage
-    if schedule is None:
+    schedule, vlayers = par.schedule, par.num_layers_per_virtual_pipeline_stage
+    if par.pipeline_schedule is None:
         if par.overlap_moe_expert_parallel_comm:
             _validate_overlap(cfg)
-        return  # 1f1b, or interleaved with --num-layers-per-virtual-pipeline-stage
+        return  # the default: 1F1B, or interleaved with --num-layers-per-virtual-pipeline-stage
     if par.pipeline_model_parallel_size < 2:
         fail(
             f"{_FLAG} {schedule}",
             "a pipeline schedule needs pipeline stages",
             "raise --pipeline-model-parallel-size to 2 or more, or drop the flag",
         )
-    if schedule == "interleaved" and vlayers is None:
+    if schedule.chunks is None and vlayers is None:
         fail(
-            f"{_FLAG} interleaved",
-            "the interleaved schedule needs model chunks",
+            f"{_FLAG} {schedule}",
+            f"the {schedule} schedule needs model chunks",
             "add --num-layers-per-virtual-pipeline-stage (layers per chunk)",
         )
-    if schedule in ("1f1b", "zb-h1") and vlayers is not None:
+    if schedule.chunks == 1 and vlayers is not None:
         fail(
             f"{_FLAG} {schedule}",
             f"{schedule} runs one model chunk per stage, but "
             "--num-layers-per-virtual-pipeline-stage asks for several",
-            "drop --num-layers-per-virtual-pipeline-stage, or use --pipeline-schedule interleaved",
+            "drop --num-layers-per-virtual-pipeline-stage, or use --pipeline-schedule "
+            f"{default_schedule(chunked=True)}",
         )
-    if schedule in ("zbv", "dualpipev"):
+    if schedule.v_shape:
         _validate_v_shape(cfg, schedule)
     if par.overlap_moe_expert_parallel_comm:
         _validate_overlap(cfg)
-    if cfg.deepspeed.enabled and schedule != "1f1b":
+    if cfg.deepspeed.enabled and schedule is not ONE_F_ONE_B:
         fail(
             f"{_FLAG} {schedule}",
             "DeepSpeed's pipeline engine runs its own 1F1B schedule",
@@ -46,7 +51,7 @@ def validate_pipeline_schedule(cfg: MegatronConfig) -> None:
         )
 
 
-def _validate_v_shape(cfg: MegatronConfig, schedule: str) -> None:
+def _validate_v_shape(cfg: MegatronConfig, schedule: PipelineSchedule) -> None:
     """Two chunks per stage in a V: 2 P chunks of equal layer counts."""
     par, m = cfg.parallel, cfg.model
     pp, vlayers = par.pipeline_model_parallel_size, par.num_layers_per_virtual_pipeline_stage
@@ -70,19 +75,18 @@ def _validate_v_shape(cfg: MegatronConfig, schedule: str) -> None:
             f"{_FLAG} {schedule}",
             "--num-unique-layers shares weights between layers, which the V places on "
             "chunks the sharing rules do not know",
-            "drop --num-unique-layers, or use --pipeline-schedule zb-h1",
+            f"drop --num-unique-layers, or use --pipeline-schedule {ZB_H1}",
         )
 
 
 def overlaps_moe_pairs(cfg: MegatronConfig) -> bool:
-    """Whether dualpipev's forward / backward pairs run overlapped: the schedule is
-    dualpipev, the model's MoE layers exchange tokens by all-to-all over EP > 1, and
+    """Whether the schedule's forward / backward pairs run overlapped (DualPipeV's): it
+    overlaps them where the model's MoE layers exchange tokens by all-to-all over EP > 1
+    (megatron.schedules.base.PipelineSchedule.overlaps_moe_pairs), and
     --no-overlap-moe-expert-parallel-comm was not given."""
     par = cfg.parallel
-    return (
-        par.overlap_moe_expert_parallel_comm is not False
-        and par.resolved_pipeline_schedule == "dualpipev"
-        and _has_all_to_alls(cfg)
+    return par.overlap_moe_expert_parallel_comm is not False and par.schedule.overlaps_moe_pairs(
+        par.pipeline_model_parallel_size, par.expert_model_parallel_size, _has_all_to_alls(cfg)
     )
 
 
@@ -97,14 +101,14 @@ def _has_all_to_alls(cfg: MegatronConfig) -> bool:
 
 def _validate_overlap(cfg: MegatronConfig) -> None:
     """--overlap-moe-expert-parallel-comm given: refused where nothing would overlap."""
-    flag = "--overlap-moe-expert-parallel-comm"
-    if cfg.parallel.resolved_pipeline_schedule != "dualpipev":
+    flag, paired = "--overlap-moe-expert-parallel-comm", " / ".join(OVERLAPS_PAIRS)
+    if not cfg.parallel.schedule.overlaps_pairs:
         fail(
             flag,
-            "only the dualpipev schedule overlaps one micro batch's all-to-alls with another's "
-            f"compute here, not {cfg.parallel.resolved_pipeline_schedule} (Megatron-core's "
+            f"only the {paired} schedule overlaps one micro batch's all-to-alls with another's "
+            f"compute here, not {cfg.parallel.schedule} (Megatron-core's "
             "combined 1F1B is not implemented)",
-            "add --pipeline-schedule dualpipev, or drop the flag",
+            f"add --pipeline-schedule {paired}, or drop the flag",
         )
     if not _has_all_to_alls(cfg):
         fail(

@@ -106,11 +106,8 @@ def _validate_interleaved(cfg: MegatronConfig) -> None:
     """The interleaved schedule runs whole rounds of P micro batches, at every batch size of
     the run (the --rampup-batch-size steps included)."""
     par, t = cfg.parallel, cfg.training
-    if par.num_layers_per_virtual_pipeline_stage is None or par.resolved_pipeline_schedule in (
-        "zbv",
-        "dualpipev",
-    ):
-        return  # the V schedules run any number of micro batches (megatron.pipeline_sim)
+    if par.num_layers_per_virtual_pipeline_stage is None or not par.schedule.whole_rounds:
+        return  # the others run any number of micro batches (megatron.schedules.sim)
     dp, pp = par.data_parallel_size, par.pipeline_model_parallel_size
     unit = t.micro_batch_size * dp
     sizes = [t.resolved_global_batch_size(dp)]

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 
 from megatron.config.declare import Section, setting
 from megatron.config.schema_resilience import FaultToleranceSettings
+from megatron.schedules.base import PipelineSchedule
+from megatron.schedules.registry import (
+    OVERLAPS_PAIRS,
+    SCHEDULES,
+    flag_help,
+    resolve_schedule,
+)
 
 LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),  # torchrun, deepspeed, torch.distributed.launch
@@ -20,6 +27,10 @@ LAUNCHER_VARIABLES = (
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH, Intel MPI
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),  # MVAPICH
 )
+
+
+# the schedules whose forward / backward pairs run overlapped (megatron.schedules)
+_PAIRED = " / ".join(OVERLAPS_PAIRS)
 
 
 @dataclass(frozen=True)
@@ -67,29 +78,19 @@ class _ParallelFields(Section):
     num_layers_per_virtual_pipeline_stage: int | None = setting(
         None, "layers per model chunk for the interleaved pipeline schedule", min=1
     )
-    pipeline_schedule: str | None = setting(
-        None,
-        "the pipeline-parallel schedule (megatron/pipeline_order.py): 1f1b; interleaved (model "
-        "chunks of --num-layers-per-virtual-pipeline-stage layers); zb-h1 (zero bubble: 1F1B "
-        "with each backward split into the input gradient and a later weight gradient that "
-        "fills the bubble, at 1F1B's activation memory); zbv (two chunks per stage placed "
-        "in a V, stage 0 holding the first and the last layers, zero bubble at about 1F1B's "
-        "memory) and dualpipev (DeepSeek-V3's order on the same V). Default: interleaved when "
-        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b",
-        choices=("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
-    )
+    pipeline_schedule: str | None = setting(None, flag_help(), choices=SCHEDULES)
     overlap_moe_expert_parallel_comm: bool | None = setting(
         None,
         "hide the MoE token all-to-alls (EP > 1, alltoall dispatcher) behind compute: "
-        "--pipeline-schedule dualpipev runs each steady-state pair, the forward of one micro "
+        f"--pipeline-schedule {_PAIRED} runs each steady-state pair, the forward of one micro "
         "batch and the backward of another, in two threads that take turns at the "
         "all-to-alls, so one's tokens travel while the other computes (the same numbers as "
-        "running them one after the other). Default: on wherever dualpipev has EP all-to-alls "
+        f"running them one after the other). Default: on wherever {_PAIRED} has EP all-to-alls "
         "(what DualPipeV is; torchtitan's pipeline_parallel_expert_parallel_overlap)",
         shortcuts={
             "--no-overlap-moe-expert-parallel-comm": (
                 False,
-                "run dualpipev's forward / backward pairs one after the other",
+                f"run {_PAIRED}'s forward / backward pairs one after the other",
             )
         },
     )
@@ -158,20 +159,19 @@ class ParallelConfig(FaultToleranceSettings, _ParallelFields):
         return self.tensor_model_parallel_size if etp is None else etp
 
     @property
+    def schedule(self) -> PipelineSchedule:
+        """--pipeline-schedule, or the one the other flags imply (megatron.schedules)."""
+        chunked = self.num_layers_per_virtual_pipeline_stage is not None
+        return resolve_schedule(self.pipeline_schedule, chunked)
+
+    @property
     def resolved_pipeline_schedule(self) -> str:
-        """--pipeline-schedule, or the one the other flags imply."""
-        if self.pipeline_schedule is not None:
-            return self.pipeline_schedule
-        return "1f1b" if self.num_layers_per_virtual_pipeline_stage is None else "interleaved"
+        return self.schedule.name
 
     def virtual_pipeline_size(self, num_layers: int) -> int | None:
-        """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""
-        if self.pipeline_schedule in ("zbv", "dualpipev"):
-            return 2  # the two legs of the V
-        if self.num_layers_per_virtual_pipeline_stage is None:
-            return None
+        """Model chunks per pipeline rank (None: one, not interleaved)."""
         per_stage = num_layers // self.pipeline_model_parallel_size
-        return per_stage // self.num_layers_per_virtual_pipeline_stage
+        return self.schedule.model_chunks(per_stage, self.num_layers_per_virtual_pipeline_stage)
 
 
 @dataclass(frozen=True)

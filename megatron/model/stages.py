@@ -1,7 +1,8 @@
 """Pipeline stages: which slice of the layer list each (pipeline rank, model chunk) owns.
 
-With P stages and V model chunks per stage (the interleaved schedule), the L layers form P x V
-virtual stages of L / (P V) layers; chunk c of stage s is virtual stage c P + s. The first
+With P stages and V model chunks per stage (the interleaved schedule, or the V placement's
+two), the L layers form P x V virtual stages of L / (P V) layers; which virtual stage chunk c of
+stage s runs is the schedules' arithmetic (megatron.schedules.base.virtual_stage). The first
 virtual stage adds the embedding, the last the final norm and head. Parameter names stay global
 (`layers.7...` wherever layer 7 lives), so a checkpoint's names never depend on the layout.
 """
@@ -11,14 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def virtual_stage(pp_size: int, pp_rank: int, vp_rank: int = 0, v_shape: bool = False) -> int:
-    """Chunk vp_rank of stage pp_rank: virtual stage vp_rank P + pp_rank (the loop), or with
-    `v_shape` (two chunks, --pipeline-schedule zbv / dualpipev) pp_rank and 2 P - 1 - pp_rank.
-    megatron.pipeline_order.virtual_stage is the schedules' twin of this arithmetic."""
-    if v_shape:
-        return pp_rank if vp_rank == 0 else 2 * pp_size - 1 - pp_rank
-    return vp_rank * pp_size + pp_rank
+from megatron.schedules.base import virtual_stage
 
 
 def stage_layer_range(

@@ -58,7 +58,7 @@ class ParallelState:
     pp_up_group: object | None = None
     pp_down_group: object | None = None
     virtual_pp_size: int | None = None
-    # --pipeline-schedule zbv / dualpipev: the two chunks of stage s are virtual stages s and
+    # the V placement (ZBV, DualPipeV): the two chunks of stage s are virtual stages s and
     # 2 P - 1 - s (a V), so stage 0 holds the embedding, the head and the loss
     pipeline_v: bool = False
     # --sequence-parallel: between the TP regions activations hold s / tp positions per rank
@@ -253,7 +253,7 @@ def initialize_model_parallel(
     torch's default 30 minutes. `sequence_parallel` is recorded for the model and the pipeline
     (it needs TP > 1: one rank has nothing to split the sequence over).
     `expert_tensor_parallel_size` is 1 or the TP size (the group is the TP group).
-    `pipeline_v`: the V placement of the chunks (--pipeline-schedule zbv / dualpipev).
+    `pipeline_v`: the V placement of the chunks (the ZBV and DualPipeV schedules).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed before building model-parallel groups")

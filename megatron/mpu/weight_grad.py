@@ -1,6 +1,6 @@
 """Weight gradients computed apart from input gradients (the zero-bubble pipeline schedules).
 
-A zero-bubble schedule (megatron.pipeline_order: zb-h1, zbv, dualpipev) splits a micro batch's
+A zero-bubble schedule (megatron.schedules: ZB-H1, ZBV, DualPipeV) splits a micro batch's
 backward into B, the gradient to the stage's input that the previous stage waits for, and W,
 the weight gradients that nobody waits for and that run later, in a hole of the pipeline.
 

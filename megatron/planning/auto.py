@@ -16,6 +16,7 @@ from megatron.config.schema import ConfigError, MegatronConfig
 from megatron.planning.enumerate import Plan, Search, best_plan, candidate
 from megatron.planning.memory import Device, GiB
 from megatron.planning.timing import Hardware
+from megatron.schedules.registry import is_default
 
 
 def _gpu_memory_gb(cfg: MegatronConfig) -> float:
@@ -48,7 +49,7 @@ def search_for(cfg: MegatronConfig) -> Search:
         recompute=(r.granularity,) if r.granularity else (None, "selective", "full"),
         sequence_parallel=(True,) if par.sequence_parallel else (False, True),
         interleave=par.num_layers_per_virtual_pipeline_stage is None
-        and par.pipeline_schedule in (None, "interleaved"),
+        and (par.pipeline_schedule is None or par.schedule.chunks is None),
         tensor_parallel=(par.tensor_model_parallel_size,)
         if par.tensor_model_parallel_size > 1
         else None,
@@ -63,11 +64,11 @@ def search_for(cfg: MegatronConfig) -> Search:
 
 
 def given_schedule(cfg: MegatronConfig) -> dict:
-    """The Search fields of a zero-bubble --pipeline-schedule given: that schedule only (at
-    PP > 1). 1f1b / interleaved given stay on every candidate (megatron.planning.enumerate
-    .candidate), which the rules then hold to their chunks."""
+    """The Search fields of a --pipeline-schedule given other than the defaults (a zero-bubble
+    one): that schedule only (at PP > 1). 1F1B / interleaved given stay on every candidate
+    (megatron.planning.enumerate.candidate), which the rules then hold to their chunks."""
     schedule = cfg.parallel.pipeline_schedule
-    if schedule in (None, "1f1b", "interleaved"):
+    if schedule is None or is_default(schedule):
         return {}
     return {"schedules": (schedule,), "only_schedules": True}
 

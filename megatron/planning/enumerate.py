@@ -26,6 +26,7 @@ from megatron.planning.memory import (
 )
 from megatron.planning.pipeline_memory import estimate_memory
 from megatron.planning.timing import Hardware, limiting_term, mfu, step_time
+from megatron.schedules.registry import get_schedule
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Search:
     expert_parallel: tuple[int, ...] | None = None  # MoE; default: divisors of DP x CP and E
     expert_tensor_parallel: int | None = None  # MoE: 1 (experts whole over TP) or None (= TP)
     memory_flag: str = "--gpu-memory"  # the flag that gave gpu_memory_gb, named in the fix
-    # --pipeline-schedule values tried at PP > 1 besides 1f1b / interleaved, or with
+    # --pipeline-schedule values tried at PP > 1 besides the defaults (1F1B, interleaved), or with
     # `only_schedules` (a --pipeline-schedule given) instead of them
     schedules: tuple[str, ...] = ()
     only_schedules: bool = False
@@ -159,7 +160,7 @@ def _layouts_of(m, s: Search, gbs: int, tp: int, pp: int, cp: int):
         eps = [e for e in eps if not s.expert_parallel or e in s.expert_parallel] or [1]
     shapes = [] if s.only_schedules else [(vp, None) for vp in vps]
     if pp > 1:
-        shapes += [(2 if sch in ("zbv", "dualpipev") else None, sch) for sch in s.schedules]
+        shapes += [(get_schedule(sch).fixed_chunks, sch) for sch in s.schedules]
     for (vp, sch), b, rc, sp, ep in itertools.product(
         shapes, mbs, s.recompute, s.sequence_parallel, eps
     ):

@@ -51,8 +51,9 @@ from dataclasses import dataclass
 
 from megatron.config.optimizers import get_kind
 from megatron.config.schema import ModelConfig
-from megatron.pipeline_order import V_SHAPED
 from megatron.planning import mla
+from megatron.schedules.base import PipelineSchedule
+from megatron.schedules.registry import is_default, resolve_schedule
 
 GiB = 1024**3
 
@@ -86,18 +87,21 @@ class Layout:
     cp: int = 1  # context-parallel ranks per sequence
     ep: int = 1  # expert-parallel ranks (MoE), carved from DP x CP
     etp: int | None = None  # expert-tensor-parallel ranks: 1 or TP (None: TP, the default)
-    schedule: str | None = None  # --pipeline-schedule (None: 1f1b, or interleaved with vp)
+    schedule: str | None = None  # --pipeline-schedule (None: the default for vp)
+
+    @property
+    def pipeline(self) -> PipelineSchedule:
+        """The schedule object (megatron.schedules): the one named, or the default for vp."""
+        return resolve_schedule(self.schedule, chunked=bool(self.vp))
 
     @property
     def pipeline_schedule(self) -> str:
-        if self.schedule is not None:
-            return self.schedule
-        return "interleaved" if self.vp else "1f1b"
+        return self.pipeline.name
 
     @property
     def v_shape(self) -> bool:
-        """The chunks placed in a V (zbv, dualpipev): stage 0 holds the embedding and head."""
-        return self.pipeline_schedule in V_SHAPED
+        """The chunks placed in a V (ZBV, DualPipeV): stage 0 holds the embedding and head."""
+        return self.pipeline.v_shape
 
     @property
     def expert_tp(self) -> int:
@@ -105,7 +109,7 @@ class Layout:
 
     def describe(self) -> str:
         v = f" V{self.vp}" if self.vp and not self.v_shape else ""
-        v += f" {self.schedule}" if self.schedule not in (None, "1f1b", "interleaved") else ""
+        v += f" {self.schedule}" if self.schedule and not is_default(self.schedule) else ""
         sp = " SP" if self.sequence_parallel else ""
         rc = f" rc={self.recompute}" if self.recompute else ""
         cp = f" CP{self.cp}" if self.cp > 1 else ""
@@ -205,7 +209,7 @@ def stage_params(
     m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1, etp: int = 1, v_shape=False
 ) -> int:
     """Weights on a rank of pipeline stage `stage` (its V chunks together), experts included.
-    `v_shape` (zbv, dualpipev): stage 0 holds the head too, and one tied embedding for both."""
+    `v_shape` (ZBV, DualPipeV): stage 0 holds the head too, and one tied embedding for both."""
     words = m.padded_vocab_size(tp) * m.hidden_size // tp
     moe = stage_moe_layers(m, pp, stage)
     n = (m.num_layers // pp - moe) * layer_params(m, tp)

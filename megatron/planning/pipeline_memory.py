@@ -1,7 +1,7 @@
 """Activation bytes of a pipeline stage over one step, walked in its schedule's own order, and
 the whole rank's memory (megatron/planning/memory.py models one micro batch of one chunk).
 
-A stage's `activations` term is the peak, over its action list (megatron.pipeline_order), of
+A stage's `activations` term is the peak, over its action list (megatron.schedules), of
 the bytes held for backward: each micro batch of each chunk from its F to its B; with a
 zero-bubble schedule, from the B to the W only what the W reads (the queue of
 megatron.mpu.weight_grad, `weight_grad_bytes`). It is what megatron.model.memory.LiveActivations
@@ -14,7 +14,6 @@ peak) and `p2p_buffers` (the forward outputs sent on and kept until their backwa
 from __future__ import annotations
 
 from megatron.config.schema import ModelConfig
-from megatron.pipeline_order import SPLIT_BACKWARD, schedule_actions, virtual_stage
 from megatron.planning.memory import (
     Device,
     Layout,
@@ -79,10 +78,11 @@ def weight_grad_bytes(m: ModelConfig, lay: Layout, t: Training, first: bool, las
 
 def _chunk_sizes(m, lay, t, dev, stage) -> dict[int, tuple[int, int, int]]:
     """Per chunk c of the stage: (kept from F to B, recompute working set, held B to W)."""
-    P, V, schedule = lay.pp, 2 if lay.v_shape else lay.vp or 1, lay.pipeline_schedule
+    P, schedule = lay.pp, lay.pipeline
+    V = schedule.chunks_per_stage(lay.vp)
     sizes = {}
     for c in range(V):
-        virtual = virtual_stage(schedule, P, stage, c)
+        virtual = schedule.virtual_stage(P, stage, c)
         first, last = virtual == 0, virtual == P * V - 1
         kept, working = chunk_activation_bytes(m, lay, t, dev, first, last)
         held = kept
@@ -102,8 +102,8 @@ def stage_activation_peak(
     (weight_grad_bytes: under full recompute more than the group inputs kept, since the B
     rebuilt them) and the W frees that. A zero-bubble schedule's full backward (DualPipeV's)
     queues the same and runs it right after: held at the end of that B."""
-    P, schedule = lay.pp, lay.pipeline_schedule
-    V = 2 if lay.v_shape else lay.vp or 1
+    P, schedule = lay.pp, lay.pipeline
+    V = schedule.chunks_per_stage(lay.vp)
     sizes = _chunk_sizes(m, lay, t, dev, stage)
     if P == 1:  # gradient accumulation: one micro batch at a time
         kept, working, _ = sizes[0]
@@ -112,12 +112,12 @@ def stage_activation_peak(
     out_bytes = layer_input_bytes(m, lay, t)
     # After the warm-up the live set repeats every P micro batches: 4P of them show the peak.
     M = min(lay.num_micro_batches, 4 * P)
-    actions = schedule_actions(schedule, P, stage, M, V)
+    actions = schedule.actions(P, stage, M, V)
     split = {(c, mb) for kind, c, mb in actions if kind == "W"}
-    queued = schedule in SPLIT_BACKWARD  # every B queues its W's, a full one runs them after
+    queued = schedule.split_backward  # every B queues its W's, a full one runs them after
     for kind, c, mb in actions:
         kept, working, held = sizes[c]
-        last = virtual_stage(schedule, P, stage, c) == P * V - 1
+        last = schedule.virtual_stage(P, stage, c) == P * V - 1
         if kind == "F":
             live += kept
             outputs += 0 if last else out_bytes

@@ -18,8 +18,8 @@
     ep_comm     MoE: per MoE layer and micro batch, the token dispatch and combine all-to-alls
                 (2 forward, 2 backward, 2 more with full recompute) of the T k h x D bytes a
                 rank routes, (EP-1)/EP of them leaving the rank (over the DP links). With
-                --pipeline-schedule dualpipev (EP > 1) each overlapped pair of a forward and a
-                backward (megatron.pipeline_order.overlapped_pairs; the stage with fewest)
+                DualPipeV (EP > 1) each overlapped pair of a forward and a backward
+                (PipelineSchedule.overlapped_pairs, megatron.schedules; the stage with fewest)
                 hides the forward's all-to-alls behind the backward's compute and the
                 backward's behind the forward's, each up to the other's compute
     launch      M x layers x a fixed cost per layer forward + backward (kernel launches,
@@ -41,8 +41,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import ModelConfig
-from megatron.pipeline_order import overlapped_pairs, schedule_actions
-from megatron.pipeline_sim import simulate
 from megatron.planning import mla
 from megatron.planning.memory import (
     Layout,
@@ -53,6 +51,7 @@ from megatron.planning.memory import (
     stage_expert_params,
     stage_params,
 )
+from megatron.schedules.sim import simulate
 
 
 @dataclass(frozen=True)
@@ -167,7 +166,7 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
     moe = moe_seconds(m, lay, t, hw)
     compute += M * moe["redundant"]
     ep_comm = M * moe["all_to_all"]
-    if overlaps_moe_pairs(lay):
+    if lay.pipeline.overlaps_moe_pairs(lay.pp, lay.ep):
         ep_comm -= hidden_all_to_all(lay, moe["all_to_all"], 3 * fwd / hw.flops_per_s)
     busy = compute + recompute + launch + tp_comm + cp_comm + ep_comm
     bubble = busy * idle_per_work(lay)
@@ -197,23 +196,13 @@ def step_time(m: ModelConfig, lay: Layout, t: Training, hw: Hardware) -> dict[st
     }
 
 
-def overlaps_moe_pairs(lay: Layout) -> bool:
-    """DualPipeV with EP > 1: the runtime overlaps its forward / backward pairs (megatron.mpu.
-    overlap; the default, as megatron.config.rules_pipeline.overlaps_moe_pairs decides for a
-    run; the planner assumes the alltoall dispatcher)."""
-    return lay.pipeline_schedule == "dualpipev" and lay.ep > 1 and lay.pp > 1
-
-
 def hidden_all_to_all(lay: Layout, per_micro_batch: float, compute: float) -> float:
     """Seconds of a stage's all-to-alls its overlapped pairs hide: per pair the forward's
     share (2 of the calls) up to the backward's compute (2/3 of a micro batch's), the
     backward's share up to the forward's (1/3). `per_micro_batch`, `compute`: one micro
     batch's all-to-all and forward + backward seconds."""
-    P, M = lay.pp, lay.num_micro_batches
-    pairs = min(
-        len(overlapped_pairs("dualpipev", schedule_actions("dualpipev", P, s, M, 2)))
-        for s in range(P)
-    )
+    P, M, schedule = lay.pp, lay.num_micro_batches, lay.pipeline
+    pairs = min(len(schedule.overlapped_pairs(schedule.actions(P, s, M, 2))) for s in range(P))
     forward_share = per_micro_batch * 2 / (6 if lay.recompute == "full" else 4)
     backward_share = per_micro_batch - forward_share
     per_pair = min(forward_share, compute * 2 / 3) + min(backward_share, compute / 3)
@@ -221,15 +210,16 @@ def hidden_all_to_all(lay: Layout, per_micro_batch: float, compute: float) -> fl
 
 
 def idle_per_work(lay: Layout) -> float:
-    """A stage's idle time per unit of its own work: (P - 1) / (V M) for 1F1B and interleaved;
-    the zero-bubble schedules' lists run by the simulator (megatron.pipeline_sim) with a
-    backward twice the forward, split evenly into B and W."""
-    P, M = lay.pp, lay.num_micro_batches
-    if lay.pipeline_schedule in ("1f1b", "interleaved") or P == 1:
+    """A stage's idle time per unit of its own work: (P - 1) / (V M) for the schedules whose
+    backward is whole (1F1B, interleaved); the zero-bubble schedules' lists run by the
+    simulator (megatron.schedules.sim) with a backward twice the forward, split evenly into B
+    and W (DualPipeV's pairs overlapped as the runtime overlaps them, the planner assuming the
+    alltoall dispatcher)."""
+    P, M, schedule = lay.pp, lay.num_micro_batches, lay.pipeline
+    if not schedule.split_backward or P == 1:
         return (P - 1) / ((lay.vp or 1) * M)
-    run = simulate(
-        lay.pipeline_schedule, P, M, 2 if lay.v_shape else None, overlap=overlaps_moe_pairs(lay)
-    )
+    overlap = schedule.overlaps_moe_pairs(P, lay.ep)
+    run = simulate(schedule, P, M, schedule.fixed_chunks, overlap=overlap)
     return (run.step_time - run.busy[0]) / run.busy[0]
 
 

@@ -2,17 +2,17 @@
 and the zero-bubble ones (ZB-H1, ZBV, DualPipeV).
 
 With P stages, V model chunks per stage and M micro batches, stage s runs a list of actions
-('F', 'B' or 'W', chunk, micro batch) fixed ahead of time (`megatron.pipeline_order`, which
-also says which virtual stage each chunk is). Activations go to the next virtual stage and
-gradients to the previous one with asynchronous sends (a hand-over within the stage, at the
-bottom of a V, sends nothing); a stage blocks only when it receives, and the time spent waiting
-there is the pipeline bubble it sees (timer 'pipeline-wait'). Messages carry a tag naming
-(direction, receiving virtual stage, micro batch), and a stage posts its receives from a peer
-in the order that peer sends (`megatron.pipeline_order.messages`), so a backend that ignores
-tags (NCCL) pairs them right too. NCCL also blocks a stream's later operations behind a send
-until the peer receives it, and runs a stage pair's sends and receives on one stream per
-group: two stages each sending to the other before receiving (1F1B's steady state, a V's
-turns) would wait for each other for ever. So sends to a later stage use one group
+('F', 'B' or 'W', chunk, micro batch) fixed ahead of time by the schedule's object
+(`megatron.schedules`, which also says which virtual stage each chunk is). Activations go to
+the next virtual stage and gradients to the previous one with asynchronous sends (a hand-over
+within the stage, at the bottom of a V, sends nothing); a stage blocks only when it receives,
+and the time spent waiting there is the pipeline bubble it sees (timer 'pipeline-wait').
+Messages carry a tag naming (direction, receiving virtual stage, micro batch), and a stage
+posts its receives from a peer in the order that peer sends (`PipelineSchedule.messages`), so a
+backend that ignores tags (NCCL) pairs them right too. NCCL also blocks a stream's later
+operations behind a send until the peer receives it, and runs a stage pair's sends and receives
+on one stream per group: two stages each sending to the other before receiving (1F1B's steady
+state, a V's turns) would wait for each other for ever. So sends to a later stage use one group
 (`pp_up_group`) and sends to an earlier stage another (`pp_down_group`): each carries one
 direction between two stages, its receives posted in its sends' order.
 
@@ -24,7 +24,7 @@ list (1F1B, DualPipeV's full backwards) runs its queue at once. The weight gradi
 
 DualPipeV with `overlap` (expert-parallel all-to-alls to hide, megatron.training.step): each
 steady-state pair, a forward and the full backward of the other chunk
-(`megatron.pipeline_order.overlapped_pairs`), receives both its inputs, then runs the forward
+(`PipelineSchedule.overlapped_pairs`), receives both its inputs, then runs the forward
 here and the backward in a second thread, taking turns at the MoE all-to-alls
 (megatron.mpu.overlap); the forward's output is sent when it ends, the backward's input
 gradient when it ends but never before the forward's (the peer receives in list order). The
@@ -41,14 +41,8 @@ import torch.distributed as dist
 from megatron.mpu.overlap import run_pair
 from megatron.mpu.random import RNGStatesTracker
 from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
-from megatron.pipeline_order import (
-    SPLIT_BACKWARD,
-    messages,
-    overlapped_pairs,
-    schedule_actions,
-    stage_of,
-    virtual_stage,
-)
+from megatron.schedules.base import PipelineSchedule
+from megatron.schedules.registry import get_schedule, resolve_schedule
 from megatron.training.timers import NULL_TIMER
 
 FORWARD, BACKWARD = 0, 1
@@ -148,10 +142,11 @@ def forward_backward_pipelining(
     scale_loss=lambda x: x,
     forward_only=False,
     timers=None,
-    schedule: str | None = None,
+    schedule: str | PipelineSchedule | None = None,
     overlap: bool = False,
 ) -> list[dict]:
-    """Run one step of `schedule` (default: 1F1B, interleaved when V > 1) on this stage.
+    """Run one step of `schedule` (a name or the object; default: 1F1B, interleaved when
+    V > 1) on this stage.
 
     `model` holds V chunks (`model[c]`); `shape` is the (micro batch, seq, hidden) activation
     shape. `overlap`: run DualPipeV's forward / backward pairs overlapped. Returns the last
@@ -159,23 +154,20 @@ def forward_backward_pipelining(
     """
     chunks = getattr(model, "module", model)  # DDP-wrapped ModelChunks, or the chunks
     P, s, V, M = state.pp_size, state.pp_rank, len(chunks), num_micro_batches
-    schedule = schedule or ("interleaved" if V > 1 else "1f1b")
-    if schedule == "interleaved" and M % P:  # the user-facing rule is in megatron/config
-        raise ValueError(f"interleaved 1F1B: {M} micro batches are not a multiple of P = {P}")
-    actions = schedule_actions(schedule, P, s, M, V, forward_only)
-    if forward_only:
-        sent = _forward_messages(schedule, P, M, V)
-    else:
-        sent = messages(schedule, P, M, V)[0]
+    schedule = resolve_schedule(schedule, chunked=V > 1)
+    if schedule.whole_rounds and M % P:  # the user-facing rule is in megatron/config
+        raise ValueError(f"{schedule}: {M} micro batches are not a multiple of P = {P}")
+    actions = schedule.actions(P, s, M, V, forward_only)
+    sent = schedule.messages(P, M, V, forward_only)[0]
     expected = {src: list(sent.get((src, s), [])) for src in range(P)}
     comm = _Comm(state, shape, dtype, next(model.parameters()).device, timers, expected)
     run = _Runner(chunks, comm, _SharedBatches(data_iterator), forward_step, schedule, M)
     run.scale_loss, run.forward_only = scale_loss, forward_only
     run.deferred = {(c, mb) for kind, c, mb in actions if kind == "W"}
-    split = schedule in SPLIT_BACKWARD and not forward_only
+    split = schedule.split_backward and not forward_only
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     reduce = _GradSync(model, chunks, actions) if not forward_only else None
-    pairs = overlapped_pairs(schedule, actions) if overlap and not forward_only else set()
+    pairs = schedule.overlapped_pairs(actions) if overlap and not forward_only else set()
     with no_sync(), split_weight_grads(split):
         _run_actions(run, actions, pairs, reduce)
         comm.wait_all()
@@ -225,17 +217,6 @@ class _GradSync:
         self.start(self.done)
 
 
-def _forward_messages(schedule: str, P: int, M: int, V: int) -> dict:
-    """The forward messages each stage pair exchanges in an evaluation step, in send order."""
-    sent = {}
-    for s in range(P):
-        for _, c, mb in schedule_actions(schedule, P, s, M, V, forward_only=True):
-            v = virtual_stage(schedule, P, s, c)
-            if v < P * V - 1:
-                sent.setdefault((s, stage_of(schedule, P, v + 1)[0]), []).append(("F", v + 1, mb))
-    return sent
-
-
 def _trackers(chunks) -> list[RNGStatesTracker]:
     """The chunks' named RNG streams (megatron.mpu.random), each once."""
     found = {}
@@ -254,7 +235,11 @@ class _Runner:
     def __init__(self, chunks, comm, batches: _SharedBatches, forward_step, schedule, M):
         self.model, self.comm, self.forward_step = chunks, comm, forward_step
         self.iters = [batches.chunk_iterator() for _ in range(len(chunks))]
-        self.schedule, self.P, self.s = schedule, comm.state.pp_size, comm.state.pp_rank
+        self.schedule, self.P, self.s = (
+            get_schedule(schedule),
+            comm.state.pp_size,
+            comm.state.pp_rank,
+        )
         self.V, self.M, self.last = len(chunks), M, comm.state.pp_size * len(chunks) - 1
         self.scale_loss, self.forward_only, self.deferred = (lambda x: x), False, set()
         self.inputs, self.outputs, self.stats, self.weights = {}, {}, [], {}
@@ -262,10 +247,10 @@ class _Runner:
         self.trackers = _trackers(chunks)  # swapped with the generators at each hand-over
 
     def _virtual(self, c: int) -> int:
-        return virtual_stage(self.schedule, self.P, self.s, c)
+        return self.schedule.virtual_stage(self.P, self.s, c)
 
     def _stage(self, v: int) -> int:
-        return stage_of(self.schedule, self.P, v)[0]
+        return self.schedule.stage_of(self.P, v)[0]
 
     def _timer(self, name: str):
         return self.comm.timers(name, 1) if self.comm.timers and not self.in_pair else NULL_TIMER

@@ -15,8 +15,9 @@ pipelining per bucket once every chunk holding its parameters ran its last backw
 - 1F1B: megatron.training.pipeline (PP > 1)
 - interleaved 1F1B: megatron.training.pipeline with V model chunks
   (--num-layers-per-virtual-pipeline-stage)
-- zero bubble (--pipeline-schedule zb-h1): megatron.training.pipeline, each backward split
+- zero bubble (ZB-H1, ZBV, DualPipeV): megatron.training.pipeline, each backward split
   into the input gradient and a later weight gradient (megatron.mpu.weight_grad)
+- any other schedule registered in megatron.schedules.registry: the same executor, its list
 """
 
 from __future__ import annotations

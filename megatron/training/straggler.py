@@ -34,7 +34,7 @@ from megatron.training.straggler_report import SECTIONS, RankTimes, report_lines
 TIMER_SECTIONS = {
     "forward-compute": "forward",
     "backward-compute": "backward",
-    # dualpipev's overlapped pairs (training/pipeline.py): a forward and a backward interleaved
+    # DualPipeV's overlapped pairs (training/pipeline.py): a forward and a backward interleaved
     # in one timer; in forward, whose data read (timed apart) it contains
     "forward-backward-overlap": "forward",
     "optimizer": "optimizer",

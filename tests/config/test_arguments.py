@@ -336,16 +336,15 @@ def test_the_data_tools_take_the_tokenizer_flags_from_the_declarations(capsys):
 # layers never import upper ones, and only the trainer and the tools read the command line.
 _MAY_IMPORT = {
     "mpu": set(),
-    "config": set(),
+    # the pipeline schedules: pure, below config (whose --pipeline-schedule reads them)
+    "schedules": set(),
+    "config": {"schedules"},
     "fused_kernels": {"config.schema", "mpu"},
-    "model": {"config.schema", "fused_kernels", "mpu"},
+    "model": {"config.schema", "fused_kernels", "mpu", "schedules"},
     "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
     "heartbeat": set(),
-    "pipeline_order": set(),
-    "pipeline_sim": {"pipeline_order"},
     # planning runs before any model or process group exists
-    "planning": {"config.optimizers", "config.schema", "config.rules"}
-    | {"pipeline_order", "pipeline_sim"},
+    "planning": {"config.optimizers", "config.schema", "config.rules", "schedules"},
     "progress": set(),
     "initialize": {"config.schema", "heartbeat", "mpu"},
     # The generic code names no model family: it reads the families' registrations in

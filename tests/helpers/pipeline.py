@@ -1,10 +1,10 @@
-"""The pipeline schedules of megatron.pipeline_order run as a timeline, with no model."""
+"""The pipeline schedules of megatron.schedules run as a timeline, with no model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.pipeline_order import pipeline_actions
+from megatron.schedules.one_f_one_b import pipeline_actions
 
 
 @dataclass

@@ -17,10 +17,10 @@ import dataclasses
 from megatron.config.cli import parse_args
 from megatron.model.memory import LiveActivations
 from megatron.models.gpt.train import forward_step
-from megatron.pipeline_order import V_SHAPED
 from megatron.planning.enumerate import training_of
 from megatron.planning.memory import Device, Layout
 from megatron.planning.pipeline_memory import stage_activation_peak
+from megatron.schedules.registry import V_SHAPED
 from tests.helpers.training import flags, train_run
 
 # (schedule, extra flags): chunks of one layer for interleaved (8 layers: V = 8 / P).

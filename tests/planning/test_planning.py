@@ -12,7 +12,6 @@ from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
 from megatron.config.schema_run import OptimizerConfig, TrainingConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from megatron.pipeline_order import overlapped_pairs, schedule_actions
 from megatron.planning.auto import auto_parallel
 from megatron.planning.enumerate import PlanError, Search, best_plan, layouts, plans
 from megatron.planning.memory import (
@@ -26,6 +25,7 @@ from megatron.planning.memory import (
 )
 from megatron.planning.pipeline_memory import estimate_memory, stage_activation_peak
 from megatron.planning.timing import Hardware, step_time
+from megatron.schedules.registry import overlapped_pairs, schedule_actions
 from tests.helpers.pipeline import simulate
 from tests.helpers.planning import saved_and_predicted_activations
 
@@ -166,7 +166,7 @@ def test_a_layout_that_does_not_fit_is_rejected_and_timing_terms_are_printed():
     "P,M,V", [(2, 4, 1), (3, 5, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (2, 6, 3)]
 )
 def test_the_bubble_is_the_idle_time_of_the_schedule_run_as_a_timeline(P, M, V):
-    """The planner's bubble against the schedule itself (megatron.pipeline_order) run with a
+    """The planner's bubble against the schedule itself (megatron.schedules) run with a
     backward twice the forward: the time a stage waits = the step's span - its own work."""
     lay = Layout(1, P, 1, 1, M, vp=V if V > 1 else None)
     quiet = Hardware(latency_s=0.0, layer_overhead_s=0.0)  # compute is all a stage does

@@ -10,7 +10,8 @@ from megatron.config.schema import ModelConfig, RecomputeConfig
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
-from megatron.pipeline_order import check_message_order, pipeline_actions
+from megatron.schedules.one_f_one_b import pipeline_actions
+from megatron.schedules.registry import check_message_order
 from tests.helpers.distributed import run_distributed
 from tests.helpers.pipeline import simulate
 from tests.helpers.training import _losses, _pp_worker, _ref_worker, flags

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megatron.mpu.parallel_state import initialize_model_parallel
-from megatron.pipeline_order import V_SHAPED
+from megatron.schedules.registry import V_SHAPED
 from megatron.training.pipeline import forward_backward_pipelining
 from tests.helpers.distributed import run_distributed
 

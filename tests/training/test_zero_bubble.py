@@ -16,14 +16,14 @@ from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu import overlap
 from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
-from megatron.pipeline_order import (
+from megatron.schedules.registry import (
     SCHEDULES,
     check_message_order,
     messages,
     overlapped_pairs,
     schedule_actions,
 )
-from megatron.pipeline_sim import Costs, Deadlock, simulate, textbook_bubble
+from megatron.schedules.sim import Costs, Deadlock, simulate, textbook_bubble
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
     BASE,
@@ -78,7 +78,7 @@ def test_dualpipev_with_overlapped_pairs_cannot_deadlock():
 
 
 def test_a_deadlocking_order_is_caught(monkeypatch):
-    import megatron.pipeline_sim as sim
+    import megatron.schedules.sim as sim
 
     def reversed_stage0(schedule, P, s, M, V=1, forward_only=False):
         actions = schedule_actions(schedule, P, s, M, V)
@@ -296,7 +296,7 @@ def test_a_chunks_buckets_are_reduced_once_its_last_gradient_ran():
     embedding waits for both chunks."""
     from torch import nn
 
-    from megatron.pipeline_order import zbv_actions
+    from megatron.schedules.zero_bubble import zbv_actions
     from megatron.training.pipeline import _GradSync
 
     chunks = [nn.Linear(2, 2), nn.Linear(2, 2)]

@@ -21,7 +21,7 @@ from megatron.model.context import BuildContext
 from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.mtp import MultiTokenPrediction
 from megatron.model.recompute import LayerRecompute, run_layers
-from megatron.model.stages import ModelChunks, stage_layer_range, virtual_stage
+from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.transformer import TransformerLayer, build_norm, split_dropout_rng
 from megatron.model.weights import init_weights
 from megatron.mpu import (
@@ -33,6 +33,7 @@ from megatron.mpu import (
 )
 from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
 from megatron.mpu.layers import local_linear
+from megatron.schedules.base import virtual_stage
 
 
 class Embedding(nn.Module):

@@ -1,5 +1,5 @@
-"""Pipeline schedules run as a timeline: every stage's action list (megatron.pipeline_order)
-with its sends and receives, no model, no torch.
+"""Pipeline schedules run as a timeline: every stage's action list (megatron.schedules) with
+its sends and receives, no model, no torch.
 
 Sends are asynchronous; a forward waits for the previous virtual stage's forward of the same
 micro batch, a backward for the next virtual stage's backward (the last virtual stage's for
@@ -16,14 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.pipeline_order import (
-    SPLIT_BACKWARD,
-    V_SHAPED,
-    overlapped_pairs,
-    schedule_actions,
-    stage_of,
-    virtual_stage,
-)
+from megatron.schedules.base import PipelineSchedule
+from megatron.schedules.registry import get_schedule, schedule_actions
 
 
 @dataclass(frozen=True)
@@ -50,11 +44,7 @@ class Deadlock(RuntimeError):
     pass
 
 
-def chunks_per_stage(schedule: str, V: int | None) -> int:
-    return 2 if schedule in V_SHAPED else (V or 1)
-
-
-def check_lists(schedule: str, P: int, M: int, V: int, lists: list[list]) -> None:
+def check_lists(schedule: PipelineSchedule, P: int, M: int, V: int, lists: list[list]) -> None:
     """Every stage runs each (chunk, micro batch)'s F and B once and its W at most once, in
     the order F, B, W; raises naming the first that does not."""
     for s, actions in enumerate(lists):
@@ -70,15 +60,15 @@ def check_lists(schedule: str, P: int, M: int, V: int, lists: list[list]) -> Non
                     raise ValueError(f"{schedule} P={P} M={M} stage {s}: B{c}.{mb} missing")
 
 
-def _dependency(schedule: str, P: int, last: int, s: int, action: tuple):
+def _dependency(schedule: PipelineSchedule, P: int, last: int, s: int, action: tuple):
     """(the action it waits for as (stage, action), crosses stages) or None."""
     kind, c, mb = action
-    v = virtual_stage(schedule, P, s, c)
+    v = schedule.virtual_stage(P, s, c)
     if kind == "F" and v > 0:
-        src, sc = stage_of(schedule, P, v - 1)
+        src, sc = schedule.stage_of(P, v - 1)
         return (src, ("F", sc, mb)), src != s
     if kind == "B" and v < last:
-        src, sc = stage_of(schedule, P, v + 1)
+        src, sc = schedule.stage_of(P, v + 1)
         return (src, ("B", sc, mb)), src != s
     if kind == "B":
         return (s, ("F", c, mb)), False
@@ -88,7 +78,7 @@ def _dependency(schedule: str, P: int, last: int, s: int, action: tuple):
 
 
 def simulate(
-    schedule: str,
+    schedule: str | PipelineSchedule,
     P: int,
     M: int,
     V: int | None = None,
@@ -97,11 +87,12 @@ def simulate(
     overlap: bool = False,
 ) -> Simulation:
     """Run every stage's list of `schedule` for P stages and M micro batches. `overlap`:
-    DualPipeV's pairs (megatron.pipeline_order.overlapped_pairs) run as the runtime overlaps
-    them: one step that starts once both inputs (the forward's activation, the backward's
-    gradient) arrived, takes both actions' time (the all-to-alls it hides are not modelled)
-    and hands both outputs on at its end."""
-    V = chunks_per_stage(schedule, V)
+    DualPipeV's pairs (PipelineSchedule.overlapped_pairs) run as the runtime overlaps them: one
+    step that starts once both inputs (the forward's activation, the backward's gradient)
+    arrived, takes both actions' time (the all-to-alls it hides are not modelled) and hands
+    both outputs on at its end."""
+    schedule = get_schedule(schedule)
+    V = schedule.chunks_per_stage(V)
     lists = [schedule_actions(schedule, P, s, M, V) for s in range(P)]
     check_lists(schedule, P, M, V, lists)
     run = _Run(schedule, P, V, lists, costs, comm, overlap)
@@ -122,7 +113,7 @@ class _Run:
         self.schedule, self.P, self.lists, self.comm = schedule, P, lists, comm
         self.last = P * V - 1
         self.split = [{(c, mb) for kind, c, mb in acts if kind == "W"} for acts in lists]
-        self.pairs = [overlapped_pairs(schedule, acts) if overlap else set() for acts in lists]
+        self.pairs = [schedule.overlapped_pairs(acts) if overlap else set() for acts in lists]
         self.cost = {"F": costs.f / V, "B": costs.b / V, "W": costs.w / V}
         self.done: dict[tuple, float] = {}  # (stage, action) -> end time
         self.free, self.busy = [0.0] * P, [0.0] * P
@@ -173,22 +164,20 @@ def _releases(kind: str, c: int, mb: int, split: set) -> bool:
     return kind == "W" or (kind == "B" and (c, mb) not in split)
 
 
-def textbook_bubble(schedule: str, P: int, M: int, V: int | None = None, costs=Costs()):
-    """The papers' idle fraction of a step: 1F1B (P - 1) / (M + P - 1) at any costs, interleaved
-    with (P - 1) / V stages of fill, ZB-H1 (P - 1)(f + b - w) of idle time (Qi et al. 2023),
-    ZBV none once M >= 2P - 1. None where no closed form is published (DualPipeV)."""
-    work = M * (costs.f + costs.b + costs.w)
-    if schedule == "1f1b":
-        idle = (P - 1) * (costs.f + costs.b + costs.w)
-    elif schedule == "interleaved":
-        idle = (P - 1) * (costs.f + costs.b + costs.w) / chunks_per_stage(schedule, V)
-    elif schedule == "zb-h1":
-        idle = (P - 1) * max(0.0, costs.f + costs.b - costs.w)
-    elif schedule == "zbv" and M >= 2 * P - 1:
-        idle = 0.0
-    else:
+def textbook_bubble(
+    schedule: str | PipelineSchedule, P: int, M: int, V: int | None = None, costs=Costs()
+) -> float | None:
+    """The papers' idle fraction of a step, each schedule's `textbook_idle` over the step: 1F1B
+    (P - 1) / (M + P - 1) at any costs, interleaved with (P - 1) / V stages of fill, ZB-H1
+    (P - 1)(f + b - w) of idle time (Qi et al. 2023), ZBV (P - 1) t / 2 at equal costs t once
+    M >= 2P - 1 (what `simulate` finds). None where no closed form is published (DualPipeV)."""
+    schedule = get_schedule(schedule)
+    if schedule.textbook_idle is None:
         return None
-    return idle / (idle + work)
+    idle = schedule.textbook_idle(P, M, schedule.chunks_per_stage(V), costs)
+    if idle is None:
+        return None
+    return idle / (idle + M * (costs.f + costs.b + costs.w))
 
 
-__all__ = ["SPLIT_BACKWARD", "Costs", "Deadlock", "Simulation", "simulate", "textbook_bubble"]
+__all__ = ["Costs", "Deadlock", "Simulation", "simulate", "textbook_bubble"]
