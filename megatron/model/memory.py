@@ -62,14 +62,15 @@ class SavedActivations:
 class LiveActivations:
     """The peak bytes held for backward while the block runs (a whole pipeline step): what
     autograd saves (saved_tensors_hooks) and what the weight-gradient queue holds between a
-    zero-bubble B and its W (megatron.mpu.weight_grad: the linears' inputs and output
-    gradients; `watch(model)` for each model, once its layers hold this step's split). A storage counts once, at its full size, from its first saved reference until
-    the last one is dropped (autograd frees a node's saved tensors once it ran; a W drops its
-    entry). Parameters (`exclude`, growing: a pipeline chunk's are added before it runs) are
-    not activations. Not seen: the output buffers the pipeline exchanges, and what torch's
-    checkpoint rebuilds in backward (it saves through its own hooks): under full recompute a
-    group counts its input, as the planner's `activations` term does; its working set is the
-    planner's separate `recompute_working`.
+    zero-bubble B and its W (megatron.mpu.weight_grad: the linears' inputs and output gradients;
+    `watch(model)` for each model, once its layers hold this step's split). A storage counts
+    once, at its full size, from its first saved reference until the last one is dropped
+    (autograd frees a node's saved tensors once it ran; a W drops its entry). Parameters
+    (`exclude`, growing: a pipeline chunk's are added before it runs) are not activations. Not
+    seen: the output buffers the pipeline exchanges, and what torch's checkpoint rebuilds in
+    backward (it saves through its own hooks): under full recompute a group counts its input, as
+    the planner's `activations` term does; its working set is the planner's separate
+    `recompute_working`.
 
         with LiveActivations(model.parameters()) as live:
             step()  # where the pipeline has given model its split: live.watch(model)

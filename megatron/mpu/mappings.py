@@ -70,7 +70,7 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out
 
 
-def _region(name: str, doc: str, forward: Callable, backward: Callable) -> type:
+def _region(name: str, forward: Callable, backward: Callable) -> type:
     """An autograd function of (x, group): `forward(x, group)` going in, the dual collective
     `backward(grad, group)` coming back."""
 
@@ -82,52 +82,36 @@ def _region(name: str, doc: str, forward: Callable, backward: Callable) -> type:
         return backward(grad, ctx.group), None
 
     body = {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)}
-    return type(name, (torch.autograd.Function,), {**body, "__doc__": doc})
+    return type(name, (torch.autograd.Function,), body)
 
 
 def _last(op: Callable) -> Callable:
     return lambda x, group: op(x, group, -1)
 
 
-_CopyToRegion = _region(
-    "_CopyToRegion",
-    "Forward: identity. Backward: all-reduce of the gradient over TP.",
-    _identity,
-    _all_reduce,
-)
-_ReduceFromRegion = _region(
-    "_ReduceFromRegion",
-    "Forward: all-reduce (sum) over TP. Backward: identity.",
-    _all_reduce,
-    _identity,
-)
-_ScatterToRegion = _region(
-    "_ScatterToRegion",
-    "Forward: keep this rank's chunk of the last dim. Backward: all-gather of the gradient.",
-    _last(_split),
-    _last(_gather),
-)
-_GatherFromRegion = _region(
-    "_GatherFromRegion",
-    "Forward: all-gather of the last dim over TP. Backward: keep this rank's gradient chunk.",
-    _last(_gather),
-    _last(_split),
-)
+_CopyToRegion = _region("_CopyToRegion", _identity, _all_reduce)
+_ReduceFromRegion = _region("_ReduceFromRegion", _all_reduce, _identity)
+_ScatterToRegion = _region("_ScatterToRegion", _last(_split), _last(_gather))
+_GatherFromRegion = _region("_GatherFromRegion", _last(_gather), _last(_split))
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: identity. Backward: all-reduce of the gradient over TP."""
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-reduce (sum) over TP. Backward: identity."""
     return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather of the gradient."""
     return _ScatterToRegion.apply(x, group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-gather of the last dim over TP. Backward: this rank's gradient chunk."""
     return _GatherFromRegion.apply(x, group)
 
 
@@ -158,17 +142,9 @@ def _sequence_slice(x: torch.Tensor, group) -> torch.Tensor:
     return sequence_slice(x, group).contiguous()
 
 
-_ScatterToSequenceRegion = _region(
-    "_ScatterToSequenceRegion",
-    "Forward: keep this rank's s / p positions. Backward: all-gather of the gradient.",
-    _sequence_slice,
-    all_gather_sequence,
-)
+_ScatterToSequenceRegion = _region("_ScatterToSequenceRegion", _sequence_slice, all_gather_sequence)
 _ReduceScatterToSequenceRegion = _region(
-    "_ReduceScatterToSequenceRegion",
-    "Forward: sum over TP, each rank keeping its s / p positions. Backward: all-gather.",
-    reduce_scatter_sequence,
-    all_gather_sequence,
+    "_ReduceScatterToSequenceRegion", reduce_scatter_sequence, all_gather_sequence
 )
 
 
@@ -190,6 +166,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's s / p positions. Backward: all-gather of the gradient."""
     return _ScatterToSequenceRegion.apply(x, group)
 
 
@@ -200,6 +177,7 @@ def gather_from_sequence_parallel_region(
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: sum over TP, each rank keeping its s / p positions. Backward: all-gather."""
     return _ReduceScatterToSequenceRegion.apply(x, group)
 
 
@@ -271,19 +249,8 @@ def _rows(op: Callable) -> Callable:
     return lambda x, group: op(x, group, 0)
 
 
-_GatherRows = _region(
-    "_GatherRows",
-    "Forward: all-gather of dim 0 (equal sizes, rank order). Backward: reduce-scatter (each "
-    "rank's gradient of the gathered rows is a partial sum over the experts it holds).",
-    _rows(_gather),
-    _rows(_reduce_scatter),
-)
-_ReduceScatterRows = _region(
-    "_ReduceScatterRows",
-    "Forward: sum over the group, each rank keeping its 1/p of dim 0. Backward: all-gather.",
-    _rows(_reduce_scatter),
-    _rows(_gather),
-)
+_GatherRows = _region("_GatherRows", _rows(_gather), _rows(_reduce_scatter))
+_ReduceScatterRows = _region("_ReduceScatterRows", _rows(_reduce_scatter), _rows(_gather))
 
 
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
@@ -292,10 +259,13 @@ def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_from_expert_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Every EP rank's tokens on every EP rank (the MoE allgather dispatcher)."""
+    """Every EP rank's tokens on every EP rank (the MoE allgather dispatcher): an all-gather of
+    dim 0 (equal sizes, rank order); backward: a reduce-scatter (each rank's gradient of the
+    gathered rows is a partial sum over the experts it holds)."""
     return x if group_size(group) == 1 else _GatherRows.apply(x, group)
 
 
 def reduce_scatter_to_expert_region(x: torch.Tensor, group) -> torch.Tensor:
-    """The experts' partial outputs of all EP ranks' tokens, summed, back to their owners."""
+    """The experts' partial outputs of all EP ranks' tokens, summed, back to their owners: each
+    rank keeps its 1/p of dim 0 of the sum; backward: an all-gather."""
     return x if group_size(group) == 1 else _ReduceScatterRows.apply(x, group)

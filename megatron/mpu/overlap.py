@@ -22,7 +22,7 @@ smaller count, and it does not support activation checkpointing.)
 
 State kept per side and swapped at every hand-over:
 - the random generators: the CPU default generator, the model's accelerator's (the device
-  run_pair is given: CUDA or another torch accelerator; none on the CPU), and the named streams
+  `run` is given: CUDA or another torch accelerator; none on the CPU), and the named streams
   of the trackers given (megatron.mpu.random). The forward draws its dropout masks as if it
   ran alone. The backward draws none of its own: a recompute (activation checkpointing)
   restores the state its forward saved and afterwards puts back what it found. So the pair
@@ -162,7 +162,7 @@ class _Pair:
             self.finish(BACKWARD)
 
 
-_worker: list = [None, None]  # the second thread and its queue of backwards
+_worker: list = [None, None]  # the second thread and its queue of backwards (kept; no mode)
 
 
 def _second_thread() -> queue.SimpleQueue:

@@ -114,3 +114,33 @@ def test_each_side_keeps_its_random_generators_so_the_pair_draws_the_sequential_
     assert len(results[0]) == 6 + 3 + 2
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_only_the_running_pairs_hand_over_passes_the_turn_and_only_given_layers_hold_it():
+    """A PairOverlap is no global mode: another one's hand-over does nothing while this one
+    runs a pair, and `given_to` hands its hook to the MoE layers of that model only, for as
+    long as it is given."""
+    other, log = overlap.PairOverlap(), []
+
+    def forward():
+        log.append("F0")
+        other.hand_over()  # not the running pair's: the forward keeps the turn
+        log.append("F1")
+
+    _PAIRS.run(forward, lambda: log.append("B0"))
+    assert log == ["F0", "F1", "B0"]
+
+    from megatron.config.schema import ModelConfig
+    from megatron.model.context import BuildContext
+    from megatron.model.moe import moe_layers
+    from megatron.models.gpt.model import GPTModel
+
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32,
+        num_experts=2,
+    )  # fmt: skip
+    given, beside = GPTModel(cfg, BuildContext()), GPTModel(cfg, BuildContext())
+    with _PAIRS.given_to(given):
+        assert [m.hand_over for _, m in moe_layers(given)] == [_PAIRS.hand_over] * 2
+        assert [m.hand_over for _, m in moe_layers(beside)] == [None] * 2
+    assert [m.hand_over for _, m in moe_layers(given)] == [None] * 2
