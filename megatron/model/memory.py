@@ -84,6 +84,7 @@ class LiveActivations:
         self._size: dict[int, int] = {}
         self.live = self.peak = 0
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_held)
+        self._watched: list = []  # the splits storing their queued tensors through _pack
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
@@ -91,11 +92,12 @@ class LiveActivations:
     def watch(self, model: torch.nn.Module) -> None:
         """Count what the weight-gradient queue holds too: the WeightGradSplit that `model`'s
         layers hold now (megatron.mpu.weight_grad, given by the pipeline for a zero-bubble
-        step) stores the tensors it queues through this object's hooks."""
+        step) stores the tensors it queues through this object's hooks until the block ends."""
         for module in model.modules():
             split = getattr(module, WEIGHT_GRAD_SPLIT, None)
-            if split is not None:
+            if split is not None and split not in self._watched:
                 split.holding(self._pack, _unpack_held)
+                self._watched.append(split)
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
@@ -121,6 +123,9 @@ class LiveActivations:
 
     def __exit__(self, *exc) -> None:
         self._saved.__exit__(*exc)
+        for split in self._watched:
+            split.hooks = None
+        self._watched.clear()
 
 
 def _unpack_held(held):

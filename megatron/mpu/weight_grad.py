@@ -4,11 +4,11 @@ A zero-bubble schedule (megatron.pipeline_order: zb-h1, zbv, dualpipev) splits a
 backward into B, the gradient to the stage's input that the previous stage waits for, and W,
 the weight gradients that nobody waits for and that run later, in a hole of the pipeline.
 
-The split is an object, `WeightGradSplit`, that the pipeline (megatron.training.pipeline) makes
-for a step and gives to one model's layers (`given_to(model)`: every module with a
-`weight_grad_split` slot holds it until the step ends); nothing here is global, so a model
+The split is an object, `WeightGradSplit`, that the pipeline (megatron.training.pipeline) keeps
+per model and gives to its layers for each zero-bubble step (`given_to(model)`: every module
+with a `weight_grad_split` slot holds it until the step ends); nothing here is global, so a model
 whose layers were not given one computes plain gradients beside it. The layers holding one
-(megatron.mpu.layers: column / row parallel, sequence parallel, the untied head; the MoE
+(megatron.mpu.layers: column / row parallel, sequence parallel; the output head; the MoE
 experts' grouped matmuls; the vocab-parallel embedding) run through the autograd functions
 below. They see their weight detached (autograd never reaches the parameter during B) and
 keep the parameter and the split aside; their backward computes the input gradient and
@@ -40,8 +40,8 @@ SLOT = "weight_grad_split"  # the attribute of the layers that take a WeightGrad
 
 
 class WeightGradSplit:
-    """One step's split of one model's backward: the layers given it build ops whose weight
-    gradient is queued by B (into the queue `deferring` opened) for a later W."""
+    """The split of one model's backward: the layers given it build ops whose weight gradient
+    is queued by B (into the queue `deferring` opened) for a later W."""
 
     def __init__(self):
         self.queue: list | None = None  # the open backward's queue

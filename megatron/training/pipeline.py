@@ -249,6 +249,16 @@ def _trackers(chunks) -> list[RNGStatesTracker]:
     return list(found.values())
 
 
+def _modes_of(chunks) -> tuple[WeightGradSplit, PairOverlap]:
+    """The weight-gradient split and the pair overlap these chunks are given in their steps:
+    made at the first step and kept with the first chunk, so that every step gives the layers
+    the same objects (a compiled chunk's guards then see one object, not a new one a step)."""
+    kept = vars(chunks[0]).get("_pipeline_modes")
+    if kept is None:
+        kept = vars(chunks[0])["_pipeline_modes"] = (WeightGradSplit(), PairOverlap())
+    return kept
+
+
 class _Runner:
     """Executes one stage's actions; keeps the activations alive between F and B, and the
     queued weight-gradient work between B and W."""
@@ -262,8 +272,8 @@ class _Runner:
         self.inputs, self.outputs, self.stats, self.weights = {}, {}, [], {}
         self.in_pair = False  # the halves of an overlapped pair are not timed apart
         self.trackers = _trackers(chunks)  # swapped with the generators at each hand-over
-        self.weight_grads = WeightGradSplit()  # a zero-bubble step's deferred W's (modes())
-        self.overlap = PairOverlap()  # DualPipeV's overlapped pairs (modes())
+        # a zero-bubble step's deferred W's and DualPipeV's overlapped pairs (modes())
+        self.weight_grads, self.overlap = _modes_of(chunks)
 
     def modes(self, split: bool, overlap: bool) -> contextlib.ExitStack:
         """The step's modes, given to the chunks' layers that take them for as long as it runs:
