@@ -64,7 +64,6 @@ from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu import overlap  # noqa: E402
 from megatron.mpu.layers import local_linear  # noqa: E402
 from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
-from megatron.mpu.weight_grad import queue_weight_grad, splitting  # noqa: E402
 from megatron.schedules.registry import V_SHAPED  # noqa: E402
 from megatron.schedules.sim import simulate, textbook_bubble  # noqa: E402
 from megatron.training.loop import pretrain  # noqa: E402
@@ -78,10 +77,11 @@ SHAPE = (1, 4, 8)
 
 
 class _Sleep(torch.autograd.Function):
-    """Forward t, input backward t, weight backward t (queued for a W when splitting)."""
+    """Forward t, input backward t, weight backward t (queued for a W when the chunk holds a
+    weight-gradient split, megatron.mpu.weight_grad)."""
 
     @staticmethod
-    def forward(ctx, x, w, seconds, owner):
+    def forward(ctx, x, w, seconds, owner):  # owner: (parameter, split) or None
         ctx.seconds, ctx.owner = seconds, owner
         time.sleep(seconds)
         return x * w
@@ -96,7 +96,8 @@ class _Sleep(torch.autograd.Function):
             return weight_grad
 
         if ctx.owner is not None:
-            queue_weight_grad(ctx.owner[0], weight)
+            param, split = ctx.owner
+            split.queue_weight_grad(param, weight)
             return grad, None, None, None
         return grad, weight(), None, None
 
@@ -105,14 +106,16 @@ class SleepChunk(nn.Module):
     def __init__(self, seconds: float):
         super().__init__()
         self.w, self.seconds, self._input = nn.Parameter(torch.ones(1)), seconds, None
+        self.weight_grad_split = None  # given by a zero-bubble schedule (as to the linears)
 
     def set_input_tensor(self, x):
         self._input = x
 
     def forward(self):
         x = self._input if self._input is not None else torch.ones(SHAPE, requires_grad=True)
-        if splitting():
-            return _Sleep.apply(x, self.w.detach(), self.seconds, (self.w,))
+        if self.weight_grad_split is not None:
+            owner = (self.w, self.weight_grad_split)
+            return _Sleep.apply(x, self.w.detach(), self.seconds, owner)
         return _Sleep.apply(x, self.w, self.seconds, None)
 
 
@@ -125,6 +128,7 @@ class MatmulChunk(nn.Module):
         super().__init__()
         self.w = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
         self.rows, self._input = rows, None
+        self.weight_grad_split = None  # given by a zero-bubble schedule (as to the linears)
 
     def set_input_tensor(self, x):
         self._input = x
@@ -133,7 +137,7 @@ class MatmulChunk(nn.Module):
         x = self._input
         if x is None:
             x = torch.randn(SHAPE[0], self.rows, self.w.size(0), requires_grad=True)
-        return local_linear(x, self.w)
+        return local_linear(x, self.w, split=self.weight_grad_split)
 
 
 def _chunk(ms: float, V: int, real: int | None) -> nn.Module:
@@ -288,12 +292,14 @@ def _overlap_worker(rank, world, argv):
 def hand_over_us(n: int = 2000) -> float:
     """Microseconds per hand-over of a pair whose sides do nothing else (one process)."""
 
+    pairs = overlap.PairOverlap()
+
     def side():
         for _ in range(n):
-            overlap.hand_over()
+            pairs.hand_over()
 
     start = time.perf_counter()
-    overlap.run_pair(side, side)
+    pairs.run(side, side)
     return 1e6 * (time.perf_counter() - start) / (2 * n)
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron.mpu.weight_grad import weight_grad_hooks
+from megatron.mpu.weight_grad import SLOT as WEIGHT_GRAD_SPLIT
 
 
 class SavedActivations:
@@ -62,17 +62,18 @@ class SavedActivations:
 class LiveActivations:
     """The peak bytes held for backward while the block runs (a whole pipeline step): what
     autograd saves (saved_tensors_hooks) and what the weight-gradient queue holds between a
-    zero-bubble B and its W (megatron.mpu.weight_grad: the linears' inputs and output
-    gradients). A storage counts once, at its full size, from its first saved reference until
-    the last one is dropped (autograd frees a node's saved tensors once it ran; a W drops its
-    entry). Parameters (`exclude`, growing: a pipeline chunk's are added before it runs) are
-    not activations. Not seen: the output buffers the pipeline exchanges, and what torch's
-    checkpoint rebuilds in backward (it saves through its own hooks): under full recompute a
-    group counts its input, as the planner's `activations` term does; its working set is the
-    planner's separate `recompute_working`.
+    zero-bubble B and its W (megatron.mpu.weight_grad: the linears' inputs and output gradients;
+    `watch(model)` for each model, once its layers hold this step's split). A storage counts
+    once, at its full size, from its first saved reference until the last one is dropped
+    (autograd frees a node's saved tensors once it ran; a W drops its entry). Parameters
+    (`exclude`, growing: a pipeline chunk's are added before it runs) are not activations. Not
+    seen: the output buffers the pipeline exchanges, and what torch's checkpoint rebuilds in
+    backward (it saves through its own hooks): under full recompute a group counts its input, as
+    the planner's `activations` term does; its working set is the planner's separate
+    `recompute_working`.
 
         with LiveActivations(model.parameters()) as live:
-            step()
+            step()  # where the pipeline has given model its split: live.watch(model)
         live.peak
     """
 
@@ -83,10 +84,20 @@ class LiveActivations:
         self._size: dict[int, int] = {}
         self.live = self.peak = 0
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_held)
-        self._queued = None
+        self._watched: list = []  # the splits storing their queued tensors through _pack
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Count what the weight-gradient queue holds too: the WeightGradSplit that `model`'s
+        layers hold now (megatron.mpu.weight_grad, given by the pipeline for a zero-bubble
+        step) stores the tensors it queues through this object's hooks until the block ends."""
+        for module in model.modules():
+            split = getattr(module, WEIGHT_GRAD_SPLIT, None)
+            if split is not None and split not in self._watched:
+                split.holding(self._pack, _unpack_held)
+                self._watched.append(split)
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
@@ -107,14 +118,14 @@ class LiveActivations:
             self.live -= self._size.pop(key)
 
     def __enter__(self) -> LiveActivations:
-        self._queued = weight_grad_hooks(self._pack, _unpack_held)
         self._saved.__enter__()
-        self._queued.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._queued.__exit__(*exc)
         self._saved.__exit__(*exc)
+        for split in self._watched:
+            split.hooks = None
+        self._watched.clear()
 
 
 def _unpack_held(held):

@@ -61,7 +61,6 @@ from megatron.mpu.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.mpu.utils import divide, group_size
-from megatron.mpu.weight_grad import split_grouped_matmul, splitting
 
 
 class MoEStats:
@@ -112,6 +111,7 @@ class Experts(nn.Module):
         self.etp_group = ctx.state.etp_group
         h, f = cfg.hidden_size, divide(cfg.expert_ffn_size, etp)
         self.swiglu, self.grouped, self.ops = cfg.swiglu, grouped, ctx.ops
+        self.weight_grad_split = None  # a WeightGradSplit: deferrable weight gradients
         self.gelu_approx = "tanh" if cfg.openai_gelu else "none"
         f1 = 2 * f if cfg.swiglu else f  # SwiGLU: [gate; up] (this ETP rank's [gate_r; up_r])
         stride1 = 2 if cfg.swiglu else 1
@@ -129,11 +129,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         x = copy_to_tensor_model_parallel_region(x, self.etp_group)
-        if self.grouped or splitting():  # zero-bubble: deferrable weight gradients
+        split = self.weight_grad_split  # zero-bubble (megatron.mpu.weight_grad): for a W
+        if self.grouped or split is not None:
             matmul = grouped_matmul if self.grouped else looped_matmul
-            y = _grouped(x, self.weight1, counts, matmul)
+            y = _grouped(x, self.weight1, counts, matmul, split)
             y = self._activation(_add_bias(y, self.bias1, counts))
-            y = _grouped(y, self.weight2, counts, matmul)
+            y = _grouped(y, self.weight2, counts, matmul, split)
         else:
             outs = [self._mlp(t, e) for e, t in enumerate(torch.split(x, counts))]
             y = torch.cat(outs) if outs else x
@@ -151,9 +152,9 @@ class Experts(nn.Module):
         return F.gelu(y, approximate=self.gelu_approx)
 
 
-def _grouped(x, w, counts: list[int], matmul) -> torch.Tensor:
-    if splitting():
-        return split_grouped_matmul(x, w, counts, matmul)
+def _grouped(x, w, counts: list[int], matmul, split) -> torch.Tensor:
+    if split is not None:
+        return split.grouped_matmul(x, w, counts, matmul)
     return matmul(x, w, counts)
 
 
@@ -249,6 +250,9 @@ class MoELayer(nn.Module):
                     cfg.hidden_size, 1, bias=False, device=ctx.device, dtype=ctx.dtype
                 )
         self.loss_grad_scale = 1.0  # set_moe_loss_scale
+        # called between launching each token all-to-all and waiting for it (megatron.mpu.
+        # mappings.all_to_all): DualPipeV's pair overlap hands it over (megatron.mpu.overlap)
+        self.hand_over = None
         self.stats = MoEStats(cfg.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,11 +300,12 @@ class MoELayer(nn.Module):
             received = exchange_counts(counts, group)  # (EP, E / EP)
             in_splits = counts.view(ep, -1).sum(1).tolist()
             out_splits = received.sum(1).tolist()
-            arrived = all_to_all(sent, group, out_splits, in_splits)  # (source, expert) order
+            # in (source, expert) order
+            arrived = all_to_all(sent, group, out_splits, in_splits, self.hand_over)
             by_expert = _source_major_to_expert_major(received)
             y = self.experts(arrived[by_expert], received.sum(0).tolist())
             back = torch.argsort(by_expert)  # expert-major -> source-major again
-            y = all_to_all(y[back], group, in_splits, out_splits)
+            y = all_to_all(y[back], group, in_splits, out_splits, self.hand_over)
         else:
             y = self.experts(sent, counts.tolist())
         per_slot = y.new_zeros(t * k, y.size(-1)).index_copy(0, slots, y)

@@ -15,6 +15,11 @@ slices (row-parallel bias, norm weights) gets a gradient from s / p tokens only;
 `fp8`: a linear whose `fp8` slot holds a Float8Matmul (megatron.mpu.fp8; set by
 megatron.model.fp8.apply_fp8) computes its local GEMMs in float8; the collectives around them
 are unchanged.
+
+`weight_grad_split`: a layer whose `weight_grad_split` slot holds a
+megatron.mpu.weight_grad.WeightGradSplit (given for a zero-bubble step by the pipeline,
+megatron.training.pipeline) queues its weight gradient in B for a later W; with None (any other
+time, and any model not given one) its backward is the plain one.
 """
 
 from __future__ import annotations
@@ -35,12 +40,7 @@ from megatron.mpu.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.mpu.utils import divide, group_rank, group_size, shard
-from megatron.mpu.weight_grad import (
-    linear_weight_grad,
-    split_embedding,
-    split_linear,
-    splitting,
-)
+from megatron.mpu.weight_grad import WeightGradSplit
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -120,7 +120,7 @@ class _GatheredLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, fp8, owner=None):
+    def forward(ctx, x, weight, bias, group, fp8, owner=None):  # owner: (parameter, split)
         ctx.group, ctx.has_bias, ctx.fp8, ctx.owner = group, bias is not None, fp8, owner
         ctx.save_for_backward(x, weight)
         full = all_gather_sequence(x, group)  # (b, s, h)
@@ -143,7 +143,8 @@ class _GatheredLinear(torch.autograd.Function):
             full = all_gather_sequence(x, ctx.group)  # (b, s, h), again
             flat = full.reshape(-1, full.size(-1))
             if ctx.owner is not None:  # zero-bubble: a later W computes it
-                linear_weight_grad(ctx.owner[0], grad, full)
+                param, split = ctx.owner
+                split.linear_weight_grad(param, grad, full)
             else:
                 grad_w = grad.reshape(-1, grad.size(-1)).t().matmul(flat)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -151,20 +152,26 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def local_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, fp8=None) -> torch.Tensor:
-    """X W^T + b on this rank, in float8 when `fp8` (a megatron.mpu.fp8.Float8Matmul) is given."""
+def local_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias=None, fp8=None, split: WeightGradSplit | None = None
+) -> torch.Tensor:
+    """X W^T + b on this rank, in float8 when `fp8` (a megatron.mpu.fp8.Float8Matmul) is given;
+    dL/dW queued in `split` for a later W when one is given (and no fp8)."""
     if fp8 is None:
-        return split_linear(x, weight, bias) if splitting() else F.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if split is None else split.linear(x, weight, bias)
     return fp8.linear(x, weight, bias)
 
 
-def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, fp8=None) -> torch.Tensor:
+def gathered_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias, group, fp8=None, split=None
+) -> torch.Tensor:
     """Sequence-parallel X (b, s/p, h) all-gathered into X A^T + b, keeping only the slice for
-    backward (see _GatheredLinear); `weight` is this rank's (out / p, h) shard."""
+    backward (see _GatheredLinear); `weight` is this rank's (out / p, h) shard. `split`: as
+    local_linear's."""
     if group_size(group) == 1:
-        return local_linear(x, weight, bias, fp8)
-    if splitting() and fp8 is None and weight.requires_grad:  # dL/dA queued for a later W
-        return _GatheredLinear.apply(x, weight.detach(), bias, group, fp8, (weight,))
+        return local_linear(x, weight, bias, fp8, split)
+    if split is not None and fp8 is None and weight.requires_grad:  # dL/dA queued for a W
+        return _GatheredLinear.apply(x, weight.detach(), bias, group, fp8, (weight, split))
     return _GatheredLinear.apply(x, weight, bias, group, fp8)
 
 
@@ -197,6 +204,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.fp8 = None  # a Float8Matmul: float8 GEMMs (megatron.model.fp8.apply_fp8)
+        self.weight_grad_split = None  # a WeightGradSplit: dL/dA for a later W (module doc)
         local = divide(output_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local, input_size, **kw))
@@ -210,9 +218,11 @@ class ColumnParallelLinear(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.sequence_parallel:  # x: (b, s/p, h)
-            return gathered_linear(x, self.weight, bias, self.group, self.fp8)
+            return gathered_linear(
+                x, self.weight, bias, self.group, self.fp8, self.weight_grad_split
+            )
         x = copy_to_tensor_model_parallel_region(x, self.group)
-        return local_linear(x, self.weight, bias, self.fp8)
+        return local_linear(x, self.weight, bias, self.fp8, self.weight_grad_split)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x, self.bias)  # (..., output_size / p)
@@ -254,6 +264,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.fp8 = None  # a Float8Matmul: float8 GEMMs (megatron.model.fp8.apply_fp8)
+        self.weight_grad_split = None  # a WeightGradSplit: dL/dA for a later W (module doc)
         local = divide(input_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(output_size, local, **kw))
@@ -276,7 +287,7 @@ class RowParallelLinear(nn.Module):
         """The reduced X A only, for a caller that adds b itself (--bias-dropout-fusion)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = local_linear(x, self.weight, None, self.fp8)  # (b, s, h) partial sum of the shard
+        y = local_linear(x, self.weight, None, self.fp8, self.weight_grad_split)  # partial sum
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(y, self.group)  # (b, s/p, h)
         return reduce_from_tensor_model_parallel_region(y, self.group)
@@ -304,6 +315,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight_grad_split = None  # a WeightGradSplit: the whole backward in a W
         local = divide(num_embeddings, group_size(group))
         self.vocab_start = group_rank(group) * local
         self.vocab_end = self.vocab_start + local
@@ -312,7 +324,8 @@ class VocabParallelEmbedding(nn.Module):
         _init_param(self.weight, (num_embeddings, embedding_dim), init_method, group)
 
     def forward(self, ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        embedding = split_embedding if splitting() else F.embedding
+        split = self.weight_grad_split
+        embedding = F.embedding if split is None else split.embedding
         if group_size(self.group) == 1:
             return embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

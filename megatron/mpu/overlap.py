@@ -2,13 +2,16 @@
 their expert-parallel all-to-alls so that the tokens of one travel while the other computes
 (DualPipeV's overlap, DeepSeek-V3; megatron.training.pipeline runs its pairs through here).
 
-`run_pair(forward, backward)` runs `forward()` in the calling thread and `backward()` in a
-second one (started once per process and kept), one of them at a time: the side holding the
-turn runs until it reaches `hand_over()`, which the MoE token all-to-all (megatron.mpu.mappings,
-forward and backward) calls between launching its collective asynchronously and waiting for
-it; the turn then passes to the other side, which computes while the first one's all-to-all is
-in flight. Once a side has finished, the other's hand-overs return at once and it runs to its
-end. Outside a pair `hand_over()` does nothing.
+A `PairOverlap` is an object its owner (the pipeline, megatron.training.pipeline) makes and
+hands to one model's MoE layers (`given_to(model)`: their `hand_over` slot holds its
+`hand_over`, which each passes to the token all-to-all, megatron.mpu.mappings.all_to_all);
+nothing here is global, so a model not given one never hands over. `run(forward, backward)`
+runs `forward()` in the calling thread and `backward()` in a second one (started once per
+process and kept), one of them at a time: the side holding the turn runs until it reaches
+`hand_over()`, which the all-to-all (forward and backward) calls between launching its
+collective asynchronously and waiting for it; the turn then passes to the other side, which
+computes while the first one's all-to-all is in flight. Once a side has finished, the other's
+hand-overs return at once and it runs to its end. Outside a pair `hand_over()` does nothing.
 
 Why one side at a time: both issue collectives on the same groups (EP, TP). With strict
 alternation at points fixed by the model's code, every rank of a group issues them in the
@@ -19,7 +22,7 @@ smaller count, and it does not support activation checkpointing.)
 
 State kept per side and swapped at every hand-over:
 - the random generators: the CPU default generator, the model's accelerator's (the device
-  run_pair is given: CUDA or another torch accelerator; none on the CPU), and the named streams
+  `run` is given: CUDA or another torch accelerator; none on the CPU), and the named streams
   of the trackers given (megatron.mpu.random). The forward draws its dropout masks as if it
   ran alone. The backward draws none of its own: a recompute (activation checkpointing)
   restores the state its forward saved and afterwards puts back what it found. So the pair
@@ -45,22 +48,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatron.mpu.utils import handed_to
+
 FORWARD, BACKWARD = 0, 1
 
-_active: list = [None]  # the _Pair running now (one at a time per process)
-_counts = {"pairs": 0, "hand_overs": 0}  # since the process started: for tests and benches
+# Pairs run and hand-overs made since the process started, by every PairOverlap: a statistic
+# for tests and benches (nothing reads it to decide anything).
+_counts = {"pairs": 0, "hand_overs": 0}
 
 
 class PairAborted(RuntimeError):
     """Raised on one side of a pair when the other side failed."""
-
-
-def hand_over() -> None:
-    """Pass the turn to the other side of the running pair and wait to get it back; a no-op
-    outside a pair or once the other side has finished."""
-    pair = _active[0]
-    if pair is not None:
-        pair.hand_over()
 
 
 def counts() -> dict[str, int]:
@@ -164,7 +162,7 @@ class _Pair:
             self.finish(BACKWARD)
 
 
-_worker: list = [None, None]  # the second thread and its queue of backwards
+_worker: list = [None, None]  # the second thread and its queue of backwards (kept; no mode)
 
 
 def _second_thread() -> queue.SimpleQueue:
@@ -185,28 +183,56 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         jobs.get()()  # run_backward: never raises, hands its error to the pair
 
 
-def run_pair(
-    forward: Callable[[], None],
-    backward: Callable[[], None],
-    trackers: Sequence = (),
-    device: torch.device | None = None,
-) -> None:
-    """Run `forward()` here and `backward()` in a second thread, alternating at hand_over();
-    returns when both ended, with the random generators where `forward` left them. Raises the
-    first exception of either side. `device`: the model's (None or CPU: no accelerator state
-    to share)."""
-    if _active[0] is not None:
-        raise RuntimeError("megatron.mpu.overlap.run_pair: a pair is already running")
-    pair = _Pair(trackers, device)
+class PairOverlap:
+    """Overlapped forward / backward pairs of one model, one pair at a time (module doc)."""
+
+    def __init__(self):
+        self._pair: _Pair | None = None  # the pair running now
+
+    def given_to(self, model: torch.nn.Module):
+        """Inside, the layers of `model` with a `hand_over` slot (the MoE layers) hold this
+        object's `hand_over`; afterwards what they held before."""
+        return handed_to(model, "hand_over", self.hand_over)
+
+    def hand_over(self) -> None:
+        """Pass the turn to the other side of the running pair and wait to get it back; a
+        no-op outside a pair or once the other side has finished."""
+        pair = self._pair
+        if pair is not None:
+            pair.hand_over()
+
+    def run(
+        self,
+        forward: Callable[[], None],
+        backward: Callable[[], None],
+        trackers: Sequence = (),
+        device: torch.device | None = None,
+    ) -> None:
+        """Run `forward()` here and `backward()` in a second thread, alternating at
+        hand_over(); returns when both ended, with the random generators where `forward` left
+        them. Raises the first exception of either side. `device`: the model's (None or CPU:
+        no accelerator state to share)."""
+        if self._pair is not None:
+            raise RuntimeError("megatron.mpu.overlap.PairOverlap.run: a pair is already running")
+        pair = self._pair = _Pair(trackers, device)
+        try:
+            _run(pair, forward, backward)
+        finally:
+            self._pair = None
+        pair.generators.set(pair.rng[FORWARD])
+        if pair.error is not None:
+            raise pair.error
+
+
+def _run(pair: _Pair, forward: Callable[[], None], backward: Callable[[], None]) -> None:
     module = pair.generators.module
     stream = None if module is None else module.current_stream(pair.generators.index)
-    _active[0] = pair
     _counts["pairs"] += 1
     try:
         _second_thread().put(lambda: pair.run_backward(backward, stream))
         try:
             forward()
-        except BaseException as error:  # noqa: BLE001 (raised below, once both ended)
+        except BaseException as error:  # noqa: BLE001 (raised by the caller, once both ended)
             pair.fail(error)
         pair.finish(FORWARD)
         with pair.cond:
@@ -214,7 +240,3 @@ def run_pair(
     finally:
         if not pair.finished[BACKWARD]:  # left early (an interrupt): free the second thread
             pair.fail(PairAborted("the caller left the overlapped pair"))
-        _active[0] = None
-    pair.generators.set(pair.rng[FORWARD])
-    if pair.error is not None:
-        raise pair.error

@@ -1,6 +1,9 @@
-"""Small helpers shared by the mpu modules: group sizes and stride-aware (un)sharding."""
+"""Small helpers shared by the mpu modules: group sizes, stride-aware (un)sharding, and
+handing a mode to the layers of one model (`handed_to`)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -35,3 +38,19 @@ def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tens
     """Inverse of `shard`: rebuild the full tensor from every rank's slice (in rank order)."""
     per_rank = [torch.chunk(s, stride, dim=dim) for s in shards]
     return torch.cat([p[j] for j in range(stride) for p in per_rank], dim=dim)
+
+
+@contextlib.contextmanager
+def handed_to(model: torch.nn.Module, slot: str, value):
+    """Inside, every module of `model` with the attribute `slot` holds `value`; afterwards what
+    it held before. How a caller hands a mode to the layers that take it, explicitly and to one
+    model only (megatron.mpu.weight_grad's split, megatron.mpu.overlap's hand-over)."""
+    taking = [m for m in model.modules() if hasattr(m, slot)]
+    before = [getattr(m, slot) for m in taking]
+    for m in taking:
+        setattr(m, slot, value)
+    try:
+        yield value
+    finally:
+        for m, held in zip(taking, before, strict=True):
+            setattr(m, slot, held)

@@ -4,21 +4,25 @@ A zero-bubble schedule (megatron.schedules: ZB-H1, ZBV, DualPipeV) splits a micr
 backward into B, the gradient to the stage's input that the previous stage waits for, and W,
 the weight gradients that nobody waits for and that run later, in a hole of the pipeline.
 
-While `splitting()` (the schedule's whole step, `split_weight_grads()`), the linears
-(megatron.mpu.layers: column / row parallel, sequence parallel, the untied head), the MoE
-experts' grouped matmuls and the vocab-parallel embedding run through the autograd functions
+The split is an object, `WeightGradSplit`, that the pipeline (megatron.training.pipeline) keeps
+per model and gives to its layers for each zero-bubble step (`given_to(model)`: every module
+with a `weight_grad_split` slot holds it until the step ends); nothing here is global, so a model
+whose layers were not given one computes plain gradients beside it. The layers holding one
+(megatron.mpu.layers: column / row parallel, sequence parallel; the output head; the MoE
+experts' grouped matmuls; the vocab-parallel embedding) run through the autograd functions
 below. They see their weight detached (autograd never reaches the parameter during B) and
-keep the parameter aside; their backward computes the input gradient and appends to the queue
-of `defer_weight_grads(queue)` what computes the weight gradient later (the saved input and
-output gradient). `run_weight_grads(queue)` computes them first in, first out and hands each
-to autograd as the parameter's gradient, so it accumulates into `.grad` and fires the
-post-accumulate hooks that move it into DDP's fp32 buffer (megatron.training.ddp) as an
-ordinary backward would; a backward with no W of its own (1F1B's, DualPipeV's full ones) runs
-its queue at once. A queued entry names the tensors it holds until its W (the linear's input
-and output gradient, the embedding's ids and output gradient), so memory accounting sees them
-(`weight_grad_hooks`, megatron.model.memory.LiveActivations). Biases and norm weights keep
-their gradients in B (they cost next to nothing). fp8 GEMMs and the fused linear cross-entropy
-compute both gradients in B (their kernels produce them together).
+keep the parameter and the split aside; their backward computes the input gradient and
+appends to the split's open queue (`deferring(queue)`, opened around every backward the
+pipeline runs) what computes the weight gradient later (the saved input and output gradient).
+`run_weight_grads(queue)` computes them first in, first out and hands each to autograd as the
+parameter's gradient, so it accumulates into `.grad` and fires the post-accumulate hooks that
+move it into DDP's fp32 buffer (megatron.training.ddp) as an ordinary backward would; a
+backward with no W of its own (1F1B's, DualPipeV's full ones) runs its queue at once. A queued
+entry names the tensors it holds until its W (the linear's input and output gradient, the
+embedding's ids and output gradient), so memory accounting sees them (`holding(pack,
+unpack)`, megatron.model.memory.LiveActivations). Biases and norm weights keep their gradients
+in B (they cost next to nothing). fp8 GEMMs and the fused linear cross-entropy compute both
+gradients in B (their kernels produce them together).
 """
 
 from __future__ import annotations
@@ -30,57 +34,67 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-_state: dict = {"split": False, "queue": None, "hooks": None}
+from megatron.mpu.utils import handed_to
+
+SLOT = "weight_grad_split"  # the attribute of the layers that take a WeightGradSplit
 
 
-def splitting() -> bool:
-    return _state["split"]
+class WeightGradSplit:
+    """The split of one model's backward: the layers given it build ops whose weight gradient
+    is queued by B (into the queue `deferring` opened) for a later W."""
 
+    def __init__(self):
+        self.queue: list | None = None  # the open backward's queue
+        self.hooks: tuple[Callable, Callable] | None = None  # (pack, unpack) of queued tensors
 
-@contextlib.contextmanager
-def split_weight_grads(enabled: bool = True):
-    """Forwards inside build ops whose weight gradient can be deferred."""
-    previous, _state["split"] = _state["split"], enabled
-    try:
-        yield
-    finally:
-        _state["split"] = previous
+    def given_to(self, model: torch.nn.Module):
+        """Inside, the layers of `model` that take a split (a `weight_grad_split` slot) hold
+        this one; afterwards what they held before."""
+        return handed_to(model, SLOT, self)
 
+    @contextlib.contextmanager
+    def deferring(self, queue: list):
+        """Backwards inside append their weight-gradient work to `queue` instead of running it."""
+        previous, self.queue = self.queue, queue
+        try:
+            yield
+        finally:
+            self.queue = previous
 
-@contextlib.contextmanager
-def defer_weight_grads(queue: list):
-    """Backwards inside append their weight-gradient work to `queue` instead of running it."""
-    previous, _state["queue"] = _state["queue"], queue
-    try:
-        yield
-    finally:
-        _state["queue"] = previous
+    def holding(self, pack: Callable, unpack: Callable) -> None:
+        """Tensors queued from now on are stored as pack(t) and given back as unpack(packed)
+        at their W: autograd's saved_tensors_hooks for the weight-gradient queue (memory
+        accounting)."""
+        self.hooks = (pack, unpack)
 
+    def queue_weight_grad(self, param: torch.Tensor, compute: Callable, *tensors) -> None:
+        """Queue compute(*tensors) (dL/dparam) for run_weight_grads; the queue holds `tensors`
+        until then (compute must capture no other activation)."""
+        if self.queue is None:
+            raise RuntimeError(
+                "a backward through split weight gradients ran outside WeightGradSplit.deferring "
+                "(megatron.training.pipeline opens the queue around every backward it runs)"
+            )
+        pack, unpack = self.hooks or (None, None)
+        if pack is not None:
+            tensors = tuple(pack(t) for t in tensors)
+        self.queue.append((param, compute, tensors, unpack))
 
-@contextlib.contextmanager
-def weight_grad_hooks(pack: Callable, unpack: Callable):
-    """Tensors queued inside are stored as pack(t) and given back as unpack(packed) at their
-    W: autograd's saved_tensors_hooks for the weight-gradient queue (memory accounting)."""
-    previous, _state["hooks"] = _state["hooks"], (pack, unpack)
-    try:
-        yield
-    finally:
-        _state["hooks"] = previous
+    def linear_weight_grad(self, weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor):
+        """Queue the weight gradient of Y = X W^T from dL/dY and X."""
+        self.queue_weight_grad(weight, _linear_weight_grad, grad, x)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        """X W^T + b with a deferred dL/dW."""
+        return _SplitLinear.apply(x, weight.detach(), bias, (weight, self), _anchor(weight))
 
-def queue_weight_grad(param: torch.Tensor, compute: Callable, *tensors: torch.Tensor) -> None:
-    """Queue compute(*tensors) (dL/dparam) for run_weight_grads; the queue holds `tensors`
-    until then (compute must capture no other activation)."""
-    queue = _state["queue"]
-    if queue is None:
-        raise RuntimeError(
-            "a backward through split weight gradients ran outside defer_weight_grads "
-            "(megatron.training.pipeline opens the queue around every backward it runs)"
-        )
-    pack, unpack = _state["hooks"] or (None, None)
-    if pack is not None:
-        tensors = tuple(pack(t) for t in tensors)
-    queue.append((param, compute, tensors, unpack))
+    def grouped_matmul(self, x, w, counts: list[int], matmul: Callable) -> torch.Tensor:
+        """`matmul(x, w, counts)` (megatron.model.moe.grouped_matmul) with a deferred dL/dw."""
+        return _SplitGroupedMatmul.apply(x, w.detach(), counts, matmul, (w, self), _anchor(w))
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """weight[ids] with a deferred dL/dweight (the whole backward)."""
+        return _SplitEmbedding.apply(ids, weight.detach(), (weight, self), _anchor(weight))
 
 
 def run_weight_grads(queue: list) -> None:
@@ -103,7 +117,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 class _SplitLinear(torch.autograd.Function):
     """Y = X W^T + b with `weight` detached (autograd never reaches the parameter in B) and
-    the parameter itself in `owner`, a tuple autograd does not track: dL/dW is queued for it."""
+    the parameter itself and the split in `owner`, a tuple autograd does not track: dL/dW is
+    queued for it in the split's open queue."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner, anchor):
@@ -115,8 +130,9 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        if ctx.owner[0].requires_grad:
-            linear_weight_grad(ctx.owner[0], grad, x)
+        param, split = ctx.owner
+        if param.requires_grad:
+            split.linear_weight_grad(param, grad, x)
         grad_b = _flat(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_b, None, None
 
@@ -130,22 +146,13 @@ def _anchor(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.empty(0, device=weight.device, requires_grad=True)
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    return _SplitLinear.apply(x, weight.detach(), bias, (weight,), _anchor(weight))
-
-
-def linear_weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
-    """Queue the weight gradient of Y = X W^T from dL/dY and X."""
-    queue_weight_grad(weight, _linear_weight_grad, grad, x)
-
-
 def _linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _flat(grad).t().matmul(_flat(x))
 
 
 class _SplitGroupedMatmul(torch.autograd.Function):
     """Rows of x (N, a) in groups of `counts`, group g times w[g] (G, a, c); `w` detached,
-    the parameter in `owner` (as _SplitLinear)."""
+    the parameter and the split in `owner` (as _SplitLinear)."""
 
     @staticmethod
     def forward(ctx, x, w, counts, matmul, owner, anchor):
@@ -158,9 +165,10 @@ class _SplitGroupedMatmul(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad, counts = grad.contiguous(), ctx.counts
         grad_x = ctx.matmul(grad, w.transpose(1, 2).contiguous(), counts)
-        if ctx.owner[0].requires_grad:
+        param, split = ctx.owner
+        if param.requires_grad:
             weight_grad = functools.partial(_grouped_weight_grad, w=w, counts=counts)
-            queue_weight_grad(ctx.owner[0], weight_grad, x, grad)
+            split.queue_weight_grad(param, weight_grad, x, grad)
         return grad_x, None, None, None, None, None
 
 
@@ -171,11 +179,6 @@ def _grouped_weight_grad(x, grad, w, counts) -> torch.Tensor:
         if xg.size(0):
             out[g] = xg.t().matmul(gg)
     return out
-
-
-def split_grouped_matmul(x, w, counts: list[int], matmul: Callable) -> torch.Tensor:
-    """`matmul(x, w, counts)` (megatron.model.moe.grouped_matmul) with a deferred dL/dw."""
-    return _SplitGroupedMatmul.apply(x, w.detach(), counts, matmul, (w,), _anchor(w))
 
 
 class _SplitEmbedding(torch.autograd.Function):
@@ -190,16 +193,13 @@ class _SplitEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        if ctx.owner[0].requires_grad:
+        param, split = ctx.owner
+        if param.requires_grad:
             weight_grad = functools.partial(_embedding_weight_grad, shape=ctx.shape)
-            queue_weight_grad(ctx.owner[0], weight_grad, ids, grad)
+            split.queue_weight_grad(param, weight_grad, ids, grad)
         return None, None, None, None
 
 
 def _embedding_weight_grad(ids: torch.Tensor, grad: torch.Tensor, shape) -> torch.Tensor:
     out = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
     return out.index_add_(0, ids.reshape(-1), _flat(grad))
-
-
-def split_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return _SplitEmbedding.apply(ids, weight.detach(), (weight,), _anchor(weight))

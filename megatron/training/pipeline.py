@@ -16,19 +16,21 @@ state, a V's turns) would wait for each other for ever. So sends to a later stag
 (`pp_up_group`) and sends to an earlier stage another (`pp_down_group`): each carries one
 direction between two stages, its receives posted in its sends' order.
 
-Zero-bubble schedules: during their step the layers build ops whose weight gradients can wait
-(megatron.mpu.weight_grad); a 'B' computes the input gradient and queues, per (chunk, micro
-batch), what the weight gradients need; its 'W' computes them later. A 'B' with no 'W' in the
-list (1F1B, DualPipeV's full backwards) runs its queue at once. The weight gradients reach
-`.grad` and the DDP hooks in the order the W's run.
+Zero-bubble schedules: for their step the chunks' layers are given a WeightGradSplit
+(megatron.mpu.weight_grad), with which they build ops whose weight gradients can wait; a 'B'
+computes the input gradient and queues, per (chunk, micro batch), what the weight gradients
+need; its 'W' computes them later. A 'B' with no 'W' in the list (1F1B, DualPipeV's full
+backwards) runs its queue at once. The weight gradients reach `.grad` and the DDP hooks in the
+order the W's run.
 
 DualPipeV with `overlap` (expert-parallel all-to-alls to hide, megatron.training.step): each
 steady-state pair, a forward and the full backward of the other chunk
 (`PipelineSchedule.overlapped_pairs`), receives both its inputs, then runs the forward
-here and the backward in a second thread, taking turns at the MoE all-to-alls
-(megatron.mpu.overlap); the forward's output is sent when it ends, the backward's input
-gradient when it ends but never before the forward's (the peer receives in list order). The
-pair is timed as one ('forward-backward-overlap'), its two halves interleaving.
+here and the backward in a second thread, taking turns at the MoE all-to-alls (a PairOverlap,
+megatron.mpu.overlap, whose hand-over the chunks' MoE layers are given for the step); the
+forward's output is sent when it ends, the backward's input gradient when it ends but never
+before the forward's (the peer receives in list order). The pair is timed as one
+('forward-backward-overlap'), its two halves interleaving.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megatron.mpu.overlap import run_pair
+from megatron.mpu.overlap import PairOverlap
 from megatron.mpu.random import RNGStatesTracker
-from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
+from megatron.mpu.weight_grad import WeightGradSplit, run_weight_grads
 from megatron.schedules.base import PipelineSchedule
 from megatron.schedules.registry import get_schedule, resolve_schedule
 from megatron.training.timers import NULL_TIMER
@@ -168,7 +170,7 @@ def forward_backward_pipelining(
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     reduce = _GradSync(model, chunks, actions) if not forward_only else None
     pairs = schedule.overlapped_pairs(actions) if overlap and not forward_only else set()
-    with no_sync(), split_weight_grads(split):
+    with no_sync(), run.modes(split=split, overlap=bool(pairs)):
         _run_actions(run, actions, pairs, reduce)
         comm.wait_all()
     return run.stats
@@ -228,6 +230,16 @@ def _trackers(chunks) -> list[RNGStatesTracker]:
     return list(found.values())
 
 
+def _modes_of(chunks) -> tuple[WeightGradSplit, PairOverlap]:
+    """The weight-gradient split and the pair overlap these chunks are given in their steps:
+    made at the first step and kept with the first chunk, so that every step gives the layers
+    the same objects (a compiled chunk's guards then see one object, not a new one a step)."""
+    kept = vars(chunks[0]).get("_pipeline_modes")
+    if kept is None:
+        kept = vars(chunks[0])["_pipeline_modes"] = (WeightGradSplit(), PairOverlap())
+    return kept
+
+
 class _Runner:
     """Executes one stage's actions; keeps the activations alive between F and B, and the
     queued weight-gradient work between B and W."""
@@ -245,6 +257,20 @@ class _Runner:
         self.inputs, self.outputs, self.stats, self.weights = {}, {}, [], {}
         self.in_pair = False  # the halves of an overlapped pair are not timed apart
         self.trackers = _trackers(chunks)  # swapped with the generators at each hand-over
+        # a zero-bubble step's deferred W's and DualPipeV's overlapped pairs (modes())
+        self.weight_grads, self.overlap = _modes_of(chunks)
+
+    def modes(self, split: bool, overlap: bool) -> contextlib.ExitStack:
+        """The step's modes, given to the chunks' layers that take them for as long as it runs:
+        `split`, the weight-gradient split (linears, experts, embedding); `overlap`, the pairs'
+        hand-over (the MoE layers' token all-to-alls)."""
+        stack = contextlib.ExitStack()
+        for chunk in self.model:
+            if split:
+                stack.enter_context(self.weight_grads.given_to(chunk))
+            if overlap:
+                stack.enter_context(self.overlap.given_to(chunk))
+        return stack
 
     def _virtual(self, c: int) -> int:
         return self.schedule.virtual_stage(self.P, self.s, c)
@@ -297,7 +323,7 @@ class _Runner:
         output, x = self.outputs.pop((c, mb)), self.inputs.pop((c, mb), None)
         self._timer("backward-compute").start()
         queue = []
-        with defer_weight_grads(queue):
+        with self.weight_grads.deferring(queue):
             if v == self.last:
                 self.scale_loss(output / self.M).backward()
             else:
@@ -331,7 +357,7 @@ class _Runner:
         timer.start()
         self.in_pair = self.comm.quiet = True
         try:
-            run_pair(
+            self.overlap.run(
                 forward,
                 lambda: self._backward(*b, grad, send_after_forward),
                 self.trackers,

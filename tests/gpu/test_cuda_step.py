@@ -147,17 +147,20 @@ def test_each_sdpa_backend_that_runs_gives_the_math_backends_loss_and_gradients(
             assert err <= 5 * tol * scale, f"{backend} {name}: {err:.3g} vs {scale:.3g}"
 
 
+_PAIRS = overlap.PairOverlap()  # what _HandOver hands over through
+
+
 class _HandOver(torch.autograd.Function):
     """An identity passing the turn in its forward and backward, as the MoE all-to-all does."""
 
     @staticmethod
     def forward(ctx, x):
-        overlap.hand_over()
+        _PAIRS.hand_over()
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        overlap.hand_over()  # on CUDA: in autograd's device thread, the backward's side
+        _PAIRS.hand_over()  # on CUDA: in autograd's device thread, the backward's side
         return grad
 
 
@@ -201,7 +204,7 @@ def test_an_overlapped_pair_on_the_device_computes_what_the_sequential_order_doe
                 loss.backward()
 
             if paired:
-                overlap.run_pair(_dropout_mlp(layers, x2, out), backward, device=test_device)
+                _PAIRS.run(_dropout_mlp(layers, x2, out), backward, device=test_device)
             else:
                 _dropout_mlp(layers, x2, out)()
                 backward()

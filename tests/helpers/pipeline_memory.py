@@ -49,6 +49,7 @@ def measure_peaks(rank: int, world: int, cases: list[list[str]]) -> list[tuple[i
             if id(chunk) not in seen:  # its weights (and their detached views) are no activation
                 seen.add(id(chunk))
                 live.exclude(chunk.parameters())
+            live.watch(chunk)  # the zero-bubble queue of this step's weight-gradient split
             return forward_step(data_iterator, chunk)
 
         with live:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import mpu
+from megatron.mpu.mappings import all_to_all
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
 
@@ -139,6 +140,26 @@ def _check_mappings(state):
     _close("copy_to backward all-reduces", z.grad, torch.full((3,), p * (p + 1) / 2, dtype=DT))
 
 
+def _check_all_to_all_hand_over(state):
+    """The token all-to-all calls the hand-over it is given (megatron.mpu.overlap's, for
+    DualPipeV) once going and once coming back, and nothing when given none; the tokens it
+    moves are the same either way."""
+    g, r, p = state.tp_group, state.tp_rank, state.tp_size
+    splits, calls = [2] * p, []
+    rows = [(torch.arange(2 * p, dtype=DT) + 100 * r).view(-1, 1).requires_grad_() for _ in "ab"]
+    hooked = all_to_all(rows[0], g, splits, splits, lambda: calls.append("hand-over"))
+    assert calls == ["hand-over"], calls
+    hooked.backward(torch.ones_like(hooked))
+    assert calls == ["hand-over"] * 2, calls
+    plain = all_to_all(rows[1], g, splits, splits)
+    plain.backward(torch.ones_like(plain))
+    assert calls == ["hand-over"] * 2, calls  # not given one: none called
+    expected = torch.tensor([[2 * r + k + 100 * j] for j in range(p) for k in (0, 1)], dtype=DT)
+    for y, x in zip((hooked, plain), rows, strict=True):
+        _close("all-to-all rows", y, expected)
+        _close("all-to-all backward", x.grad, torch.ones_like(x))
+
+
 def _check_grad_norm(state):
     g, r = state.tp_group, state.tp_rank
     torch.manual_seed(0)  # same replicated data on every rank
@@ -238,6 +259,7 @@ def _worker(rank, world):
             _check_row,
             _check_embedding_and_cross_entropy,
             _check_mappings,
+            _check_all_to_all_hand_over,
             _check_grad_norm,
             _check_rng,
         ):

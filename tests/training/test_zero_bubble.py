@@ -4,6 +4,7 @@ rules, and ZB-H1, ZBV and DualPipeV training (PP 4 and PP 2; with TP 2 and seque
 parallelism, the distributed optimizer, an MoE model) equal to one process in losses,
 gradient norms and final weights."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -15,7 +16,7 @@ from megatron.config.schema import ConfigError
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu import overlap
-from megatron.mpu.weight_grad import defer_weight_grads, run_weight_grads, split_weight_grads
+from megatron.mpu.weight_grad import WeightGradSplit, run_weight_grads
 from megatron.schedules.registry import (
     SCHEDULES,
     check_message_order,
@@ -136,10 +137,10 @@ def test_split_weight_gradients_equal_the_plain_backward():
         grads = []
         for split in (False, True):
             model = GPTModel(cfg, BuildContext(seed=3, dtype=torch.float64))
-            queue = []
-            with split_weight_grads(split):
+            queue, weight_grads = [], WeightGradSplit()
+            with weight_grads.given_to(model) if split else contextlib.nullcontext():
                 loss = model(tokens, labels=tokens).mean()
-                with defer_weight_grads(queue):
+                with weight_grads.deferring(queue):
                     loss.backward()
                 if split:  # B left the big weights' gradients for W
                     assert len(queue) >= 8

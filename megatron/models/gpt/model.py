@@ -104,6 +104,7 @@ class OutputHead(nn.Module):
         local = padded // state.tp_size
         self.num_valid = max(0, min(local, cfg.vocab_size - state.tp_rank * local))
         self.output_layer = None
+        self.weight_grad_split = None  # the tied head's (megatron.mpu.layers: a zero-bubble W)
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size,
@@ -155,10 +156,11 @@ class OutputHead(nn.Module):
         if self.output_layer is not None:
             logits = self.output_layer(x)
         elif self.sequence_parallel:  # (b, s/p, h) -> (b, s, V / p)
-            logits = gathered_linear(x, word_embeddings, None, self.tp_group)
+            split = self.weight_grad_split
+            logits = gathered_linear(x, word_embeddings, None, self.tp_group, split=split)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-            logits = local_linear(x, word_embeddings)
+            logits = local_linear(x, word_embeddings, split=self.weight_grad_split)
         if self.num_valid < logits.size(-1):
             logits[..., self.num_valid :] = float("-inf")
         return logits
