@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adam import adam as adam_functional
 
-from megatron.model.transformer import ParallelAttention, TransformerLayer
+from megatron.model.attention import ParallelAttention
+from megatron.model.transformer import TransformerLayer
 from megatron.mpu.utils import group_rank, group_size
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic

@@ -338,7 +338,7 @@ _MAY_IMPORT = {
     "mpu": set(),
     "config": set(),
     "fused_kernels": {"config.schema", "mpu"},
-    "model": {"config.schema", "fused_kernels", "mpu"},
+    "model": {"config.layer_pattern", "config.schema", "fused_kernels", "mpu"},
     "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
     "heartbeat": set(),
     "pipeline_order": set(),
