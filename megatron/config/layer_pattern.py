@@ -1,6 +1,12 @@
-"""--moe-layer-freq's value: an integer k, or a Python-style list expression of 0/1 per layer
-as Megatron-core writes it ('([0]*3+[1]*58)', '[1,0,1,0]'), read by a small parser of its own
-(integers, lists, `*`, `+` and parentheses), never by eval(). Standard library only."""
+"""The kind of each transformer layer, computed once from the config (`layer_kinds`), and
+--moe-layer-freq's value that decides it today: an integer k, or a Python-style list expression
+of 0/1 per layer as Megatron-core writes it ('([0]*3+[1]*58)', '[1,0,1,0]'), read by a small
+parser of its own (integers, lists, `*`, `+` and parentheses), never by eval(). Standard library
+only.
+
+A kind is a name the model's registry (megatron.model.layer_kinds) builds a layer from; a later
+pattern (a hybrid stack's string of Mamba / attention / MLP layers) is one more source of the
+same per-layer list."""
 
 from __future__ import annotations
 
@@ -12,11 +18,36 @@ from megatron.config.declare import ConfigError
 FLAG = "--moe-layer-freq"
 _LIMIT = 1_000_000  # no layer count, list or repeat is larger: a typo, not a model
 _TOKEN = re.compile(r"\d+|[\[\]\(\),*+]")
+_DEPTH = 100  # nested parentheses / lists: deeper is a typo, and would exhaust the stack
+
+# The layer kinds of a transformer stack today (megatron.model.layer_kinds builds them).
+ATTENTION_MLP = "attention+mlp"  # self-attention, then the dense MLP
+ATTENTION_MOE = "attention+moe"  # self-attention, then a router and experts
+
+
+def layer_kinds(model) -> tuple[str, ...]:
+    """The kind of each of the model config's --num-layers layers: attention + MoE where
+    --moe-layer-freq says (with --num-experts), attention + dense MLP elsewhere."""
+    pattern = model.moe_layer_pattern
+    return tuple(
+        ATTENTION_MOE if i < len(pattern) and pattern[i] == 1 else ATTENTION_MLP
+        for i in range(model.num_layers)
+    )
+
+
+def expand_layer_freq(value, num_layers: int) -> tuple[int, ...]:
+    """--moe-layer-freq as one 0/1 entry per layer (an int k: 1 where i % k == 0); a pattern
+    keeps its own length (megatron.config.rules_moe refuses one that is not --num-layers)."""
+    freq = parse_layer_freq(str(value))
+    if isinstance(freq, int):
+        return tuple(int(i % freq == 0) for i in range(num_layers))
+    return freq
 
 
 def _refuse(value: str, problem: str) -> ConfigError:
+    shown = repr(value) if len(value) <= 80 else f"{value[:60]!r}... ({len(value)} characters)"
     return ConfigError(
-        f"{FLAG}: {value!r} {problem}. Fix: pass an integer k (every k-th layer is MoE) or a "
+        f"{FLAG}: {shown} {problem}. Fix: pass an integer k (every k-th layer is MoE) or a "
         "list of 0 (dense) / 1 (MoE) per layer written with lists, integers, * and +, "
         "e.g. '([0]*3+[1]*58)'"
     )
@@ -47,7 +78,7 @@ class _Parser:
     '(' expr ')'. Values are ints or lists of ints, with Python's + and * on them."""
 
     def __init__(self, tokens: list[str], value: str):
-        self.tokens, self.value, self.pos = tokens, value, 0
+        self.tokens, self.value, self.pos, self.depth = tokens, value, 0, 0
 
     def _peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -89,22 +120,31 @@ class _Parser:
         token = self._take()
         if token.isdigit():
             return self._check(int(token) if len(token) <= 8 else _LIMIT + 1)
+        if token in ("(", "["):
+            self.depth += 1
+            if self.depth > _DEPTH:
+                raise _refuse(self.value, f"nests parentheses or lists deeper than {_DEPTH}")
+            out = self._group(token)
+            self.depth -= 1
+            return out
+        raise _refuse(self.value, f"has an unexpected {token!r}")
+
+    def _group(self, token: str):
+        """'(' expr ')' or '[' exprs ']', its opening token taken."""
         if token == "(":
             out = self.expr()
             self._take(")")
             return out
-        if token == "[":
-            items = []
-            while self._peek() != "]":
-                item = self.expr()
-                if not isinstance(item, int):
-                    raise _refuse(self.value, "nests lists")
-                items.append(item)
-                if self._peek() != "]":
-                    self._take(",")
-            self._take("]")
-            return items
-        raise _refuse(self.value, f"has an unexpected {token!r}")
+        items = []
+        while self._peek() != "]":
+            item = self.expr()
+            if not isinstance(item, int):
+                raise _refuse(self.value, "nests lists")
+            items.append(item)
+            if self._peek() != "]":
+                self._take(",")
+        self._take("]")
+        return items
 
     def _check(self, v: int):
         if v > _LIMIT:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.declare import Section, setting
-from megatron.config.layer_pattern import parse_layer_freq
+from megatron.config.layer_pattern import expand_layer_freq
 
 
 @dataclass(frozen=True)
@@ -130,10 +130,7 @@ class MoESettings(Section):
         another length is refused by megatron.config.rules_moe)."""
         if not self.moe:
             return (0,) * self.num_layers
-        freq = parse_layer_freq(self.moe_layer_freq)
-        if isinstance(freq, int):
-            return tuple(int(i % freq == 0) for i in range(self.num_layers))
-        return freq
+        return expand_layer_freq(self.moe_layer_freq, self.num_layers)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (0-based) has experts instead of a dense MLP."""

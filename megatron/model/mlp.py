@@ -3,8 +3,8 @@
 dense_h_to_4h is column-parallel and dense_4h_to_h row-parallel, so the block does one
 all-reduce forward (the row-parallel sum) and one backward (the column-parallel input's
 gradient); with sequence parallelism an all-gather and a reduce-scatter of the sequence instead.
-Its own module because both the layer (model/transformer.py) and the MoE's shared expert
-(model/moe.py) build it.
+Its own module because both the layer (model/transformer.py, the kind attention + MLP of
+model/layer_kinds.py) and the MoE's shared expert (model/moe.py) build it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ class ParallelMLP(nn.Module):
             cfg.ffn_size, cfg.hidden_size, input_is_parallel=True, **kw
         )
         self.defer_bias = self.ops.bias_dropout_add == "compile" and cfg.add_bias_linear
+
+    @property
+    def deferred_bias(self) -> torch.Tensor | None:
+        """The output bias `forward` leaves to the layer's fused bias-dropout-add."""
+        return self.dense_4h_to_h.bias if self.defer_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1 = self.dense_h_to_4h

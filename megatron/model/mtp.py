@@ -27,10 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
+from megatron.model.layer_kinds import build_layer
+from megatron.model.norms import build_norm
 from megatron.model.recompute import run_layers
-from megatron.model.transformer import TransformerLayer, build_norm
 from megatron.mpu import ColumnParallelLinear, scatter_to_sequence_parallel_region
 from megatron.mpu.context_parallel import context_parallel_slice, context_parallel_unslice
 
@@ -79,7 +81,8 @@ class MultiTokenPredictionLayer(nn.Module):
             sequence_parallel=state.sequence_parallel,
             **kw,
         )
-        self.transformer_layer = TransformerLayer(cfg, ctx, layer_number=cfg.num_layers)
+        # the main model's last layer's kind
+        self.transformer_layer = build_layer(layer_kinds(cfg), cfg, ctx, cfg.num_layers - 1)
         self.final_layernorm = build_norm(cfg, **kw)
 
     def forward(self, hidden, embedded, position_ids, mask, recompute, tracker):

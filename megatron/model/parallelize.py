@@ -24,11 +24,12 @@ from collections.abc import Callable
 from torch import nn
 
 from megatron.config.schema import PrecisionConfig, RecomputeConfig
+from megatron.model.attention import ParallelAttention
 from megatron.model.fp8 import apply_fp8
 from megatron.model.moe import MoELayer
+from megatron.model.norms import NORM_TYPES
 from megatron.model.recompute import LayerRecompute
 from megatron.model.stages import ModelChunks
-from megatron.model.transformer import NORM_TYPES, ParallelAttention
 from megatron.mpu import ParallelState, mark_sequence_parallel
 
 POSITION_TABLE = "position_embeddings.weight"

@@ -12,6 +12,7 @@ reduce-scatter it, and the norms, residuals and residual dropout run on the slic
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,25 +24,8 @@ from megatron.model.context import BuildContext
 from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.mlp import ParallelMLP
-from megatron.model.moe import MoELayer
-from megatron.model.norms import NORM_TYPES, RMSNorm, build_norm
-from megatron.model.rope import RotaryEmbedding
+from megatron.model.norms import RMSNorm, build_norm
 from megatron.mpu import ParallelState, RNGStatesTracker
-
-# Moved to their own modules; the names stay importable from here.
-__all__ = [
-    "NORM_TYPES",
-    "KVCache",
-    "MultiLatentAttention",
-    "ParallelAttention",
-    "RMSNorm",
-    "RotaryEmbedding",
-    "TransformerLayer",
-    "build_attention",
-    "build_norm",
-    "fused_bias_dropout_add",
-    "split_dropout_rng",
-]
 
 
 def build_attention(cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
@@ -84,7 +68,8 @@ def fused_bias_dropout_add():
 
 
 class TransformerLayer(nn.Module):
-    """x + drop(attn(norm(x))), then + drop(mlp(norm(.))). Residual dropout uses the default
+    """x + drop(attn(norm(x))), then + drop(mlp(norm(.))), `mlp` built by `feed_forward`
+    (megatron.model.layer_kinds: the dense MLP, or MoE). Residual dropout uses the default
     generator, identical on every TP rank, because these tensors are replicated over TP; with
     sequence parallelism each TP rank holds other tokens, so it draws from the TP-rank stream.
 
@@ -97,7 +82,13 @@ class TransformerLayer(nn.Module):
     bias_dropout_add; same values, other kernels (and on CUDA other dropout masks).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ctx: BuildContext,
+        layer_number: int = 1,
+        feed_forward: Callable[[ModelConfig, BuildContext], nn.Module] = ParallelMLP,
+    ):
         super().__init__()
         self.hidden_dropout, self.ops = cfg.hidden_dropout, ctx.ops
         self.post_ln_residual = cfg.apply_residual_connection_post_layernorm
@@ -106,9 +97,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
         self.self_attention = build_attention(cfg, ctx, layer_number)
         self.post_attention_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
-        # --num-experts: a router and experts instead of the MLP (every --moe-layer-freq-th)
-        moe = cfg.is_moe_layer(layer_number - 1)
-        self.mlp = MoELayer(cfg, ctx) if moe else ParallelMLP(cfg, ctx)
+        # the dense MLP, or a router and experts (its kind: megatron.model.layer_kinds)
+        self.mlp = feed_forward(cfg, ctx)
         # Draws from the RNG tracker's streams (activation recompute must replay them only
         # then): attention dropout, and residual dropout on sequence-parallel slices.
         forks = cfg.attention_dropout > 0 or (ctx.state.sequence_parallel and self.hidden_dropout)
@@ -134,7 +124,7 @@ class TransformerLayer(nn.Module):
                 x = self._fused(attn, attn_bias, x)
                 y = self.post_attention_layernorm(x)
             out = self.mlp(y)
-            bias = None if isinstance(self.mlp, MoELayer) else self.mlp.dense_4h_to_h.bias
+            bias = getattr(self.mlp, "deferred_bias", None)  # what its forward left out
             return self._fused(out, bias, y if self.post_ln_residual else x)
         if self._fuses_add_norm():  # residual add + norm in one kernel (or Liger's)
             y, x = self._add_norm(self._dropout(attn), x)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.model.transformer import NORM_TYPES
+from megatron.model.norms import NORM_TYPES
 from megatron.mpu import ParallelState, copy_full_into_param
 from megatron.mpu.expert_shards import cut_whole, whole_shape
 

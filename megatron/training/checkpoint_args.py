@@ -8,6 +8,8 @@ import dataclasses
 import os
 
 from megatron.checkpoint.storage import CheckpointError
+from megatron.config.declare import ConfigError
+from megatron.config.layer_pattern import expand_layer_freq
 from megatron.config.schema import MegatronConfig
 
 # Fields of ModelConfig that change parameter shapes: a resume must match them.
@@ -86,7 +88,10 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
     if cfg.checkpoint.finetune or not cfg.model.moe or saved_model.get("num_experts") is None:
         return
     for name in ROUTER_FIELDS:
-        if name in saved_model and _spelled(saved_model[name]) != _spelled(current[name]):
+        layers = current["num_layers"]  # the checkpoint's too: a shape field
+        if name in saved_model and _router_value(name, saved_model, layers) != _router_value(
+            name, current, layers
+        ):
             flag = "--" + name.replace("_", "-")
             was, now = _as_flag(flag, saved_model[name]), _as_flag(flag, current[name])
             raise CheckpointError(
@@ -118,11 +123,17 @@ def expert_bias_note(saved: dict, cfg: MegatronConfig) -> str | None:
     )
 
 
-def _spelled(value):
-    """--moe-layer-freq as older checkpoints recorded it (the int 2) or now ("2")."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return "".join(value.split()) if isinstance(value, str) else value
+def _router_value(name: str, model: dict, num_layers: int):
+    """A router field of recorded model arguments as a resume compares it: --moe-layer-freq as
+    the layers it makes MoE (`[1]*4` is `1` for 4 layers; older checkpoints recorded the int 2),
+    or as spelled where it does not parse."""
+    value = model[name]
+    if name != "moe_layer_freq":
+        return value
+    try:
+        return expand_layer_freq(value, num_layers)
+    except ConfigError:
+        return "".join(value.split()) if isinstance(value, str) else value
 
 
 def _as_flag(flag: str, value) -> str:

@@ -340,7 +340,7 @@ _MAY_IMPORT = {
     "schedules": set(),
     "config": {"schedules"},
     "fused_kernels": {"config.schema", "mpu"},
-    "model": {"config.schema", "fused_kernels", "mpu", "schedules"},
+    "model": {"config.layer_pattern", "config.schema", "fused_kernels", "mpu", "schedules"},
     "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
     "heartbeat": set(),
     # planning runs before any model or process group exists

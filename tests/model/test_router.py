@@ -311,6 +311,8 @@ BAD = [
     (["--moe-layer-freq", "__import__('os').system('x')"], "not an integer or a list"),
     (["--moe-layer-freq", "[0]*4"], "no MoE layer"),
     (["--moe-layer-freq", "8"], "exceeds --num-layers 4"),
+    (["--moe-layer-freq", "(" * 3000 + "1" + ")" * 3000], "deeper than 100"),  # no RecursionError
+    (["--moe-layer-freq", "[" * 3000 + "1" + "]" * 3000], "--moe-layer-freq: '\\[\\[\\["),
     (["--moe-router-bias-update-rate", "0.01"], "without --moe-router-enable-expert-bias"),
 ]
 

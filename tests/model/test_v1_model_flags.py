@@ -18,9 +18,10 @@ from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS
+from megatron.model.attention import KVCache, ParallelAttention
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
-from megatron.model.transformer import KVCache, ParallelAttention, TransformerLayer
+from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from tests.helpers.distributed import run_distributed
 

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
+from megatron.model.attention import ParallelAttention
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
-from megatron.model.transformer import ParallelAttention, TransformerLayer
+from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import (

@@ -67,3 +67,17 @@ def test_a_changed_moe_router_is_refused_on_resume_naming_flag_value_and_overrid
     finetune = parse_args([*MOE, *changed, "--load", str(tmp_path), "--finetune"], world_size=1)
     saved = {"args": checkpoint_args(parse_args(MOE, world_size=1))}
     check_model_args(saved, finetune, where)
+
+
+def test_a_resume_compares_the_moe_layer_pattern_not_its_spelling():
+    """--moe-layer-freq '[1]*4' makes the same 4 layers MoE as the checkpoint's 1 (and '([1,0]*2)'
+    the same as an older checkpoint's int 2): the resume goes on; another pattern is refused."""
+    saved = {"args": checkpoint_args(parse_args(MOE, world_size=1))}
+    for same in ("[1]*4", "([1]*2+[1]*2)", "[1,1,1,1]"):
+        check_model_args(saved, parse_args([*MOE, "--moe-layer-freq", same], world_size=1), "c")
+    older = {"args": checkpoint_args(parse_args([*MOE, "--moe-layer-freq", "2"], world_size=1))}
+    older["args"]["model"]["moe_layer_freq"] = 2  # the int older checkpoints recorded
+    check_model_args(older, parse_args([*MOE, "--moe-layer-freq", "([1,0]*2)"], world_size=1), "c")
+    changed = parse_args([*MOE, "--moe-layer-freq", "[1,0,1,1]"], world_size=1)
+    with pytest.raises(CheckpointError, match=r"trained with --moe-layer-freq 1, but this run has "):
+        check_model_args(saved, changed, "c")

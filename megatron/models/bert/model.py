@@ -24,12 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
+from megatron.model.layer_kinds import build_layer
 from megatron.model.masks import AttentionMask
+from megatron.model.norms import build_norm
 from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
-from megatron.model.transformer import TransformerLayer, build_norm
 from megatron.model.weights import init_weights
 from megatron.mpu import VocabParallelEmbedding, copy_to_tensor_model_parallel_region
 from megatron.mpu.layers import set_tensor_model_parallel_attributes
@@ -136,9 +138,8 @@ class BertModel(nn.Module):
             if not pre_process:
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
         self.layer_numbers = list(layer_range)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, ctx, i + 1) for i in layer_range}
-        )
+        kinds = layer_kinds(cfg)
+        self.layers = nn.ModuleDict({str(i): build_layer(kinds, cfg, ctx, i) for i in layer_range})
         self.head = BertHead(cfg, ctx, binary_head) if post_process else None
         self._input: torch.Tensor | None = None
         init_weights(self, cfg, ctx.state, ctx.seed)

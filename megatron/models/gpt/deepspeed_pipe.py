@@ -13,11 +13,14 @@ import functools
 
 from torch import nn
 
+from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import MegatronConfig, ModelConfig
 from megatron.model.context import BuildContext
+from megatron.model.layer_kinds import attention_feed_forward
 from megatron.model.masks import CAUSAL, AttentionMask
+from megatron.model.norms import build_norm
 from megatron.model.parallelize import parallelize
-from megatron.model.transformer import TransformerLayer, build_norm
+from megatron.model.transformer import TransformerLayer
 from megatron.model.weights import init_weights
 from megatron.models.gpt.model import Embedding, OutputHead
 from megatron.models.gpt.train import lm_loss
@@ -42,10 +45,13 @@ class EmbeddingPipe(Embedding):
 class TransformerLayerPipe(TransformerLayer):
     """`document_mask`: attend within documents (--reset-attention-mask); each layer builds
     the mask from the document ids it passes on. Full recompute is DeepSpeed's
-    (activation_checkpoint_interval); selective recompute is applied here."""
+    (activation_checkpoint_interval); selective recompute is applied here. `kind`: the layer's
+    (megatron.model.layer_kinds), an attention kind."""
 
-    def __init__(self, cfg, ctx: BuildContext, number: int, recompute, document_mask=False):
-        super().__init__(cfg, ctx, layer_number=number + 1)
+    def __init__(
+        self, cfg, ctx: BuildContext, number: int, kind: str, recompute, document_mask=False
+    ):
+        super().__init__(cfg, ctx, number + 1, attention_feed_forward(kind))
         init_weights(self, cfg, ctx.state, ctx.seed, prefix=f"layers.{number}.")
         if recompute.granularity == "selective":
             parallelize(self, ctx.state, recompute)
@@ -129,11 +135,12 @@ def build_pipeline_module(cfg: MegatronConfig, rt, checkpoint_fn):
         )
     else:
         head = LayerSpec(HeadPipe, *common)
+    pipe_layer = functools.partial(LayerSpec, TransformerLayerPipe, m, ctx)
     layers = [
         embed,
         *(
-            LayerSpec(TransformerLayerPipe, m, ctx, i, cfg.recompute, cfg.data.reset_attention_mask)
-            for i in range(m.num_layers)
+            pipe_layer(i, kind, cfg.recompute, cfg.data.reset_attention_mask)
+            for i, kind in enumerate(layer_kinds(m))
         ),
         LayerSpec(FinalNormPipe, *common),
         head,

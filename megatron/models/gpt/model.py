@@ -16,13 +16,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
+from megatron.model.layer_kinds import build_layer, check_layer_kinds
 from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.mtp import MultiTokenPrediction
+from megatron.model.norms import build_norm
 from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
-from megatron.model.transformer import TransformerLayer, build_norm, split_dropout_rng
+from megatron.model.transformer import split_dropout_rng
 from megatron.model.weights import init_weights
 from megatron.mpu import (
     ColumnParallelLinear,
@@ -173,6 +176,9 @@ class GPTModel(nn.Module):
     vocab slice of the logits. A stage without the embedding (`pre_process=False`) takes its
     input from `set_input_tensor`; one without the head (`post_process=False`) returns hidden
     states.
+
+    `kinds`: each layer's kind (megatron.model.layer_kinds); default the config's
+    (megatron.config.layer_pattern.layer_kinds), given for a pattern no flag spells yet.
     """
 
     def __init__(
@@ -183,6 +189,7 @@ class GPTModel(nn.Module):
         layer_range: range | None = None,
         pre_process: bool = True,
         post_process: bool = True,
+        kinds: tuple[str, ...] | None = None,
     ):
         super().__init__()
         ctx = ctx or BuildContext()
@@ -200,6 +207,7 @@ class GPTModel(nn.Module):
                 self.embedding.word_embeddings.weight.shared = True  # counted once in norms
         self.layer_numbers = list(layer_range)  # the layers this chunk runs, in order
         self.layers = nn.ModuleDict()  # their weights: owner layer -> module
+        kinds = layer_kinds(cfg) if kinds is None else check_layer_kinds(kinds, cfg)
         for i in layer_range:
             owner = cfg.layer_owner(i)
             if owner not in layer_range:
@@ -208,9 +216,7 @@ class GPTModel(nn.Module):
                     f"pipeline chunk ({layer_range}); see --param-sharing-style"
                 )
             if str(owner) not in self.layers:
-                self.layers[str(owner)] = TransformerLayer(
-                    cfg, ctx, layer_number=cfg.unique_layer(i) + 1
-                )
+                self.layers[str(owner)] = build_layer(kinds, cfg, ctx, cfg.unique_layer(i))
         self.head = OutputHead(cfg, ctx) if post_process else None
         self.mtp = None  # --mtp-num-layers: after the head, on the last stage
         if post_process and cfg.mtp_num_layers is not None:
