@@ -38,6 +38,18 @@ MLA_FIELDS = {
     "v_head_dim": None,
 }
 
+# Multi-latent attention's RoPE (--rope-type, YaRN's settings), with the value a checkpoint
+# that predates them had: the frequencies and attention factor its weights were trained with.
+ROPE_FIELDS = {
+    "rope_type": None,  # yarn under MLA
+    "rotary_scaling_factor": 1.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+}
+
 
 # MoE router settings a checkpoint records that change what its experts see: a resume keeps
 # them; --finetune (a new run from the weights) may change them, as Megatron-LM's check of the
@@ -83,6 +95,7 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
                 f"has {current[name]!r}; pass the same model flags (or convert the checkpoint)"
             )
     _check_attention(saved_model, current, path)
+    _check_rope(saved_model, current, path, cfg.checkpoint.finetune)
     if cfg.checkpoint.finetune or not cfg.model.moe or saved_model.get("num_experts") is None:
         return
     for name in ROUTER_FIELDS:
@@ -150,3 +163,31 @@ def _check_attention(saved_model: dict, current: dict, path: str) -> None:
             f"{path}: the checkpoint was saved with {_as_flag(flag, was)} but this run has "
             f"{_as_flag(flag, current[name])}; pass the same multi-latent attention sizes"
         )
+
+
+def _check_rope(saved_model: dict, current: dict, path: str, finetune: bool) -> None:
+    """An MLA checkpoint resumed under other RoPE settings than it was trained with: refused
+    (the rotary frequencies and YaRN's attention factor change under the trained weights),
+    unless --finetune starts a new run from the weights (a context extension)."""
+    if finetune or not current["multi_latent_attention"]:
+        return
+    saved = {name: saved_model.get(name, absent) for name, absent in ROPE_FIELDS.items()}
+    now = {name: current[name] for name in ROPE_FIELDS}
+    for model in (saved, now):
+        model["rope_type"] = model["rope_type"] or "yarn"  # MLA's default
+        if model["rope_type"] == "rope":  # YaRN's settings do nothing then
+            model.update({n: ROPE_FIELDS[n] for n in ROPE_FIELDS if n != "rope_type"})
+    differ = [n for n in ROPE_FIELDS if saved[n] != now[n]]
+    if not differ:
+        return
+
+    def flags(model: dict) -> str:  # YaRN's settings where it is YaRN
+        names = [n for n in differ if n == "rope_type" or model["rope_type"] == "yarn"]
+        return " ".join(f"--{n.replace('_', '-')} {model[n]}" for n in names)
+
+    raise CheckpointError(
+        f"{path}: the checkpoint's multi-latent attention was trained with {flags(saved)}, but "
+        f"this run has {flags(now)}; resuming would change its RoPE frequencies under the "
+        f"trained weights. Fix: resume with {flags(saved)}, or pass --finetune to start a new "
+        "run from these weights with the new RoPE (as a context extension does)"
+    )
