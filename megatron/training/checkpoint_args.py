@@ -9,6 +9,7 @@ import os
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.schema import MegatronConfig
+from megatron.config.schema_mla import YARN_DEFAULTS
 
 # Fields of ModelConfig that change parameter shapes: a resume must match them.
 SHAPE_FIELDS = (
@@ -40,15 +41,7 @@ MLA_FIELDS = {
 
 # Multi-latent attention's RoPE (--rope-type, YaRN's settings), with the value a checkpoint
 # that predates them had: the frequencies and attention factor its weights were trained with.
-ROPE_FIELDS = {
-    "rope_type": None,  # yarn under MLA
-    "rotary_scaling_factor": 1.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.0,
-}
+ROPE_FIELDS = {"rope_type": None, **YARN_DEFAULTS}  # rope_type None: yarn under MLA
 
 
 # MoE router settings a checkpoint records that change what its experts see: a resume keeps
