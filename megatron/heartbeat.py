@@ -6,7 +6,9 @@ rank therefore bumps a counter in the c10d store (the TCPStore of init) from a d
 A stopped or dead process stops bumping it, while ranks that are merely blocked in a collective
 keep beating (the thread runs while the main thread waits in C++ with the GIL released). When a
 collective fails, the rank that saw the failure reads every counter twice, a few beats apart, and
-names the ranks whose counter did not move.
+names the ranks whose counter did not move. A named rank that is a stopped process this one can
+see (same machine and pid namespace) is ended with SIGKILL: it cannot take torchrun's SIGTERM,
+and the job would wait 30 s more for torchrun's own SIGKILL.
 
 The same thread notices a store that is gone. Under torchrun the store lives in the launcher's
 agent; a scheduler that SIGKILLs the agent leaves the ranks (in their own session) training on
@@ -18,6 +20,8 @@ is still running a while later the thread ends it (exit 1) itself.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -47,6 +51,7 @@ class Heartbeat:
         self.lost: str | None = None  # why the store is gone, once it is
         self._stop = threading.Event()
         self.store.set(f"{_KEY}{rank}", "0")
+        self.store.set(f"{_KEY}where/{rank}", f"{_pid_space()} {os.getpid()}")
         self._thread = threading.Thread(target=self._run, name="megatron-heartbeat", daemon=True)
         self._thread.start()
 
@@ -101,6 +106,41 @@ class Heartbeat:
             return f"{_store_gone()} ({type(e).__name__})"
         return [r for r in range(self.world_size) if r != self.rank and after[r] <= before[r]]
 
+    def end_here(self, ranks: list[int]) -> list[str]:
+        """SIGKILL those of the silent `ranks` that are stopped (SIGSTOP) processes this one
+        can see (same machine, same pid namespace), so that the job ends now: a stopped
+        process takes no SIGTERM, and torchrun waits 30 s before its SIGKILL. Returns "rank
+        (pid N)" for each one ended."""
+        ended, here = [], _pid_space()
+        for r in ranks:
+            try:
+                space, pid = self.store.get(f"{_KEY}where/{r}").decode().rsplit(" ", 1)
+                if space != here or not _stopped(int(pid)):
+                    continue
+                os.kill(int(pid), signal.SIGKILL)
+                ended.append(f"{r} (pid {pid})")
+            except Exception:  # noqa: BLE001 - the store or the process is gone: nothing to end
+                continue
+        return ended
+
+
+def _pid_space() -> str:
+    """Which pids this process sees: the machine's boot and this pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"{socket.gethostname()}:?"  # no /proc: never matches a stopped process below
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
 
 def _store_gone() -> str:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -130,6 +170,7 @@ def explain_collective_failure(
     silent = heartbeat.silent_ranks()
     if not silent:
         return None
+    ended = [] if isinstance(silent, str) else heartbeat.end_here(silent)
     first_line = (str(error).strip().splitlines() or [""])[0][:300]
     who = (
         silent
@@ -139,6 +180,8 @@ def explain_collective_failure(
             "(no heartbeat in the c10d store: the process is stopped, dead, or its host is down)"
         )
     )
+    if ended:
+        who += f" (stopped: {', '.join(f'rank {e}' for e in ended)} ended with SIGKILL)"
     return (
         f"{who}; rank {heartbeat.rank} gave up waiting for it in a collective after "
         f"--distributed-timeout-minutes {timeout_minutes:g} ({type(error).__name__}: "

@@ -34,9 +34,11 @@ dicts and a `barrier` callable.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import resource
 import shutil
 import warnings
 import zlib
@@ -139,20 +141,70 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
-def _write_failed(path: str, error: OSError) -> CheckpointError:
-    """One line for an I/O error while saving: the file, the error, the free space there."""
+def _space(path: str) -> str:
     directory = os.path.dirname(path)
     while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
         directory = os.path.dirname(directory)  # a directory we could not create
     try:
         usage = shutil.disk_usage(directory)
-        space = f"{_bytes(usage.free)} free of {_bytes(usage.total)} on {directory}"
+        return f"{_bytes(usage.free)} free of {_bytes(usage.total)} on {directory}"
     except OSError as e:
-        space = f"free space on {directory} unknown ({e.strerror or e})"
+        return f"free space on {directory} unknown ({e.strerror or e})"
+
+
+def _file_too_large() -> tuple[str, str]:
+    """(what stopped a write with EFBIG, the fix): this process's file-size limit, if it has
+    one (ulimit -f: the kernel refuses to grow any file past it), else the file system's."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return (
+            f"this process's file-size limit (ulimit -f, RLIMIT_FSIZE {_bytes(limit)}) is "
+            "smaller than the file",
+            "raise the limit (ulimit -f unlimited) or make the shards smaller (more "
+            "--tensor-model-parallel-size / --pipeline-model-parallel-size)",
+        )
+    return "the file system's largest file is smaller", "pass --save on another file system"
+
+
+def _newest_complete(path: str) -> str:
+    """What a resume from the root of `path` finds, now that this save failed (as
+    megatron.checkpoint.reading.resolve_load_iteration would: the pointer's checkpoint, else
+    the newest complete one)."""
+    root = os.path.dirname(path)  # the pointer's (or run_config.yaml's) directory
+    for directory in (root, os.path.dirname(root)):  # a marker's, a shard's iteration
+        if (
+            _ITER_DIR.fullmatch(os.path.basename(directory))
+            or os.path.basename(directory) == RELEASE
+        ):
+            root = os.path.dirname(directory)
+            break
+    complete = [it for it, d in iteration_dirs(root).items() if is_complete(d)]
+    try:
+        with open(tracker_path(root), encoding="utf-8") as f:
+            text = f.read().strip()
+        pointer = 0 if text == RELEASE else int(text)
+    except (OSError, ValueError):
+        pointer = None
+    if pointer in complete:
+        return f"the pointer in {root} still names iteration {pointer}, a complete checkpoint"
+    if complete:
+        return (
+            f"a resume from {root} falls back to iteration {max(complete)}, its newest complete one"
+        )
+    return f"{root} holds no complete checkpoint (this was its first save)"
+
+
+def _write_failed(path: str, error: OSError) -> CheckpointError:
+    """One line for an I/O error while saving: the file, the error, what caused it (the free
+    space there, or a file-size limit) and what a resume would find."""
     reason = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+    if error.errno == errno.EFBIG:
+        cause, fix = _file_too_large()
+    else:
+        cause, fix = _space(path), "free space or pass --save elsewhere"
     return CheckpointError(
-        f"cannot write checkpoint file {path}: {reason}; {space}. The pointer still names a "
-        "complete checkpoint; free space or pass --save elsewhere, then resume with --load."
+        f"cannot write checkpoint file {path}: {reason}; {cause}. {_newest_complete(path)}; "
+        f"{fix}, then resume with --load."
     )
 
 

@@ -5,17 +5,7 @@ from __future__ import annotations
 
 from megatron.config.declare import fail
 from megatron.config.schema import ModelConfig
-from megatron.config.schema_mla import MLA_DEFAULTS
-
-# YaRN's settings and their defaults: a changed one needs MLA's RoPE (the only one taking it)
-_YARN_DEFAULTS = {
-    "rotary_scaling_factor": 1.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.0,
-}
+from megatron.config.schema_mla import MLA_DEFAULTS, YARN_DEFAULTS
 
 
 def _flag(name: str) -> str:
@@ -45,7 +35,7 @@ def validate_mla_model(m: ModelConfig, tp: int = 1) -> None:
                 "and --v-head-dim)",
                 f"drop {flag}, or drop --multi-latent-attention",
             )
-    yarn = [name for name, default in _YARN_DEFAULTS.items() if getattr(m, name) != default]
+    yarn = [name for name, default in YARN_DEFAULTS.items() if getattr(m, name) != default]
     if yarn and m.mla_rope_type == "rope":
         fail(
             _flag(yarn[0]),
@@ -69,7 +59,7 @@ def validate_mla_model(m: ModelConfig, tp: int = 1) -> None:
 
 def _refuse_without_mla(m: ModelConfig) -> None:
     given = [name for name in (*MLA_DEFAULTS, "q_lora_rank") if getattr(m, name) is not None]
-    given += [name for name, default in _YARN_DEFAULTS.items() if getattr(m, name) != default]
+    given += [name for name, default in YARN_DEFAULTS.items() if getattr(m, name) != default]
     if m.rope_type == "yarn":
         given.append("rope_type")
     if given:

@@ -21,6 +21,16 @@ MLA_DEFAULTS = {
     "v_head_dim": 128,
 }
 
+# YaRN's settings and their defaults: a changed one needs MLA's RoPE (the only one taking it)
+YARN_DEFAULTS = {
+    "rotary_scaling_factor": 1.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+}
+
 
 @dataclass(frozen=True)
 class MLASettings(Section):

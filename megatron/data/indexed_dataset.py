@@ -19,6 +19,7 @@ Megatron's older TNTIDX format (`--data-impl lazy/cached`) lives in legacy_index
 
 from __future__ import annotations
 
+import difflib
 import os
 import struct
 from array import array
@@ -200,7 +201,13 @@ def prefix_hint(prefix: str | os.PathLike) -> str:
     named_file = prefix_names_a_file(str(prefix))
     if named_file:
         return "; ".join(named_file)
-    return "is the --data-path prefix right? It names PREFIX for PREFIX.bin and PREFIX.idx"
+    folder, name = os.path.split(os.path.abspath(prefix))
+    prefixes = (
+        [f[:-4] for f in os.listdir(folder) if f.endswith(".idx")] if os.path.isdir(folder) else []
+    )
+    close = difflib.get_close_matches(name, prefixes, n=1)
+    hint = f"did you mean {os.path.join(os.path.dirname(str(prefix)), close[0])}? " if close else ""
+    return f"{hint}is the --data-path prefix right? It names PREFIX for PREFIX.bin and PREFIX.idx"
 
 
 def open_pair(prefix: str | os.PathLike) -> dict | None:

@@ -10,8 +10,9 @@ Workers are plain processes, each returning results over its own pipe, and the m
 waits on those pipes and on the processes themselves: a worker that dies (the OOM killer's
 SIGKILL) fails the run at once with a message naming it. (multiprocessing.Pool silently
 replaces a dead worker and waits forever for the result it took with it.) Ctrl-C (SIGINT to
-the whole process group) is the main process's alone: the workers start with it ignored, and
-the main process stops them, removes its temporary files and exits 130 with one line.
+the whole process group) and SIGTERM (to the main process, or to the group, as `timeout` and
+Slurm send it) are the main process's alone: the workers ignore both, and the main process
+stops them, removes its temporary files and exits 130 (SIGINT) or 143 (SIGTERM) with one line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -140,6 +142,7 @@ class WorkerDied(RuntimeError):
 
 def _worker_main(init_args: tuple, tasks, conn) -> None:
     """A worker: encode (index, chunk) tasks until a None arrives; send (index, result, error)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the main process stops us (module docstring)
     try:
         _init_worker(*init_args)
     except Exception as e:  # noqa: BLE001 - reported to the main process, which re-raises it
@@ -241,7 +244,7 @@ class _Workers:
             if graceful:
                 proc.join(timeout=10)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # SIGKILL: the workers ignore SIGTERM
             proc.join(timeout=10)
         # Tasks still buffered for dead workers must not block this process's exit.
         self.tasks.cancel_join_thread()
@@ -414,11 +417,22 @@ def _summary(stats: Stats, read: int, written: list[str], dtype) -> None:
         print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
 
 
+class Terminated(BaseException):
+    """SIGTERM in the main process: raised there, so that the run stops as on Ctrl-C
+    (KeyboardInterrupt), its workers stopped and its temporary files removed."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tokenizer_type is None and args.tokenizer_model_type is None:
         print("error: --tokenizer-type is required (e.g. GPT2BPETokenizer)", file=sys.stderr)
         return 2
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if on_main_thread else None
     try:
         return run(args)
     except (ValueError, FileNotFoundError) as e:
@@ -427,10 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkerDied, OutputWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
+        name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         print(
-            "interrupted (SIGINT): stopped; no output was written and the temporary files "
+            f"interrupted ({name}): stopped; no output was written and the temporary files "
             "were removed",
             file=sys.stderr,
         )
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)

@@ -11,6 +11,7 @@ from megatron.checkpoint.storage import CheckpointError
 from megatron.config.declare import ConfigError
 from megatron.config.layer_pattern import expand_layer_freq
 from megatron.config.schema import MegatronConfig
+from megatron.config.schema_mla import YARN_DEFAULTS
 
 # Fields of ModelConfig that change parameter shapes: a resume must match them.
 SHAPE_FIELDS = (
@@ -39,6 +40,10 @@ MLA_FIELDS = {
     "qk_pos_emb_head_dim": None,
     "v_head_dim": None,
 }
+
+# Multi-latent attention's RoPE (--rope-type, YaRN's settings), with the value a checkpoint
+# that predates them had: the frequencies and attention factor its weights were trained with.
+ROPE_FIELDS = {"rope_type": None, **YARN_DEFAULTS}  # rope_type None: yarn under MLA
 
 
 # MoE router settings a checkpoint records that change what its experts see: a resume keeps
@@ -85,6 +90,7 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
                 f"has {current[name]!r}; pass the same model flags (or convert the checkpoint)"
             )
     _check_attention(saved_model, current, path)
+    _check_rope(saved_model, current, path, cfg.checkpoint.finetune)
     if cfg.checkpoint.finetune or not cfg.model.moe or saved_model.get("num_experts") is None:
         return
     for name in ROUTER_FIELDS:
@@ -161,3 +167,31 @@ def _check_attention(saved_model: dict, current: dict, path: str) -> None:
             f"{path}: the checkpoint was saved with {_as_flag(flag, was)} but this run has "
             f"{_as_flag(flag, current[name])}; pass the same multi-latent attention sizes"
         )
+
+
+def _check_rope(saved_model: dict, current: dict, path: str, finetune: bool) -> None:
+    """An MLA checkpoint resumed under other RoPE settings than it was trained with: refused
+    (the rotary frequencies and YaRN's attention factor change under the trained weights),
+    unless --finetune starts a new run from the weights (a context extension)."""
+    if finetune or not current["multi_latent_attention"]:
+        return
+    saved = {name: saved_model.get(name, absent) for name, absent in ROPE_FIELDS.items()}
+    now = {name: current[name] for name in ROPE_FIELDS}
+    for model in (saved, now):
+        model["rope_type"] = model["rope_type"] or "yarn"  # MLA's default
+        if model["rope_type"] == "rope":  # YaRN's settings do nothing then
+            model.update({n: ROPE_FIELDS[n] for n in ROPE_FIELDS if n != "rope_type"})
+    differ = [n for n in ROPE_FIELDS if saved[n] != now[n]]
+    if not differ:
+        return
+
+    def flags(model: dict) -> str:  # YaRN's settings where it is YaRN
+        names = [n for n in differ if n == "rope_type" or model["rope_type"] == "yarn"]
+        return " ".join(f"--{n.replace('_', '-')} {model[n]}" for n in names)
+
+    raise CheckpointError(
+        f"{path}: the checkpoint's multi-latent attention was trained with {flags(saved)}, but "
+        f"this run has {flags(now)}; resuming would change its RoPE frequencies under the "
+        f"trained weights. Fix: resume with {flags(saved)}, or pass --finetune to start a new "
+        "run from these weights with the new RoPE (as a context extension does)"
+    )

@@ -126,6 +126,34 @@ def iteration_line(
     return " | ".join(parts) + " |"
 
 
+def _power_of_two(x: float) -> str:
+    k = math.log2(x) if x > 0 else math.nan
+    return f"{x:.0f} (2^{k:.0f})" if k == round(k) else f"{x:g}"
+
+
+def loss_scale_warmup_line(rows: list[dict], hysteresis: int, initial: float) -> str | None:
+    """Why the first of `rows` (a run's first settled steps) were skipped, when their fp16
+    gradients overflowed with a finite loss: the dynamic loss scale starts high and halves on
+    overflow until the gradients fit. Megatron only counts skips in the next iteration line,
+    which a short run may never print (None: the first row was not such a skip)."""
+    skipped = []
+    for row in rows:
+        if row["updated"] or not math.isfinite(row["lm_loss"]):
+            break
+        skipped.append(row)
+    if not skipped:
+        return None
+    first, last = skipped[0]["iteration"], skipped[-1]["iteration"]
+    which = f"iteration {first} was" if first == last else f"iterations {first}-{last} were"
+    return (
+        f" {which} skipped for fp16 loss scaling: the gradients overflowed at the dynamic loss "
+        f"scale, which starts at --initial-loss-scale {_power_of_two(initial)} and halves on "
+        f"each overflow (once --hysteresis {hysteresis} have happened) until they fit, so an fp16 "
+        f"run's first steps are skipped; it is now {_power_of_two(skipped[-1]['loss_scale'])}. "
+        "A short run can start lower (e.g. --initial-loss-scale 65536)"
+    )
+
+
 def validation_line(iteration: int, loss: float, split: str = "validation") -> str:
     ppl = math.exp(min(20.0, loss))
     return (

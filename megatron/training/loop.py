@@ -21,6 +21,7 @@ from megatron.training.backend import TrainerBackend
 from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
 from megatron.training.log import start_lines
 from megatron.training.preflight import (
+    check_data,
     check_deepspeed_precision,
     check_load_dir,
     check_save_dir,
@@ -80,6 +81,7 @@ def pretrain(
     check_deepspeed_precision(cfg)
     run_config = to_yaml(cfg, RUN_CONFIG_HEADER)  # as resolved, before the tokenizer sets vocab
     cfg, tokenizer = resolve_vocab(cfg)
+    check_data(cfg, tokenizer)
     documents = DocumentMasking.from_config(cfg.data, tokenizer.eod if tokenizer else None)
     rt = runtime or initialize_megatron(cfg)
     forward_step_func = forward_step_func or family.forward_step(cfg)

@@ -1,6 +1,6 @@
-"""Checks of the run's output paths and of its precision on this device, before any work: a
-mistake found after model building and data indexing (or, worse, at the first save an hour in)
-costs the user that time."""
+"""Checks of the run's output paths, its data and its precision on this device, before any
+work: a mistake found after model building and data indexing (or, worse, at the first save an
+hour in) costs the user that time."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from collections.abc import Callable
 import torch
 
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.schema import ConfigError, MegatronConfig, parse_blend
+from megatron.data.builder import check_tokenizer
+from megatron.data.dataset_impl import make_indexed_dataset
+from megatron.data.dataset_pair import tokenizer_fingerprint
 
 
 def check_save_dir(save: str | None) -> None:
@@ -64,6 +67,26 @@ def check_load_dir(load: str | None, save: str | None) -> None:
         "check the path; to start a new run drop --load, or pass --load and --save the same "
         "directory (resumed when it holds a checkpoint, started from scratch when it does not)"
     )
+
+
+_SPLITS = ("train", "valid", "test")
+
+
+def check_data(cfg: MegatronConfig, tokenizer) -> None:
+    """Open every prefix of --data-path (or of --train/valid/test-data-path), its .bin, .idx
+    and PREFIX.idx.json, and check it against the run's `tokenizer` (None: ids against the
+    vocab only), as the dataset builder will after start-up: a mistyped path, or data made with
+    another tokenizer, is named now instead of after the model and the process groups are
+    built. Loose JSON input (--train-data) is read at start-up, where it is prepared."""
+    d = cfg.data
+    splits = (d.train_data_path, d.valid_data_path, d.test_data_path)
+    given = [("--data-path", d.data_path)] if d.data_path else []
+    given = given or [(f"--{s}-data-path", p) for s, p in zip(_SPLITS, splits, strict=True)]
+    prefixes = dict.fromkeys(p for flag, paths in given for _, p in parse_blend(paths, flag))
+    fingerprint = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
+    for prefix in prefixes:
+        indexed = make_indexed_dataset(prefix, d.data_impl)
+        check_tokenizer(prefix, indexed, cfg.model.vocab_size, fingerprint)
 
 
 def deepspeed_dtype_supported(name: str) -> bool:

@@ -19,6 +19,7 @@ from megatron.training.fault_tolerance import batch_share
 from megatron.training.log import (
     build_metrics_sinks,
     iteration_line,
+    loss_scale_warmup_line,
     memory_mib,
     model_flops_per_sample,
     peak_tflops,
@@ -80,6 +81,8 @@ class TrainLoop:
         self.profiler = Profiler(cfg.logging, rt.state.rank, rt.device, self.timers, out)
         self.stragglers = straggler_detector(cfg.logging, rt, out)
         self.timers.sections = self.stragglers
+        # until a first step settles: fp16's dynamic loss scale may skip it (_say_scale_warmup)
+        self.watch_scale_warmup = cfg.precision.fp16 and not cfg.optimizer.loss_scale
         self.signal = _ExitSignal(t.exit_signal_handler)
         self.flops_per_sample = model_flops_per_sample(cfg.model, cfg.model.seq_length)
         self.peak = peak_tflops(rt.device, cfg.logging.peak_tflops)
@@ -179,6 +182,7 @@ class TrainLoop:
         tic = time.perf_counter()
         settled = window.settle()  # waits for the device: that time is the steps'
         window.seconds += time.perf_counter() - tic
+        self._say_scale_warmup(settled.rows)
         if settled.device_skips:
             self.backend.take_back_schedule(settled.device_skips)
             settled.rows[-1]["lr"] = self.backend.lr  # the lr the next step will run with
@@ -234,6 +238,16 @@ class TrainLoop:
                 f" saved checkpoint at iteration {iteration} to {self.cfg.checkpoint.save} "
                 "(background write committed)"
             )
+
+    def _say_scale_warmup(self, rows: list[dict]) -> None:
+        """Once, at the first settled steps: why they were skipped, if fp16 loss scaling did."""
+        if not (self.watch_scale_warmup and rows):
+            return
+        self.watch_scale_warmup = False
+        o = self.cfg.optimizer
+        line = loss_scale_warmup_line(rows, o.hysteresis, o.initial_loss_scale)
+        if line:
+            self._print(line)
 
     def _validate(self, state, data_iter, result, split: str) -> None:
         num_micro = self.micro.num_micro_batches(state.consumed_train_samples)

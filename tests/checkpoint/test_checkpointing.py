@@ -495,6 +495,7 @@ def test_disk_full_during_save_names_file_and_free_space(tmp_path, monkeypatch, 
     assert f"cannot write checkpoint file {written}: [Errno {errno.ENOSPC}] " in msg
     where = re.escape(os.path.dirname(written))
     assert re.search(rf"[0-9.]+ (B|KiB|MiB|GiB|TiB) free of [0-9.]+ \w+ on {where}\.", msg), msg
+    assert f"the pointer in {tmp_path} still names iteration 1, a complete checkpoint; free " in msg
     _assert_previous_checkpoint_intact(tmp_path)
 
 
@@ -509,10 +510,11 @@ ckpt.save_shard(root, 1, state(1, 10), tp_rank=0, pp_rank=0, pp_size=1, write=Tr
 ckpt.finalize_checkpoint(root, 1, barrier=lambda: None, is_rank0=True)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-try:
-    ckpt.save_shard(root, 2, state(2, 1 << 20), tp_rank=0, pp_rank=0, pp_size=1, write=True)
-except ckpt.CheckpointError as e:
-    print(e)
+for where, it in ((root, 2), (root + "/first", 1)):  # after a checkpoint, and the first save
+    try:
+        ckpt.save_shard(where, it, state(it, 1 << 20), tp_rank=0, pp_rank=0, pp_size=1, write=True)
+    except ckpt.CheckpointError as e:
+        print(e)
 """
 
 
@@ -529,8 +531,14 @@ def test_real_write_error_inside_torch_save_is_one_named_line(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     shard = shard_path(tmp_path, 2, 0, 0, 1)
-    assert out.stdout.startswith(f"cannot write checkpoint file {shard}: [Errno {errno.EFBIG}]")
-    assert out.stdout.count("\n") == 1 and " free of " in out.stdout, out.stdout
+    after, first = out.stdout.splitlines()
+    assert after.startswith(f"cannot write checkpoint file {shard}: [Errno {errno.EFBIG}]")
+    # the limit, not the free space (plenty), and what a resume finds: each as it is
+    limit = "this process's file-size limit (ulimit -f, RLIMIT_FSIZE 1.0 MiB)"
+    assert limit in after and " free of " not in after, after
+    assert f"the pointer in {tmp_path} still names iteration 1, a complete checkpoint" in after
+    assert "raise the limit (ulimit -f unlimited)" in after
+    assert f"{tmp_path}/first holds no complete checkpoint (this was its first save)" in first
     _assert_previous_checkpoint_intact(tmp_path)
 
 

@@ -121,9 +121,9 @@ def test_temporary_files_of_killed_runs_are_removed_and_live_ones_reported(tmp_p
     assert other.exists()
 
 
-def test_ctrl_c_ends_preprocessing_with_one_line_and_exit_130(tmp_path):
-    """SIGINT to the whole process group (what Ctrl-C sends) mid-run: before, every process
-    printed a KeyboardInterrupt traceback."""
+def _interrupted_preprocessing(tmp_path, sig, kill) -> tuple[int, list[str]]:
+    """(exit status, stderr lines) of a preprocessing run (2 workers) sent `sig` by `kill(pid,
+    sig)` at its first progress line; its output directory must be left empty."""
     words = "the quick brown fox jumps over a lazy dog while ranks reduce gradients ".split()
     with open(tmp_path / "big.jsonl", "w") as f:  # ~25 MB: several seconds of tokenizing
         for i in range(40000):
@@ -148,7 +148,7 @@ def test_ctrl_c_ends_preprocessing_with_one_line_and_exit_130(tmp_path):
     reader.start()
     try:
         assert busy.wait(timeout=120), "no progress line"
-        os.killpg(proc.pid, signal.SIGINT)
+        kill(proc.pid, sig)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -156,13 +156,36 @@ def test_ctrl_c_ends_preprocessing_with_one_line_and_exit_130(tmp_path):
             proc.wait()
     reader.join(timeout=10)
     err = "".join(lines)
-    assert proc.returncode == 130, err
     assert "Traceback" not in err and "leaked" not in err and "KeyboardInterrupt" not in err
-    assert [line for line in lines if not line.startswith("processed ")] == [
+    assert os.listdir(out_dir) == [], err
+    return proc.returncode, [line for line in lines if not line.startswith("processed ")]
+
+
+def test_ctrl_c_ends_preprocessing_with_one_line_and_exit_130(tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C sends) mid-run: before, every process
+    printed a KeyboardInterrupt traceback."""
+    code, lines = _interrupted_preprocessing(tmp_path, signal.SIGINT, os.killpg)
+    assert code == 130, lines
+    assert lines == [
         "interrupted (SIGINT): stopped; no output was written and the temporary files "
         "were removed\n"
     ]
-    assert os.listdir(out_dir) == []
+
+
+@pytest.mark.parametrize(
+    "kill",
+    [os.killpg, pytest.param(os.kill, marks=pytest.mark.slow)],  # seconds each
+    ids=["process-group", "main-process"],
+)
+def test_sigterm_ends_preprocessing_as_ctrl_c_does_with_exit_143(tmp_path, kill):
+    """SIGTERM (`kill PID`; `timeout` and Slurm send it to the group): before, the main process
+    died at once, leaving PREFIX.bin.tmp-PID and the leaked-semaphore warnings."""
+    code, lines = _interrupted_preprocessing(tmp_path, signal.SIGTERM, kill)
+    assert code == 143, lines
+    assert lines == [
+        "interrupted (SIGTERM): stopped; no output was written and the temporary files "
+        "were removed\n"
+    ]
 
 
 def test_a_merge_is_committed_as_a_pair_and_keeps_the_shared_tokenizer(tmp_path):

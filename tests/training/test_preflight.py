@@ -119,3 +119,48 @@ def test_a_mistyped_load_directory_is_refused_unless_load_and_save_are_one(tmp_p
         cfg = parse_args([*TRAIN, "--load", fresh, "--save", save], world_size=1)
         assert resume(cfg, rt, read=None, restore=None).iteration == 0
         assert capsys.readouterr().err == f"{said}no checkpoint in {fresh}: starting from scratch\n"
+
+
+@pytest.fixture
+def before_start_up(monkeypatch):
+    """pretrain() as far as start-up: a check that has not raised by then comes too late."""
+    from megatron.training import loop
+
+    def start_up(cfg):
+        raise AssertionError("the process groups (and then the model) came before the check")
+
+    monkeypatch.setattr(loop, "initialize_megatron", start_up)
+    return lambda argv: loop.pretrain(parse_args([*TRAIN, "--micro-batch-size", "2", *argv], 1))
+
+
+def test_a_mistyped_data_path_is_named_before_start_up(before_start_up):
+    """It was found by the dataset builder after the model and process groups (80 s in)."""
+    typo = str(MMAP / "megatron_text_documnet")
+    with pytest.raises(FileNotFoundError) as err:
+        before_start_up(["--data-path", typo])
+    assert str(err.value).startswith(f"{typo}.idx: index file not found (did you mean ")
+    assert f"{MMAP / 'megatron_text_document'}? is the --data-path prefix right?" in str(err.value)
+    from tests.helpers.data import TOK
+
+    train = str(MMAP / "megatron_text_document")
+    with pytest.raises(FileNotFoundError, match="index file not found"):  # any split's path
+        before_start_up(["--train-data-path", train, "--valid-data-path", typo, *TOK])
+
+
+def test_data_made_with_another_tokenizer_is_named_before_start_up(tmp_path, before_start_up):
+    from megatron.data.gpt_dataset import DataError
+    from tests.helpers.data import TOK, _run
+
+    assert _run(tmp_path, [MMAP / "corpus.jsonl"]) == 0  # with its PREFIX.idx.json
+    vocab = json.loads((MMAP / "vocab.json").read_text())
+    a, b = (t for t, i in vocab.items() if i in (0, 1))  # same size, other ids for the text
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "swapped.json").write_text(json.dumps(vocab))
+    swapped = [*TOK[:3], str(tmp_path / "swapped.json"), *TOK[4:]]
+    prefix = str(tmp_path / "out_text_document")
+    with pytest.raises(DataError, match="made with another tokenizer than this run's"):
+        before_start_up(["--data-path", prefix, *swapped])
+    with pytest.raises(DataError, match="outside the model's vocab"):  # ids as ids: --vocab-size
+        before_start_up(["--data-path", prefix])
+    with pytest.raises(AssertionError, match="came before the check"):  # the right one passes
+        before_start_up(["--data-path", prefix, *TOK])

@@ -81,3 +81,35 @@ def test_a_resume_compares_the_moe_layer_pattern_not_its_spelling():
     changed = parse_args([*MOE, "--moe-layer-freq", "[1,0,1,1]"], world_size=1)
     with pytest.raises(CheckpointError, match=r"trained with --moe-layer-freq 1, but this run has "):
         check_model_args(saved, changed, "c")
+
+
+MLA = [*MOE[:-4], "--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8"]
+MLA += ["--qk-pos-emb-head-dim", "8", "--v-head-dim", "8", "--position-embedding-type", "rope"]
+YARN = ["--rotary-scaling-factor", "4", "--original-max-position-embeddings", "8"]
+YARN_SAID = "--rotary-scaling-factor 4.0 --original-max-position-embeddings 8"
+
+
+@pytest.mark.parametrize(
+    "saved_with, resumed_with, was, now",
+    [
+        (YARN, ["--rope-type", "rope"], f"--rope-type yarn {YARN_SAID}", "--rope-type rope"),
+        (YARN, [*YARN, "--mscale-all-dim", "1"], "--mscale-all-dim 0.0", "--mscale-all-dim 1.0"),
+        (["--rope-type", "rope"], YARN, "--rope-type rope", f"--rope-type yarn {YARN_SAID}"),
+    ],
+)  # fmt: skip
+def test_changed_rope_under_trained_mla_weights_is_refused_unless_finetune(
+    saved_with, resumed_with, was, now
+):
+    """Before: the resume went on with other rotary frequencies under the trained weights."""
+    saved = {"args": checkpoint_args(parse_args([*MLA, *saved_with], world_size=1))}
+    cfg = parse_args([*MLA, *resumed_with], world_size=1)
+    with pytest.raises(CheckpointError) as err:
+        check_model_args(saved, cfg, "ck")
+    msg = str(err.value)
+    assert msg.startswith(f"ck: the checkpoint's multi-latent attention was trained with {was}, ")
+    assert f"this run has {now}; " in msg and f"Fix: resume with {was}, or pass --finetune" in msg
+    check_model_args(saved, parse_args([*MLA, *resumed_with, "--finetune"], world_size=1), "ck")
+    check_model_args(saved, parse_args([*MLA, *saved_with], world_size=1), "ck")  # the same
+    # the default (yarn) spelled out is the same RoPE
+    if saved_with is YARN:
+        check_model_args(saved, parse_args([*MLA, *YARN, "--rope-type", "yarn"], 1), "ck")

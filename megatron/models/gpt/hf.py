@@ -24,7 +24,12 @@ import sys
 import torch
 
 from megatron.checkpoint.hf_files import save_safetensors
-from megatron.checkpoint.resharding import POSITION_EMBEDDINGS, check_full_state, model_config
+from megatron.checkpoint.resharding import (
+    POSITION_EMBEDDINGS,
+    check_full_state,
+    full_shapes,
+    model_config,
+)
 from megatron.config.schema import ModelConfig
 from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
 from megatron.models.gpt.hf_deepseek import (
@@ -45,6 +50,7 @@ from megatron.models.gpt.hf_moe import (
     moe_state,
     moe_tensors,
 )
+from megatron.models.gpt.hf_read import HFTensors, read_safetensors
 from megatron.models.gpt.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")
@@ -290,6 +296,25 @@ def _hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, eod: int | None)
     return moe_hf_config(cfg, arch, llama) if arch in MOE_ARCHITECTURES else llama
 
 
+def _export_tensors(state: dict, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+    if arch == "gpt2":
+        return _gpt2_tensors(state, cfg)
+    if arch == DEEPSEEK:
+        return deepseek_tensors(state, cfg)
+    tensors = _llama_tensors(state, cfg)
+    if arch in MOE_ARCHITECTURES:
+        tensors.update(moe_tensors(state, cfg, arch))
+    return tensors
+
+
+def _implied_shapes(cfg: ModelConfig, arch: str) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the export of `cfg` writes: what config.json implies
+    (the state on the meta device: no memory)."""
+    meta = {n: torch.empty(s, device="meta") for n, s in full_shapes(cfg).items()}
+    tensors = _export_tensors(meta, cfg, arch)
+    return {n.removeprefix("transformer."): tuple(t.shape) for n, t in tensors.items()}
+
+
 def to_hf(
     full_state: dict[str, torch.Tensor],
     args: dict,
@@ -305,14 +330,7 @@ def to_hf(
     cfg = model_config(args)
     arch = hf_architecture(cfg)
     check_full_state(full_state, cfg, "the state to export")
-    if arch == "gpt2":
-        tensors = _gpt2_tensors(full_state, cfg)
-    elif arch == DEEPSEEK:
-        tensors = deepseek_tensors(full_state, cfg)
-    else:
-        tensors = _llama_tensors(full_state, cfg)
-        if arch in MOE_ARCHITECTURES:
-            tensors.update(moe_tensors(full_state, cfg, arch))
+    tensors = _export_tensors(full_state, cfg, arch)
     if cfg.mtp_num_layers and arch != DEEPSEEK:
         print(
             f"note: the {cfg.mtp_num_layers} multi-token prediction depth(s) are not exported: "
@@ -330,26 +348,6 @@ def to_hf(
         generation = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
         write_json(os.path.join(out_dir, "generation_config.json"), generation)
     return arch
-
-
-def _read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(
-            f"--from-hf {hf_dir}: no model.safetensors (or its index); only safetensors weights "
-            "are read (convert a pytorch_model.bin with transformers' save_pretrained first)"
-        )
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(hf_dir, name)))
-    return tensors
 
 
 def _check_equal(hf: dict, name: str, want, what: str) -> None:
@@ -410,6 +408,31 @@ def _llama_config(hf: dict) -> dict:
     }
 
 
+def _import_config(hf_dir: str, hf_cfg: dict, hf: dict, tied: bool) -> ModelConfig:
+    """Our ModelConfig of a config.json (`hf`: the files' tensors, for the MTP depths held)."""
+    kind = hf_cfg["model_type"]
+    try:
+        if kind == DEEPSEEK:
+            fields = deepseek_config(hf_cfg, mtp_depth_held(hf, hf_cfg))
+        elif kind == "gpt2":
+            fields = _gpt2_config(hf_cfg)
+        else:
+            fields = _llama_config(hf_cfg)
+        if kind in MOE_ARCHITECTURES:
+            fields.update(moe_config(hf_cfg))
+        vocab = hf_cfg["vocab_size"]
+    except KeyError as e:
+        raise ValueError(
+            f"--from-hf {hf_dir}: config.json has no {e.args[0]!r}, which a {kind} model needs"
+        ) from None
+    return ModelConfig(
+        vocab_size=vocab,
+        init_method_std=hf_cfg.get("initializer_range", 0.02),
+        untie_embeddings_and_output_weights=not tied,
+        **fields,
+    )
+
+
 def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(full state, checkpoint args at TP = PP = 1) of a GPT-2, Llama, Mixtral or Qwen2-MoE
     directory, offline."""
@@ -424,26 +447,16 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
             f"--from-hf {hf_dir}: model_type {kind!r} is not supported (gpt2, llama, "
             "mixtral, qwen2_moe, deepseek_v3; BERT: bert, megatron-bert)"
         )
-    hf = _read_safetensors(hf_dir)
-    if kind == DEEPSEEK:
-        fields = deepseek_config(hf_cfg, mtp_depth_held(hf, hf_cfg))
-    elif kind == "gpt2":
-        fields = _gpt2_config(hf_cfg)
-    else:
-        fields = _llama_config(hf_cfg)
-    if kind in MOE_ARCHITECTURES:
-        fields.update(moe_config(hf_cfg))
+    hf = read_safetensors(hf_dir)
     # transformers' default is tied when the key is absent (DeepseekV3's: untied)
     tied = hf_cfg.get("tie_word_embeddings", kind != DEEPSEEK)
-    cfg = ModelConfig(
-        vocab_size=hf_cfg["vocab_size"],
-        init_method_std=hf_cfg.get("initializer_range", 0.02),
-        untie_embeddings_and_output_weights=not tied,
-        **fields,
-    )
+    cfg = _import_config(hf_dir, hf_cfg, hf, tied)
     if kind == "gpt2":
         # Hub files name GPT-2's tensors without the `transformer.` prefix; both are read.
         hf = {n.removeprefix("transformer."): t for n, t in hf.items()}
+    shapes = _implied_shapes(cfg, kind)
+    hf = HFTensors(hf, shapes, f"--from-hf {hf_dir}", cfg.num_layers)
+    if kind == "gpt2":
         ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old versions
         state = _gpt2_state(hf, cfg)
     elif kind == DEEPSEEK:

@@ -248,11 +248,21 @@ def deepseek_config(hf: dict, mtp_depth: int) -> dict:
     """Our ModelConfig fields from a DeepseekV3 config.json (`mtp_depth`: the MTP depths whose
     weights the files hold)."""
     _check(hf, "hidden_act", hf.get("hidden_act", "silu") == "silu", "ours is SwiGLU (silu)")
-    _check(hf, "attention_bias", not hf.get("attention_bias", False), "not supported")
+    _check(hf, "attention_bias", not hf.get("attention_bias", False), "DeepseekV3 then has "
+           "biases on q_a_proj, kv_a_proj_with_mqa and o_proj, and our multi-latent attention "
+           "has none: those self_attn.*.bias tensors have no place in the model")  # fmt: skip
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     _check(hf, "num_key_value_heads", kv_heads == heads, "MLA has one key/value per head")
     layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if eps != 1e-6:  # the export refuses it (deepseek_problems)
+        print(
+            f"note: config.json rms_norm_eps={eps}: transformers' latent norms (q_a_layernorm, "
+            "kv_a_layernorm) use 1e-6 whatever it says, ours use it in every norm, so the "
+            "imported model's logits differ slightly from transformers'",
+            file=sys.stderr,
+        )
     fields = {
         "num_layers": layers,
         "hidden_size": hf["hidden_size"],
@@ -262,7 +272,7 @@ def deepseek_config(hf: dict, mtp_depth: int) -> dict:
         "max_position_embeddings": hf["max_position_embeddings"],
         "position_embedding_type": "rope",
         "normalization": "RMSNorm",
-        "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "layernorm_epsilon": eps,
         "swiglu": True,
         "add_bias_linear": False,
         "hidden_dropout": 0.0,
@@ -287,8 +297,11 @@ def _moe_fields(hf: dict, layers: int, dense: int) -> dict:
     _check(hf, "norm_topk_prob", hf.get("norm_topk_prob", True) == (k > 1), "ours normalises "
            "the chosen sigmoid scores exactly when num_experts_per_tok > 1")  # fmt: skip
     limited = groups > 1 and group_topk < groups
-    if limited:  # HF scores a group by its top 2, Megatron-core by its top k / topk_group
-        _check(hf, "topk_group", k // group_topk == 2, "need num_experts_per_tok = 2 x it")
+    if limited:
+        _check(hf, "topk_group", k // group_topk == 2, "transformers scores a group by the sum "
+               "of its top 2 experts, ours (Megatron-core's) by its top num_experts_per_tok / "
+               f"topk_group = {k // group_topk}; they choose the same groups only when "
+               "num_experts_per_tok = 2 x topk_group")  # fmt: skip
     ffn, shared = hf["moe_intermediate_size"], hf.get("n_shared_experts") or 0
     scaling = float(hf.get("routed_scaling_factor", 1.0))
     return {

@@ -298,3 +298,18 @@ def test_export_refuses_what_deepseek_v3_cannot_compute_and_drops_mtp_elsewhere(
     assert to_hf(_unpadded(model, llama), _args(llama, 1, 1), str(tmp_path)) == "llama"
     assert "multi-token prediction depth(s) are not exported" in capsys.readouterr().err
     assert not any("eh_proj" in n for n in load_file(str(tmp_path / "model.safetensors")))
+
+
+def test_import_says_why_it_refuses_a_config_and_what_an_epsilon_changes(capsys):
+    from megatron.models.gpt.hf_deepseek import deepseek_config, deepseek_hf_config
+
+    good = deepseek_hf_config(V3, {})  # 8 experts in 4 groups, top 4 of the best 2 groups
+    groups = {**good, "num_experts_per_tok": 2}  # a group's top 2 against its top 2 / 2 = 1
+    with pytest.raises(ValueError, match="transformers scores a group by the sum of its top 2"):
+        deepseek_config(groups, 0)
+    with pytest.raises(ValueError, match="biases on q_a_proj, kv_a_proj_with_mqa and o_proj"):
+        deepseek_config({**good, "attention_bias": True}, 0)
+    assert deepseek_config(good, 0)["layernorm_epsilon"] == 1e-6
+    assert "rms_norm_eps" not in capsys.readouterr().err
+    assert deepseek_config({**good, "rms_norm_eps": 1e-5}, 0)["layernorm_epsilon"] == 1e-5
+    assert "latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6" in capsys.readouterr().err
