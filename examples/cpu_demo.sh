@@ -56,9 +56,11 @@ echo "== 6/6 loss curves -> $OUT/loss.png"
 head -n 3 "$OUT/corpus.jsonl" > "$OUT/sample.jsonl"  # a few documents for `evaluate` below
 SUMMARY=$($PY tools/plot_losses.py --tensorboard-dir "$OUT/tensorboard" \
     --output "$OUT/loss.png" --title "4-layer GPT on Python sources, 2 CPU ranks")
-$PY - "$SUMMARY" "$OUT" "$TRAIN_SECONDS" "$((SECONDS - START))" <<'PYEOF'
+$PY - "$SUMMARY" "$OUT" "$TRAIN_SECONDS" "$((SECONDS - START))" "$PY" <<'PYEOF'
 import json, sys
 s, out, train_s, total_s = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+# the venv's python by path: the commands below work in a fresh shell, no activation needed
+py = sys.argv[5]
 first, final, ratio = s["first_train_loss"], s["final_validation_loss"], s.get("ratio")
 verdict = "learned" if ratio is not None and ratio <= 0.6 else "learned less than the 0.6x goal"
 ckpt = f"{out}/checkpoints"
@@ -71,10 +73,10 @@ print(f"""
  checkpoint   {ckpt}
  TensorBoard  tensorboard --logdir {out}/tensorboard
  loss plot    {s["plot"] or "not drawn (pip install matplotlib)"}
- next:
-   python tools/generate_text.py --load {ckpt} --prompt "import os" --top-p 0.9 --temperature 0.8
-   python tools/evaluate.py --task loose-json --valid-data {out}/sample.jsonl --load {ckpt}
-   python tools/convert_checkpoint.py --load {ckpt} --to-hf {out}/hf \\
+ next (or `source .venv/bin/activate` and plain `python`):
+   {py} tools/generate_text.py --load {ckpt} --prompt "import os" --top-p 0.9 --temperature 0.8
+   {py} tools/evaluate.py --task loose-json --valid-data {out}/sample.jsonl --load {ckpt}
+   {py} tools/convert_checkpoint.py --load {ckpt} --to-hf {out}/hf \\
        --tokenizer-files {out}/tokenizer/vocab.json {out}/tokenizer/merges.txt
 ==============================================================================""")
 PYEOF

@@ -7,30 +7,77 @@
 #   bash examples/pretrain_gpt2_fault_tolerant.sh                  # 8 groups, lighthouse here
 #   LIGHTHOUSE=http://host:29510 REPLICA_GROUPS=4 FIRST_GROUP=4 FT_GROUP_SIZE=8 bash ...
 #                                                  # groups 4-7 of 8 on another node
+#   SMOKE=1 bash examples/pretrain_gpt2_fault_tolerant.sh         # CPU check: 3 groups of one
+#                       gloo rank, a tiny model, its own corpus in smoke_out/ and its own
+#                       lighthouse on 127.0.0.1; kill one group's rank and watch the others go on
 # Starts torchft's lighthouse (torchft_lighthouse, from `pip install torchft`) unless LIGHTHOUSE
-# names one; it needs a majority of the groups for a quorum. Extra arguments go to
-# pretrain_gpt2.py.
+# names one, bound to LIGHTHOUSE_HOST (default: this node's name, the address the other nodes
+# reach it at; not every interface); it needs a majority of the groups for a quorum. The
+# tokenizer is GPT-2's own (shipped in the package) unless VOCAB and MERGES name files. Extra
+# arguments go to pretrain_gpt2.py.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-$([ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3)}
-REPLICA_GROUPS=${REPLICA_GROUPS:-8}             # replica groups on this node
+SMOKE=${SMOKE:-0}
+REPLICA_GROUPS=${REPLICA_GROUPS:-$([ "$SMOKE" = 1 ] && echo 3 || echo 8)}  # groups on this node
 FT_GROUP_SIZE=${FT_GROUP_SIZE:-$REPLICA_GROUPS} # replica groups in the whole job
 FIRST_GROUP=${FIRST_GROUP:-0}    # --ft-replica-id of this node's first group
 RESTARTS=${RESTARTS:-100}        # torchrun restarts of one group (each rejoins from a peer)
 BASE_PORT=${BASE_PORT:-29600}
-DATA=${DATA:?pass DATA=PREFIX of your .bin/.idx (tools/preprocess_data.py)}
-VOCAB=${VOCAB:-gpt2-vocab.json}
-MERGES=${MERGES:-gpt2-merges.txt}
-CKPT=${CKPT:-checkpoints/gpt2-345m-ft}
+LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
+# torchft's Rust side logs every quorum at INFO (over 90% of a run's lines): warnings only,
+# unless RUST_LOG says otherwise (RUST_LOG=info to see each quorum)
+export RUST_LOG=${RUST_LOG:-warn}
+
+TOKENIZER=(--tokenizer-type GPT2BPETokenizer)
+if [ -n "${VOCAB:-}" ] || [ -n "${MERGES:-}" ]; then
+    TOKENIZER+=(--vocab-file "${VOCAB:?VOCAB and MERGES go together}"
+                --merge-file "${MERGES:?VOCAB and MERGES go together}")
+fi
+
+if [ "$SMOKE" = 1 ]; then
+    SMOKE_DIR=${SMOKE_DIR:-smoke_out}
+    DATA=${DATA:-$SMOKE_DIR/corpus_text_document}
+    CKPT=${CKPT:-$SMOKE_DIR/checkpoints-ft}
+    LIGHTHOUSE_HOST=${LIGHTHOUSE_HOST:-127.0.0.1}
+    if [ ! -f "$DATA.idx" ]; then  # a small corpus: the Python standard library's sources
+        mkdir -p "$SMOKE_DIR"
+        PYTHONPATH="$ROOT" "$PY" -c "from megatron.data.stdlib_corpus import write_stdlib_corpus \
+as w; w('$SMOKE_DIR/corpus.jsonl', 400_000)"
+        "$PY" "$ROOT/tools/preprocess_data.py" --input "$SMOKE_DIR/corpus.jsonl" \
+            --output-prefix "$SMOKE_DIR/corpus" "${TOKENIZER[@]}" --append-eod
+    fi
+    rm -rf "$CKPT"  # a fresh run each time
+    RUN=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
+         --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size $((2 * FT_GROUP_SIZE))
+         --train-iters "${TRAIN_ITERS:-200}" --lr 1e-3 --lr-warmup-iters 10
+         --distributed-backend gloo --num-workers 0 --split 949,50,1
+         --log-interval "${LOG_INTERVAL:-10}" --eval-interval 1000 --eval-iters 2
+         --save-interval 100 --ft-timeout-seconds 5)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a group on a few cores
+else
+    DATA=${DATA:?pass DATA=PREFIX of your .bin/.idx (tools/preprocess_data.py), or SMOKE=1}
+    CKPT=${CKPT:-checkpoints/gpt2-345m-ft}
+    LIGHTHOUSE_HOST=${LIGHTHOUSE_HOST:-$(hostname)}
+    RUN=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16
+         --seq-length 1024 --max-position-embeddings 1024
+         --micro-batch-size 4 --global-batch-size 256
+         --train-iters 500000 --lr 1.5e-4 --min-lr 1.0e-5 --lr-decay-style cosine
+         --lr-decay-iters 320000 --lr-warmup-fraction 0.01 --weight-decay 0.01 --clip-grad 1.0
+         --bf16 --split 949,50,1
+         --log-interval 100 --eval-interval 1000 --eval-iters 10 --save-interval 5000)
+fi
 
 if [ -z "${LIGHTHOUSE:-}" ]; then
-    command -v torchft_lighthouse > /dev/null \
+    # on the PATH, or beside the venv's python (found without activating the venv)
+    LH_BIN=$(command -v torchft_lighthouse || echo "$(dirname "$PY")/torchft_lighthouse")
+    [ -x "$LH_BIN" ] \
         || { echo "error: torchft_lighthouse not found. Fix: pip install torchft" >&2; exit 1; }
-    torchft_lighthouse --min_replicas $((FT_GROUP_SIZE / 2 + 1)) --quorum_tick_ms 100 \
-        --join_timeout_ms 10000 &
+    "$LH_BIN" --min_replicas $((FT_GROUP_SIZE / 2 + 1)) --quorum_tick_ms 100 \
+        --join_timeout_ms 10000 --bind "$LIGHTHOUSE_HOST:$LIGHTHOUSE_PORT" &
     LIGHTHOUSE_PID=$!
     trap 'kill "$LIGHTHOUSE_PID" 2> /dev/null || true' EXIT
-    LIGHTHOUSE=http://$(hostname):29510
+    LIGHTHOUSE=http://$LIGHTHOUSE_HOST:$LIGHTHOUSE_PORT
 fi
 
 pids=()
@@ -39,17 +86,8 @@ for ((g = 0; g < REPLICA_GROUPS; g++)); do
         --max-restarts "$RESTARTS" --master_port $((BASE_PORT + g)) \
         "$ROOT/pretrain_gpt2.py" \
         --fault-tolerance --ft-group-size "$FT_GROUP_SIZE" --ft-replica-id $((FIRST_GROUP + g)) \
-        --ft-lighthouse "$LIGHTHOUSE" \
-        --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \
-        --seq-length 1024 --max-position-embeddings 1024 \
-        --micro-batch-size 4 --global-batch-size 256 \
-        --train-iters 500000 --lr 1.5e-4 --min-lr 1.0e-5 --lr-decay-style cosine \
-        --lr-decay-iters 320000 --lr-warmup-fraction 0.01 --weight-decay 0.01 --clip-grad 1.0 \
-        --bf16 \
-        --data-path "$DATA" --split 949,50,1 \
-        --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" \
-        --log-interval 100 --eval-interval 1000 --eval-iters 10 \
-        --save "$CKPT" --load "$CKPT" --save-interval 5000 "$@" &
+        --ft-lighthouse "$LIGHTHOUSE" "${RUN[@]}" \
+        --data-path "$DATA" "${TOKENIZER[@]}" --save "$CKPT" --load "$CKPT" "$@" &
     pids+=($!)
 done
 status=0

@@ -110,11 +110,28 @@ def resolve(
     values: dict[str, object] = {}
     if ns.run_config:
         values.update(read_config_file(ns.run_config, tree))
-    values.update(tree.given(ns))
-    values.update(parse_overrides(ns.overrides, tree))
+    later = {**tree.given(ns), **parse_overrides(ns.overrides, tree)}
+    _drop_replaced_tokenizer_files(values, later)
+    values.update(later)
     apply_v1_defaults(values, default_tokenizer)
     values["parallel.world_size"] = world_size
     return tree.build(values)
+
+
+_TOKENIZER = "data.tokenizer."
+_TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_model_type")
+
+
+def _drop_replaced_tokenizer_files(from_file: dict, later: dict) -> None:
+    """A run file's tokenizer files belong to its tokenizer: a flag (or -o) naming another
+    tokenizer type drops the file's vocab / merges / model unless those are given again
+    (so `-c char_config.yaml --tokenizer-type GPT2BPETokenizer` means GPT-2's own files)."""
+    key = _TOKENIZER + "tokenizer_type"
+    if key not in later or later[key] == from_file.get(key, later[key]):
+        return
+    for name in _TOKENIZER_FILES:
+        if _TOKENIZER + name not in later:
+            from_file.pop(_TOKENIZER + name, None)
 
 
 def parse_args(

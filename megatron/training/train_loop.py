@@ -111,6 +111,7 @@ class TrainLoop:
         window = Window()
         if self.stragglers is not None and train_iter is not None:
             train_iter = self.stragglers.data_iterator(train_iter)
+        self._announce_final_evaluation(state, valid_iter, test_iter)
         while not self._done(state):
             gbs = self._iteration(state, train_iter, window, result)
             if gbs is None:  # --fault-tolerance: the replica groups dropped it; redo it
@@ -139,6 +140,23 @@ class TrainLoop:
                 self._validate(state, test_iter, result, "test")
         result.iteration = state.iteration
         return result
+
+    def _announce_final_evaluation(self, state: TrainState, valid_iter, test_iter) -> None:
+        """Megatron's defaults evaluate --eval-iters batches of each split at the end (100 + 100):
+        when that outweighs the training left (a short check), say so before it starts."""
+        t = self.cfg.training
+        splits = [name for name, it in (("validation", valid_iter), ("test", test_iter)) if it]
+        left = self._total_iters() - state.iteration
+        # a forward-only batch costs about a third of a training step (forward + backward)
+        as_steps = len(splits) * t.eval_iters / 3
+        if not t.eval_iters or not splits or as_steps <= left:
+            return
+        self._print(
+            f" note: the final evaluation runs {t.eval_iters} batches of the "
+            f"{' and the '.join(splits)} split{'s' if len(splits) > 1 else ''} (--eval-iters), "
+            f"about the time of {as_steps:.0f} training steps, more than the {left} left to "
+            "train; pass a smaller --eval-iters for a short check"
+        )
 
     def _iteration(self, state: TrainState, train_iter, window: Window, result) -> int | None:
         tic = time.perf_counter()

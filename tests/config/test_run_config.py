@@ -200,6 +200,7 @@ def test_pretrain_prints_the_config_before_any_distributed_or_data_work(tmp_path
 
 WORLDS = {"gpt2_345m.yaml": 1, "gpt3_1.3b_dp.yaml": 8, "gpt3_6.7b_sharded.yaml": 16}
 WORLDS["shakespeare_char_cpu.yaml"] = 1
+WORLDS["shakespeare_gpt2_cpu.yaml"] = 1
 WORLDS["deepseek_v3_proxy.yaml"] = 1
 
 
@@ -222,6 +223,7 @@ def test_every_shipped_example_resolves(path):
             "gpt3_1.3b_dp.yaml": (24, 2048, 16, 1024),
             "gpt3_6.7b_sharded.yaml": (32, 4096, 32, 1024),
             "shakespeare_char_cpu.yaml": (4, 128, 4, 64),
+            "shakespeare_gpt2_cpu.yaml": (4, 128, 4, 64),
             "deepseek_v3_proxy.yaml": (4, 128, 4, 128),
         }[path.name]
     )
@@ -257,3 +259,24 @@ def test_override_values_are_yaml_converted_to_the_declared_type():
         parse_args(["-o", "model.num_layers=2.5"], world_size=1)
     with pytest.raises(ConfigError, match="model.num_layers cannot be empty"):
         parse_args(["-o", "model.num_layers=null"], world_size=1)
+
+
+def test_a_flag_changing_the_tokenizer_type_drops_the_run_files_tokenizer_files():
+    """-c shakespeare_char_cpu.yaml --tokenizer-type GPT2BPETokenizer: GPT-2's own files, not
+    the character vocab.json the file named (a kept vocab_file would build a char-sized BPE)."""
+    char = ["-c", str(ROOT / "examples/configs/shakespeare_char_cpu.yaml")]
+    kept = parse_args(char, world_size=1).data.tokenizer
+    assert (kept.tokenizer_type, kept.vocab_file) == ("CharTokenizer", kept.vocab_file)
+    assert kept.vocab_file.endswith("vocab.json")
+    bpe = parse_args([*char, "--tokenizer-type", "GPT2BPETokenizer"], world_size=1).data.tokenizer
+    assert (bpe.tokenizer_type, bpe.vocab_file, bpe.merge_file) == ("GPT2BPETokenizer", None, None)
+    # files given again with the new type are kept; the same type keeps the file's files
+    again = [*char, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"]
+    again += ["--merge-file", "m.txt"]
+    tok = parse_args(again, world_size=1).data.tokenizer
+    assert (tok.vocab_file, tok.merge_file) == ("v.json", "m.txt")
+    same = parse_args([*char, "--tokenizer-type", "CharTokenizer"], world_size=1).data.tokenizer
+    assert same.vocab_file == kept.vocab_file
+    # and an explicit unset
+    unset = parse_args([*char, "-o", "data.tokenizer.vocab_file=null"], world_size=1)
+    assert unset.data.tokenizer.vocab_file is None

@@ -87,6 +87,45 @@ def test_fault_tolerant_script_launches_one_torchrun_per_replica_group(tmp_path)
         assert "--max-restarts" in args and "--fault-tolerance" in args
 
 
+def test_fault_tolerant_script_smoke_mode_runs_on_the_cpu_with_its_own_lighthouse(tmp_path):
+    """SMOKE=1: three 1-rank gloo groups of a tiny model, GPT-2's shipped tokenizer (no vocab
+    files to find), a lighthouse of its own bound to 127.0.0.1 (not every interface) and
+    torchft's per-quorum INFO lines off."""
+    from tests.helpers.training import counting_corpus
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    lighthouse = bin_dir / "torchft_lighthouse"  # records its arguments, then serves "forever"
+    lh_args = tmp_path / "lh_args"  # RUST_LOG as the lighthouse (and the groups) see it, then
+    lighthouse.write_text(f'#!/usr/bin/env bash\necho "$RUST_LOG $*" > {lh_args}\nsleep 30\n')
+    lighthouse.chmod(0o755)
+    python = _stub_python(tmp_path)  # whose launches wait (10 s at most) for the lighthouse
+    text = (
+        open(python)
+        .read()
+        .replace(
+            'echo "LAUNCH',
+            f'for _ in $(seq 100); do [ -s {lh_args} ] && break; sleep 0.1; done; echo "LAUNCH',
+        )
+    )
+    open(python, "w").write(text)
+    env = {**os.environ, "SMOKE": "1", "PYTHON": python}
+    env.update(DATA=counting_corpus(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    env.pop("RUST_LOG", None)
+    script = str(ROOT / "examples" / "pretrain_gpt2_fault_tolerant.sh")
+    run = subprocess.run(["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    launches = [line.split() for line in run.stdout.splitlines() if line.startswith("LAUNCH ")]
+    assert sorted(a[a.index("--ft-replica-id") + 1] for a in launches) == ["0", "1", "2"]
+    recorded = lh_args.read_text().split()
+    assert recorded[0] == "warn" and recorded[-2:] == ["--bind", "127.0.0.1:29510"]
+    for args in launches:
+        assert args[args.index("--ft-lighthouse") + 1] == "http://127.0.0.1:29510"
+        assert args[args.index("--distributed-backend") + 1] == "gloo"
+        assert args[args.index("--tokenizer-type") + 1] == "GPT2BPETokenizer"
+        assert "--vocab-file" not in args and "--bf16" not in args
+
+
 def test_deepseek_v3_proxy_config_trains_two_steps(tmp_path):
     """The DeepSeek-V3 proxy run file (MLA, MTP, the expert-bias sigmoid router with groups, a
     dense first layer) trains 2 steps on a toy corpus, its MTP and router statistics logged."""

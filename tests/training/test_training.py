@@ -418,3 +418,24 @@ def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatc
     monkeypatch.undo()
     preflight.check_save_dir(str(tmp_path / "new" / "dir"))  # created, writable: no error
     assert (tmp_path / "new" / "dir").is_dir() and not list((tmp_path / "new" / "dir").iterdir())
+
+
+def test_a_final_evaluation_longer_than_the_training_is_announced(data_prefix):
+    """A 2-step check with --eval-iters 9 evaluates 9 batches at the end (3 steps' time):
+    said before training starts; Megatron's defaults themselves are kept."""
+    import io
+
+    from megatron.training.loop import pretrain
+
+    def run(eval_iters):
+        argv = flags(data_prefix, iters=2)
+        argv[argv.index("--eval-iters") + 1] = str(eval_iters)
+        out = io.StringIO()
+        pretrain(parse_args(argv, world_size=1, purpose="train-gpt"), out=out)
+        return out.getvalue()
+
+    text = run(9)
+    note = " note: the final evaluation runs 9 batches of the validation split (--eval-iters)"
+    assert text.count(note) == 1 and text.index(note) < text.index(" iteration        1/"), text
+    assert "about the time of 3 training steps, more than the 2 left to train" in text
+    assert "final evaluation" not in run(1)
