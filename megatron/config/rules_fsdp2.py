@@ -1,4 +1,4 @@
-"""Rules of --use-torch-fsdp2 (torch's FSDP2 over the DP x CP ranks, megatron.training.fsdp2):
+"""Rules of --use-torch-fsdp2 (torch's FSDP2 over the DP x CP ranks, megatron.data_parallel.fsdp2):
 what it replaces, and what it has not been proven to compose with."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Rules of --fault-tolerance (torchft replica groups, megatron.training.fault_tolerance).
+"""Rules of --fault-tolerance (torchft replica groups, megatron.resilience.fault_tolerance).
 
 Each replica group is a job of its own (its own launcher, MASTER_PORT and process groups) that
 holds one whole copy of the model; the data-parallel dimension is the replica groups, whose
 gradients torchft averages step by step. What cannot be proven equal to one process on gloo
 here is refused with its reason. That torchft is installed and the lighthouse answers is
-checked at start-up (megatron.training.fault_tolerance)."""
+checked at start-up (megatron.resilience.fault_tolerance)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from megatron.config.declare import Section, setting
 
 @dataclass(frozen=True)
 class FaultToleranceSettings(Section):
-    """torchft's per-step fault tolerance (megatron/training/fault_tolerance.py)."""
+    """torchft's per-step fault tolerance (megatron/resilience/fault_tolerance.py)."""
 
     fault_tolerance: bool = setting(
         False,
@@ -57,7 +57,7 @@ class FaultToleranceSettings(Section):
 
 @dataclass(frozen=True)
 class StragglerSettings(Section):
-    """The straggler detector (--log-straggler, megatron/training/straggler.py)."""
+    """The straggler detector (--log-straggler, megatron/resilience/straggler.py)."""
 
     log_straggler: bool = setting(
         False,

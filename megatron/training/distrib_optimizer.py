@@ -3,7 +3,7 @@
 With the plain optimizer every DP rank holds, per parameter, the fp32 main weight (4 bytes,
 half models only) and Adam's two moments (8 bytes): 16 bytes/param for fp32 models (param 4 +
 grad 4 + moments 8), 18 for bf16/fp16 (param 2 + grad 4 + main 4 + moments 8). Here each DP
-rank keeps them only for its shard of every gradient bucket (megatron.training.ddp: a bucket
+rank keeps them only for its shard of every gradient bucket (megatron.data_parallel.ddp: a bucket
 padded to a multiple of DP and cut into DP contiguous shards), so per parameter it holds
 4 + 4 + 8 / DP (fp32) or 2 + 4 + 12 / DP (half) bytes.
 
@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from megatron.checkpoint.experts import expert_offset, whole_index
 from megatron.config.schema import OptimizerConfig
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.mpu import ParallelState
 from megatron.mpu.expert_shards import is_etp_split
 from megatron.mpu.grads import counts_once, per_tensor_norms
 from megatron.mpu.utils import group_size
-from megatron.training.ddp import DistributedDataParallel
 from megatron.training.muon_sharded import sharded_muon
 from megatron.training.optimizer import (
     MegatronOptimizer,

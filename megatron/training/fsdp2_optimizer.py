@@ -2,7 +2,7 @@
 weights (Muon: megatron.training.muon_sharded's RowShardedMatrices).
 
 It is the distributed optimizer's step on other pieces. A piece is one parameter's shard on
-this DP x CP rank: its rows [first, last) of the TP-local tensor (megatron.training.fsdp2),
+this DP x CP rank: its rows [first, last) of the TP-local tensor (megatron.data_parallel.fsdp2),
 that is the flat range [first x row, last x row), updated through a flat view of the
 DTensor's local tensor. The fp32 shards are the master weights themselves (FSDP2 casts them
 for compute), so nothing is copied back after the step and FSDP2 all-gathers them in the next
@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 
 from megatron.config.schema import OptimizerConfig
+from megatron.data_parallel.fsdp2 import FullyShardedModel, local_rows, local_tensor
 from megatron.mpu import ParallelState
 from megatron.training.distrib_optimizer import (
     DistributedOptimizer,
     _Piece,
     optimizer_over_pieces,
 )
-from megatron.training.fsdp2 import FullyShardedModel, local_rows, local_tensor
 from megatron.training.muon_sharded import row_sharded_muon
 from megatron.training.optimizer import make_grad_scaler
 

@@ -17,14 +17,14 @@ from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.model.families import DEFAULT_FAMILY, ModelSpec, get_spec
-from megatron.training.backend import TrainerBackend
-from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
-from megatron.training.log import start_lines
-from megatron.training.preflight import (
+from megatron.resilience.preflight import (
     check_deepspeed_precision,
     check_load_dir,
     check_save_dir,
 )
+from megatron.training.backend import TrainerBackend
+from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
+from megatron.training.log import start_lines
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
 from megatron.training.train_loop import TrainingError, TrainLoop, TrainResult

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.data_parallel.ddp import _all_gather, _reduce_scatter
 from megatron.mpu.utils import group_rank, group_size
-from megatron.training.ddp import _all_gather, _reduce_scatter
 from megatron.training.muon import (
     MatrixLayout,
     MuonAdamW,

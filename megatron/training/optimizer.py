@@ -1,7 +1,7 @@
 """AdamW / SGD / Muon (megatron.training.muon) over fp32 main weights, with fp16 loss scaling
 and global skip-on-overflow.
 
-Gradients arrive in each parameter's fp32 `main_grad` (see megatron.training.ddp). For fp32
+Gradients arrive in each parameter's fp32 `main_grad` (see megatron.data_parallel.ddp). For fp32
 models the optimizer updates the parameters themselves; for bf16/fp16 models it keeps an fp32
 master copy of every parameter, updates that, and copies it back. Before each step, one scalar
 all-reduce over all ranks decides whether any gradient is inf/NaN: if so every rank skips the
@@ -30,6 +30,7 @@ from torch import nn
 
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState, clip_grad_norm
+from megatron.mpu.utils import PARALLEL_ATTRS
 from megatron.training.muon import WholeMatrices, build_muon, matrix_layouts, muon_settings
 
 
@@ -148,19 +149,8 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
 
-_PARALLEL_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "shared",
-    "expert_parallel",
-    "expert_partition",
-    "expert_tensor_parallel",
-)
-
-
 def _with_parallel_attrs(new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    for attr in _PARALLEL_ATTRS:
+    for attr in PARALLEL_ATTRS:
         if hasattr(p, attr):
             setattr(new, attr, getattr(p, attr))
     return new

@@ -46,6 +46,7 @@ from megatron.checkpoint.storage import (
 )
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
+from megatron.resilience.preflight import starts_fresh_by_design
 from megatron.training import reshard
 from megatron.training.checkpoint_args import (
     check_model_args,
@@ -57,7 +58,6 @@ from megatron.training.distrib_optimizer import (
     distributed_to_plain,
     plain_parameter_names,
 )
-from megatron.training.preflight import starts_fresh_by_design
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0

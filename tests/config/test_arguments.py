@@ -350,6 +350,10 @@ _MAY_IMPORT = {
     # The generic code names no model family: it reads the families' registrations in
     # megatron.model.families, on its own floor (megatron.models sits above it).
     "checkpoint": {"config.schema", "model", "mpu"},
+    # the data-parallel wrappers sit beside the model, below the optimizers and the loop
+    "data_parallel": {"config.schema", "mpu"},
+    # start-up checks, torchft and the straggler detector: what the loop calls, never the loop
+    "resilience": {"checkpoint", "config.declare", "config.schema", "mpu"},
     "inference": {"checkpoint", "config.inference", "config.rules", "config.schema", "data"}
     | {"fused_kernels"}
     | {"initialize", "progress"}

@@ -223,7 +223,7 @@ def _distributed_checkpoint_check(group) -> None:
 @contextlib.contextmanager
 def _all_reduce_dtypes():
     """Record the dtype of every gradient all-reduce the data-parallel wrapper launches."""
-    import megatron.training.ddp as ddp
+    import megatron.data_parallel.ddp as ddp
 
     seen, real = [], ddp.dist.all_reduce
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
-from megatron.training.ddp import DistributedDataParallel
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import get_forward_backward_func
 from megatron.training.step import train_step

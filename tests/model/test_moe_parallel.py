@@ -25,6 +25,7 @@ import torch
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
@@ -33,7 +34,6 @@ from megatron.models.gpt.train import lm_loss
 from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.expert_shards import cut_whole
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import DistributedOptimizer
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.schedules import get_forward_backward_func

@@ -8,9 +8,9 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig
+from megatron.data_parallel import ddp as ddp_module
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.models.gpt.model import GPTModel
-from megatron.training import ddp as ddp_module
-from megatron.training.ddp import DistributedDataParallel
 from megatron.training.distrib_optimizer import _assemble, _Piece, parameter_names, shard_pieces
 from tests.helpers.checkpoints import _checkpoint_at, _cli
 from tests.helpers.distributed import run_distributed

@@ -402,7 +402,7 @@ def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatc
     """A read-only --save directory: a named error at start, not a traceback at the first save
     (root writes through chmod, so there the refusal of the write is simulated)."""
     from megatron.checkpoint.storage import CheckpointError
-    from megatron.training import preflight
+    from megatron.resilience import preflight
 
     ro = tmp_path / "ro"
     ro.mkdir()

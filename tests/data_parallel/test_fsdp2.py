@@ -242,7 +242,7 @@ def test_what_mtp_reads_outside_a_forward_stays_in_the_root_unit():
     shard there: "mixed torch.Tensor and DTensor"); without MTP both are units."""
     from torch import nn
 
-    from megatron.training.fsdp2 import _units
+    from megatron.data_parallel.fsdp2 import _units
 
     class Chunk(nn.Module):
         def __init__(self, mtp):

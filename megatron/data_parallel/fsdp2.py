@@ -39,14 +39,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron.mpu.utils import group_rank, group_size
-from megatron.training.optimizer import _PARALLEL_ATTRS
+from megatron.mpu.utils import PARALLEL_ATTRS, group_rank, group_size
 
 # --torch-fsdp2-reshard-after-forward -> fully_shard's reshard_after_forward (None: FSDP2's
 # auto, True for every unit but the root, which backward needs first)
 RESHARD_AFTER_FORWARD = {"auto": None, "true": True, "false": False}
 # the mpu attributes fully_shard's new parameters must keep (norm counting, SP sums, ties)
-_KEPT_ATTRS = (*_PARALLEL_ATTRS, "sequence_parallel")
+_KEPT_ATTRS = (*PARALLEL_ATTRS, "sequence_parallel")
 
 
 def local_rows(param: DTensor) -> tuple[int, int]:
