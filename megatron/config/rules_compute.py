@@ -1,4 +1,4 @@
-"""Rules of the compute section (megatron.config.schema_compute): the v1.x kernel precision
+"""Rules of the compute section (megatron.config.schema_kernels): the v1.x kernel precision
 flags, --torch-compile and its backend, --enable-cuda-graph and --sdpa-backend. Whether the
 device runs them is checked where the model is built (a CUDA device for CUDA graphs, a
 kernel SDPA can run)."""

@@ -11,7 +11,7 @@ from megatron.config.schema import (
     prefix_names_a_file,
     split_weights,
 )
-from megatron.config.schema_corpora import parse_corpus_list
+from megatron.config.schema_data_corpora import parse_corpus_list
 
 
 def validate_data(d: DataConfig) -> None:

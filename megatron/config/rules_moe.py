@@ -1,5 +1,5 @@
 """Rules of mixture of experts (--num-experts & co.) and expert parallelism (--expert-model-
-parallel-size); each setting's own limits are declared on it (megatron.config.schema_moe)."""
+parallel-size); each setting's own limits are declared on it (megatron.config.schema_model_moe)."""
 
 from __future__ import annotations
 

@@ -339,7 +339,7 @@ _MAY_IMPORT = {
     "config": set(),
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
-    "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
+    "data": {"config.schema", "config.declare", "config.schema_data_corpora", "progress"},
     "heartbeat": set(),
     "pipeline_order": set(),
     "pipeline_sim": {"pipeline_order"},
