@@ -19,14 +19,7 @@ from typing import TYPE_CHECKING
 
 from megatron.config.declare import ConfigError, Section, setting
 from megatron.config.schema_checkpoint import CheckpointConfig
-from megatron.config.schema_data import (
-    TOKENIZER_TYPES,
-    DataConfig,
-    TokenizerConfig,
-    parse_blend,
-    prefix_names_a_file,
-    split_weights,
-)
+from megatron.config.schema_data import DataConfig, TokenizerConfig
 from megatron.config.schema_deepspeed import DeepSpeedConfig
 from megatron.config.schema_distributed import DistributedConfig
 from megatron.config.schema_kernels import KernelConfig
@@ -34,7 +27,7 @@ from megatron.config.schema_logging import LoggingConfig
 from megatron.config.schema_model_mla import MLASettings
 from megatron.config.schema_model_moe import MoESettings
 from megatron.config.schema_optimizer import OptimizerConfig
-from megatron.config.schema_parallel import LAUNCHER_VARIABLES, ParallelConfig
+from megatron.config.schema_parallel import ParallelConfig
 from megatron.config.schema_recompute import RecomputeConfig
 from megatron.config.schema_training import TrainingConfig
 
@@ -44,8 +37,6 @@ if TYPE_CHECKING:  # torch is imported lazily: the data tools start faster witho
 # Every other section is declared in its own file, schema_<section>.py (the model section's MoE
 # and MLA fields in schema_model_moe.py and schema_model_mla.py), and belongs to this one tree.
 __all__ = [
-    "LAUNCHER_VARIABLES",
-    "TOKENIZER_TYPES",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -62,9 +53,6 @@ __all__ = [
     "TokenizerConfig",
     "TrainingConfig",
     "model_config_from_saved",
-    "parse_blend",
-    "prefix_names_a_file",
-    "split_weights",
 ]
 
 

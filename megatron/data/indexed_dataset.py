@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.config.schema import prefix_names_a_file
+from megatron.config.schema_data import prefix_names_a_file
 from megatron.data.dataset_pair import PairMismatch, verify_pair
 
 MAGIC = b"MMIDIDX\x00\x00"

@@ -29,9 +29,7 @@ from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
 from megatron.training.train_loop import TrainingError, TrainLoop, TrainResult
 
-# TrainingError and TrainResult are declared beside the loop that raises and fills them; the
-# entry points import them from here, with pretrain().
-__all__ = ["TrainResult", "TrainingError", "build_backend", "pretrain", "resolve_vocab"]
+__all__ = ["build_backend", "pretrain", "resolve_vocab"]
 
 
 def resolve_vocab(cfg: MegatronConfig):

@@ -339,14 +339,15 @@ _MAY_IMPORT = {
     "config": set(),
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
-    "data": {"config.schema", "config.declare", "config.schema_data_corpora", "progress"},
+    "data": {"config.schema", "config.declare", "config.schema_data", "config.schema_data_corpora"}
+    | {"progress"},
     "heartbeat": set(),
     "pipeline_order": set(),
     "pipeline_sim": {"pipeline_order"},
     # planning runs before any model or process group exists
     "planning": {"config.schema", "config.rules", "pipeline_order", "pipeline_sim"},
     "progress": set(),
-    "initialize": {"config.schema", "heartbeat", "mpu"},
+    "initialize": {"config.schema", "config.schema_parallel", "heartbeat", "mpu"},
     # The generic code names no model family: it reads the families' registrations in
     # megatron.model.families, on its own floor (megatron.models sits above it).
     "checkpoint": {"config.schema", "model", "mpu"},
@@ -391,15 +392,13 @@ def test_imports_follow_the_layers():
         parts = path.relative_to(root).parts
         package = parts[0].removesuffix(".py")
         imports = _megatron_imports(path)
-        families = {i for i in imports if i.startswith("models.") and i != "models.registry"}
+        families = {i for i in imports if i.startswith("models.")}
         if package in _GENERIC_ABOVE:
             above = {i for i in imports if i.startswith("models")}
             assert not above, f"{path} imports {sorted(above)}: read megatron.model.families"
         if package == "models" and len(parts) > 2:  # megatron/models/<family>/...
             others = {f for f in families if f != f"models.{parts[1]}"}
             assert not others, f"{path} imports another family's code: {sorted(others)}"
-        if package == "models" and parts[1] == "registry.py":
-            assert not families, "the registry imports families by name, on first use"
         if package not in _MAY_IMPORT:
             continue  # training, the model families and the package root sit on top
         own = {i for i in imports if i.split(".")[0] == package}

@@ -15,7 +15,8 @@ from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.models.gpt.train import forward_step
-from megatron.training.loop import TrainResult, pretrain
+from megatron.training.loop import pretrain
+from megatron.training.train_loop import TrainResult
 
 VOCAB = 128
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from megatron import mpu
 from megatron.config.schema import OptimizerConfig
-from megatron.training.loop import TrainingError
 from megatron.training.optimizer import MegatronOptimizer
 from megatron.training.timers import Timers
+from megatron.training.train_loop import TrainingError
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import _train, flags
 

@@ -1,8 +1,8 @@
 """What a training run says once at start (megatron/training/log.py start_lines)."""
 
 from megatron.config.cli import parse_args
+from megatron.model.families import get_spec
 from megatron.models.gpt.model import GPTModel
-from megatron.models.registry import get_spec
 from megatron.training.log import start_lines
 from tests.helpers.training import flags
 

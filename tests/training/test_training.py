@@ -15,7 +15,7 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.models.gpt.train import forward_step
-from megatron.training.loop import TrainingError
+from megatron.training.train_loop import TrainingError
 from tests.helpers.checkpoints import _damage
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.paths import ROOT
