@@ -12,14 +12,8 @@ import torch.nn.functional as F
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, model_config_from_saved
 from megatron.model.context import BuildContext
-from megatron.model.moe import (
-    MoELayer,
-    capacity_keep,
-    moe_step_stats,
-    padded_bmm,
-    route,
-    set_moe_loss_scale,
-)
+from megatron.model.moe import MoELayer, moe_step_stats, padded_bmm, set_moe_loss_scale
+from megatron.model.router import capacity_keep, route
 from megatron.models.gpt.model import GPTModel
 from megatron.training.log import model_flops_per_sample
 
