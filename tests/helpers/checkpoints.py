@@ -29,6 +29,7 @@ from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.stages import stage_layer_range
 from megatron.models.gpt.model import GPTModel
+from tests.helpers.models import LLAMA
 from tests.helpers.paths import load_tool
 
 VOCAB = ("embedding.word_embeddings.weight", "head.output_layer.weight")  # vocab-padded rows
@@ -202,10 +203,7 @@ VARIANTS = {
         num_attention_heads=8,
         num_query_groups=4,
         ffn_hidden_size=96,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        add_bias_linear=False,
+        **LLAMA,
         untie_embeddings_and_output_weights=True,
         **_COMMON,
     ),

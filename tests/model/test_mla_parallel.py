@@ -25,28 +25,9 @@ from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
 from tests.helpers.layouts import train_steps
+from tests.helpers.models import tiny_mla
 
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=64,
-    make_vocab_size_divisible_by=32,  # 64 rows at TP 1 and 2
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    multi_latent_attention=True,
-    q_lora_rank=16,
-    kv_lora_rank=8,
-    qk_head_dim=4,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-    rotary_scaling_factor=2.0,
-    original_max_position_embeddings=4,
-    mscale_all_dim=1.0,
-)
+MODEL = tiny_mla()
 MICRO, BATCH, STEPS = 2, 2, 2  # micro batches, samples per micro batch, steps
 
 # (name, TP, PP, CP, sequence parallel, recompute, model changes)

@@ -40,21 +40,9 @@ from megatron.training.schedules import get_forward_backward_func
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
 from tests.helpers.distributed import run_distributed
+from tests.helpers.models import tiny_moe
 
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=64,
-    make_vocab_size_divisible_by=32,  # 64 rows at TP 1 and 2: one padding for both
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    num_experts=4,
-    moe_router_topk=2,
-    moe_aux_loss_coeff=0.01,
-    moe_z_loss_coeff=0.001,
-)
+MODEL = tiny_moe(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 MICRO, BATCH, STEPS = 2, 2, 2  # micro batches per DP rank, samples per micro batch, steps
 
 # (name, TP, PP, EP, sequence parallel, dispatcher, distributed optimizer, model changes)
