@@ -45,6 +45,8 @@ from typing import BinaryIO
 
 import torch
 
+from megatron.fileio import disk_space, fsync_path, os_reason
+
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 SHARD_NAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_NAME = "distrib_optim_dp_{dp_rank:03d}.pt"
@@ -91,15 +93,6 @@ def _marker_path(root: str, iteration: int) -> str:
     return os.path.join(checkpoint_dir(root, iteration), MARKER_NAME)
 
 
-def _fsync_dir(path: str) -> None:
-    # A rename is durable only once the directory holding it is synced.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _temp_prefix(path: str) -> str:
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp.")
 
@@ -144,15 +137,13 @@ def _write_failed(path: str, error: OSError) -> CheckpointError:
     directory = os.path.dirname(path)
     while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
         directory = os.path.dirname(directory)  # a directory we could not create
-    try:
-        usage = shutil.disk_usage(directory)
-        space = f"{_bytes(usage.free)} free of {_bytes(usage.total)} on {directory}"
-    except OSError as e:
-        space = f"free space on {directory} unknown ({e.strerror or e})"
-    reason = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+    space = disk_space(
+        directory,
+        lambda usage: f"{_bytes(usage.free)} free of {_bytes(usage.total)} on {directory}",
+    )
     return CheckpointError(
-        f"cannot write checkpoint file {path}: {reason}; {space}. The pointer still names a "
-        "complete checkpoint; free space or pass --save elsewhere, then resume with --load."
+        f"cannot write checkpoint file {path}: {os_reason(error)}; {space}. The pointer still "
+        "names a complete checkpoint; free space or pass --save elsewhere, then resume with --load."
     )
 
 
@@ -170,7 +161,7 @@ def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_path(directory)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -209,7 +200,7 @@ def save_shard(
     # vouch for a mix of old and new shards if we crash half-way.
     with contextlib.suppress(FileNotFoundError):
         os.remove(_marker_path(root, iteration))
-        _fsync_dir(checkpoint_dir(root, iteration))
+        fsync_path(checkpoint_dir(root, iteration))
     _remove_dead_temps(path)  # this rank is the only writer of `path`
     _atomic_write(path, lambda f: torch.save(state, f))
 

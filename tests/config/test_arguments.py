@@ -340,8 +340,9 @@ _MAY_IMPORT = {
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.schema", "fused_kernels", "mpu"},
     "data": {"config.schema", "config.declare", "config.schema_data", "config.schema_data_corpora"}
-    | {"progress"},
+    | {"fileio", "progress"},
     "heartbeat": set(),
+    "fileio": set(),
     "pipeline_order": set(),
     "pipeline_sim": {"pipeline_order"},
     # planning runs before any model or process group exists
@@ -350,11 +351,11 @@ _MAY_IMPORT = {
     "initialize": {"config.schema", "config.schema_parallel", "heartbeat", "mpu"},
     # The generic code names no model family: it reads the families' registrations in
     # megatron.model.families, on its own floor (megatron.models sits above it).
-    "checkpoint": {"config.schema", "model", "mpu"},
+    "checkpoint": {"config.schema", "fileio", "model", "mpu"},
     # the data-parallel wrappers sit beside the model, below the optimizers and the loop
     "data_parallel": {"config.schema", "mpu"},
     # start-up checks, torchft and the straggler detector: what the loop calls, never the loop
-    "resilience": {"checkpoint", "config.declare", "config.schema", "mpu"},
+    "resilience": {"checkpoint", "config.declare", "config.schema", "fileio", "mpu"},
     "inference": {"checkpoint", "config.inference", "config.rules", "config.schema", "data"}
     | {"fused_kernels"}
     | {"initialize", "progress"}
