@@ -54,30 +54,27 @@ def validate_data(d: DataConfig) -> None:
         )
 
 
+def _given(*flags: tuple[str, object]) -> list[tuple[str, object]]:
+    """The (flag, value) pairs whose value is given (not empty)."""
+    return [(f, v) for f, v in flags if v]
+
+
 def _validate_loose_json(d: DataConfig) -> None:
     """--train-data & co. (loose JSON, cached in --cache-dir) replace the mmap data flags."""
     lj = d.loose_json
-    loose = [
-        (f, v)
-        for f, v in (
-            ("--train-data", lj.train_data),
-            ("--valid-data", lj.valid_data),
-            ("--test-data", lj.test_data),
-        )
-        if v
-    ]
+    loose = _given(
+        ("--train-data", lj.train_data),
+        ("--valid-data", lj.valid_data),
+        ("--test-data", lj.test_data),
+    )
     if not loose:
         return
-    mmap = [
-        (f, v)
-        for f, v in (
-            ("--data-path", d.data_path),
-            ("--train-data-path", d.train_data_path),
-            ("--valid-data-path", d.valid_data_path),
-            ("--test-data-path", d.test_data_path),
-        )
-        if v
-    ]
+    mmap = _given(
+        ("--data-path", d.data_path),
+        ("--train-data-path", d.train_data_path),
+        ("--valid-data-path", d.valid_data_path),
+        ("--test-data-path", d.test_data_path),
+    )
     if mmap:
         fail(
             loose[0][0],
