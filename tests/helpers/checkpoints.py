@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron.checkpoint.storage import (
+    SHARD_NAME,
     checkpoint_dir,
     finalize_checkpoint,
     save_shard,
@@ -183,6 +184,21 @@ class _FullDisk:
 
     def __exit__(self, *exc):
         self._f.close()
+
+
+def full_disk_on_rank1(rank: int):
+    """An `open` for megatron.checkpoint.storage under which rank 1's shard of iteration 4
+    meets a full disk (every other file opens as usual)."""
+    real_open = open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        name = os.path.basename(file)
+        if rank == 1 and "iter_0000004" in os.fspath(file) and name.startswith(f".{SHARD_NAME}."):
+            return _FullDisk(f)
+        return f
+
+    return full_open
 
 
 # The two architectures the conversion tests (and the MoE ones) cut, export and import.
