@@ -401,6 +401,7 @@ def test_empty_validation_split_warns_and_a_bad_save_dir_is_one_named_line(
 def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatch):
     """A read-only --save directory: a named error at start, not a traceback at the first save
     (root writes through chmod, so there the refusal of the write is simulated)."""
+    from megatron import fileio
     from megatron.checkpoint.storage import CheckpointError
     from megatron.resilience import preflight
 
@@ -412,7 +413,7 @@ def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatc
         def refuse(*args, dir, **kwargs):
             raise PermissionError(13, "Permission denied", os.path.join(dir, ".write-test-x"))
 
-        monkeypatch.setattr(preflight.tempfile, "NamedTemporaryFile", refuse)
+        monkeypatch.setattr(fileio.tempfile, "NamedTemporaryFile", refuse)
     with pytest.raises(CheckpointError, match=f"--save {ro}: cannot write there .Permission"):
         preflight.check_save_dir(str(ro))
     monkeypatch.undo()
