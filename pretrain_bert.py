@@ -14,8 +14,9 @@ import sys
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
 from megatron.initialize import shutdown_distributed
-from megatron.models.registry import get_spec
-from megatron.training.loop import TrainingError, pretrain
+from megatron.model.families import get_spec
+from megatron.training.loop import pretrain
+from megatron.training.train_loop import TrainingError
 
 
 def main(argv=None) -> int:

@@ -13,9 +13,10 @@ import sys
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
 from megatron.initialize import shutdown_distributed
-from megatron.models.registry import get_spec
+from megatron.model.families import get_spec
 from megatron.planning.auto import auto_parallel
-from megatron.training.loop import TrainingError, pretrain, resolve_vocab
+from megatron.training.loop import pretrain, resolve_vocab
+from megatron.training.train_loop import TrainingError
 
 
 def plan_layout(cfg):

@@ -33,9 +33,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import megatron.training.ddp as ddp_module  # noqa: E402
+import megatron.data_parallel.ddp as ddp_module  # noqa: E402
 from megatron import mpu  # noqa: E402
 from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron.data_parallel.ddp import DistributedDataParallel  # noqa: E402
+from megatron.data_parallel.fsdp2 import FullyShardedModel  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.stages import ModelChunks  # noqa: E402
 from megatron.model.transformer import TransformerLayer  # noqa: E402
@@ -44,8 +46,6 @@ from megatron.mpu.parallel_state import initialize_model_parallel  # noqa: E402
 from megatron.optim.distributed import distributed_optimizer  # noqa: E402
 from megatron.optim.fsdp2 import fsdp2_optimizer  # noqa: E402
 from megatron.optim.plain import plain_optimizer  # noqa: E402
-from megatron.training.ddp import DistributedDataParallel  # noqa: E402
-from megatron.training.fsdp2 import FullyShardedModel  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 MODELS = {

@@ -54,7 +54,6 @@ from bench.mfu_common import (  # noqa: E402
     figures,
     free_memory,
     matmul_peak,
-    megatron_flops_per_sample,  # noqa: F401 (tests/gpu/test_gpu_check.py imports it from here)
     model_config,
 )
 from bench.mfu_others import finish_mcore, run_hf, start_mcore  # noqa: E402

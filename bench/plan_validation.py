@@ -36,8 +36,7 @@ WORLD = 8
 
 
 def base_config():
-    from megatron.config.schema import MegatronConfig, ModelConfig
-    from megatron.config.schema_run import OptimizerConfig, TrainingConfig
+    from megatron.config.schema import MegatronConfig, ModelConfig, OptimizerConfig, TrainingConfig
 
     model = ModelConfig(
         num_layers=8, hidden_size=64, num_attention_heads=8, seq_length=64, vocab_size=500

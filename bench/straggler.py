@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config.cli import parse_args  # noqa: E402
 from megatron.config.rules import validate  # noqa: E402
+from megatron.resilience.straggler import straggler_detector  # noqa: E402
 from megatron.training.loop import pretrain  # noqa: E402
-from megatron.training.straggler import straggler_detector  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
 from tests.helpers.distributed import free_port, run_distributed  # noqa: E402
 from tests.helpers.training import counting_corpus, flags  # noqa: E402

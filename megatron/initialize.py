@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.config.schema import LAUNCHER_VARIABLES, ConfigError, MegatronConfig
+from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.schema_parallel import LAUNCHER_VARIABLES
 from megatron.heartbeat import Heartbeat
 from megatron.mpu import ParallelState, RNGStatesTracker, initialize_model_parallel
 from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed

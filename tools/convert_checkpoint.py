@@ -30,7 +30,7 @@ from megatron.checkpoint.resharding import (  # noqa: E402
     validate_layout,
 )
 from megatron.checkpoint.storage import CheckpointError  # noqa: E402
-from megatron.models import registry  # noqa: E402
+from megatron.model import families  # noqa: E402
 from megatron.progress import Progress  # noqa: E402
 
 
@@ -144,7 +144,7 @@ def _export(a) -> int:
     if a.target_tensor_model_parallel_size or a.target_pipeline_model_parallel_size:
         raise ValueError("--to-hf writes one unsharded model; drop the --target-* sizes")
     loaded = load_checkpoint(a.load, a.iteration, Progress("reading stages", unit="stage"))
-    spec = registry.spec_of_checkpoint_family(loaded.args.get("model_family"))
+    spec = families.spec_of_checkpoint_family(loaded.args.get("model_family"))
     if spec.hf_export is None:
         raise ValueError(f"--to-hf: the {spec.name} family has no Hugging Face mapping")
     name = spec.hf_export(loaded.state, loaded.args, a.to_hf, tokenizer_files=a.tokenizer_files)
@@ -155,10 +155,10 @@ def _export(a) -> int:
 def _hf_importer(hf_cfg: dict):
     """The family that imports this Hugging Face `model_type` (else the default family's
     importer, which names what it cannot read)."""
-    for spec in registry.all_specs():
+    for spec in families.all_specs():
         if hf_cfg.get("model_type") in spec.hf_model_types:
             return spec.hf_import
-    return registry.get_spec(registry.DEFAULT_FAMILY).hf_import
+    return families.get_spec(families.DEFAULT_FAMILY).hf_import
 
 
 def _import(a) -> int:

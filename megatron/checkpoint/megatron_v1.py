@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from megatron.checkpoint.resharding import check_full_state
+from megatron.checkpoint.resharding import check_full_state, whole_model_args
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.schema import ModelConfig
 
@@ -342,14 +342,7 @@ def import_megatron_v1(
     state[words] = state[words][:vocab_size].contiguous()
     state = {n: t.contiguous() for n, t in state.items()}
     check_full_state(state, cfg, f"--from-megatron-v1 {load_dir}")
-    out_args = {
-        "model": dataclasses.asdict(cfg),
-        "tokenizer": _tokenizer(args),
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "padded_vocab_size": cfg.padded_vocab_size(1),
-        "params_dtype": str(state[words].dtype),
-    }
+    out_args = whole_model_args(cfg, _tokenizer(args), state[words].dtype)
     return state, out_args, found.iteration
 
 

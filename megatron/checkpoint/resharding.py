@@ -20,6 +20,7 @@ Everything runs in one CPU process; nothing here touches torch.distributed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import sys
@@ -135,6 +136,18 @@ def full_shapes(
 ) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the full state (unpadded vocab), in model order."""
     return dict(model_layout(cfg, family)[0])
+
+
+def whole_model_args(cfg: ModelConfig, tokenizer: dict, params_dtype: torch.dtype) -> dict:
+    """The args of a one-rank (TP = PP = 1) checkpoint of converted weights (HF, v1.x)."""
+    return {
+        "model": dataclasses.asdict(cfg),
+        "tokenizer": tokenizer,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "padded_vocab_size": cfg.padded_vocab_size(1),
+        "params_dtype": str(params_dtype),
+    }
 
 
 def check_full_state(

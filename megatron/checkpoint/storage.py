@@ -47,6 +47,8 @@ from typing import BinaryIO
 
 import torch
 
+from megatron.fileio import fsync_path
+
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 SHARD_NAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_NAME = "distrib_optim_dp_{dp_rank:03d}.pt"
@@ -91,15 +93,6 @@ def tracker_path(root: str) -> str:
 
 def _marker_path(root: str, iteration: int) -> str:
     return os.path.join(checkpoint_dir(root, iteration), MARKER_NAME)
-
-
-def _fsync_dir(path: str) -> None:
-    # A rename is durable only once the directory holding it is synced.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _temp_prefix(path: str) -> str:
@@ -222,7 +215,7 @@ def _atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_path(directory)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -261,7 +254,7 @@ def save_shard(
     # vouch for a mix of old and new shards if we crash half-way.
     with contextlib.suppress(FileNotFoundError):
         os.remove(_marker_path(root, iteration))
-        _fsync_dir(checkpoint_dir(root, iteration))
+        fsync_path(checkpoint_dir(root, iteration))
     _remove_dead_temps(path)  # this rank is the only writer of `path`
     _atomic_write(path, lambda f: torch.save(state, f))
 

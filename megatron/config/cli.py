@@ -26,7 +26,8 @@ from megatron.config.compat_v1 import (
 from megatron.config.declare import Tree
 from megatron.config.files import parse_overrides, read_config_file, to_yaml
 from megatron.config.rules import validate
-from megatron.config.schema import LAUNCHER_VARIABLES, MegatronConfig
+from megatron.config.schema import MegatronConfig
+from megatron.config.schema_parallel import LAUNCHER_VARIABLES
 
 
 @functools.cache

@@ -58,10 +58,11 @@ def setting(
     `resolved`: read by the resolution step (megatron.config.rules.validate) from a file another
     setting names; neither a flag nor a config-file key, and not part of the hash.
     `choices`: the accepted values (a tuple, or a live container such as a registry's names,
-    read when a value is checked: megatron.schedules.registry.Names). `requires`: (sibling field, value): given (not its
-    default) the setting means something only when that field has that value, and
-    `check_requires` refuses it otherwise. `min`/`max`: inclusive limits, `above`/`below`: exclusive
-    ones (a probability in [0, 1) is min=0, below=1); None (an unset optional) is never checked.
+    read when a value is checked: megatron.schedules.registry.Names). `requires`: (sibling
+    field, value): given (not its default) the setting means something only when that field has
+    that value, and `check_requires` refuses it otherwise. `min`/`max`: inclusive limits,
+    `above`/`below`: exclusive ones (a probability in [0, 1) is min=0, below=1); None (an unset
+    optional) is never checked.
     The help says what the value means; the builder appends the limits and the default.
     """
     if (min is not None and above is not None) or (max is not None and below is not None):

@@ -14,9 +14,8 @@ AnnealingLR (megatron/training/learning_rates.py). Nothing here re-checks the fl
 from __future__ import annotations
 
 from megatron.config.schema import OptimizerConfig, TrainingConfig
-from megatron.config.schema_run import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
 
-__all__ = ["LR_DECAY_STYLES", "LR_WSD_DECAY_STYLES", "schedule_steps", "scheduler_steps"]
+__all__ = ["schedule_steps", "scheduler_steps"]
 
 
 def scheduler_steps(

@@ -30,6 +30,7 @@ from megatron.config.rules_ft import validate_fault_tolerance
 from megatron.config.rules_mla import validate_mla_model
 from megatron.config.rules_moe import validate_moe
 from megatron.config.rules_mtp import validate_mtp
+from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.rules_pipeline import validate_pipeline_schedule
 from megatron.config.rules_training import validate_batch, validate_training
 from megatron.config.schema import (
@@ -240,7 +241,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
             "number of model chunks, or no pipeline parallelism",
         )
     validate_compute(cfg)
-    _validate_linear_cross_entropy(cfg)
+    refuse_pairs(cfg, "--cross-entropy-fusion-impl linear")  # megatron.config.rules_pairs
     validate_fault_tolerance(cfg)  # before the batch rules: its DP is the replica groups
     validate_batch(cfg.training, par.data_parallel_size)
     validate_data(cfg.data)
@@ -251,57 +252,12 @@ def _validate_settings(cfg: MegatronConfig) -> None:
 
 def _validate_distributed_optimizer(cfg: MegatronConfig) -> None:
     o = cfg.optimizer
-    if o.use_distributed_optimizer and cfg.deepspeed.enabled:
-        fail(
-            "--use-distributed-optimizer",
-            "our sharded optimizer cannot run inside --deepspeed, whose ZeRO shards the "
-            "optimizer itself",
-            "drop --use-distributed-optimizer and pass --zero-stage 1 (ZeRO-1 shards the "
-            "optimizer states like it; 2 also shards gradients, 3 weights), or drop --deepspeed",
-        )
-    if o.use_distributed_optimizer:
-        clash = (
-            ("--DDP-impl torch", cfg.distributed.ddp_impl == "torch", "torch DDP all-reduces"),
-            ("--cpu-optimizer", cfg.deepspeed.cpu_optimizer, "its shards stay on the device"),
-            (
-                "--allreduce-dtype params",
-                cfg.distributed.allreduce_dtype == "params",
-                "it reduce-scatters the fp32 buckets",
-            ),
-        )
-        for flag, given, why in clash:
-            if given:
-                fail(
-                    "--use-distributed-optimizer",
-                    f"given with {flag}: {why}, our sharded buffers are needed",
-                    f"drop {flag} (or --use-distributed-optimizer)",
-                )
+    refuse_pairs(cfg, "--use-distributed-optimizer")  # megatron.config.rules_pairs
     if o.overlap_param_gather and not o.use_distributed_optimizer:
         fail(
             "--overlap-param-gather",
             "overlaps the all-gather of the distributed optimizer's weights, which is off",
             "add --use-distributed-optimizer or drop --overlap-param-gather",
-        )
-
-
-def _validate_linear_cross_entropy(cfg: MegatronConfig) -> None:
-    """--cross-entropy-fusion-impl linear fuses the GPT model's own output layer and loss."""
-    if cfg.kernels.cross_entropy_fusion_impl != "linear":
-        return
-    flag = "--cross-entropy-fusion-impl linear"
-    if cfg.kernels.fp16_lm_cross_entropy:
-        fail(
-            flag,
-            "given with --fp16-lm-cross-entropy; the fused loss keeps no fp32 logits already "
-            "(and its chunks' math is fp32)",
-            "drop --fp16-lm-cross-entropy",
-        )
-    if cfg.deepspeed.enabled and cfg.parallel.pipeline_model_parallel_size > 1:
-        fail(
-            flag,
-            "DeepSpeed's pipeline engine computes the loss from the last layer's logits",
-            "use --cross-entropy-fusion-impl native with --deepspeed and pipeline stages, or "
-            "our own pipeline (drop --deepspeed)",
         )
 
 
@@ -358,24 +314,4 @@ def _validate_context_parallel(cfg: MegatronConfig) -> None:
             f"are not divisible by --tensor-model-parallel-size {tp}",
             f"use a sequence length that is a multiple of {2 * cp * tp}",
         )
-    refused = (
-        (
-            "--deepspeed",
-            cfg.deepspeed.enabled,
-            "DeepSpeed's engines know no context-parallel group (their ZeRO would reduce "
-            "gradients over DP only)",
-            "drop --deepspeed (the native backend's --use-distributed-optimizer shards the "
-            "optimizer over DP x CP)",
-        ),
-        (
-            "--attention-backend fused",
-            cfg.kernels.attention_backend == "fused",
-            "the Triton causal softmax needs the whole score row; ring attention merges "
-            "per-block softmaxes by their log-sum-exp",
-            "pass --attention-backend sdpa (each block through SDPA's fused kernels) or "
-            "unfused (explicit fp32 math per block)",
-        ),
-    )
-    for other, given, why, fix in refused:
-        if given:
-            fail(flag, f"{cp} given with {other}: {why}", fix)
+    refuse_pairs(cfg, flag)  # --deepspeed, --attention-backend fused: megatron.config.rules_pairs

@@ -22,51 +22,60 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "pretrain_bert.py runs the 1F1B schedule only",
             f"drop the flag (or --pipeline-schedule {ONE_F_ONE_B})",
         )
-    if cfg.parallel.context_parallel_size > 1:
-        fail(
+    m = cfg.model
+    for flag, given, why, fix in (
+        (
             "--context-parallel-size",
+            cfg.parallel.context_parallel_size > 1,
             "ring attention is causal (the GPT's); BERT attends both ways over its padded samples",
             "drop it (BERT's 512-token samples fit on one rank)",
-        )
-    if cfg.parallel.sequence_parallel:
-        fail(
+        ),
+        (
             "--sequence-parallel",
+            cfg.parallel.sequence_parallel,
             "the BERT model does not split its embeddings, pooler and heads along the sequence",
             "drop it (BERT-large fits without it; TP alone splits the layers)",
-        )
-    if cfg.model.num_unique_layers is not None:
-        fail(
+        ),
+        (
             "--num-unique-layers",
+            m.num_unique_layers is not None,
             "layer sharing is built into the GPT's layer stack only",
             "drop it, or pretrain a GPT with pretrain_gpt2.py",
-        )
-    if cfg.model.untie_embeddings_and_output_weights:
-        fail("--untie-embeddings-and-output-weights", "BERT ties its MLM output", "drop it")
-    if cfg.model.moe:
-        fail(
+        ),
+        (
+            "--untie-embeddings-and-output-weights",
+            m.untie_embeddings_and_output_weights,
+            "BERT ties its MLM output",
+            "drop it",
+        ),
+        (
             "--num-experts",
+            m.moe,
             "mixture of experts is trained, logged and converted for the GPT only",
             "drop it, or pretrain an MoE GPT with pretrain_gpt2.py",
-        )
-    if cfg.model.mtp_num_layers is not None:
-        fail(
+        ),
+        (
             "--mtp-num-layers",
+            m.mtp_num_layers is not None,
             "multi-token prediction is built into the GPT only",
             "drop it, or pretrain a GPT with pretrain_gpt2.py",
-        )
-    if cfg.kernels.cross_entropy_fusion_impl != "native":
-        fail(
+        ),
+        (
             "--cross-entropy-fusion-impl",
+            cfg.kernels.cross_entropy_fusion_impl != "native",
             "the fused output layer + loss is the GPT's; BERT's MLM head adds a bias and a "
             "transform of its own",
             "drop it (or give native)",
-        )
-    if cfg.data.uses_documents:
-        fail(
+        ),
+        (
             "--reset-position-ids/--reset-attention-mask/--eod-mask-loss",
+            cfg.data.uses_documents,
             "GPT's packed-document options; BERT samples hold one document",
             "drop them",
-        )
+        ),
+    ):
+        if given:
+            fail(flag, why, fix)
 
 
 def refuse_bert_settings(cfg: MegatronConfig) -> None:

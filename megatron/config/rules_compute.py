@@ -1,4 +1,4 @@
-"""Rules of the compute section (megatron.config.schema_compute): the v1.x kernel precision
+"""Rules of the compute section (megatron.config.schema_kernels): the v1.x kernel precision
 flags, --torch-compile and its backend, --enable-cuda-graph and --sdpa-backend. Whether the
 device runs them is checked where the model is built (a CUDA device for CUDA graphs, a
 kernel SDPA can run)."""
@@ -6,6 +6,7 @@ kernel SDPA can run)."""
 from __future__ import annotations
 
 from megatron.config.declare import fail
+from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.schema import MegatronConfig
 
 
@@ -43,13 +44,7 @@ def _validate_sdpa_backend(cfg: MegatronConfig) -> None:
             f"{k.attention_backend}",
             "use --attention-backend sdpa or drop --sdpa-backend",
         )
-    if cfg.parallel.context_parallel_size > 1:
-        fail(
-            "--sdpa-backend",
-            f"{k.sdpa_backend} given with --context-parallel-size > 1, whose ring attention "
-            "picks its blocks' kernels itself (those that return the log-sum-exp)",
-            "drop --sdpa-backend",
-        )
+    refuse_pairs(cfg, "--sdpa-backend")  # megatron.config.rules_pairs
 
 
 def _cuda_graph_conflicts(cfg: MegatronConfig) -> list[tuple[bool, str]]:

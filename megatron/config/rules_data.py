@@ -4,14 +4,9 @@ setting's own limits are declared on it (megatron.config.schema)."""
 from __future__ import annotations
 
 from megatron.config.declare import fail
-from megatron.config.schema import (
-    ConfigError,
-    DataConfig,
-    parse_blend,
-    prefix_names_a_file,
-    split_weights,
-)
-from megatron.config.schema_corpora import parse_corpus_list
+from megatron.config.schema import ConfigError, DataConfig
+from megatron.config.schema_data import parse_blend, prefix_names_a_file, split_weights
+from megatron.config.schema_data_corpora import parse_corpus_list
 
 
 def validate_data(d: DataConfig) -> None:
@@ -59,30 +54,27 @@ def validate_data(d: DataConfig) -> None:
         )
 
 
+def _given(*flags: tuple[str, object]) -> list[tuple[str, object]]:
+    """The (flag, value) pairs whose value is given (not empty)."""
+    return [(f, v) for f, v in flags if v]
+
+
 def _validate_loose_json(d: DataConfig) -> None:
     """--train-data & co. (loose JSON, cached in --cache-dir) replace the mmap data flags."""
     lj = d.loose_json
-    loose = [
-        (f, v)
-        for f, v in (
-            ("--train-data", lj.train_data),
-            ("--valid-data", lj.valid_data),
-            ("--test-data", lj.test_data),
-        )
-        if v
-    ]
+    loose = _given(
+        ("--train-data", lj.train_data),
+        ("--valid-data", lj.valid_data),
+        ("--test-data", lj.test_data),
+    )
     if not loose:
         return
-    mmap = [
-        (f, v)
-        for f, v in (
-            ("--data-path", d.data_path),
-            ("--train-data-path", d.train_data_path),
-            ("--valid-data-path", d.valid_data_path),
-            ("--test-data-path", d.test_data_path),
-        )
-        if v
-    ]
+    mmap = _given(
+        ("--data-path", d.data_path),
+        ("--train-data-path", d.train_data_path),
+        ("--valid-data-path", d.valid_data_path),
+        ("--test-data-path", d.test_data_path),
+    )
     if mmap:
         fail(
             loose[0][0],

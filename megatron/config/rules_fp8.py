@@ -4,13 +4,10 @@ The device, and torchao being installed, are checked when the model is built (ap
 from __future__ import annotations
 
 from megatron.config.declare import fail
+from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.schema import MegatronConfig, PrecisionConfig
 
 SUPPORTED_RECIPES = ("tensorwise", "rowwise")
-MOE_REASON = (
-    "the MoE experts' GEMMs are not float8 here: each expert's token count changes every step "
-    "(float8 GEMMs need multiples of 16) and torchao's float8 grouped GEMM is a prototype"
-)
 
 
 def validate_fp8_precision(p: PrecisionConfig) -> None:
@@ -40,18 +37,5 @@ def validate_fp8_precision(p: PrecisionConfig) -> None:
 
 
 def validate_fp8(cfg: MegatronConfig) -> None:
-    p = cfg.precision
-    validate_fp8_precision(p)
-    if p.fp8_format is None:
-        return
-    flag = f"--fp8-format {p.fp8_format}"
-    if cfg.deepspeed.enabled:
-        fail(
-            flag,
-            "is not wired into --deepspeed (its engine and pipeline module build their own "
-            "model path)",
-            "drop --deepspeed (our backend runs TP, PP, DP and the distributed optimizer with "
-            "fp8) or drop --fp8-format",
-        )
-    if cfg.model.moe:
-        fail(flag, MOE_REASON, "drop --fp8-format or --num-experts")
+    validate_fp8_precision(cfg.precision)
+    refuse_pairs(cfg, "--fp8-format")  # --deepspeed, MoE: megatron.config.rules_pairs

@@ -1,14 +1,15 @@
-"""Rules of --fault-tolerance (torchft replica groups, megatron.training.fault_tolerance).
+"""Rules of --fault-tolerance (torchft replica groups, megatron.resilience.fault_tolerance).
 
 Each replica group is a job of its own (its own launcher, MASTER_PORT and process groups) that
 holds one whole copy of the model; the data-parallel dimension is the replica groups, whose
 gradients torchft averages step by step. What cannot be proven equal to one process on gloo
 here is refused with its reason. That torchft is installed and the lighthouse answers is
-checked at start-up (megatron.training.fault_tolerance)."""
+checked at start-up (megatron.resilience.fault_tolerance)."""
 
 from __future__ import annotations
 
 from megatron.config.declare import fail
+from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.schema import MegatronConfig
 
 _WITHOUT = "--fault-tolerance is off"
@@ -40,7 +41,7 @@ def validate_fault_tolerance(cfg: MegatronConfig) -> None:
             "use at most --ft-group-size",
         )
     _refuse_layouts(cfg)
-    _refuse_features(cfg)
+    refuse_pairs(cfg, "--fault-tolerance")  # megatron.config.rules_pairs
 
 
 def _refuse_layouts(cfg: MegatronConfig) -> None:
@@ -76,49 +77,3 @@ def _refuse_layouts(cfg: MegatronConfig) -> None:
     ):
         if size > 1:
             fail(flag, f"{size} with --fault-tolerance: {why}", f"use {flag} 1")
-
-
-def _refuse_features(cfg: MegatronConfig) -> None:
-    for flag, on, why, fix in (
-        (
-            "--deepspeed",
-            cfg.deepspeed.enabled,
-            "DeepSpeed's engine owns the gradient all-reduce and the optimizer step; torchft "
-            "must decide whether each step commits",
-            "drop --deepspeed (our native backend) or --fault-tolerance",
-        ),
-        (
-            "--use-distributed-optimizer",
-            cfg.optimizer.use_distributed_optimizer,
-            "a lost replica would take its optimizer shard with it; torchft recovers a "
-            "replacement from a peer's whole optimizer state",
-            "drop --use-distributed-optimizer",
-        ),
-        (
-            "--use-torch-fsdp2",
-            cfg.distributed.use_torch_fsdp2,
-            "torchft averages our DDP's flat gradient buffer between replica groups, which "
-            "FSDP2 replaces; and a group holds one whole model copy, with nothing to shard",
-            "drop --use-torch-fsdp2",
-        ),
-        (
-            "--DDP-impl torch",
-            cfg.distributed.ddp_impl == "torch",
-            "torchft averages our DDP's flat gradient buffer",
-            "use --DDP-impl local",
-        ),
-        (
-            "--allreduce-dtype params",
-            cfg.distributed.allreduce_dtype == "params",
-            "the cross-replica all-reduce runs in fp32",
-            "use --allreduce-dtype fp32",
-        ),
-        (
-            "--num-experts",
-            cfg.model.moe,
-            "MoE (expert groups, router bias updates) is not tested with torchft",
-            "drop --num-experts or --fault-tolerance",
-        ),
-    ):
-        if on:
-            fail(flag, f"cannot run with --fault-tolerance: {why}", fix)

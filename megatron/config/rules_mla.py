@@ -1,11 +1,11 @@
 """Rules of multi-latent attention (--multi-latent-attention & co.); each setting's own limits
-are declared on it (megatron.config.schema_mla)."""
+are declared on it (megatron.config.schema_model_mla)."""
 
 from __future__ import annotations
 
 from megatron.config.declare import fail
 from megatron.config.schema import ModelConfig
-from megatron.config.schema_mla import MLA_DEFAULTS, YARN_DEFAULTS
+from megatron.config.schema_model_mla import MLA_DEFAULTS, YARN_DEFAULTS
 
 
 def _flag(name: str) -> str:

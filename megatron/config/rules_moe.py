@@ -1,5 +1,5 @@
 """Rules of mixture of experts (--num-experts & co.) and expert parallelism (--expert-model-
-parallel-size); each setting's own limits are declared on it (megatron.config.schema_moe)."""
+parallel-size); each setting's own limits are declared on it (megatron.config.schema_model_moe)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 
 from megatron.config.declare import fail
 from megatron.config.layer_pattern import parse_layer_freq
+from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.schema import MegatronConfig, ModelConfig
 
 
@@ -218,19 +219,7 @@ def validate_moe(cfg: MegatronConfig) -> None:
             f"use an EP size dividing {dp * cp}, or launch a multiple of "
             f"{math.lcm(ep, cp) * tp * pp} processes",
         )
-    refused = (
-        (
-            "--DDP-impl torch",
-            cfg.distributed.ddp_impl == "torch",
-            "torch DDP averages every gradient over DP (experts too) and fails on experts a "
-            "micro batch never reached",
-            "use --DDP-impl local (the default), which reduces expert gradients over the "
-            "expert-data-parallel group",
-        ),
-    )
-    for other, given, why, fix in refused:
-        if given:
-            fail("--num-experts", f"given with {other}: {why}", fix)
+    refuse_pairs(cfg, "--num-experts")  # megatron.config.rules_pairs
 
 
 def _validate_expert_tp(m: ModelConfig, etp: int, tp: int) -> None:

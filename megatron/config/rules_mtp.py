@@ -4,6 +4,7 @@ model and the layout; each setting's own limits are declared on it (megatron.con
 from __future__ import annotations
 
 from megatron.config.declare import fail
+from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.schema import MegatronConfig, ModelConfig
 
 
@@ -29,13 +30,4 @@ def validate_mtp_model(m: ModelConfig) -> None:
 def validate_mtp(cfg: MegatronConfig) -> None:
     """MTP against the layout and the backends (training and conversion)."""
     validate_mtp_model(cfg.model)
-    if cfg.model.mtp_num_layers is None:
-        return
-    par = cfg.parallel
-    if cfg.deepspeed.enabled and par.pipeline_model_parallel_size > 1:
-        fail(
-            "--mtp-num-layers",
-            "DeepSpeed's pipeline engine passes only the hidden states between stages, and "
-            "the MTP modules on the last stage need the tokens and the loss mask",
-            "use our pipeline (drop --deepspeed) or --pipeline-model-parallel-size 1",
-        )
+    refuse_pairs(cfg, "--mtp-num-layers")  # megatron.config.rules_pairs

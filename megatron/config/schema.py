@@ -18,34 +18,25 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron.config.declare import ConfigError, Section, setting
-from megatron.config.schema_compute import KernelConfig, RecomputeConfig
-from megatron.config.schema_data import (
-    TOKENIZER_TYPES,
-    DataConfig,
-    TokenizerConfig,
-    parse_blend,
-    prefix_names_a_file,
-    split_weights,
-)
-from megatron.config.schema_mla import MLASettings
-from megatron.config.schema_moe import MoESettings
-from megatron.config.schema_parallel import LAUNCHER_VARIABLES, DistributedConfig, ParallelConfig
-from megatron.config.schema_run import (
-    CheckpointConfig,
-    DeepSpeedConfig,
-    LoggingConfig,
-    OptimizerConfig,
-    TrainingConfig,
-)
+from megatron.config.schema_checkpoint import CheckpointConfig
+from megatron.config.schema_data import DataConfig, TokenizerConfig
+from megatron.config.schema_deepspeed import DeepSpeedConfig
+from megatron.config.schema_distributed import DistributedConfig
+from megatron.config.schema_kernels import KernelConfig
+from megatron.config.schema_logging import LoggingConfig
+from megatron.config.schema_model_mla import MLASettings
+from megatron.config.schema_model_moe import MoESettings
+from megatron.config.schema_optimizer import OptimizerConfig
+from megatron.config.schema_parallel import ParallelConfig
+from megatron.config.schema_recompute import RecomputeConfig
+from megatron.config.schema_training import TrainingConfig
 
 if TYPE_CHECKING:  # torch is imported lazily: the data tools start faster without it
     import torch
 
-# The run, data, compute and parallel sections are declared in schema_run.py, schema_data.py,
-# schema_compute.py and schema_parallel.py (for size) and belong to this one tree.
+# Every other section is declared in its own file, schema_<section>.py (the model section's MoE
+# and MLA fields in schema_model_moe.py and schema_model_mla.py), and belongs to this one tree.
 __all__ = [
-    "LAUNCHER_VARIABLES",
-    "TOKENIZER_TYPES",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -62,9 +53,6 @@ __all__ = [
     "TokenizerConfig",
     "TrainingConfig",
     "model_config_from_saved",
-    "parse_blend",
-    "prefix_names_a_file",
-    "split_weights",
 ]
 
 
@@ -207,7 +195,8 @@ class _DenseModelFields(Section):
 class ModelConfig(MLASettings, MoESettings, _DenseModelFields):
     """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints. The
     mixture-of-experts fields (--num-experts, ...) follow, declared in
-    megatron.config.schema_moe, then multi-latent attention's (megatron.config.schema_mla)."""
+    megatron.config.schema_model_moe, then multi-latent attention's
+    (megatron.config.schema_model_mla)."""
 
 
 def model_config_from_saved(saved: dict) -> ModelConfig:

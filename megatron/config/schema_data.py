@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from megatron.config.declare import Section, fail, setting
 from megatron.config.pretrained_vocab import PRETRAINED, find_files
 from megatron.config.pretrained_vocab import problem as pretrained_problem
-from megatron.config.schema_corpora import LooseJsonConfig
+from megatron.config.schema_data_corpora import LooseJsonConfig
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",

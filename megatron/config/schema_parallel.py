@@ -1,9 +1,8 @@
-"""The parallel sections of the config tree: how the ranks are split (tensor, context, expert,
-pipeline and data parallel, the pipeline schedule, --auto-parallel, torchft's replica groups) and
-how the data-parallel ranks reduce or shard gradients (our DDP buckets, torch DDP, FSDP2). Part
-of megatron.config.schema (import them from there); declared the same way, with
-`setting(default, help, *aliases, ...)`. Rules between settings: megatron.config.rules (and its
-rules_pipeline, rules_fsdp2, rules_ft modules).
+"""The parallel section of the config tree (`parallel.*`): how the ranks are split (tensor,
+context, expert, pipeline and data parallel), the pipeline schedule, --auto-parallel and
+torchft's replica groups (--fault-tolerance, --ft-*). Part of megatron.config.schema (import
+them from there); declared the same way, with `setting(default, help, *aliases, ...)`.
+Rules between settings: megatron.config.rules (and its rules_pipeline, rules_ft modules).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.declare import Section, setting
-from megatron.config.schema_resilience import FaultToleranceSettings
 from megatron.schedules.base import PipelineSchedule
 from megatron.schedules.registry import (
     OVERLAPS_PAIRS,
@@ -125,11 +123,52 @@ class _ParallelFields(Section):
 
 
 @dataclass(frozen=True)
+class FaultToleranceSettings(Section):
+    """torchft's per-step fault tolerance (megatron/resilience/fault_tolerance.py)."""
+
+    fault_tolerance: bool = setting(
+        False,
+        "torchft's per-step fault tolerance of data-parallel replica groups: each replica "
+        "group (TP ranks, launched as a job of its own) averages its gradients with the "
+        "replicas alive at that step, a dead one is dropped without a restart, a restarted one "
+        "fetches the weights and optimizer state from a live peer (docs/operations.md)",
+    )
+    ft_replica_id: int = setting(
+        0, "--fault-tolerance: this replica group's index, 0 to --ft-group-size - 1", min=0
+    )
+    ft_group_size: int = setting(
+        1,
+        "--fault-tolerance: the replica groups at full strength; the data-parallel size of "
+        "--global-batch-size (each group reads its 1 / N share of it)",
+        min=1,
+    )
+    ft_min_replica_size: int = setting(
+        1, "--fault-tolerance: a step commits only with at least this many replica groups", min=1
+    )
+    ft_lighthouse: str | None = setting(
+        None,
+        "--fault-tolerance: the torchft lighthouse's address, e.g. http://HOST:29510 "
+        "(default: $TORCHFT_LIGHTHOUSE); start it with `torchft_lighthouse --min_replicas 1`",
+    )
+    ft_max_retries: int = setting(
+        3,
+        "--fault-tolerance: steps in a row that may fail to commit (a replica group raised or "
+        "died) before the run stops",
+        min=0,
+    )
+    ft_timeout_seconds: float = setting(
+        60.0,
+        "--fault-tolerance: how long a cross-replica all-reduce, a commit or a recovery from a "
+        "peer may take before the step is given up and redone (a quorum waits at least 60 s)",
+        above=0,
+    )
+
+
+@dataclass(frozen=True)
 class ParallelConfig(FaultToleranceSettings, _ParallelFields):
     """How the ranks are split: TP fastest, then CP, then DP, then PP.
 
-    torchft's fault-tolerance fields (--fault-tolerance, --ft-*) are declared in
-    megatron.config.schema_resilience."""
+    torchft's fault-tolerance fields (--fault-tolerance, --ft-*) follow the rank grid's."""
 
     world_size: int = setting(
         1,
@@ -172,68 +211,3 @@ class ParallelConfig(FaultToleranceSettings, _ParallelFields):
         """Model chunks per pipeline rank (None: one, not interleaved)."""
         per_stage = num_layers // self.pipeline_model_parallel_size
         return self.schedule.model_chunks(per_stage, self.num_layers_per_virtual_pipeline_stage)
-
-
-@dataclass(frozen=True)
-class DistributedConfig(Section):
-    """Process groups and data-parallel gradient reduction."""
-
-    backend: str | None = setting(
-        None,
-        "collective backend (default nccl on CUDA, gloo on CPU)",
-        flag="--distributed-backend",
-        choices=("nccl", "gloo"),
-    )
-    timeout_minutes: float = setting(
-        10.0,
-        "a collective that waits longer fails the job",
-        flag="--distributed-timeout-minutes",
-        above=0,
-    )
-    local_rank: int | None = setting(
-        None, "set by some launchers; LOCAL_RANK from the environment wins", "--local_rank"
-    )
-    ddp_bucket_size: int = setting(
-        40_000_000, "gradient elements per data-parallel all-reduce bucket"
-    )
-    overlap_grad_reduce: bool = setting(
-        True, "all-reduce gradients after backward instead of during it"
-    )
-    ddp_impl: str = setting(
-        "local",
-        "data parallelism: local = our fp32 gradient buckets; torch = "
-        "torch.nn.parallel.DistributedDataParallel (PP = 1, fp32 weights)",
-        "--DDP-impl",
-        choices=("local", "torch"),
-    )
-    allreduce_dtype: str = setting(
-        "fp32",
-        "dtype of the data-parallel gradient all-reduce: fp32, or params = the fp16/bf16 "
-        "weights' dtype (half the traffic; gradients still accumulate in fp32)",
-        choices=("fp32", "params"),
-        shortcuts={"--fp32-allreduce": ("fp32", "classic flag: --allreduce-dtype fp32")},
-    )
-    use_cpu_initialization: bool = setting(
-        False, "build the model on the CPU, then move it to the device (the same weights)"
-    )
-    use_torch_fsdp2: bool = setting(
-        False,
-        "shard weights, gradients and optimizer state over the data-parallel (x context-"
-        "parallel) ranks with torch's FSDP2 (torch.distributed.fsdp.fully_shard, per "
-        "transformer layer): weights all-gathered before each layer runs, gradients "
-        "reduce-scattered (ZeRO-3); replaces our DDP buckets",
-    )
-    torch_fsdp2_reshard_after_forward: str = setting(
-        "auto",
-        "with --use-torch-fsdp2: free each unit's gathered weights after its forward and gather "
-        "them again for backward (true, ZeRO-3), keep them until backward (false: one "
-        "all-gather per step fewer, ZeRO-2's memory for the weights), or auto: true for the "
-        "layers, false for each model chunk's root unit (FSDP2's reshard_after_forward=None)",
-        choices=("auto", "true", "false"),
-        shortcuts={
-            "--torch-fsdp2-no-reshard-after-forward": (
-                "false",
-                "Megatron-core's spelling of --torch-fsdp2-reshard-after-forward false",
-            )
-        },
-    )

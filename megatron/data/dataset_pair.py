@@ -26,6 +26,8 @@ import json
 import os
 import uuid
 
+from megatron.fileio import fsync_path
+
 SIDECAR_SUFFIX = ".idx.json"
 FORMAT = "megatron-dataset-pair"
 VERSION = 1
@@ -60,14 +62,6 @@ def _describe(path: str) -> dict:
     return {"bytes": os.path.getsize(path), "digest": file_digest(path)}
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit_pair(prefix: str, bin_tmp: str, idx_tmp: str, **facts) -> dict:
     """Rename the finished temporary files to PREFIX.bin/.idx (sidecar first, .idx last);
     `facts` (sequences, tokenizer, ...) go into the sidecar. Returns the sidecar's record."""
@@ -84,11 +78,11 @@ def commit_pair(prefix: str, bin_tmp: str, idx_tmp: str, **facts) -> dict:
         json.dump(record, f, indent=1, sort_keys=True)
         f.write("\n")
     for path in (bin_tmp, idx_tmp, side_tmp):
-        _fsync(path)
+        fsync_path(path)
     os.replace(side_tmp, sidecar_path(prefix))
     os.replace(bin_tmp, f"{prefix}.bin")
     os.replace(idx_tmp, f"{prefix}.idx")
-    _fsync(os.path.dirname(os.path.abspath(prefix)))
+    fsync_path(os.path.dirname(os.path.abspath(prefix)))
     return record
 
 

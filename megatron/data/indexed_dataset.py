@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.config.schema import prefix_names_a_file
+from megatron.config.schema_data import prefix_names_a_file
 from megatron.data.dataset_pair import PairMismatch, verify_pair
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -250,7 +250,45 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
     return np.dtype(DTYPES[code]), n, d
 
 
-class MMapIndexedDataset:
+class TokenSequences:
+    """What both readers (mmap here, v1.x's TNTIDX in legacy_indexed_dataset.py) answer the
+    same way: `len`, `num_documents`, `get(i, offset, length)`, `ds[i]`, `ds[a:b]`. A reader
+    sets `prefix`, `sizes`, `doc_idx` and `dtype`, and reads a checked span with `_read`."""
+
+    prefix: str
+    sizes: np.ndarray
+    doc_idx: np.ndarray
+    dtype: np.dtype
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_idx) - 1
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence i."""
+        size = int(self.sizes[i])
+        length = size - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(
+                f"{self.prefix}: [{offset}, {offset + length}) outside sequence {i} "
+                f"of {size} tokens"
+            )
+        return self._read(i, offset, length)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.get(j) for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"{self.prefix}: sequence {i} out of range ({len(self)} sequences)")
+        return self.get(i)
+
+
+class MMapIndexedDataset(TokenSequences):
     """Read-only view of PREFIX.bin/.idx; `ds[i]` is sequence i as a numpy array (zero-copy)."""
 
     def __init__(self, prefix: str | os.PathLike, warmup: bool = False):
@@ -334,33 +372,9 @@ class MMapIndexedDataset:
                     "another .bin"
                 )
 
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def num_documents(self) -> int:
-        return len(self.doc_idx) - 1
-
-    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset + length) of sequence i."""
-        size = int(self.sizes[i])
-        length = size - offset if length is None else length
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(
-                f"{self.prefix}: [{offset}, {offset + length}) outside sequence {i} "
-                f"of {size} tokens"
-            )
+    def _read(self, i: int, offset: int, length: int) -> np.ndarray:
         start = int(self.pointers[i]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self.get(j) for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"{self.prefix}: sequence {i} out of range ({len(self)} sequences)")
-        return self.get(i)
 
     def __repr__(self) -> str:
         return (

@@ -40,6 +40,7 @@ import numpy as np
 from megatron.data.indexed_dataset import (
     LEGACY_MAGIC,
     IndexedDatasetError,
+    TokenSequences,
     data_file_path,
     index_file_path,
     open_pair,
@@ -121,7 +122,7 @@ def _check_legacy_index(idx_path: str, ix: dict) -> None:
         )
 
 
-class LegacyIndexedDataset:
+class LegacyIndexedDataset(TokenSequences):
     """Read-only TNTIDX dataset with the interface of MMapIndexedDataset: `sizes`, `doc_idx`,
     `dtype`, `len`, `get(i, offset, length)`, `ds[i]`, `ds[a:b]`. `cached=True` holds the
     whole `.bin` in memory; otherwise each `get` reads its bytes from the file."""
@@ -166,22 +167,7 @@ class LegacyIndexedDataset:
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
 
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def num_documents(self) -> int:
-        return len(self.doc_idx) - 1
-
-    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset + length) of sequence i."""
-        size = int(self.sizes[i])
-        length = size - offset if length is None else length
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(
-                f"{self.prefix}: [{offset}, {offset + length}) outside sequence {i} "
-                f"of {size} tokens"
-            )
+    def _read(self, i: int, offset: int, length: int) -> np.ndarray:
         start = int(self._offsets[i]) + offset
         if self._data is not None:
             return self._data[start : start + length]
@@ -190,15 +176,6 @@ class LegacyIndexedDataset:
         if len(raw) != nbytes:
             raise IndexedDatasetError(f"{data_file_path(self.prefix)}: short read (file changed?)")
         return np.frombuffer(raw, dtype=self.dtype)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self.get(j) for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"{self.prefix}: sequence {i} out of range ({len(self)} sequences)")
-        return self.get(i)
 
     def read_range(self, start: int, stop: int) -> np.ndarray:
         """All tokens of sequences [start, stop) as one flat array (for conversion)."""

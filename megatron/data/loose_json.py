@@ -34,6 +34,7 @@ from megatron.data import preprocess
 from megatron.data.corpora import Corpus, resolve_corpora
 from megatron.data.indexed_dataset import MMapIndexedDataset, dataset_exists
 from megatron.data.preprocess_inputs import expand_inputs
+from megatron.fileio import probe_writable
 
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -175,9 +176,7 @@ def check_writable(root: str) -> None:
     """Fail before any work when the cache directory cannot take files."""
     where = os.path.join(root, "loose_json")
     try:
-        os.makedirs(where, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=where, prefix=".write-test-"):
-            pass
+        probe_writable(where)
     except OSError as e:
         raise ConfigError(
             f"--cache-dir {root}: cannot write the tokenized corpora there ({e.strerror or e}). "

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 
 import numpy as np
 
 from megatron.data.dataset_pair import SIDECAR_SUFFIX, commit_pair
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
 from megatron.data.legacy_indexed_dataset import LegacyIndexedDatasetBuilder
+from megatron.fileio import disk_space, os_reason
 
 DATASET_IMPLS = ("mmap", "lazy", "cached")
 
@@ -39,14 +39,10 @@ class OutputWriteError(RuntimeError):
 
 def _write_error(path: str, error: OSError) -> OutputWriteError:
     directory = os.path.dirname(os.path.abspath(path))
-    try:
-        free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free on {directory}"
-    except OSError as e:
-        free = f"free space on {directory} unknown ({e.strerror or e})"
-    reason = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+    free = disk_space(directory, lambda usage: f"{usage.free / 2**20:.1f} MiB free on {directory}")
     return OutputWriteError(
-        f"cannot write {path}: {reason}; {free}. Nothing was written under the final names; "
-        "free space or pass another --output-prefix, then run again"
+        f"cannot write {path}: {os_reason(error)}; {free}. Nothing was written under the final "
+        "names; free space or pass another --output-prefix, then run again"
     )
 
 

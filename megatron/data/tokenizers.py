@@ -28,12 +28,12 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from megatron.config.schema import TOKENIZER_TYPES  # declared once, with the flag
+from megatron.config.schema_data import TOKENIZER_TYPES  # declared once, with the flag
 from megatron.data.char_tokenizer import CHAR_EOD
 from megatron.data.fast_bpe import TiktokenBPE
 from megatron.data.gpt2_files import builtin_gpt2_files
 from megatron.data.text_pieces import WHITESPACE_CUT, encode_in_pieces
-from megatron.data.wordpiece_text import is_cjk_char, join_wordpieces  # noqa: F401 (re-export)
+from megatron.data.wordpiece_text import join_wordpieces
 
 HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 WHITESPACE_EOD_TOKENS = ("<eod>", "<|endoftext|>", "</s>", "<eos>")

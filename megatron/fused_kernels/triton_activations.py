@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
-    HAS_TRITON,
+from megatron.fused_kernels._triton import (
     autotune,
     bounded_configs,
     check_kernel_input,

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.fused_kernels._triton import (  # noqa: F401 - HAS_TRITON re-exported
-    HAS_TRITON,
+from megatron.fused_kernels._triton import (
     check_kernel_input,
     tl,
     triton,

@@ -8,7 +8,7 @@ discarded, so the ranks never fall out of step; a streamed one is stopped on eve
 the next step). The model runs one operation at a time anyway: every rank must take part in
 each forward pass.
 
-    PUT /api              Megatron's request (server.parse_request) -> {"text", "tokens"}
+    PUT /api              Megatron's request (megatron_api.parse_request) -> {"text", "tokens"}
     POST /v1/completions  OpenAI's completions (openai_api) -> a text_completion, or with
                           "stream": true server-sent events (openai_stream)
     POST /v1/chat/completions  OpenAI's chat (chat): the template's prompt, then as completions

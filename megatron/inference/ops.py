@@ -182,7 +182,7 @@ def complete(model: Model, args: dict, stream: TokenStream | None = None) -> lis
 
 
 def megatron_generate(model: Model, req: dict) -> dict:
-    """Megatron's PUT /api: {"text": [...], "tokens": [[...]]} (see server.parse_request)."""
+    """Megatron's PUT /api: {"text": [...], "tokens": [[...]]} (see megatron_api.parse_request)."""
     results = complete_texts(model.engine, model.tokenizer, req["prompts"], params_of(req))
     return {"text": [r["text"] for r in results], "tokens": [r["tokens"] for r in results]}
 

@@ -26,11 +26,6 @@ import sys
 
 from megatron.inference.chat_template import BUILTIN, from_flag, resolve
 from megatron.inference.http_guard import API_KEY_ENV, Limits, api_key_from
-from megatron.inference.megatron_api import (  # noqa: F401 - this module's API before the split
-    BadRequest,
-    params_of,
-    parse_request,
-)
 from megatron.inference.ops import Leader, Model, StopSignals, follow
 from megatron.inference.session import add_checkpoint_args, run_tool, setup
 

@@ -6,8 +6,8 @@ floor: each family's `spec.py` registers its ModelSpec (`SPEC = register(ModelSp
 the generic code asks this table by name (the entry point's choice, or the one a checkpoint
 records). A built-in family is imported by its name on first use, so a checkpoint of any of
 them loads without its entry point; a family outside this repository registers itself when its
-own code is imported. This module imports nothing of megatron; megatron.models.registry
-re-exports it for the entry points and tools.
+own code is imported. This module imports nothing of megatron; the entry points and tools
+import it too.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from torch import nn
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.mlp import ParallelMLP
-from megatron.model.router import Router, capacity_keep, route, select_topk  # noqa: F401 (importable here too)
+from megatron.model.router import Router
 from megatron.mpu.mappings import (
     all_gather_rows,
     all_gather_sequence,

@@ -8,6 +8,19 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+# What the parallel layers (and MoE's experts) mark on a parameter: how it is split over TP /
+# EP, whether it is shared. Copies of a parameter (fp32 masters, FSDP2's shards) keep them, for
+# the grad norm's counting and for resharding.
+PARALLEL_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "expert_parallel",
+    "expert_partition",
+    "expert_tensor_parallel",
+)
+
 
 def group_size(group) -> int:
     """Ranks in `group`; None means no group (a single process)."""

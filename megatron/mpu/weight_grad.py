@@ -16,7 +16,7 @@ appends to the split's open queue (`deferring(queue)`, opened around every backw
 pipeline runs) what computes the weight gradient later (the saved input and output gradient).
 `run_weight_grads(queue)` computes them first in, first out and hands each to autograd as the
 parameter's gradient, so it accumulates into `.grad` and fires the post-accumulate hooks that
-move it into DDP's fp32 buffer (megatron.training.ddp) as an ordinary backward would; a
+move it into DDP's fp32 buffer (megatron.data_parallel.ddp) as an ordinary backward would; a
 backward with no W of its own (1F1B's, DualPipeV's full ones) runs its queue at once. A queued
 entry names the tensors it holds until its W (the linear's input and output gradient, the
 embedding's ids and output gradient), so memory accounting sees them (`holding(pack,

@@ -3,7 +3,7 @@
 With the plain optimizer every DP rank holds, per parameter, the fp32 main weight (4 bytes,
 half models only) and Adam's two moments (8 bytes): 16 bytes/param for fp32 models (param 4 +
 grad 4 + moments 8), 18 for bf16/fp16 (param 2 + grad 4 + main 4 + moments 8). Here each DP
-rank keeps them only for its shard of every gradient bucket (megatron.training.ddp: a bucket
+rank keeps them only for its shard of every gradient bucket (megatron.data_parallel.ddp: a bucket
 padded to a multiple of DP and cut into DP contiguous shards), so per parameter it holds
 4 + 4 + 8 / DP (fp32) or 2 + 4 + 12 / DP (half) bytes.
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import torch
 
 from megatron.config.schema import OptimizerConfig
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.mpu import ParallelState
 from megatron.optim.matrices import Sharded
 from megatron.optim.optimizer import MegatronOptimizer
 from megatron.optim.sharded import ShardPieces
 from megatron.optim.shards import Piece, parameter_names
-from megatron.training.ddp import DistributedDataParallel
 
 
 def shard_pieces(ddp: DistributedDataParallel) -> list[Piece]:

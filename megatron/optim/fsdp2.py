@@ -3,7 +3,7 @@ weights (a whole-matrix optimizer: megatron.optim.matrices' RowSharded).
 
 It is the distributed optimizer's step (megatron.optim.sharded) on other pieces. A piece is
 one parameter's shard on this DP x CP rank: its rows [first, last) of the TP-local tensor
-(megatron.training.fsdp2), that is the flat range [first x row, last x row), updated through a
+(megatron.data_parallel.fsdp2), that is the flat range [first x row, last x row), updated through a
 flat view of the DTensor's local tensor. The fp32 shards are the master weights themselves
 (FSDP2 casts them for compute), so nothing is copied back after the step and FSDP2
 all-gathers them in the next forward.
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 
 from megatron.config.schema import OptimizerConfig
+from megatron.data_parallel.fsdp2 import FullyShardedModel, local_rows, local_tensor
 from megatron.mpu import ParallelState
 from megatron.optim.matrices import RowSharded
 from megatron.optim.optimizer import MegatronOptimizer
 from megatron.optim.sharded import ShardPieces
 from megatron.optim.shards import Piece
-from megatron.training.fsdp2 import FullyShardedModel, local_rows, local_tensor
 
 
 def fsdp_pieces(model: FullyShardedModel) -> list[Piece]:

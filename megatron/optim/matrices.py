@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.data_parallel.ddp import all_gather, reduce_scatter
 from megatron.mpu.utils import group_rank, group_size
-from megatron.training.ddp import all_gather, reduce_scatter
 
 MatrixFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (param, whole update) -> out
 

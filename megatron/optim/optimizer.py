@@ -2,7 +2,7 @@
 megatron.optim.plain, .distributed, .fsdp2), the torch optimizer of --optimizer over them
 (megatron.config.optimizers), fp16 loss scaling and a global skip on inf/NaN.
 
-Gradients arrive in fp32 (each parameter's `main_grad`, megatron.training.ddp, or its shard of
+Gradients arrive in fp32 (each parameter's `main_grad`, megatron.data_parallel.ddp, or its shard of
 the buckets). Before each step, one scalar all-reduce over all ranks decides whether any
 gradient is inf/NaN: if so every rank skips the update together (and fp16 lowers its loss
 scale). The same happens, in every precision, when the caller reports a non-finite loss or the

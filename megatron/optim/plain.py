@@ -15,20 +15,10 @@ from torch import nn
 
 from megatron.config.schema import OptimizerConfig
 from megatron.mpu import ParallelState, clip_grad_norm
+from megatron.mpu.utils import PARALLEL_ATTRS
 from megatron.optim.build import param_groups
 from megatron.optim.matrices import Feed, Whole
 from megatron.optim.optimizer import MegatronOptimizer
-
-# The mpu attributes grad-norm counting (and FSDP2's sharding) read from a parameter.
-PARALLEL_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "shared",
-    "expert_parallel",
-    "expert_partition",
-    "expert_tensor_parallel",
-)
 
 
 def with_parallel_attrs(new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

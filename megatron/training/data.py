@@ -23,7 +23,7 @@ from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime
 from megatron.mpu import ParallelState
 from megatron.mpu.context_parallel import context_parallel_slice
-from megatron.training.fault_tolerance import batch_share
+from megatron.resilience.fault_tolerance import batch_share
 
 
 def split_sample_counts(cfg: MegatronConfig, dp_size: int) -> tuple[int, int, int]:

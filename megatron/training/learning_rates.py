@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron.config.lr_schedule import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
+from megatron.config.schema_optimizer import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
 
 # Annealing coefficient after a fraction r of an annealing phase: 1 at r = 0, 0 at r = 1.
 _ANNEAL = {

@@ -17,22 +17,20 @@ from megatron.data.tokenizers import build_tokenizer
 from megatron.heartbeat import explain_collective_failure
 from megatron.initialize import Runtime, initialize_megatron
 from megatron.model.families import DEFAULT_FAMILY, ModelSpec, get_spec
-from megatron.training.backend import TrainerBackend
-from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
-from megatron.training.log import start_lines
-from megatron.training.preflight import (
+from megatron.resilience.preflight import (
     check_data,
     check_deepspeed_precision,
     check_load_dir,
     check_save_dir,
 )
+from megatron.training.backend import TrainerBackend
+from megatron.training.data import DocumentMasking, build_data_iterators, validation_off
+from megatron.training.log import start_lines
 from megatron.training.state import TrainState
 from megatron.training.step import NativeBackend
 from megatron.training.train_loop import TrainingError, TrainLoop, TrainResult
 
-# TrainingError and TrainResult are declared beside the loop that raises and fills them; the
-# entry points import them from here, with pretrain().
-__all__ = ["TrainResult", "TrainingError", "build_backend", "pretrain", "resolve_vocab"]
+__all__ = ["build_backend", "pretrain", "resolve_vocab"]
 
 
 def resolve_vocab(cfg: MegatronConfig):

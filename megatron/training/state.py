@@ -47,13 +47,13 @@ from megatron.checkpoint.storage import (
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, barrier
 from megatron.optim.shards import distributed_to_plain, plain_order, plain_parameter_names
+from megatron.resilience.preflight import starts_fresh_by_design
 from megatron.training import reshard
 from megatron.training.checkpoint_args import (
     check_model_args,
     checkpoint_args,
     expert_bias_note,
 )
-from megatron.training.preflight import starts_fresh_by_design
 
 T = TypeVar("T")
 CHECKPOINT_VERSION = 3.0

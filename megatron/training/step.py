@@ -17,6 +17,8 @@ from megatron.checkpoint.async_save import AsyncSaver
 from megatron.config.lr_schedule import schedule_steps
 from megatron.config.rules_pipeline import overlaps_moe_pairs
 from megatron.config.schema import MegatronConfig
+from megatron.data_parallel.ddp import wrap_data_parallel
+from megatron.data_parallel.fsdp2 import RESHARD_AFTER_FORWARD, FullyShardedModel
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
@@ -29,6 +31,7 @@ from megatron.mpu.random import distributed_checkpoint
 from megatron.optim.distributed import distributed_optimizer
 from megatron.optim.fsdp2 import fsdp2_optimizer
 from megatron.optim.plain import plain_optimizer
+from megatron.resilience.fault_tolerance import ReplicaGroup, batch_share
 from megatron.training.backend import (
     StepResult,
     TrainerBackend,
@@ -36,9 +39,6 @@ from megatron.training.backend import (
     global_loss,
     other_losses,
 )
-from megatron.training.ddp import wrap_data_parallel
-from megatron.training.fault_tolerance import ReplicaGroup, batch_share
-from megatron.training.fsdp2 import RESHARD_AFTER_FORWARD, FullyShardedModel
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron.training.state import (
@@ -143,7 +143,7 @@ def setup_model_and_optimizer(cfg: MegatronConfig, rt: Runtime, model_provider):
 
 def shard_fully(model, cfg: MegatronConfig, rt: Runtime) -> FullyShardedModel:
     """--use-torch-fsdp2: the chunks under FSDP2 over the DP x CP ranks
-    (megatron.training.fsdp2)."""
+    (megatron.data_parallel.fsdp2)."""
     d, dtype = cfg.distributed, cfg.precision.params_dtype
     return FullyShardedModel(
         model,
@@ -229,7 +229,7 @@ def train_step(
     replicas=None,
 ) -> StepResult:
     """One optimizer step over the global batch; returns the loss, whether it updated, norm.
-    `replicas` (--fault-tolerance, megatron.training.fault_tolerance.ReplicaGroup): the
+    `replicas` (--fault-tolerance, megatron.resilience.fault_tolerance.ReplicaGroup): the
     gradients are averaged over the live replica groups too, and the step is taken only when
     they all commit it (else `committed` is False and nothing changed)."""
     model.zero_grad_buffer()

@@ -8,7 +8,7 @@ device on a timer's account (the log line's time per iteration is measured by th
 waits for the device once per log line). While --profile's window is open every timer, of any
 level, is also a named range (training/profiling.py); with --log-straggler the forward,
 backward, optimizer and communication timers also feed the straggler detector's sections, at
-any level (training/straggler.py).
+any level (resilience/straggler.py).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Timers:
         self._timers: dict[str, _Timer] = {}
         self._null = _NullTimer()
         self.ranges = None  # training/profiling.Ranges while a profiling window is open
-        self.sections = None  # training/straggler.StragglerDetector with --log-straggler
+        self.sections = None  # resilience/straggler.StragglerDetector with --log-straggler
 
     def __call__(self, name: str, level: int = 0):
         timer = (

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime
+from megatron.resilience.fault_tolerance import batch_share
+from megatron.resilience.straggler import straggler_detector
 from megatron.training.backend import TrainerBackend
-from megatron.training.fault_tolerance import batch_share
 from megatron.training.log import (
     build_metrics_sinks,
     iteration_line,
@@ -28,7 +29,6 @@ from megatron.training.log import (
 from megatron.training.microbatches import MicroBatchCalculator
 from megatron.training.profiling import Profiler
 from megatron.training.state import TrainState
-from megatron.training.straggler import straggler_detector
 from megatron.training.timers import Timers
 from megatron.training.window import Window
 

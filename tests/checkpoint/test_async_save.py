@@ -19,9 +19,9 @@ import torch
 import megatron.checkpoint.storage as storage
 from megatron.checkpoint.async_save import AsyncSaver
 from megatron.checkpoint.reading import load_shard, read_tracker, resolve_load_iteration
-from megatron.checkpoint.storage import MARKER_NAME, SHARD_NAME, CheckpointError, checkpoint_dir
+from megatron.checkpoint.storage import MARKER_NAME, CheckpointError, checkpoint_dir
 from megatron.models.gpt.train import forward_step as _forward_step
-from tests.helpers.checkpoints import _FullDisk
+from tests.helpers.checkpoints import full_disk_on_rank1
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.training import _CALLS, _sigterm_on_rank1_iteration3, _train, flags
@@ -100,22 +100,13 @@ def _failing_and_sigterm_worker(rank, world, argv, full_root, sigterm_root):
     """At TP=2, rank 1's background write of iteration 4 finds the disk full: (the error each
     rank raised, forward calls made by then). Then at DP=2, a SIGTERM on rank 1 during
     iteration 3: (exit reason, iteration)."""
-    real_open = open
-
-    def full_open(file, mode="r", *args, **kwargs):
-        f = real_open(file, mode, *args, **kwargs)
-        name = os.path.basename(file)
-        if rank == 1 and "iter_0000004" in os.fspath(file) and name.startswith(f".{SHARD_NAME}."):
-            return _FullDisk(f)
-        return f
-
     calls = {"n": 0}
 
     def counting(data_iterator, model):
         calls["n"] += 1
         return _forward_step(data_iterator, model)
 
-    storage.open = full_open
+    storage.open = full_disk_on_rank1(rank)
     try:
         tp2 = [*argv, "--tensor-model-parallel-size", "2", "--save", full_root]
         _train(rank, world, [*tp2, "--save-interval", "2", "--async-save"], counting)

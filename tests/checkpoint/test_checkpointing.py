@@ -43,7 +43,7 @@ from megatron.checkpoint.storage import (
     shard_path,
     tracker_path,
 )
-from tests.helpers.checkpoints import _damage, _FullDisk
+from tests.helpers.checkpoints import _damage, _FullDisk, full_disk_on_rank1
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.training import _train, flags
@@ -638,17 +638,8 @@ def _two_rank_commit(rank: int, world_size: int, root: str):
 def _full_disk_on_rank1(rank: int, world_size: int, root: str, argv: list[str]):
     """A TP=2 run saving at iterations 2 and 4, whose rank 1 finds the disk full at 4: what
     each rank raised, and how long after the failed write."""
-
-    real_open = open
-
-    def full_open(file, mode="r", *args, **kwargs):
-        f = real_open(file, mode, *args, **kwargs)
-        name = os.path.basename(file)
-        if rank == 1 and "iter_0000004" in os.fspath(file) and name.startswith(f".{SHARD_NAME}."):
-            return _FullDisk(f)
-        return f
-
-    storage.open = full_open  # what the module's writer opens files with (shadows the builtin)
+    # what the module's writer opens files with (shadows the builtin)
+    storage.open = full_disk_on_rank1(rank)
     try:
         _train(rank, world_size, [*argv, "--save", root, "--save-interval", "2"])
     except CheckpointError as e:

@@ -30,8 +30,8 @@ from megatron.checkpoint.reshard_load import (
 from megatron.checkpoint.storage import MARKER_NAME, CheckpointError, checkpoint_dir
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
+from megatron.model.families import vocab_sized_names
 from megatron.models.gpt.model import GPTModel
-from megatron.models.registry import vocab_sized_names
 from megatron.mpu import single_process_state
 from tests.helpers.checkpoints import _checkpoint_at
 from tests.helpers.distributed import run_distributed

@@ -341,15 +341,22 @@ _MAY_IMPORT = {
     "config": {"schedules"},
     "fused_kernels": {"config.schema", "mpu"},
     "model": {"config.layer_pattern", "config.schema", "fused_kernels", "mpu", "schedules"},
-    "data": {"config.schema", "config.declare", "config.schema_corpora", "progress"},
+    "data": {"config.schema", "config.declare", "config.schema_data", "config.schema_data_corpora"}
+    | {"fileio", "progress"},
     "heartbeat": set(),
+    "fileio": set(),
     # planning runs before any model or process group exists
     "planning": {"config.optimizers", "config.schema", "config.rules", "schedules"},
     "progress": set(),
-    "initialize": {"config.schema", "heartbeat", "mpu"},
+    "initialize": {"config.schema", "config.schema_parallel", "heartbeat", "mpu"},
     # The generic code names no model family: it reads the families' registrations in
     # megatron.model.families, on its own floor (megatron.models sits above it).
-    "checkpoint": {"config.schema", "model", "mpu"},
+    "checkpoint": {"config.schema", "fileio", "model", "mpu"},
+    # the data-parallel wrappers sit beside the model, below the optimizers and the loop
+    "data_parallel": {"config.schema", "mpu"},
+    # start-up checks, torchft and the straggler detector: what the loop calls, never the loop
+    "resilience": {"checkpoint", "config.declare", "config.schema", "config.schema_data", "data"}
+    | {"fileio", "mpu"},
     "inference": {"checkpoint", "config.inference", "config.rules", "config.schema", "data"}
     | {"fused_kernels"}
     | {"initialize", "progress"}
@@ -387,15 +394,13 @@ def test_imports_follow_the_layers():
         parts = path.relative_to(root).parts
         package = parts[0].removesuffix(".py")
         imports = _megatron_imports(path)
-        families = {i for i in imports if i.startswith("models.") and i != "models.registry"}
+        families = {i for i in imports if i.startswith("models.")}
         if package in _GENERIC_ABOVE:
             above = {i for i in imports if i.startswith("models")}
             assert not above, f"{path} imports {sorted(above)}: read megatron.model.families"
         if package == "models" and len(parts) > 2:  # megatron/models/<family>/...
             others = {f for f in families if f != f"models.{parts[1]}"}
             assert not others, f"{path} imports another family's code: {sorted(others)}"
-        if package == "models" and parts[1] == "registry.py":
-            assert not families, "the registry imports families by name, on first use"
         if package not in _MAY_IMPORT:
             continue  # training, the model families and the package root sit on top
         own = {i for i in imports if i.split(".")[0] == package}

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from megatron.data import preprocess
-from megatron.data.tokenizers import build_tokenizer, is_cjk_char
+from megatron.data.tokenizers import build_tokenizer
+from megatron.data.wordpiece_text import is_cjk_char
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import ROOT, load_tool
 

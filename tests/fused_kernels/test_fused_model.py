@@ -19,6 +19,7 @@ from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
+from tests.helpers.models import LLAMA
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
@@ -38,11 +39,8 @@ VARIANTS = {
     "gpt2": BASE,
     "llama": dataclasses.replace(
         BASE,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
+        **LLAMA,
         num_query_groups=2,
-        add_bias_linear=False,
     ),
 }
 

@@ -15,6 +15,7 @@ import torch
 import torch.utils.checkpoint
 
 from megatron.config.schema import KernelConfig, OptimizerConfig
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
@@ -23,7 +24,6 @@ from megatron.model.sdpa import attention_report
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, overlap, single_process_state
 from megatron.optim.plain import plain_optimizer
-from megatron.training.ddp import DistributedDataParallel
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.step import train_step
 from megatron.training.timers import Timers

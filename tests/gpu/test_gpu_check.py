@@ -110,7 +110,7 @@ def test_gpu_check_refuses_what_it_would_not_run(tmp_path):
 def test_mfu_counts_megatrons_model_flops(swiglu, groups):
     """bench/mfu.py's count is Megatron-LM's: the trainer's (which counts the whole s^2 attention
     core) less the half that the causal mask skips; GPT-2 small by hand."""
-    from bench.mfu import megatron_flops_per_sample
+    from bench.mfu_common import megatron_flops_per_sample
 
     cfg = ModelConfig(
         num_layers=12,

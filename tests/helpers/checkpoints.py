@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron.checkpoint.storage import (
+    SHARD_NAME,
     checkpoint_dir,
     finalize_checkpoint,
     save_shard,
@@ -29,6 +30,7 @@ from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.stages import stage_layer_range
 from megatron.models.gpt.model import GPTModel
+from tests.helpers.models import LLAMA
 from tests.helpers.paths import load_tool
 
 VOCAB = ("embedding.word_embeddings.weight", "head.output_layer.weight")  # vocab-padded rows
@@ -184,6 +186,21 @@ class _FullDisk:
         self._f.close()
 
 
+def full_disk_on_rank1(rank: int):
+    """An `open` for megatron.checkpoint.storage under which rank 1's shard of iteration 4
+    meets a full disk (every other file opens as usual)."""
+    real_open = open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        name = os.path.basename(file)
+        if rank == 1 and "iter_0000004" in os.fspath(file) and name.startswith(f".{SHARD_NAME}."):
+            return _FullDisk(f)
+        return f
+
+    return full_open
+
+
 # The two architectures the conversion tests (and the MoE ones) cut, export and import.
 _COMMON = dict(
     num_layers=4,
@@ -202,10 +219,7 @@ VARIANTS = {
         num_attention_heads=8,
         num_query_groups=4,
         ffn_hidden_size=96,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        add_bias_linear=False,
+        **LLAMA,
         untie_embeddings_and_output_weights=True,
         **_COMMON,
     ),

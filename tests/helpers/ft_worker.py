@@ -30,7 +30,7 @@ from megatron.config.cli import parse_args  # noqa: E402
 from megatron.config.rules import validate  # noqa: E402
 from megatron.initialize import initialize_megatron, shutdown_distributed  # noqa: E402
 from megatron.models.gpt.train import datasets_provider, forward_step, model_provider  # noqa: E402
-from megatron.training import fault_tolerance  # noqa: E402
+from megatron.resilience import fault_tolerance  # noqa: E402
 from megatron.training.data import build_data_iterators  # noqa: E402
 from megatron.training.loop import pretrain  # noqa: E402
 from megatron.training.schedules import forward_backward_no_pipelining  # noqa: E402

@@ -3,18 +3,48 @@ trainer's loop: what the layouts-against-one-process tests of the model pieces s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
+from megatron.models.gpt.train import lm_loss
+from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.optim.plain import plain_optimizer
-from megatron.training.ddp import DistributedDataParallel
 from megatron.training.schedules import get_forward_backward_func
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
+
+
+def random_micro_batches(step: int, groups, state, batch: int) -> list[dict]:
+    """Micro batches `groups` of `step` (`batch` samples of 8 tokens from a vocab of 64, seeded by
+    step and micro batch): this rank's, as its CP rank's chunks of the sequences."""
+    out = []
+    for g in groups:
+        gen = torch.Generator().manual_seed(1000 * step + g)
+        tokens = torch.randint(0, 64, (batch, 9), generator=gen)
+        micro = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+        if state.cp_size > 1:
+            micro = {
+                k: context_parallel_slice(v, state.cp_rank, state.cp_size) for k, v in micro.items()
+            }
+        out.append(micro)
+    return out
+
+
+def lm_forward_step(state, data_iterator, model):
+    """The GPT loss of the next micro batch, every token counted, CP-aware."""
+    batch = next(data_iterator)
+    per_token = model(batch["tokens"], labels=batch["labels"])
+    mask = torch.ones(batch["labels"].shape)
+    return per_token, functools.partial(
+        lm_loss, mask, context_parallel=state if state.cp_size > 1 else None
+    )
 
 
 class _Scheduler:

@@ -7,21 +7,31 @@ import os
 import signal
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.rules import validate
+from megatron.config.schema import ConfigError
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.models.gpt.train import forward_step
-from megatron.training.loop import TrainResult, pretrain
+from megatron.training.loop import pretrain
+from megatron.training.train_loop import TrainResult
 
 VOCAB = 128
 
 # A model's shape and nothing else: for the flag-rule tests, which parse and never train.
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]
 BASE += ["--seq-length", "32", "--vocab-size", "1000"]
+
+
+def refusal(*flags: str, world_size: int = 2) -> str:
+    """The ConfigError message parse_args raises for BASE + `flags` (it must raise one)."""
+    with pytest.raises(ConfigError) as err:
+        parse_args([*BASE, *flags], world_size=world_size)
+    return str(err.value)
 
 
 def counting_corpus(directory, documents: int = 400, strided: bool = True) -> str:

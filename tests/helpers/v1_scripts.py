@@ -31,7 +31,19 @@ from tests.helpers.paths import ROOT
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron-mmap"
 PRETRAIN = str(ROOT / "pretrain_gpt2.py")
 
-# examples/ds_zero_stage_2_config.json and examples/ds_config.json of v1.1.5, as shipped.
+# examples/ds_zero_stage_2_config.json and examples/ds_config.json of v1.1.5, as shipped (both
+# end in the same fp16 and logging settings).
+_FP16_TAIL = {
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "wall_clock_breakdown": True,
+    "zero_allow_untested_optimizer": False,
+}
 DS_ZERO_STAGE_2_CONFIG = {
     "train_batch_size": 2048,
     "gradient_accumulation_steps": 1,
@@ -49,30 +61,14 @@ DS_ZERO_STAGE_2_CONFIG = {
         "params": {"lr": 0.00015, "max_grad_norm": 1.0, "betas": [0.9, 0.95]},
     },
     "gradient_clipping": 1.0,
-    "fp16": {
-        "enabled": True,
-        "loss_scale": 0,
-        "loss_scale_window": 1000,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
-    },
-    "wall_clock_breakdown": True,
-    "zero_allow_untested_optimizer": False,
+    **_FP16_TAIL,
 }
 DS_CONFIG = {
     "train_batch_size": 256,
     "train_micro_batch_size_per_gpu": 4,
     "steps_per_print": 10,
     "gradient_clipping": 1.0,
-    "fp16": {
-        "enabled": True,
-        "loss_scale": 0,
-        "loss_scale_window": 1000,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
-    },
-    "wall_clock_breakdown": True,
-    "zero_allow_untested_optimizer": False,
+    **_FP16_TAIL,
 }
 
 

@@ -194,7 +194,7 @@ def _burst(port, n: int, payload: bytes) -> list:
 
 def test_request_fields_are_validated_naming_the_field():
     """Every sampling parameter: finite, in range, right type; 400 text names the field."""
-    from megatron.inference.server import BadRequest, params_of, parse_request
+    from megatron.inference.megatron_api import BadRequest, params_of, parse_request
 
     def reason(**fields):
         body = json.dumps({"prompts": ["x"], **fields}).encode()

@@ -27,10 +27,3 @@ def test_a_registered_family_is_found_by_name_and_by_its_checkpoints(monkeypatch
     # The built-in families load on first use, without their entry points.
     assert families.checkpoint_family({"embedding.word_embeddings.weight"}) == "gpt"
     assert families.spec_of_checkpoint_family(None).name == families.DEFAULT_FAMILY
-
-
-def test_the_registry_keeps_its_names():
-    from megatron.models import registry
-
-    assert registry.get_spec is families.get_spec and registry.ModelSpec is families.ModelSpec
-    assert registry.get_spec("bert") is families.get_spec("bert")

@@ -20,33 +20,12 @@ import torch
 from megatron import mpu
 from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
-from megatron.models.gpt.train import lm_loss
-from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
-from tests.helpers.layouts import train_steps
+from tests.helpers.layouts import lm_forward_step, random_micro_batches, train_steps
+from tests.helpers.models import tiny_mla
 
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=64,
-    make_vocab_size_divisible_by=32,  # 64 rows at TP 1 and 2
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    multi_latent_attention=True,
-    q_lora_rank=16,
-    kv_lora_rank=8,
-    qk_head_dim=4,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-    rotary_scaling_factor=2.0,
-    original_max_position_embeddings=4,
-    mscale_all_dim=1.0,
-)
+MODEL = tiny_mla()
 MICRO, BATCH, STEPS = 2, 2, 2  # micro batches, samples per micro batch, steps
 
 # (name, TP, PP, CP, sequence parallel, recompute, model changes)
@@ -58,33 +37,10 @@ LAYOUTS = [
 ]
 
 
-def _micro_batches(step: int, state) -> list[dict]:
-    out = []
-    for g in range(MICRO):
-        gen = torch.Generator().manual_seed(1000 * step + g)
-        tokens = torch.randint(0, 64, (BATCH, 9), generator=gen)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-        if state.cp_size > 1:
-            batch = {
-                k: context_parallel_slice(v, state.cp_rank, state.cp_size) for k, v in batch.items()
-            }
-        out.append(batch)
-    return out
-
-
-def _forward_step(state, data_iterator, model):
-    batch = next(data_iterator)
-    per_token = model(batch["tokens"], labels=batch["labels"])
-    mask = torch.ones(batch["labels"].shape)
-    return per_token, functools.partial(
-        lm_loss, mask, context_parallel=state if state.cp_size > 1 else None
-    )
-
-
 def _train(cfg: ModelConfig, state, recompute: str | None):
     """STEPS steps on the same micro batches; (losses and norms, weights, grads, model)."""
-    steps = [_micro_batches(step, state) for step in range(STEPS)]
-    step = functools.partial(_forward_step, state)
+    steps = [random_micro_batches(step, range(MICRO), state, BATCH) for step in range(STEPS)]
+    step = functools.partial(lm_forward_step, state)
     results, model = train_steps(cfg, state, step, steps, BATCH, recompute)
     history = [(float(r["lm_loss"]), float(r["grad_norm"])) for r in results]
     grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}

@@ -12,31 +12,15 @@ import torch.nn.functional as F
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, model_config_from_saved
 from megatron.model.context import BuildContext
-from megatron.model.moe import (
-    MoELayer,
-    capacity_keep,
-    moe_step_stats,
-    padded_bmm,
-    route,
-    set_moe_loss_scale,
-)
+from megatron.model.moe import MoELayer, moe_step_stats, padded_bmm, set_moe_loss_scale
+from megatron.model.router import capacity_keep, route
 from megatron.models.gpt.model import GPTModel
 from megatron.training.log import model_flops_per_sample
-
-BASE = dict(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=64,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    num_experts=4,
-)
+from tests.helpers.models import tiny_moe
 
 
 def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(**{**BASE, **kw})
+    return tiny_moe(**{"make_vocab_size_divisible_by": 128, **kw})
 
 
 def _layer(cfg: ModelConfig, grouped=False) -> MoELayer:

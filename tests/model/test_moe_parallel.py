@@ -25,36 +25,23 @@ import torch
 
 from megatron import mpu
 from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import build_model
-from megatron.models.gpt.train import lm_loss
-from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.expert_shards import cut_whole
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.optim.distributed import distributed_optimizer
 from megatron.optim.plain import plain_optimizer
-from megatron.training.ddp import DistributedDataParallel
 from megatron.training.schedules import get_forward_backward_func
 from megatron.training.step import train_step
 from megatron.training.timers import Timers
 from tests.helpers.distributed import run_distributed
+from tests.helpers.layouts import lm_forward_step, random_micro_batches
+from tests.helpers.models import tiny_moe
 
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=64,
-    make_vocab_size_divisible_by=32,  # 64 rows at TP 1 and 2: one padding for both
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    num_experts=4,
-    moe_router_topk=2,
-    moe_aux_loss_coeff=0.01,
-    moe_z_loss_coeff=0.001,
-)
+MODEL = tiny_moe(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 MICRO, BATCH, STEPS = 2, 2, 2  # micro batches per DP rank, samples per micro batch, steps
 
 # (name, TP, PP, EP, sequence parallel, dispatcher, distributed optimizer, model changes)
@@ -172,30 +159,6 @@ class _Scheduler:
         pass
 
 
-def _micro_batches(step: int, groups: range, state) -> list[dict]:
-    """This rank's micro batches: the samples of its DP rank, its CP rank's chunks of them."""
-    out = []
-    for g in groups:
-        gen = torch.Generator().manual_seed(1000 * step + g)
-        tokens = torch.randint(0, 64, (BATCH, 9), generator=gen)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-        if state.cp_size > 1:
-            batch = {
-                k: context_parallel_slice(v, state.cp_rank, state.cp_size) for k, v in batch.items()
-            }
-        out.append(batch)
-    return out
-
-
-def _forward_step(state, data_iterator, model):
-    batch = next(data_iterator)
-    per_token = model(batch["tokens"], labels=batch["labels"])
-    mask = torch.ones(batch["labels"].shape)
-    return per_token, functools.partial(
-        lm_loss, mask, context_parallel=state if state.cp_size > 1 else None
-    )
-
-
 def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
     """STEPS steps of the MoE GPT on this rank's micro batches; losses, norms, model, grads."""
     grouped = run.get("moe_grouped_gemm", False)
@@ -227,9 +190,9 @@ def _train(cfg: ModelConfig, state, dispatcher, run, distributed, micro_groups):
     rt = Runtime(state=state, device=torch.device("cpu"), rng_tracker=None)
     history = []
     for step in range(STEPS):
-        batches = iter(_micro_batches(step, micro_groups, state))
+        batches = iter(random_micro_batches(step, micro_groups, state, BATCH))
         result = train_step(
-            functools.partial(_forward_step, state),
+            functools.partial(lm_forward_step, state),
             batches,
             ddp,
             opt,

@@ -17,7 +17,6 @@ from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
 from megatron.models.gpt.model import GPTModel, build_model
@@ -26,24 +25,10 @@ from megatron.mpu.context_parallel import context_parallel_slice
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
 from tests.helpers.layouts import train_steps
+from tests.helpers.models import LLAMA, small_gpt
 from tests.helpers.training import BASE
 
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=60,
-    make_vocab_size_divisible_by=32,  # 64 rows at TP 1 and 2
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    add_bias_linear=False,
-    mtp_num_layers=2,
-    mtp_loss_scaling_factor=0.3,
-)
+MODEL = small_gpt(vocab_size=60, **LLAMA, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
 DT = torch.float64
 
 

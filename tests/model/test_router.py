@@ -21,19 +21,14 @@ from megatron.model.moe import MoELayer, moe_step_stats, update_expert_bias
 from megatron.model.router import route
 from megatron.models.gpt.hf_moe import moe_architecture, moe_config
 from megatron.models.gpt.model import GPTModel
+from tests.helpers.models import tiny_moe
 from tests.helpers.training import BASE as SHAPE
 from tests.helpers.training import flags, train_run
 
-V3 = ModelConfig(
-    num_layers=2,
+V3 = tiny_moe(
     hidden_size=16,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=64,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
+    make_vocab_size_divisible_by=128,
     num_experts=8,
-    moe_router_topk=2,
     moe_router_score_function="sigmoid",
     moe_router_topk_scaling_factor=2.5,
     moe_router_num_groups=2,

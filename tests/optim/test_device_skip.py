@@ -12,8 +12,8 @@ from torch import nn
 from megatron import mpu
 from megatron.config.schema import OptimizerConfig
 from megatron.optim.plain import plain_optimizer
-from megatron.training.loop import TrainingError
 from megatron.training.timers import Timers
+from megatron.training.train_loop import TrainingError
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import _train, flags
 

@@ -16,16 +16,9 @@ from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.planning import mla
 from megatron.planning.memory import Device, Layout, Training, layer_activation_bytes, layer_params
-from tests.helpers.models import tiny_gpt
+from tests.helpers.models import LLAMA, tiny_gpt
 
-_BASE = dict(
-    hidden_size=128,
-    seq_length=64,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    add_bias_linear=False,
-)
+_BASE = dict(hidden_size=128, seq_length=64, **LLAMA)
 
 
 def _cfg(**overrides):

@@ -8,8 +8,13 @@ import dataclasses
 import pytest
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, MegatronConfig, ModelConfig
-from megatron.config.schema_run import OptimizerConfig, TrainingConfig
+from megatron.config.schema import (
+    ConfigError,
+    MegatronConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from megatron.planning.auto import auto_parallel

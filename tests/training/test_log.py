@@ -6,8 +6,8 @@ import io
 import pytest
 
 from megatron.config.cli import parse_args
+from megatron.model.families import get_spec
 from megatron.models.gpt.model import GPTModel
-from megatron.models.registry import get_spec
 from megatron.training.log import loss_scale_warmup_line, start_lines
 from megatron.training.loop import pretrain
 from tests.helpers.distributed import run_distributed

@@ -79,7 +79,9 @@ def test_a_resume_compares_the_moe_layer_pattern_not_its_spelling():
     older["args"]["model"]["moe_layer_freq"] = 2  # the int older checkpoints recorded
     check_model_args(older, parse_args([*MOE, "--moe-layer-freq", "([1,0]*2)"], world_size=1), "c")
     changed = parse_args([*MOE, "--moe-layer-freq", "[1,0,1,1]"], world_size=1)
-    with pytest.raises(CheckpointError, match=r"trained with --moe-layer-freq 1, but this run has "):
+    with pytest.raises(
+        CheckpointError, match=r"trained with --moe-layer-freq 1, but this run has "
+    ):
         check_model_args(saved, changed, "c")
 
 

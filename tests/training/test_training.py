@@ -15,7 +15,7 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.models.gpt.train import forward_step
-from megatron.training.loop import TrainingError
+from megatron.training.train_loop import TrainingError
 from tests.helpers.checkpoints import _damage
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.paths import ROOT
@@ -401,8 +401,9 @@ def test_empty_validation_split_warns_and_a_bad_save_dir_is_one_named_line(
 def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatch):
     """A read-only --save directory: a named error at start, not a traceback at the first save
     (root writes through chmod, so there the refusal of the write is simulated)."""
+    from megatron import fileio
     from megatron.checkpoint.storage import CheckpointError
-    from megatron.training import preflight
+    from megatron.resilience import preflight
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -412,7 +413,7 @@ def test_a_save_dir_that_cannot_be_written_is_a_named_error(tmp_path, monkeypatc
         def refuse(*args, dir, **kwargs):
             raise PermissionError(13, "Permission denied", os.path.join(dir, ".write-test-x"))
 
-        monkeypatch.setattr(preflight.tempfile, "NamedTemporaryFile", refuse)
+        monkeypatch.setattr(fileio.tempfile, "NamedTemporaryFile", refuse)
     with pytest.raises(CheckpointError, match=f"--save {ro}: cannot write there .Permission"):
         preflight.check_save_dir(str(ro))
     monkeypatch.undo()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from megatron.checkpoint.hf_files import save_safetensors
+from megatron.checkpoint.resharding import whole_model_args
 from megatron.config.schema import ModelConfig, model_config_from_saved
 
 _TWINS = {  # post-LN? -> (model_type, with the NSP head, without it)
@@ -253,7 +254,6 @@ def _has_binary_head(hf_dir: str, hf: dict) -> bool:
 def import_hf_bert(hf_dir: str, hf_cfg: dict) -> tuple[dict, dict]:
     """(full state, checkpoint args at TP = PP = 1) of a (MegatronBert|Bert)ForPreTraining or
     ForMaskedLM directory (the latter gives a --bert-no-binary-head checkpoint)."""
-    import dataclasses
     import os
 
     from safetensors.torch import load_file
@@ -271,13 +271,10 @@ def import_hf_bert(hf_dir: str, hf_cfg: dict) -> tuple[dict, dict]:
         state[name] = state[name][: cfg.vocab_size]  # checkpoints hold the real vocab
     vocab = os.path.join(hf_dir, "vocab.txt")
     tokenizer = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": os.path.abspath(vocab)}
-    args = {
-        "model": dataclasses.asdict(cfg),
-        "tokenizer": tokenizer if os.path.isfile(vocab) else {},
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "padded_vocab_size": cfg.padded_vocab_size(1),
-        "params_dtype": str(state["embedding.word_embeddings.weight"].dtype),
-        "model_family": "bert" if binary_head else "bert-no-binary-head",
-    }
+    whole = whole_model_args(
+        cfg,
+        tokenizer if os.path.isfile(vocab) else {},
+        state["embedding.word_embeddings.weight"].dtype,
+    )
+    args = {**whole, "model_family": "bert" if binary_head else "bert-no-binary-head"}
     return state, args

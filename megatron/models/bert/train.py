@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megatron.config.schema import MegatronConfig, parse_blend, split_weights
+from megatron.config.schema import MegatronConfig
+from megatron.config.schema_data import parse_blend, split_weights
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.builder import SPLIT_NAMES
 from megatron.data.dataset_impl import make_indexed_dataset

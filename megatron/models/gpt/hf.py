@@ -16,7 +16,6 @@ only `safetensors` (no `transformers`, no network).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from megatron.checkpoint.resharding import (
     check_full_state,
     full_shapes,
     model_config,
+    whole_model_args,
 )
 from megatron.config.schema import ModelConfig
 from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
@@ -473,12 +473,5 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
         raise ValueError(f"--from-hf {hf_dir}: tensors not understood: {', '.join(left[:6])}")
     state = {n: t.contiguous() for n, t in state.items()}
     check_full_state(state, cfg, f"--from-hf {hf_dir}")
-    args = {
-        "model": dataclasses.asdict(cfg),
-        "tokenizer": import_tokenizer(hf_dir),
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "padded_vocab_size": cfg.padded_vocab_size(1),
-        "params_dtype": str(state[WORD_EMBEDDINGS].dtype),
-    }
+    args = whole_model_args(cfg, import_tokenizer(hf_dir), state[WORD_EMBEDDINGS].dtype)
     return state, args

@@ -70,7 +70,7 @@ def _train(rank, world, argv):
 
     import pretrain_bert
     from megatron.config.cli import parse_args
-    from megatron.models.registry import get_spec
+    from megatron.model.families import get_spec
     from megatron.training.loop import pretrain
 
     spec = get_spec("bert")

@@ -28,6 +28,7 @@ from megatron.models.gpt.hf import from_hf, to_hf
 from megatron.models.gpt.model import GPTModel
 from megatron.models.gpt.train import lm_loss
 from tests.helpers.checkpoints import _args, _unpadded
+from tests.helpers.models import tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,45 +40,7 @@ DENSE_FIELDS = (
     "rope_type rotary_scaling_factor original_max_position_embeddings mscale_all_dim "
     "mtp_num_layers"
 ).split()
-V3 = ModelConfig(
-    num_layers=3,
-    hidden_size=32,
-    num_attention_heads=4,
-    ffn_hidden_size=48,
-    seq_length=16,
-    vocab_size=96,
-    make_vocab_size_divisible_by=32,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    layernorm_epsilon=1e-6,
-    swiglu=True,
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-    multi_latent_attention=True,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=8,
-    rope_type="yarn",
-    rotary_scaling_factor=4.0,
-    original_max_position_embeddings=8,
-    mscale_all_dim=1.0,
-    num_experts=8,
-    moe_ffn_hidden_size=16,
-    moe_shared_expert_intermediate_size=16,
-    moe_router_topk=4,
-    moe_router_score_function="sigmoid",
-    moe_layer_freq="([0]*1+[1]*2)",
-    moe_router_enable_expert_bias=True,
-    moe_router_bias_update_rate=0.02,
-    moe_router_num_groups=4,
-    moe_router_group_topk=2,
-    moe_router_topk_scaling_factor=2.5,
-    mtp_num_layers=1,
-)
+V3 = tiny_deepseek()
 VARIANTS = {
     "v3": V3,
     # no query latent, plain RoPE, tied head, no group limit, two MTP depths

@@ -16,7 +16,7 @@ import torch
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.training.fault_tolerance import lighthouse_address, refuse_twins
+from megatron.resilience.fault_tolerance import lighthouse_address, refuse_twins
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.training import BASE, flags

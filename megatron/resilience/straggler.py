@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config.declare import fail
-from megatron.training.straggler_report import SECTIONS, RankTimes, report_lines
+from megatron.resilience.straggler_report import SECTIONS, RankTimes, report_lines
 
 # The trainer's timers (training/step.py, schedules.py, pipeline.py) and their section.
 TIMER_SECTIONS = {

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import difflib
 import os
-import tempfile
 from collections.abc import Callable
 
 import torch
 
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import ConfigError, MegatronConfig, parse_blend
+from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.schema_data import parse_blend
 from megatron.data.builder import check_tokenizer
 from megatron.data.dataset_impl import make_indexed_dataset
 from megatron.data.dataset_pair import tokenizer_fingerprint
+from megatron.fileio import probe_writable
 
 
 def check_save_dir(save: str | None) -> None:
@@ -29,9 +30,7 @@ def check_save_dir(save: str | None) -> None:
             "(it is created if missing)"
         )
     try:
-        os.makedirs(save, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=save, prefix=".write-test-"):
-            pass
+        probe_writable(save)
     except OSError as e:
         raise CheckpointError(
             f"--save {save}: cannot write there ({e.strerror or e}"

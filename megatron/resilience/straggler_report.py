@@ -1,6 +1,6 @@
 """The straggler report (`--log-straggler`): from every rank's time per section, the slowest
 and fastest ranks against the median of their pipeline stage, and the spread for TensorBoard
-and W&B. Pure functions of the gathered numbers (megatron/training/straggler.py gathers them).
+and W&B. Pure functions of the gathered numbers (megatron/resilience/straggler.py gathers them).
 
 A rank's compute is forward + backward + optimizer + data (its own work); its communication
 wait is not counted, since that is where the others wait for a straggler. Ranks are compared

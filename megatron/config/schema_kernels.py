@@ -1,6 +1,7 @@
-"""The compute sections of the configuration tree: fused kernels / compilation and activation
-recomputation. Run-time switches that change no weight, so never saved in checkpoints. Part of
-the one tree of megatron.config.schema, declared here for size."""
+"""The kernels section of the config tree (`kernels.*`): fused kernels, attention backends and
+compilation. Run-time switches that change no weight, so never saved in checkpoints. Part of
+megatron.config.schema (import them from there); declared the same way, with
+`setting(default, help, *aliases, ...)`."""
 
 from __future__ import annotations
 
@@ -146,44 +147,3 @@ class KernelConfig(Section):
         "changes nothing here: the model's ops (exact GeLU as torch gelu, SDPA) export as they are",
         metavar="BOOL",
     )
-
-
-@dataclass(frozen=True)
-class RecomputeConfig(Section):
-    """Activation recompute: trade compute for memory; not saved in checkpoints."""
-
-    granularity: str | None = setting(
-        None,
-        "full: recompute whole layers in backward; selective: only the attention core",
-        flag="--recompute-granularity",
-        choices=("full", "selective"),
-        shortcuts={
-            "--checkpoint-activations": (
-                "full",
-                "classic flag: --recompute-granularity full --recompute-method uniform",
-            )
-        },
-    )
-    method: str = setting(
-        "uniform",
-        "full: checkpoint every group of N layers (uniform) or only the first N layers of "
-        "each stage (block)",
-        flag="--recompute-method",
-        choices=("uniform", "block"),
-    )
-    num_layers: int = setting(
-        1,
-        "N for --recompute-method",
-        "--checkpoint-num-layers",
-        flag="--recompute-num-layers",
-        min=1,
-    )
-    distribute_saved_activations: bool = setting(
-        False,
-        "full recompute: keep only 1/TP of each checkpointed layer input on every TP rank and "
-        "all-gather it for the recompute (memory / TP)",
-        "--distribute-checkpointed-activations",
-    )
-
-
-# (rank, world size, local rank) variables of each launcher, in order of precedence.

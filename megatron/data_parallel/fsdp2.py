@@ -39,8 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron.mpu.utils import group_rank, group_size
-from megatron.optim.plain import PARALLEL_ATTRS
+from megatron.mpu.utils import PARALLEL_ATTRS, group_rank, group_size
 
 # --torch-fsdp2-reshard-after-forward -> fully_shard's reshard_after_forward (None: FSDP2's
 # auto, True for every unit but the root, which backward needs first)

@@ -1,4 +1,4 @@
-"""Start-up checks of megatron/training/preflight.py that depend on the device: --deepspeed with
+"""Start-up checks of megatron/resilience/preflight.py that depend on the device: --deepspeed with
 a precision DeepSpeed's accelerator lacks is a named error before any work."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError
-from megatron.training import preflight
+from megatron.resilience import preflight
 from tests.helpers.paths import MMAP, ROOT
 from tests.helpers.training import BASE
 

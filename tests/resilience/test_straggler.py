@@ -17,9 +17,9 @@ from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError
 from megatron.models.gpt.train import forward_step
+from megatron.resilience.straggler import StragglerDetector
+from megatron.resilience.straggler_report import RankTimes, report_lines
 from megatron.training.loop import pretrain
-from megatron.training.straggler import StragglerDetector
-from megatron.training.straggler_report import RankTimes, report_lines
 from megatron.training.timers import Timers
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.training import counting_corpus, flags
@@ -212,7 +212,7 @@ def test_a_port_that_cannot_be_listened_on_is_an_error_only_when_starting_off():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
 def test_the_event_clock_times_device_work_without_a_sync():
-    from megatron.training.straggler import _EventClock
+    from megatron.resilience.straggler import _EventClock
 
     clock = _EventClock()
     a = torch.randn(2048, 2048, device="cuda")
