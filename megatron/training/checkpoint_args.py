@@ -11,7 +11,7 @@ from megatron.checkpoint.storage import CheckpointError
 from megatron.config.declare import ConfigError
 from megatron.config.layer_pattern import expand_layer_freq
 from megatron.config.schema import MegatronConfig
-from megatron.config.schema_mla import YARN_DEFAULTS
+from megatron.config.schema_model_mla import YARN_DEFAULTS
 
 # Fields of ModelConfig that change parameter shapes: a resume must match them.
 SHAPE_FIELDS = (
