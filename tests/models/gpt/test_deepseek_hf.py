@@ -12,6 +12,7 @@ save dropped with a note. No network: the configs are built here.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -298,3 +299,25 @@ def test_export_refuses_what_deepseek_v3_cannot_compute_and_drops_mtp_elsewhere(
     assert to_hf(_unpadded(model, llama), _args(llama, 1, 1), str(tmp_path)) == "llama"
     assert "multi-token prediction depth(s) are not exported" in capsys.readouterr().err
     assert not any("eh_proj" in n for n in load_file(str(tmp_path / "model.safetensors")))
+
+
+def test_layers_config_json_does_not_count_are_refused_not_dropped(tmp_path):
+    """A config.json that under-reports num_hidden_layers: its last real decoder layer is not
+    taken for an MTP depth (the model imported truncated, exit 0); a depth it does not
+    announce is refused too. Only the depths it announces are MTP."""
+    import json
+
+    model = GPTModel(V3, BuildContext(seed=3))  # 3 layers and 1 MTP depth: model.layers.3
+    to_hf(_unpadded(model, V3), _args(V3, 1, 1), str(tmp_path))
+    config = tmp_path / "config.json"
+    honest = json.loads(config.read_text())
+    counts = "num_hidden_layers ({}) and num_nextn_predict_layers ({})"
+    for layers, depths, named in [(2, 1, "2, 3"), (3, 0, "3")]:
+        config.write_text(
+            json.dumps({**honest, "num_hidden_layers": layers, "num_nextn_predict_layers": depths})
+        )
+        want = f"the files hold layer(s) {named} that config.json's {counts.format(layers, depths)}"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            from_hf(str(tmp_path))
+    config.write_text(json.dumps(honest))
+    assert from_hf(str(tmp_path))[1]["model"]["num_layers"] == 3
