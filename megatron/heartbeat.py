@@ -133,6 +133,8 @@ def explain_collective_failure(
         return None
     if heartbeat.lost:
         return heartbeat.lost
+    if heartbeat.world_size == 1:  # a 1-rank job watching its launcher: no other rank to name
+        return None
     silent = heartbeat.silent_ranks()
     if not silent:
         return None
