@@ -16,7 +16,13 @@ import torch
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.training.fault_tolerance import agreed_settings, judge, lighthouse_address, vote_box
+from megatron.training.fault_tolerance import (
+    ReplicaGroup,
+    agreed_settings,
+    judge,
+    lighthouse_address,
+    vote_box,
+)
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.training import BASE, flags
@@ -90,6 +96,12 @@ def test_replica_groups_refuse_a_group_with_other_settings_or_a_twin_id_and_go_o
     assert all(set(x.refused) == {1} for x in twins.values())
     assert [k for k, x in twins.items() if x.mine is not None] == [(1, 1)]
     assert "--ft-replica-id 1: 2 replica groups of this id" in str(twins[1, 1].mine)
+    # a replacement refuses a live peer's state taken with other settings, before loading it
+    replacement = object.__new__(ReplicaGroup)  # no torchft: only what the check reads
+    replacement.replica_id, replacement.agreed = 2, agreed
+    peer = agreed_settings(parse_args([*BASE, "--lr", "1e-3", "--num-layers", "3"]))
+    with pytest.raises(ConfigError, match=r"--num-layers 4 \(the live groups: 3\)"):
+        replacement._load_state_dict({"agreed": peer, "model": None})
 
 
 def _start(tmp_path, name, argv, *extra):
