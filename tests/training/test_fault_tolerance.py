@@ -290,5 +290,6 @@ def test_a_group_with_other_settings_is_refused_and_a_dead_one_costs_seconds(dat
     for r in (0, 2, 3):
         assert procs[r].returncode == 0, logs[r][-3000:]
         history = torch.load(tmp_path / f"group{r}.pt")["history"]
-        assert len(history) == 12 and all(4 not in groups for _, _, groups in history), history
+        # (a group slow to start under load joins later, from a peer's state)
+        assert history[-1][0] == 12 and all(4 not in groups for _, _, groups in history), history
     assert ended < 30, f"the survivors ended {ended:.0f} s after group 1 died: {logs[3][-2000:]}"
