@@ -12,9 +12,10 @@ and the job would wait 30 s more for torchrun's own SIGKILL.
 
 The same thread notices a store that is gone. Under torchrun the store lives in the launcher's
 agent; a scheduler that SIGKILLs the agent leaves the ranks (in their own session) training on
-their own, orphans holding GPUs. After a few failed beats in a row the heartbeat marks the store
-`lost`: the trainer stops at its next iteration boundary with that message, and if this process
-is still running a while later the thread ends it (exit 1) itself.
+their own, orphans holding GPUs (a 1-rank job's rank too). After a few failed beats in a row
+the heartbeat marks the store `lost`: the trainer stops at its next iteration boundary with
+that message, and if this process is still running a while later the thread ends it (exit 1)
+itself.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ class Heartbeat:
 
     @classmethod
     def start_default(cls, timeout_s: float) -> Heartbeat | None:
-        """Beat into the default group's store; None for one process (nothing to wait for)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        """Beat into the default group's store. None for one process that no launcher's store
+        watches over (nothing to wait for); one rank under torchrun beats too, so that it
+        stops when the agent dies (every --fault-tolerance replica group is such a job: an
+        orphan would go on joining quorums beside its replacement)."""
+        if not dist.is_initialized():
+            return None
+        if dist.get_world_size() == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return None
         store = dist.distributed_c10d._get_default_store()
         return cls(store, dist.get_rank(), dist.get_world_size(), timeout_s)
@@ -167,6 +173,8 @@ def explain_collective_failure(
         return None
     if heartbeat.lost:
         return heartbeat.lost
+    if heartbeat.world_size == 1:  # a 1-rank job watching its launcher: no other rank to name
+        return None
     silent = heartbeat.silent_ranks()
     if not silent:
         return None

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass
 from types import NoneType, UnionType
@@ -47,6 +48,7 @@ def setting(
     from_env: bool = False,
     resolved: bool = False,
     requires: tuple[str, object] | None = None,
+    nonfinite: bool = False,
 ):
     """A config field with everything the command line and config files need to know.
 
@@ -63,6 +65,8 @@ def setting(
     that value, and `check_requires` refuses it otherwise. `min`/`max`: inclusive limits,
     `above`/`below`: exclusive ones (a probability in [0, 1) is min=0, below=1); None (an unset
     optional) is never checked.
+    A float setting refuses nan and inf (they pass every comparison with a limit and then poison
+    the run) unless `nonfinite` says it takes them.
     The help says what the value means; the builder appends the limits and the default.
     """
     if (min is not None and above is not None) or (max is not None and below is not None):
@@ -78,6 +82,7 @@ def setting(
         "from_env": from_env or resolved,
         "resolved": resolved,
         "requires": requires,
+        "nonfinite": nonfinite,
     }
     return dataclasses.field(default=default, metadata=meta, hash=False if resolved else None)
 
@@ -202,6 +207,11 @@ def _check_declared(f: dataclasses.Field, value) -> None:
             raise ConfigError(
                 f"{_flag_of(f)}: {v!r} is not a valid choice. "
                 f"Fix: use one of {', '.join(map(str, choices))}"
+            )
+        if isinstance(v, float) and not math.isfinite(v) and not meta["nonfinite"]:
+            raise ConfigError(
+                f"{_flag_of(f)}: must be a finite number, got {v}. Fix: pass a finite "
+                f"{_flag_of(f)}{f' (default {f.default})' if f.default is not None else ''}"
             )
         if isinstance(v, (int, float)) and not bounds.admit(v):
             raise ConfigError(out_of_bounds(_flag_of(f), v, bounds, f.default))

@@ -1,10 +1,11 @@
 """TrainLoop: the iterations of a training run that pretrain() (megatron/training/loop.py) has
 set up: each step through the backend, the log lines and metrics, evaluation, checkpoint saves
 and the exit conditions (--train-iters/--train-samples, --exit-interval, --exit-duration-in-mins,
-SIGTERM, too many skipped steps in a row)."""
+SIGTERM, too many skipped steps in a row, a run that ends on non-finite steps)."""
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class TrainLoop:
         self.flops_per_sample = model_flops_per_sample(cfg.model, cfg.model.seq_length)
         self.peak = peak_tflops(rt.device, cfg.logging.peak_tflops)
         self.skipped_in_a_row = 0
+        self.nonfinite_in_a_row = 0  # of those, skipped with a non-finite loss
 
     def _print(self, line: str) -> None:
         if self.is_logger:
@@ -128,6 +130,8 @@ class TrainLoop:
             interval = cfg.checkpoint.save_interval
             if reason or (interval and state.iteration % interval == 0) or self._done(state):
                 self._settle(window)  # the LR schedule saved takes back the skipped steps
+                if reason or self._done(state):
+                    self._refuse_a_nonfinite_end(len(result.history))
                 self._save(state)
             if reason:
                 result.exit_reason = reason
@@ -207,12 +211,26 @@ class TrainLoop:
         limit = self.cfg.training.max_skipped_in_a_row
         for row in settled.rows:
             self.skipped_in_a_row = 0 if row["updated"] else self.skipped_in_a_row + 1
+            nonfinite = not row["updated"] and not math.isfinite(row["lm_loss"])
+            self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
             if self.skipped_in_a_row >= limit:
                 raise TrainingError(
                     f"{self.skipped_in_a_row} iterations in a row were skipped (inf/NaN "
                     f"gradients or loss) up to iteration {row['iteration']}; the run is "
                     "diverging. Lower --lr, check the data, or raise --max-skipped-in-a-row"
                 )
+
+    def _refuse_a_nonfinite_end(self, steps: int) -> None:
+        """A run must not end 0 while its weights no longer train: its last two steps (or its
+        only one) skipped with a non-finite loss end it non-zero, whatever
+        --max-skipped-in-a-row says (a short run never reaches it), before the final save."""
+        n = self.nonfinite_in_a_row
+        if n and n >= min(2, steps):
+            raise TrainingError(
+                f"the run ends with its last {n} iterations skipped on a non-finite (inf/NaN) "
+                "loss: its weights no longer train. Lower --lr, check the float flags and the "
+                "data, and resume from the last good checkpoint"
+            )
 
     def _exit_reason(self, state: TrainState, start_time: float, window: Window) -> str | None:
         t = self.cfg.training

@@ -13,13 +13,13 @@ from tests.helpers.paths import ROOT
 _LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ .*\| lm loss: ([0-9.E+-]+) \|")
 
 
-def command(script_args, max_restarts=1):
+def command(script_args, max_restarts=1, nproc=2):
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         "--max-restarts",
         str(max_restarts),
         "--master_port",

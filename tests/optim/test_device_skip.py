@@ -114,7 +114,7 @@ def _poison(bad_iterations, data_iterator, model):
 def _runs(rank, world, argv, save_dir):
     """Iteration 2 poisoned: read every step; read every 4 steps with a save at 3, and the same
     as 3 steps + save + resume + 3; every step poisoned with --max-skipped-in-a-row 3 and reads
-    every 100 steps."""
+    every 100 steps; steps 2-6 poisoned, and step 6 alone."""
     import functools
 
     out = {}
@@ -135,6 +135,12 @@ def _runs(rank, world, argv, save_dir):
         _train(rank, world, argv + bad, functools.partial(_poison, set(range(1, 7))))
     except TrainingError as e:
         out["diverging"] = str(e)
+    for name, poisoned in {"ends on NaN": set(range(2, 7)), "last step NaN": {6}}.items():
+        _CALLS["n"] = 0  # far fewer skips than --max-skipped-in-a-row's 50
+        try:
+            out[name] = _train(rank, world, argv, functools.partial(_poison, poisoned))[0]
+        except TrainingError as e:
+            out[name] = str(e)
     return out
 
 
@@ -154,3 +160,7 @@ def test_skips_read_at_log_lines_and_saves_resume_exactly(data_prefix, tmp_path,
     assert [h["lr"] for h in resumed] == [h["lr"] for h in lazy[3:]]
     assert "3 iterations in a row were skipped" in out["diverging"]
     assert "up to iteration 3" in out["diverging"]
+    # A run that ends with its weights no longer training ends non-zero; one NaN batch at the
+    # end does not
+    assert "ends with its last 5 iterations skipped on a non-finite" in out["ends on NaN"]
+    assert [h["updated"] for h in out["last step NaN"]] == [True] * 5 + [False]

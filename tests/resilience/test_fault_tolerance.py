@@ -16,7 +16,13 @@ import torch
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.resilience.fault_tolerance import lighthouse_address, refuse_twins
+from megatron.resilience.fault_tolerance import (
+    ReplicaGroup,
+    agreed_settings,
+    judge,
+    lighthouse_address,
+    vote_box,
+)
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.training import BASE, flags
@@ -44,9 +50,58 @@ def test_what_fault_tolerance_cannot_run_with_is_refused_with_the_reason():
     cfg = parse_args([*BASE, *ft])
     with pytest.raises(ConfigError, match="torchft_lighthouse --min_replicas 2"):
         lighthouse_address(cfg, env={})
-    # a replacement started while the group it replaces still runs: both would read share 1
-    with pytest.raises(RuntimeError, match="--ft-replica-id 1: 2 replica groups of this id"):
-        refuse_twins(torch.tensor([1.0, 2.0, 1.0]))
+
+
+def _summed(*groups):
+    """The vote box summed over groups given as (replica id, steps here, extra flags)."""
+    boxes = []
+    for replica_id, steps, extra in groups:
+        agreed = agreed_settings(parse_args([*BASE, "--lr", "1e-3", *extra]))
+        boxes.append(vote_box(torch.tensor(2.0), None, replica_id, 64, steps, agreed, "cpu"))
+    return torch.stack(boxes).sum(0).tolist()
+
+
+def _verdicts(groups):
+    """Each group's own reading of the summed box: {replica id, steps: Verdict}."""
+    box = _summed(*groups)
+    return {
+        (r, steps): judge(
+            box, 64, r, steps, agreed_settings(parse_args([*BASE, "--lr", "1e-3", *e]))
+        )
+        for r, steps, e in groups
+    }
+
+
+def test_replica_groups_refuse_a_group_with_other_settings_or_a_twin_id_and_go_on():
+    """Only the odd group ends (named, with the setting that differs); the healthy ones drop
+    that step and go on. Of twin ids the newer ends (a replacement beside an orphan)."""
+    agreed = agreed_settings(parse_args([*BASE, "--lr", "1e-3"]))
+    assert {"--lr", "--num-layers", "--data-path", "--split", "--seed"} <= set(agreed)
+    assert "--ft-replica-id" not in agreed and "--save" not in agreed
+    healthy = _verdicts([(0, 5, []), (1, 5, []), (2, 5, [])])
+    assert all(
+        v.took_part == [0, 1, 2] and not v.refused and v.mine is None for v in healthy.values()
+    )
+    for odd, named in (
+        (["--lr", "2e-3"], "--lr (here 0.002)"),
+        (["--num-layers", "3"], "--num-layers (here 3)"),
+    ):
+        v = _verdicts([(0, 5, []), (1, 5, []), (2, 5, odd)])
+        assert all(set(x.refused) == {2} for x in v.values())
+        assert v[0, 5].mine is None and v[1, 5].mine is None
+        assert isinstance(v[2, 5].mine, ConfigError), v[2, 5].mine
+        assert "--ft-replica-id 2: this replica group's settings differ" in str(v[2, 5].mine)
+        assert named in str(v[2, 5].mine) and "replica groups [0, 1]" in str(v[2, 5].mine)
+    twins = _verdicts([(0, 9, []), (1, 9, []), (1, 1, []), (2, 9, [])])
+    assert all(set(x.refused) == {1} for x in twins.values())
+    assert [k for k, x in twins.items() if x.mine is not None] == [(1, 1)]
+    assert "--ft-replica-id 1: 2 replica groups of this id" in str(twins[1, 1].mine)
+    # a replacement refuses a live peer's state taken with other settings, before loading it
+    replacement = object.__new__(ReplicaGroup)  # no torchft: only what the check reads
+    replacement.replica_id, replacement.agreed = 2, agreed
+    peer = agreed_settings(parse_args([*BASE, "--lr", "1e-3", "--num-layers", "3"]))
+    with pytest.raises(ConfigError, match=r"--num-layers 4 \(the live groups: 3\)"):
+        replacement._load_state_dict({"agreed": peer, "model": None})
 
 
 def _start(tmp_path, name, argv, *extra):
@@ -189,3 +244,52 @@ def test_a_killed_replica_group_is_dropped_and_its_replacement_rejoins_from_a_pe
         # Adam turns that noise, summed in another order by gloo, into steps of up to lr.
         atol = 1e-4 if name.endswith("query_key_value.bias") else 1e-6
         torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.slow
+def test_a_group_with_other_settings_is_refused_and_a_dead_one_costs_seconds(data_prefix, tmp_path):
+    """Five groups at the default --ft-timeout-seconds (60): group 4 was started with another
+    --lr and is refused by name while the others train on; group 1 dies at iteration 4, and
+    every survivor ends within seconds of it. Before, group 4 trained along (gradients averaged
+    with another lr) and group 3, not next to group 1 in the gloo ring, waited out the 60 s
+    timeout on a survivor that had already left for the next quorum."""
+    lighthouse = pytest.importorskip("torchft.coordination").LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=20,
+        heartbeat_timeout_ms=1000,
+    )  # fmt: skip
+    ft = ["--fault-tolerance", "--ft-group-size", "5", "--ft-lighthouse", lighthouse.address()]
+    argv = flags(data_prefix, *ft, iters=12)
+    argv[argv.index("--global-batch-size") + 1] = "10"  # a micro batch of 2 per group
+    start, odd, booted = tmp_path / "start", ["--lr", "1e-3"], tmp_path / "booted"
+    hold = ["--hold-at", "2", "--hold-for", str(booted)]  # until group 4 asks to join
+    extra = {1: ["--kill-at", "4", *hold], 4: ["--booted", str(booted)]}
+    procs = [
+        _start(tmp_path, f"group{r}", [*argv, "--ft-replica-id", str(r), *(odd if r == 4 else [])],
+               "--wait-for", str(start), *extra.get(r, hold))
+        for r in range(5)
+    ]  # fmt: skip
+    try:
+        for r in range(5):
+            _wait_for_line(tmp_path / f"group{r}.log", "waiting", procs)
+        start.touch()
+        procs[1].wait(timeout=300)
+        died = time.monotonic()
+        for r in (0, 2, 3, 4):
+            procs[r].wait(timeout=300)
+        ended = time.monotonic() - died
+    finally:
+        lighthouse.shutdown()
+        for p in procs:
+            p.kill()
+    logs = {r: (tmp_path / f"group{r}.log").read_text() for r in range(5)}
+    assert procs[1].returncode == -9, logs[1][-3000:]
+    assert procs[4].returncode != 0, logs[4][-3000:]
+    # refused at a step's vote, or (joining behind) before it takes a live peer's state
+    refusal = re.search(r"--ft-replica-id 4: this replica group's settings differ from .*", logs[4])
+    assert refusal and "--lr" in refusal[0] and "0.001" in refusal[0], logs[4][-3000:]
+    for r in (0, 2, 3):
+        assert procs[r].returncode == 0, logs[r][-3000:]
+        history = torch.load(tmp_path / f"group{r}.pt")["history"]
+        # (a group slow to start under load joins later, from a peer's state)
+        assert history[-1][0] == 12 and all(4 not in groups for _, _, groups in history), history
+    assert ended < 30, f"the survivors ended {ended:.0f} s after group 1 died: {logs[3][-2000:]}"

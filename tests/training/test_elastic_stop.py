@@ -51,16 +51,15 @@ def test_sigterm_with_default_loader_workers_lands_in_saves_and_still_saves(
 
 
 @pytest.mark.slow
-def test_ranks_stop_with_a_named_error_when_the_launcher_is_killed(
-    data_prefix,
-    tmp_path,
-):
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_ranks_stop_with_a_named_error_when_the_launcher_is_killed(data_prefix, tmp_path, nproc):
     """SIGKILL of torchrun's agent (a scheduler's hard kill) left the ranks, in their own
-    session, training to the end; they now notice the lost store within seconds and stop."""
+    session, training to the end; they now notice the lost store within seconds and stop. A
+    1-rank job's rank did not watch the store (every --fault-tolerance replica group is one)."""
     argv = flags(data_prefix, "--distributed-backend", "gloo", iters=5000)
     argv[argv.index("--lr-decay-iters") + 1] = "5000"
     launcher = subprocess.Popen(
-        command([str(ROOT / "pretrain_gpt2.py"), *default_workers(argv)], 0),
+        command([str(ROOT / "pretrain_gpt2.py"), *default_workers(argv)], 0, nproc),
         cwd=tmp_path,
         env=ENV,
         stdout=subprocess.PIPE,
@@ -71,7 +70,7 @@ def test_ranks_stop_with_a_named_error_when_the_launcher_is_killed(
         if " iteration        3/" in line:
             break
     ranks = ranks_of(launcher.pid)
-    assert len(ranks) == 2
+    assert len(ranks) == nproc
     threading.Thread(target=launcher.stdout.read, daemon=True).start()  # the ranks write on
     killed = time.monotonic()
     launcher.kill()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import torch
@@ -433,6 +434,24 @@ def _import_config(hf_dir: str, hf_cfg: dict, hf: dict, tied: bool) -> ModelConf
     )
 
 
+def _not_accounted_for(left: list[str], hf_cfg: dict) -> str:
+    """What is wrong with the tensors an import left: layers config.json does not count (it
+    under-reports num_hidden_layers: imported, the model would be silently truncated), else
+    names not understood."""
+    indices = {int(m[1]) for n in left if (m := re.match(r"(?:model\.layers|h)\.(\d+)\.", n))}
+    key = "n_layer" if "n_layer" in hf_cfg else "num_hidden_layers"  # GPT-2's spelling
+    layers = sorted(i for i in indices if i >= hf_cfg[key])
+    if not layers:
+        return f"tensors not understood: {', '.join(left[:6])}"
+    counted = f"{key} ({hf_cfg[key]})"
+    if "num_nextn_predict_layers" in hf_cfg:  # DeepSeek: the MTP depths it announces
+        counted += f" and num_nextn_predict_layers ({hf_cfg['num_nextn_predict_layers']})"
+    return (
+        f"the files hold layer(s) {', '.join(map(str, layers))} that config.json's {counted} "
+        f"do not account for (e.g. {left[0]}). Fix: correct config.json's layer count"
+    )
+
+
 def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(full state, checkpoint args at TP = PP = 1) of a GPT-2, Llama, Mixtral or Qwen2-MoE
     directory, offline."""
@@ -470,7 +489,7 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
         hf.pop("lm_head.weight", None)  # a tied head may be saved too; it is the embedding
     left = [n for n in hf if not n.endswith(ignored)]
     if left:
-        raise ValueError(f"--from-hf {hf_dir}: tensors not understood: {', '.join(left[:6])}")
+        raise ValueError(f"--from-hf {hf_dir}: {_not_accounted_for(left, hf_cfg)}")
     state = {n: t.contiguous() for n, t in state.items()}
     check_full_state(state, cfg, f"--from-hf {hf_dir}")
     args = whole_model_args(cfg, import_tokenizer(hf_dir), state[WORD_EMBEDDINGS].dtype)

@@ -358,7 +358,8 @@ def _layer_from_hf(hf: dict, o: str, p: str, cfg: ModelConfig, moe: bool, interl
 
 
 def deepseek_state(hf: dict, hf_cfg: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our full state, popped from `hf`; MTP weights beyond cfg.mtp_num_layers are dropped."""
+    """Our full state, popped from `hf`: the decoder layers and the MTP depths imported; a layer
+    past them stays in `hf` (one config.json does not account for: from_hf refuses it)."""
     interleave = hf_cfg.get("rope_interleave", True)
     state = {WORD_EMBEDDINGS: hf.pop("model.embed_tokens.weight")}
     state["head.final_layernorm.weight"] = hf.pop("model.norm.weight")
@@ -376,17 +377,6 @@ def deepseek_state(hf: dict, hf_cfg: dict, cfg: ModelConfig) -> dict[str, torch.
         state.update(_layer_from_hf(hf, o, p + "transformer_layer.", cfg, moe, interleave))
         for copy in ("embed_tokens.weight", "shared_head.head.weight"):  # the shared ones
             hf.pop(o + copy, None)
-    beyond = cfg.num_layers + (cfg.mtp_num_layers or 0)  # the depths not imported
-    dropped = [n for n in hf if n.startswith("model.layers.") and int(n.split(".")[2]) >= beyond]
-    extra = {n.split(".")[2] for n in dropped}
-    for n in dropped:
-        hf.pop(n)
-    if extra:
-        print(
-            f"note: the multi-token prediction layers {', '.join(sorted(extra, key=int))} were "
-            "dropped (config.json announces fewer depths)",
-            file=sys.stderr,
-        )
     return state
 
 

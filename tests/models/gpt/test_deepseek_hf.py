@@ -12,6 +12,7 @@ save dropped with a note. No network: the configs are built here.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -276,3 +277,25 @@ def test_import_says_why_it_refuses_a_config_and_what_an_epsilon_changes(capsys)
     assert "rms_norm_eps" not in capsys.readouterr().err
     assert deepseek_config({**good, "rms_norm_eps": 1e-5}, 0)["layernorm_epsilon"] == 1e-5
     assert "latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6" in capsys.readouterr().err
+
+
+def test_layers_config_json_does_not_count_are_refused_not_dropped(tmp_path):
+    """A config.json that under-reports num_hidden_layers: its last real decoder layer is not
+    taken for an MTP depth (the model imported truncated, exit 0); a depth it does not
+    announce is refused too. Only the depths it announces are MTP."""
+    import json
+
+    model = GPTModel(V3, BuildContext(seed=3))  # 3 layers and 1 MTP depth: model.layers.3
+    to_hf(_unpadded(model, V3), _args(V3, 1, 1), str(tmp_path))
+    config = tmp_path / "config.json"
+    honest = json.loads(config.read_text())
+    counts = "num_hidden_layers ({}) and num_nextn_predict_layers ({})"
+    for layers, depths, named in [(2, 1, "2, 3"), (3, 0, "3")]:
+        config.write_text(
+            json.dumps({**honest, "num_hidden_layers": layers, "num_nextn_predict_layers": depths})
+        )
+        want = f"the files hold layer(s) {named} that config.json's {counts.format(layers, depths)}"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            from_hf(str(tmp_path))
+    config.write_text(json.dumps(honest))
+    assert from_hf(str(tmp_path))[1]["model"]["num_layers"] == 3
