@@ -24,11 +24,12 @@ from collections.abc import Callable
 from torch import nn
 
 from megatron.config.schema import PrecisionConfig, RecomputeConfig
+from megatron.model.attention.core import CoreAttention
 from megatron.model.fp8 import apply_fp8
 from megatron.model.moe import MoELayer
 from megatron.model.recompute import LayerRecompute
 from megatron.model.stages import ModelChunks
-from megatron.model.transformer import NORM_TYPES, ParallelAttention
+from megatron.model.transformer import NORM_TYPES
 from megatron.mpu import ParallelState, mark_sequence_parallel
 
 POSITION_TABLE = "position_embeddings.weight"
@@ -86,8 +87,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig, impl=None) -> 
     chunks (modules with a `layer_recompute` slot) recompute their transformer layers."""
     if recompute.granularity == "selective":
         for _, module in model.named_modules():
-            if isinstance(module, ParallelAttention):
-                module.recompute_core = True
+            if isinstance(module, CoreAttention):  # every attention variant's core
+                module.recompute = True
     elif recompute.granularity == "full":
         policy = LayerRecompute(recompute.method, recompute.num_layers, impl)
         for _, module in model.named_modules():

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.model.attention import KVCache, ParallelAttention
+from megatron.model.attention.masks import CAUSAL, AttentionMask
+from megatron.model.attention.mla import MultiLatentAttention
+from megatron.model.attention.standard import KVCache, ParallelAttention
 from megatron.model.context import BuildContext
-from megatron.model.masks import CAUSAL, AttentionMask
-from megatron.model.mla import MultiLatentAttention
 from megatron.model.mlp import ParallelMLP
 from megatron.model.moe import MoELayer
 from megatron.model.norms import NORM_TYPES, RMSNorm, build_norm

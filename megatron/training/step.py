@@ -19,11 +19,11 @@ from megatron.config.rules_pipeline import overlaps_moe_pairs
 from megatron.config.schema import MegatronConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
+from megatron.model.attention.sdpa import attention_report
 from megatron.model.context import BuildContext
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
 from megatron.model.parallelize import parallelize
-from megatron.model.sdpa import attention_report
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
 from megatron.training.backend import (

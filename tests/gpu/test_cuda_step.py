@@ -17,9 +17,9 @@ import torch.utils.checkpoint
 from megatron.config.schema import KernelConfig, OptimizerConfig
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
+from megatron.model.attention.sdpa import attention_report
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
-from megatron.model.sdpa import attention_report
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, overlap, single_process_state
 from megatron.training.ddp import DistributedDataParallel

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
+from megatron.model.attention.masks import AttentionMask
 from megatron.model.context import BuildContext
-from megatron.model.masks import AttentionMask
 from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.transformer import TransformerLayer, build_norm

@@ -14,8 +14,8 @@ import functools
 from torch import nn
 
 from megatron.config.schema import MegatronConfig, ModelConfig
+from megatron.model.attention.masks import CAUSAL, AttentionMask
 from megatron.model.context import BuildContext
-from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer, build_norm
 from megatron.model.weights import init_weights
