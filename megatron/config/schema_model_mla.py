@@ -35,7 +35,7 @@ YARN_DEFAULTS = {
 @dataclass(frozen=True)
 class MLASettings(Section):
     """Multi-latent attention: queries and keys/values through low-rank latents, RoPE on a
-    decoupled part of each head only (megatron/model/mla.py, docs/deepseek.md)."""
+    decoupled part of each head only (megatron/model/attention/mla.py, docs/deepseek.md)."""
 
     multi_latent_attention: bool = setting(
         False,

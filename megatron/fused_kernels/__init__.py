@@ -63,7 +63,7 @@ class FusedOps:
     # --fp16-lm-cross-entropy (loss in the logits' dtype instead of fp32).
     softmax_in_fp32: bool = False
     fp16_lm_cross_entropy: bool = False
-    # --sdpa-backend: the kernel SDPA runs (megatron.model.sdpa); "auto": cudnn first.
+    # --sdpa-backend: the kernel SDPA runs (megatron.model.attention.sdpa); "auto": cudnn first.
     sdpa_backend: str = "auto"
     # --torch-compile: the chunks run compiled, so the norms, activations and softmax stay
     # torch ops that Inductor fuses with their neighbours (a Triton call would be opaque to it).

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.model.attention import KVCache
-from megatron.model.mla import LatentKVCache
+from megatron.model.attention.mla import LatentKVCache
+from megatron.model.attention.standard import KVCache
 from megatron.mpu import ParallelState, gather_from_tensor_model_parallel_region
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from torch import nn
 
 from megatron.config.schema import PrecisionConfig, RecomputeConfig
-from megatron.model.attention import ParallelAttention
+from megatron.model.attention.core import CoreAttention
 from megatron.model.fp8 import apply_fp8
 from megatron.model.moe import MoELayer
 from megatron.model.norms import NORM_TYPES
@@ -87,8 +87,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig, impl=None) -> 
     chunks (modules with a `layer_recompute` slot) recompute their transformer layers."""
     if recompute.granularity == "selective":
         for _, module in model.named_modules():
-            if isinstance(module, ParallelAttention):
-                module.recompute_core = True
+            if isinstance(module, CoreAttention):  # every attention variant's core
+                module.recompute = True
     elif recompute.granularity == "full":
         policy = LayerRecompute(recompute.method, recompute.num_layers, impl)
         for _, module in model.named_modules():

@@ -1,6 +1,7 @@
 """Running a chunk's transformer layers with full activation recompute (--recompute-granularity
-full). Selective recompute lives inside the attention layer (`ParallelAttention.recompute_core`);
-megatron.model.parallelize switches either on after the model is built.
+full). Selective recompute lives inside the attention layer's core (`attention/core.py`,
+CoreAttention.recompute); megatron.model.parallelize switches either on after the model is
+built.
 """
 
 from __future__ import annotations

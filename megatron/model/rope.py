@@ -1,5 +1,5 @@
 """Rotary position embeddings: RoPE in the rotate-half layout, and YaRN's scaled frequencies
-(multi-latent attention, megatron.model.mla).
+(multi-latent attention, megatron.model.attention.mla).
 
 YaRN (Peng et al. 2023, as Megatron-core's YarnRotaryEmbedding and HF's rope_type "yarn"): each
 frequency f_i = base^(-2i/d) is blended between itself (extrapolation, fast-turning dimensions)

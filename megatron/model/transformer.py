@@ -1,8 +1,8 @@
 """One transformer layer: pre-norm attention and MLP with residuals (GPT-2), TP-split.
 
-Activations are batch-first, (b, s, h). Attention heads (megatron.model.attention, or
-megatron.model.mla) and the MLP's inner dimension are split over the TP group: query_key_value
-and dense_h_to_4h are column-parallel, dense and dense_4h_to_h row-parallel, so each layer does
+Activations are batch-first, (b, s, h). Attention heads (megatron.model.attention: standard or
+mla) and the MLP's inner dimension are split over the TP group: query_key_value and
+dense_h_to_4h are column-parallel, dense and dense_4h_to_h row-parallel, so each layer does
 one all-reduce forward and one backward per block.
 With sequence parallelism (`state.sequence_parallel`) a layer's input and output are this TP
 rank's (b, s/p, h): the column-parallel layers all-gather the sequence, the row-parallel ones
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.model.attention import KVCache, ParallelAttention
+from megatron.model.attention.masks import CAUSAL, AttentionMask
+from megatron.model.attention.mla import MultiLatentAttention
+from megatron.model.attention.standard import KVCache, ParallelAttention
 from megatron.model.context import BuildContext
-from megatron.model.masks import CAUSAL, AttentionMask
-from megatron.model.mla import MultiLatentAttention
 from megatron.model.mlp import ParallelMLP
 from megatron.model.norms import RMSNorm, build_norm
 from megatron.mpu import ParallelState, RNGStatesTracker

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adam import adam as adam_functional
 
-from megatron.model.attention import ParallelAttention
+from megatron.model.attention.standard import ParallelAttention
 from megatron.model.transformer import TransformerLayer
 from megatron.mpu.utils import group_rank, group_size
 from megatron.optim.elementwise import set_weight_decay

@@ -21,11 +21,11 @@ from megatron.data_parallel.ddp import wrap_data_parallel
 from megatron.data_parallel.fsdp2 import RESHARD_AFTER_FORWARD, FullyShardedModel
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
+from megatron.model.attention.sdpa import attention_report
 from megatron.model.context import BuildContext
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
 from megatron.model.parallelize import parallelize
-from megatron.model.sdpa import attention_report
 from megatron.mpu import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
 from megatron.optim.distributed import distributed_optimizer

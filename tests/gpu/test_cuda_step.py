@@ -18,9 +18,9 @@ from megatron.config.schema import KernelConfig, OptimizerConfig
 from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
+from megatron.model.attention.sdpa import attention_report
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
-from megatron.model.sdpa import attention_report
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, overlap, single_process_state
 from megatron.optim.plain import plain_optimizer

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from megatron.model.documents import document_attention_mask
+from megatron.model.attention.masks import document_attention_mask
 from megatron.mpu.context_parallel import _merge
 from megatron.mpu.ring_blocks import block_step
 

@@ -52,7 +52,7 @@ class RefBlock(nn.Module):
         self.up = nn.Linear(h, c.ffn_size, bias=bias)
         self.down = nn.Linear(c.ffn_size, h, bias=bias)
 
-    def attention(self, x):
+    def attention(self, x, keep=None):
         b, s, _ = x.shape
         q = self.q(x).view(b, s, self.nq, self.d).transpose(1, 2)
         k = self.k(x).view(b, s, self.ng, self.d).transpose(1, 2)
@@ -62,12 +62,13 @@ class RefBlock(nn.Module):
         rep = self.nq // self.ng  # query head i reads key/value head i // rep
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.d)
-        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+        # keep (b, 1, s, s): True where query i sees key j (default causal)
+        mask = torch.ones(s, s, dtype=torch.bool).triu(1) if keep is None else ~keep
         probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
         return self.o((probs @ v).transpose(1, 2).reshape(b, s, self.nq * self.d))
 
-    def forward(self, x):
-        x = x + self.attention(self.ln1(x))
+    def forward(self, x, keep=None):
+        x = x + self.attention(self.ln1(x), keep)
         y = self.ln2(x)
         inner = F.silu(self.gate(y)) * self.up(y) if self.c.swiglu else F.gelu(self.up(y))
         return x + self.down(inner)
@@ -93,12 +94,12 @@ class RefGPT(nn.Module):
         if not c.untie_embeddings_and_output_weights:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, tokens, labels=None):
+    def forward(self, tokens, labels=None, keep=None):
         x = self.wte(tokens)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(tokens.size(1)))
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x, keep)
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits

@@ -15,8 +15,8 @@ from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, KernelConfig, ModelConfig, RecomputeConfig
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.fused_kernels import FusedOps, select_ops
+from megatron.model.attention.masks import document_attention_mask
 from megatron.model.context import BuildContext
-from megatron.model.documents import document_attention_mask
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
 from megatron.training.data import DocumentMasking, collate, document_fields, get_batch

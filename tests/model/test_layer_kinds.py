@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from megatron.config.layer_pattern import ATTENTION_MLP, ATTENTION_MOE, layer_kinds
+from megatron.model.attention.masks import CAUSAL
 from megatron.model.context import BuildContext
 from megatron.model.layer_kinds import (
     attention_feed_forward,
     check_layer_kinds,
     register_layer_kind,
 )
-from megatron.model.masks import CAUSAL
 from megatron.model.mlp import ParallelMLP
 from megatron.model.moe import MoELayer
 from megatron.model.norms import build_norm

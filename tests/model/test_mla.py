@@ -12,8 +12,8 @@ import torch
 from megatron import mpu
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate
+from megatron.model.attention.mla import LatentKVCache, MultiLatentAttention, mla_rotary
 from megatron.model.context import BuildContext
-from megatron.model.mla import LatentKVCache, MultiLatentAttention, mla_rotary
 from megatron.model.rope import RotaryEmbedding
 from megatron.model.weights import init_weights
 from megatron.models.gpt.model import GPTModel

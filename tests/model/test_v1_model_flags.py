@@ -18,7 +18,7 @@ from megatron.config.cli import parse_args
 from megatron.config.rules import validate
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS
-from megatron.model.attention import KVCache, ParallelAttention
+from megatron.model.attention.standard import KVCache, ParallelAttention
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer

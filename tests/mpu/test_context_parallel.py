@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
-from megatron.model.attention import ParallelAttention
+from megatron.model.attention.standard import ParallelAttention
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer

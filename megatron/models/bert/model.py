@@ -3,8 +3,8 @@
 An ordered layer list like GPTModel's (embedding, N transformer layers, head), so one process,
 native pipeline stages and TP all run it, with the same per-name seeded init: one seed gives one
 model at any TP / PP size. Attention sees every non-padding key of its sample (a PADDING mask,
-model/masks.py), never the causal mask. Built from (ModelConfig, BuildContext) and the binary
-head switch; recompute and compile are applied afterwards (megatron.model.parallelize).
+model/attention/masks.py), never the causal mask. Built from (ModelConfig, BuildContext) and the
+binary head switch; recompute and compile are applied afterwards (megatron.model.parallelize).
 
 Layer order: with --apply-residual-connection-post-layernorm each layer is
 n1 = norm(x); h = n1 + attn(n1); n2 = norm(h); out = n2 + mlp(n2), and a final norm follows, which
@@ -26,9 +26,9 @@ from torch import nn
 
 from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
+from megatron.model.attention.masks import AttentionMask
 from megatron.model.context import BuildContext
 from megatron.model.layer_kinds import build_layer
-from megatron.model.masks import AttentionMask
 from megatron.model.norms import build_norm
 from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range

@@ -15,9 +15,9 @@ from torch import nn
 
 from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import MegatronConfig, ModelConfig
+from megatron.model.attention.masks import CAUSAL, AttentionMask
 from megatron.model.context import BuildContext
 from megatron.model.layer_kinds import attention_feed_forward
-from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.norms import build_norm
 from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer

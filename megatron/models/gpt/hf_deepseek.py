@@ -1,7 +1,7 @@
 """The DeepSeek-V3-shaped GPT to / from Hugging Face DeepseekV3ForCausalLM.
 
 What maps (ours -> `model.layers.<i>.` of DeepseekV3):
-  attention   multi-latent attention (megatron/model/mla.py already uses HF's names: q_proj or
+  attention   multi-latent attention (model/attention/mla.py already uses HF's names: q_proj or
               q_a_proj + q_a_layernorm + q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm,
               kv_b_proj; `dense` is o_proj). Our RoPE is rotate-half, DeepSeek's checkpoints
               interleave the RoPE rows: the export interleaves the q_pe and k_pe rows and says

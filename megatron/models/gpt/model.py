@@ -18,9 +18,9 @@ from torch import nn
 
 from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
+from megatron.model.attention.masks import CAUSAL, AttentionMask
 from megatron.model.context import BuildContext
 from megatron.model.layer_kinds import build_layer, check_layer_kinds
-from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.mtp import MultiTokenPrediction
 from megatron.model.norms import build_norm
 from megatron.model.recompute import LayerRecompute, run_layers
@@ -258,13 +258,16 @@ class GPTModel(nn.Module):
         kv_caches=None,
         document_ids=None,
         loss_mask=None,
+        attention_mask: AttentionMask | None = None,
     ):
         """`kv_caches`: {layer number: KVCache} for generation (see megatron.inference.engine).
         `position_ids`, `document_ids` (b, s): positions, and the document of each token that
         attention stays within (--reset-position-ids / --reset-attention-mask); every pipeline
         stage gets them (RoPE and the mask act in each layer). With context parallelism both are
         those of this rank's chunks. `loss_mask` (b, s): the tokens the loss keeps, which the
-        multi-token prediction losses (training only) roll with the labels."""
+        multi-token prediction losses (training only) roll with the labels. `attention_mask`:
+        a mask of any registered kind (model/attention/masks.py) in place of the one built
+        from `document_ids`."""
         if kv_caches is not None and self.state.sequence_parallel:
             raise ValueError("generation with a KV cache runs without --sequence-parallel")
         cp = self.state.cp_size
@@ -279,7 +282,7 @@ class GPTModel(nn.Module):
             for number, layer in zip(self.layer_numbers, self.run_order(), strict=True):
                 x = layer(x, position_ids, kv_caches[number])
         else:
-            mask = self._attention_mask(document_ids)
+            mask = self._attention_mask(document_ids) if attention_mask is None else attention_mask
             x = run_layers(
                 self.run_order(),
                 x,

@@ -21,8 +21,8 @@ from megatron import mpu
 from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate
+from megatron.model.attention.masks import CAUSAL
 from megatron.model.context import BuildContext
-from megatron.model.masks import CAUSAL
 from megatron.model.moe import moe_step_stats
 from megatron.model.mtp import set_mtp_loss_scale
 from megatron.models.gpt.hf import from_hf, to_hf

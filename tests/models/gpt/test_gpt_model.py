@@ -243,7 +243,7 @@ def test_compile_is_applied_to_the_chunk_as_a_module_keeping_its_names():
 
 
 def test_attention_mask_types_say_what_they_carry():
-    from megatron.model.masks import CAUSAL, AttentionMask, MaskType
+    from megatron.model.attention.masks import CAUSAL, AttentionMask, MaskType
 
     with pytest.raises(ValueError, match="causal attention mask takes no keep tensor"):
         AttentionMask(MaskType.CAUSAL, torch.ones(1, 1, 2, 2, dtype=torch.bool))

@@ -1,4 +1,5 @@
-"""--sdpa-backend: which kernel torch's scaled_dot_product_attention runs, and which it chose.
+"""Torch SDPA as an attention backend (every mask kind: is_causal, or the kind's boolean mask),
+and --sdpa-backend: which kernel torch's scaled_dot_product_attention runs, and which it chose.
 
 SDPA dispatches to one of four kernels: cuDNN attention, FlashAttention-2, memory-efficient
 (xformers-style) or the math reference. Each runs only some inputs (dtype, head size, mask,
@@ -14,7 +15,10 @@ import contextlib
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megatron.model.attention.backends import AttentionBackend, register_backend
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -36,6 +40,36 @@ def sdpa_context(backend: str):
             return contextlib.nullcontext()
         return sdpa_kernel([BACKENDS[name] for name in AUTO_ORDER], set_priority=True)
     return sdpa_kernel(BACKENDS[backend])
+
+
+class SdpaBackend(AttentionBackend):
+    """The default: torch SDPA under --sdpa-backend's kernel. PyTorch's flash kernels (CPU and
+    CUDA) take equal head sizes only, and would otherwise fall back to the score matrix: the
+    core pads narrower values (MLA's) with zeros, which changes no score and no output (as
+    Transformer Engine pads MLA for flash attention)."""
+
+    name, equal_head_dims = "sdpa", True
+
+    def accepts(self, core, mask, q):
+        return True
+
+    def attend(self, core, q, k, v, mask, p):
+        with sdpa_context(core.ops.sdpa_backend):  # --sdpa-backend's kernel
+            if not mask.type.causal:
+                keep = mask.dense(q.size(2), k.size(2), q.device)
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=keep, dropout_p=p, scale=core.softmax_scale
+                )
+            # one query at the end of the keys sees them all; SDPA's is_causal aligns the
+            # queries to the start: right only when s_q == s_k (KV caches with several new
+            # queries pass an ARBITRARY mask)
+            causal = q.size(2) > 1
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=causal, scale=core.softmax_scale
+            )
+
+
+SDPA = register_backend(SdpaBackend(), priority=100)
 
 
 def sdpa_choice(

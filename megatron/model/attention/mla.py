@@ -18,9 +18,9 @@ whole sequence, where k_pe enters the TP region through copy_to (backward: all-r
 
 Generation caches the normed latent c and the rotated k_pe (LatentKVCache:
 kv-lora-rank + qk-pos-emb-head-dim numbers per token and layer, replicated over TP) and
-expands them through kv_b_proj at each step. The core attention (SDPA, the ring under context
-parallelism with the values' head size padded, the unfused path, selective recompute) is
-ParallelAttention's.
+expands them through kv_b_proj at each step. The core attention (SDPA with the values' head
+size padded to the queries', the ring under context parallelism, the unfused path, selective
+recompute) is core.CoreAttention, which MLA builds and owns as standard attention does.
 """
 
 from __future__ import annotations
@@ -28,34 +28,29 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.model.attention import KVCache, ParallelAttention
+from megatron.model.attention.core import PrefixCache, SelfAttention
+from megatron.model.attention.masks import CAUSAL, AttentionMask
 from megatron.model.context import BuildContext
-from megatron.model.masks import CAUSAL, AttentionMask
 from megatron.model.norms import build_norm
 from megatron.model.rope import RotaryEmbedding, yarn_get_mscale, yarn_inv_freq
 from megatron.mpu import (
     ColumnParallelLinear,
-    RowParallelLinear,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     mark_sequence_parallel,
 )
-from megatron.mpu.context_parallel import RingAttention
 from megatron.mpu.utils import divide
 
 
-class LatentKVCache(KVCache):
+class LatentKVCache(PrefixCache):
     """One layer's compressed cache: the normed latent c (b, s, kv-lora-rank) as `k` and the
-    rotated k_pe (b, s, qk-pos-emb-head-dim) as `v` (KVCache's append and masks)."""
+    rotated k_pe (b, s, qk-pos-emb-head-dim) as `v`."""
 
     def __init__(self, batch: int, max_length: int, rank: int, pos_dim: int, device, dtype):
-        self.k = torch.empty(batch, max_length, rank, device=device, dtype=dtype)
-        self.v = torch.empty(batch, max_length, pos_dim, device=device, dtype=dtype)
-        self.length = 0
+        super().__init__((batch, max_length, rank), (batch, max_length, pos_dim), device, dtype)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
@@ -82,20 +77,17 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     return m * m / math.sqrt(cfg.qk_nope_dim + cfg.qk_rope_dim)
 
 
-class MultiLatentAttention(ParallelAttention):
+class MultiLatentAttention(SelfAttention):
     """Multi-latent self-attention over this rank's heads (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
-        nn.Module.__init__(self)
+        super().__init__(cfg, ctx, softmax_scale=mla_softmax_scale(cfg))
         state, device, dtype = ctx.state, ctx.device, ctx.dtype
-        self.rng_tracker, self.ops, self.qk_coeff = ctx.rng_tracker, ctx.ops, None
         self.tp_group, self.sequence_parallel = state.tp_group, state.sequence_parallel
-        self.heads = self.groups = divide(cfg.num_attention_heads, state.tp_size)
-        self.q_per_group, self.dropout, self.recompute_core = 1, cfg.attention_dropout, False
+        self.heads = divide(cfg.num_attention_heads, state.tp_size)
         self.nope, self.pos, self.v_dim = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_dim
         self.head_dim = self.nope + self.pos  # of queries and keys
         self.kv_rank, self.q_rank = cfg.kv_rank, cfg.q_lora_rank
-        self.softmax_scale = mla_softmax_scale(cfg)
         n, h = cfg.num_attention_heads, cfg.hidden_size
         kw = {
             "group": state.tp_group,
@@ -114,11 +106,7 @@ class MultiLatentAttention(ParallelAttention):
         self.kv_a_proj_with_mqa = self._replicated(h, self.kv_rank + self.pos, device, dtype)
         self.kv_a_layernorm = build_norm(cfg, device, dtype, self.kv_rank)
         self.kv_b_proj = ColumnParallelLinear(self.kv_rank, n * (self.nope + self.v_dim), **kw)
-        kw["bias"] = cfg.add_bias_linear
-        self.dense = RowParallelLinear(n * self.v_dim, h, input_is_parallel=True, **kw)
-        self.defer_bias = self.ops.bias_dropout_add == "compile" and cfg.add_bias_linear
-        fused = self.ops.attention_backend == "sdpa" and not self._fp32_softmax(dtype)
-        self.ring = RingAttention(state, "auto" if fused else "math") if state.cp_size > 1 else None
+        self._build_dense(cfg, ctx, n * self.v_dim)
         self.rotary = mla_rotary(cfg, device, dtype)
 
     def _replicated(self, inp: int, out: int, device, dtype) -> nn.Linear:
@@ -131,17 +119,6 @@ class MultiLatentAttention(ParallelAttention):
 
     def new_cache(self, batch: int, max_length: int, device, dtype) -> LatentKVCache:
         return LatentKVCache(batch, max_length, self.kv_rank, self.pos, device, dtype)
-
-    def _attend(self, q, k, v, mask: AttentionMask):
-        """The core attention with the values zero-padded to the query/key head size where
-        they are narrower (no score and no output changes): PyTorch's flash kernels (CPU and
-        CUDA) take equal head sizes only, and would otherwise fall back to the score matrix
-        (as Transformer Engine pads MLA for flash attention). The ring pads for itself."""
-        fused = self.ops.attention_backend == "sdpa" and not self._fp32_softmax(q.dtype)
-        if self.ring is not None or v.size(-1) >= q.size(-1) or not fused:
-            return super()._attend(q, k, v, mask)
-        v = F.pad(v, (0, q.size(-1) - v.size(-1)))
-        return super()._attend(q, k, v, mask)[..., : self.v_dim]
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """(b, s, heads, nope + pos) of the whole sequence (x may be a sequence slice)."""
@@ -180,18 +157,12 @@ class MultiLatentAttention(ParallelAttention):
         if kv_cache is not None:  # generation: the cached latents of the prefix as well
             if self.sequence_parallel:
                 raise ValueError("a KV cache needs the whole sequence: no --sequence-parallel")
-            past = kv_cache.length
-            latent, k_pe = kv_cache.append(latent, k_pe)  # (b, past + s, ...)
-            many = past and s > 1
-            mask = AttentionMask.arbitrary(kv_cache.causal_mask(past, s)) if many else CAUSAL
+            latent, k_pe, mask = kv_cache.extend(latent, k_pe, mask)  # (b, past + s, ...)
         kv = self.kv_b_proj(latent)  # (b, S, n (nope + v)), S: every key position
         kv = kv.view(b, kv.size(1), self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_pe = k_pe.unsqueeze(2).expand(-1, -1, self.heads, -1)  # one per token, every head
         k = torch.cat([k_nope, k_pe], dim=-1)  # (b, S, n, nope + pos)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n, s, d)
-        ctx = self._attend(q, k, v, mask)  # (b, n, s, v)
-        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.v_dim)
-        if self.defer_bias:  # --bias-dropout-fusion: the layer adds dense.bias in its fused op
-            return self.dense.forward_without_bias(ctx)
-        return self.dense(ctx)
+        ctx = self.core(q, k, v, mask)  # (b, n, s, v)
+        return self._output(ctx.transpose(1, 2).reshape(b, s, self.heads * self.v_dim))
