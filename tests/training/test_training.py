@@ -432,7 +432,11 @@ def test_a_final_evaluation_longer_than_the_training_is_announced(data_prefix):
         argv = flags(data_prefix, iters=2)
         argv[argv.index("--eval-iters") + 1] = str(eval_iters)
         out = io.StringIO()
-        pretrain(parse_args(argv, world_size=1, purpose="train-gpt"), out=out)
+        try:
+            pretrain(parse_args(argv, world_size=1, purpose="train-gpt"), out=out)
+        finally:  # a run in the test's own process: leave no process group to the next test
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         return out.getvalue()
 
     text = run(9)
