@@ -29,13 +29,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_optimizer import OptimizerConfig  # noqa: E402
 from megatron.data_parallel.ddp import DistributedDataParallel  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.moe import grouped_gemm_path  # noqa: E402
 from megatron.models.gpt.model import build_model  # noqa: E402
-from megatron.mpu import single_process_state  # noqa: E402
+from megatron.mpu.parallel_state import single_process_state  # noqa: E402
 from megatron.optim.plain import plain_optimizer  # noqa: E402
 from megatron.training.step import train_step  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402

@@ -22,13 +22,15 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_optimizer import OptimizerConfig  # noqa: E402
 from megatron.data_parallel.ddp import DistributedDataParallel  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.parallelize import parallelize  # noqa: E402
 from megatron.models.gpt.model import build_model  # noqa: E402
-from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
+from megatron.mpu.parallel_state import single_process_state  # noqa: E402
+from megatron.mpu.random import MODEL_PARALLEL_RNG, RNGStatesTracker  # noqa: E402
 from megatron.optim.plain import plain_optimizer  # noqa: E402
 from megatron.training.learning_rates import AnnealingLR  # noqa: E402
 from megatron.training.log import model_flops_per_sample, peak_tflops  # noqa: E402

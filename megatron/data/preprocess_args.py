@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.config.declare import add_section_args
-from megatron.config.schema import TokenizerConfig
+from megatron.config.schema_data import TokenizerConfig
 from megatron.data.preprocess_inputs import TXT_DOCUMENTS
 from megatron.data.preprocess_outputs import DATASET_IMPLS
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.fused_kernels import TORCH_OPS, FusedOps
-from megatron.mpu import ParallelState, RNGStatesTracker, single_process_state
+from megatron.mpu.parallel_state import ParallelState, single_process_state
+from megatron.mpu.random import RNGStatesTracker
 
 
 @dataclass(frozen=True)

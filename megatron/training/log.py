@@ -9,7 +9,8 @@ import textwrap
 
 import torch
 
-from megatron.config.schema import LoggingConfig, ModelConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_logging import LoggingConfig
 from megatron.planning import mla
 
 # Dense bf16/fp16 tensor-core peak of one device, TFLOP/s (for MFU when --peak-tflops is unset).

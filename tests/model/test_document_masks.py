@@ -12,7 +12,10 @@ import torch
 
 from megatron import mpu
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, KernelConfig, ModelConfig, RecomputeConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_kernels import KernelConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.fused_kernels import FusedOps, select_ops
 from megatron.model.attention.masks import document_attention_mask

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from megatron.mpu import overlap

@@ -33,8 +33,8 @@ from megatron.model.norms import build_norm
 from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.weights import init_weights
-from megatron.mpu import VocabParallelEmbedding, copy_to_tensor_model_parallel_region
-from megatron.mpu.layers import set_tensor_model_parallel_attributes
+from megatron.mpu.layers import VocabParallelEmbedding, set_tensor_model_parallel_attributes
+from megatron.mpu.mappings import copy_to_tensor_model_parallel_region
 
 NUM_TOKENTYPES = 2  # segment A / segment B
 

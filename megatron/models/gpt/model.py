@@ -27,15 +27,14 @@ from megatron.model.recompute import LayerRecompute, run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.transformer import split_dropout_rng
 from megatron.model.weights import init_weights
-from megatron.mpu import (
+from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
+from megatron.mpu.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tensor_model_parallel_region,
     gathered_linear,
-    sequence_slice,
+    local_linear,
 )
-from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
-from megatron.mpu.layers import local_linear
+from megatron.mpu.mappings import copy_to_tensor_model_parallel_region, sequence_slice
 from megatron.schedules.base import virtual_stage
 
 
