@@ -326,6 +326,9 @@ def initialize_model_parallel(
     if ep > 1:
         mine.update(_my_groups(rank, _expert_groups(grid, ep), timeout))
     pp_idx, dp_idx, cp_idx, tp_idx = (int(i[0]) for i in np.nonzero(grid == rank))
+    # each axis's ranks and group as ParallelState names them: tp_ranks, tp_group, ...
+    ranks = {f"{axis}_ranks": mine[axis][0] for axis in ("tp", "pp", "dp", "cp")}
+    groups = {f"{axis}_group": mine[axis][1] for axis in ("tp", "pp", "dp", "mp", "cp", "dp_cp")}
     return ParallelState(
         rank=rank,
         world_size=world,
@@ -335,14 +338,9 @@ def initialize_model_parallel(
         tp_rank=tp_idx,
         pp_rank=pp_idx,
         dp_rank=dp_idx,
-        tp_ranks=mine["tp"][0],
-        pp_ranks=mine["pp"][0],
-        dp_ranks=mine["dp"][0],
+        **ranks,
+        **groups,
         embedding_ranks=emb_ranks,
-        tp_group=mine["tp"][1],
-        pp_group=mine["pp"][1],
-        dp_group=mine["dp"][1],
-        mp_group=mine["mp"][1],
         embedding_group=emb_group,
         pp_up_group=directions.get("up"),
         pp_down_group=directions.get("down"),
@@ -351,9 +349,6 @@ def initialize_model_parallel(
         sequence_parallel=sequence_parallel,
         cp_size=cp,
         cp_rank=cp_idx,
-        cp_ranks=mine["cp"][0],
-        cp_group=mine["cp"][1],
-        dp_cp_group=mine["dp_cp"][1],
         tp_cp_group=mine["tp_cp"][1] if "tp_cp" in mine else None,
         ep_size=ep,
         ep_rank=(dp_idx * cp + cp_idx) % ep,

@@ -431,21 +431,27 @@ def test_planner_counts_expert_parameters_and_shards_their_state_over_dp_over_ep
     )
 
 
-def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
+def _moe_to_plan():
+    """A model with 8 experts for the planner, at a 64-sample global batch."""
     from megatron.config.schema import MegatronConfig
     from megatron.config.schema_optimizer import OptimizerConfig
     from megatron.config.schema_training import TrainingConfig
-    from megatron.planning.enumerate import Search, layouts, plans
-    from megatron.planning.memory import Layout, Training
-    from megatron.planning.timing import Hardware, step_time
 
-    cfg = MegatronConfig(
+    return MegatronConfig(
         model=ModelConfig(
             num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, num_experts=8
         ),
         training=TrainingConfig(global_batch_size=64),
         optimizer=OptimizerConfig(lr=1e-4),
     )
+
+
+def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
+    from megatron.planning.enumerate import Search, layouts, plans
+    from megatron.planning.memory import Layout, Training
+    from megatron.planning.timing import Hardware, step_time
+
+    cfg = _moe_to_plan()
     search = Search(8, 80, micro_batches=(1,), recompute=(None,), context_parallel=(1,))
     found, _ = layouts(cfg, search)
     assert {x.ep for x in found} == {1, 2, 4, 8}
@@ -461,20 +467,11 @@ def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
 def test_planner_takes_expert_parallelism_from_dp_x_cp():
     """With CP the planner offers EP sizes dividing DP x CP (an EP group may be the CP ranks of
     one replica) and shards the expert state over the DP x CP / EP ranks holding it."""
-    from megatron.config.schema import MegatronConfig
-    from megatron.config.schema_optimizer import OptimizerConfig
-    from megatron.config.schema_training import TrainingConfig
     from megatron.planning.enumerate import Search, layouts
     from megatron.planning.memory import Layout, Training, stage_expert_params, stage_params
     from megatron.planning.pipeline_memory import estimate_memory
 
-    cfg = MegatronConfig(
-        model=ModelConfig(
-            num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, num_experts=8
-        ),
-        training=TrainingConfig(global_batch_size=64),
-        optimizer=OptimizerConfig(lr=1e-4),
-    )
+    cfg = _moe_to_plan()
     search = Search(8, 80, micro_batches=(1,), recompute=(None,), context_parallel=(2,))
     found, refused = layouts(cfg, search)
     assert found and all(x.cp == 2 and (x.dp * x.cp) % x.ep == 0 for x in found), refused
