@@ -176,20 +176,26 @@ def measure(args, device, dtype):
             yield from data
 
     steps = {"ours": build_ours(cfg, device, dtype), "plain": build_plain(args, device, dtype)}
+    return cfg, median_step_times(steps, batches(), args.rounds, args.steps, device)
+
+
+def median_step_times(steps: dict, it, rounds: int, per_round: int, device) -> dict[str, float]:
+    """Seconds per step of each of `steps` (name -> step(batch iterator)), the median of
+    `rounds` rounds of `per_round` steps each, taken in turn after 3 warm-up steps each
+    (allocator, kernels)."""
     times = {name: [] for name in steps}
-    it = batches()
-    for step in steps.values():  # warm-up (allocator, kernels)
+    for step in steps.values():
         for _ in range(3):
             step(it)
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, step in steps.items():
-            for _ in range(args.steps):
+            for _ in range(per_round):
                 _sync(device)
                 t = time.perf_counter()
                 step(it)
                 _sync(device)
                 times[name].append(time.perf_counter() - t)
-    return cfg, {name: statistics.median(v) for name, v in times.items()}
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def main():
