@@ -13,15 +13,13 @@ HF / ours (>= 1 means ours is faster).
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.train_step import _sync, build_ours  # noqa: E402
+from bench.train_step import build_ours, median_step_times  # noqa: E402
 from megatron.config.schema import ModelConfig  # noqa: E402
 from megatron.models.bert import model as bert  # noqa: E402
 from megatron.models.bert.hf import hf_bert_config  # noqa: E402
@@ -102,20 +100,8 @@ def main():
         ),
         "hf": build_hf(cfg, device),
     }
-    times = {name: [] for name in steps}
-    it = _batches(args, device)
-    for step in steps.values():  # warm-up
-        for _ in range(3):
-            step(it)
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            for _ in range(args.steps):
-                _sync(device)
-                t = time.perf_counter()
-                step(it)
-                _sync(device)
-                times[name].append(time.perf_counter() - t)
-    ours, hf = (statistics.median(times[n]) for n in ("ours", "hf"))
+    times = median_step_times(steps, _batches(args, device), args.rounds, args.steps, device)
+    ours, hf = times["ours"], times["hf"]
     shape = f"L{args.layers} h{args.hidden} heads{args.heads} s{args.seq} b{args.batch}"
     print(f"BERT {shape} vocab {args.vocab} fp32 on {device.type}")
     print(f"  ours {1000 * ours:.1f} ms/step, HF BertForPreTraining {1000 * hf:.1f} ms/step")

@@ -23,7 +23,7 @@ from megatron.fused_kernels import triton_activations as acts
 from megatron.fused_kernels import triton_cross_entropy as xent
 from megatron.fused_kernels import triton_norms as norms
 from megatron.fused_kernels import triton_softmax as softmax
-from megatron.mpu import vocab_parallel_cross_entropy
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 
 EPS = 1e-5
 TRAFFIC = """\

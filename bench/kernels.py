@@ -164,7 +164,8 @@ def end_to_end(dtype, smoke: bool, with_liger: bool) -> list[tuple[str, float]]:
     import dataclasses
 
     from bench.train_step import build_ours
-    from megatron.config.schema import KernelConfig, ModelConfig
+    from megatron.config.schema import ModelConfig
+    from megatron.config.schema_kernels import KernelConfig
     from megatron.fused_kernels import select_ops
 
     layers, hidden, heads, seq, vocab, batch = (

@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron.data_parallel.ddp as ddp_module  # noqa: E402
 from megatron import mpu  # noqa: E402
-from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_optimizer import OptimizerConfig  # noqa: E402
 from megatron.data_parallel.ddp import DistributedDataParallel  # noqa: E402
 from megatron.data_parallel.fsdp2 import FullyShardedModel  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402

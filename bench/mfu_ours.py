@@ -26,7 +26,7 @@ from megatron.config.cli import build_parser, parse_args
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import Runtime, set_random_seeds
 from megatron.model.families import get_spec
-from megatron.mpu import single_process_state
+from megatron.mpu.parallel_state import single_process_state
 from megatron.training.loop import build_backend
 from megatron.training.timers import Timers
 

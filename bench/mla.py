@@ -30,7 +30,7 @@ from megatron.inference.engine import InferenceModel  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.memory import SavedActivations  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
-from megatron.mpu import single_process_state  # noqa: E402
+from megatron.mpu.parallel_state import single_process_state  # noqa: E402
 
 
 def _configs(a) -> tuple[ModelConfig, ModelConfig]:

@@ -29,13 +29,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_optimizer import OptimizerConfig  # noqa: E402
 from megatron.data_parallel.ddp import DistributedDataParallel  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.moe import grouped_gemm_path  # noqa: E402
 from megatron.models.gpt.model import build_model  # noqa: E402
-from megatron.mpu import single_process_state  # noqa: E402
+from megatron.mpu.parallel_state import single_process_state  # noqa: E402
 from megatron.optim.plain import plain_optimizer  # noqa: E402
 from megatron.training.step import train_step  # noqa: E402
 from megatron.training.timers import Timers  # noqa: E402
@@ -133,6 +134,19 @@ def load_balance(args, moe: ModelConfig, coeff: float) -> list[tuple[int, float,
     return rows
 
 
+def dense_fields(args) -> dict:
+    """The ModelConfig fields of the command line's model shape, dropout off."""
+    return dict(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
+        vocab_size=args.vocab,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (
@@ -146,15 +160,7 @@ def main(argv=None):
     p.add_argument("--no-balance", action="store_true", help="the step times only (part 1)")
     args = p.parse_args(argv)
     args.dtype = torch.bfloat16 if args.bf16 else torch.float32
-    base = dict(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        seq_length=args.seq,
-        vocab_size=args.vocab,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    base = dense_fields(args)
     moe = ModelConfig(
         **base,
         num_experts=args.experts,

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe import Trainer, _batch  # noqa: E402  (bench/moe.py, beside this script)
+from moe import Trainer, _batch, dense_fields  # noqa: E402  (bench/moe.py, beside this script)
 
 from megatron.config.schema import ModelConfig  # noqa: E402
 
@@ -71,13 +71,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.manual_seed(0)
     base = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        seq_length=args.seq,
-        vocab_size=args.vocab,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **dense_fields(args),
         num_experts=args.experts,
         moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.expert_ffn,

@@ -57,7 +57,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron import mpu  # noqa: E402
 from megatron.config.cli import parse_args  # noqa: E402
 from megatron.config.rules import validate  # noqa: E402
-from megatron.config.schema import ModelConfig, RecomputeConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_recompute import RecomputeConfig  # noqa: E402
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel  # noqa: E402

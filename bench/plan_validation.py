@@ -36,7 +36,9 @@ WORLD = 8
 
 
 def base_config():
-    from megatron.config.schema import MegatronConfig, ModelConfig, OptimizerConfig, TrainingConfig
+    from megatron.config.schema import MegatronConfig, ModelConfig
+    from megatron.config.schema_optimizer import OptimizerConfig
+    from megatron.config.schema_training import TrainingConfig
 
     model = ModelConfig(
         num_layers=8, hidden_size=64, num_attention_heads=8, seq_length=64, vocab_size=500

@@ -22,13 +22,15 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.config.schema import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_optimizer import OptimizerConfig  # noqa: E402
 from megatron.data_parallel.ddp import DistributedDataParallel  # noqa: E402
 from megatron.initialize import Runtime  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.model.parallelize import parallelize  # noqa: E402
 from megatron.models.gpt.model import build_model  # noqa: E402
-from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, single_process_state  # noqa: E402
+from megatron.mpu.parallel_state import single_process_state  # noqa: E402
+from megatron.mpu.random import MODEL_PARALLEL_RNG, RNGStatesTracker  # noqa: E402
 from megatron.optim.plain import plain_optimizer  # noqa: E402
 from megatron.training.learning_rates import AnnealingLR  # noqa: E402
 from megatron.training.log import model_flops_per_sample, peak_tflops  # noqa: E402
@@ -174,20 +176,26 @@ def measure(args, device, dtype):
             yield from data
 
     steps = {"ours": build_ours(cfg, device, dtype), "plain": build_plain(args, device, dtype)}
+    return cfg, median_step_times(steps, batches(), args.rounds, args.steps, device)
+
+
+def median_step_times(steps: dict, it, rounds: int, per_round: int, device) -> dict[str, float]:
+    """Seconds per step of each of `steps` (name -> step(batch iterator)), the median of
+    `rounds` rounds of `per_round` steps each, taken in turn after 3 warm-up steps each
+    (allocator, kernels)."""
     times = {name: [] for name in steps}
-    it = batches()
-    for step in steps.values():  # warm-up (allocator, kernels)
+    for step in steps.values():
         for _ in range(3):
             step(it)
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, step in steps.items():
-            for _ in range(args.steps):
+            for _ in range(per_round):
                 _sync(device)
                 t = time.perf_counter()
                 step(it)
                 _sync(device)
                 times[name].append(time.perf_counter() - t)
-    return cfg, {name: statistics.median(v) for name, v in times.items()}
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def main():

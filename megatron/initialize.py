@@ -22,11 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import MegatronConfig
 from megatron.config.schema_parallel import LAUNCHER_VARIABLES
 from megatron.heartbeat import Heartbeat
-from megatron.mpu import ParallelState, RNGStatesTracker, initialize_model_parallel
-from megatron.mpu.random import MODEL_PARALLEL_RNG, model_parallel_seed
+from megatron.mpu.parallel_state import ParallelState, initialize_model_parallel
+from megatron.mpu.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,4 @@
+import importlib.util
 import inspect
 import multiprocessing.process
 import os
@@ -19,6 +20,12 @@ _INTERPRET = {"set": False}
 
 
 def pytest_collection_finish(session):
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+        # Triton decides at its first import whether its own language helpers (tl.max, tl.sum:
+        # @triton.jit functions) are interpreted. Imported later with the variable taken out
+        # (torch.compile imports it), they would be compiled-mode helpers that no interpreted
+        # kernel can call ("Cannot call @triton.jit'd outside of the scope of a kernel").
+        import triton.language  # noqa: F401
     _INTERPRET["set"] = os.environ.pop("TRITON_INTERPRET", None) == "1"
 
 

@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.path.pardir))
 
 from megatron.config.cli import build_parser, resolve  # noqa: E402
-from megatron.config.schema import ConfigError  # noqa: E402
+from megatron.config.declare import ConfigError  # noqa: E402
 from megatron.planning.auto import given_schedule  # noqa: E402
 from megatron.planning.enumerate import Search, best_plan  # noqa: E402
 from megatron.planning.memory import Device, GiB  # noqa: E402

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.mpu import ParallelState
 from megatron.mpu.expert_shards import cut_whole, etp_split, whole_shape
+from megatron.mpu.parallel_state import ParallelState
 from megatron.mpu.utils import group_size, unshard
 
 

@@ -43,7 +43,7 @@ from megatron.config.schema import ModelConfig, model_config_from_saved
 from megatron.model import families as registry
 from megatron.model.stages import stage_layer_range
 from megatron.model.weights import WORD_EMBEDDINGS
-from megatron.mpu import partition_of
+from megatron.mpu.layers import partition_of
 from megatron.mpu.utils import shard, unshard
 
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"

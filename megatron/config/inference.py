@@ -21,16 +21,11 @@ import dataclasses
 import functools
 
 from megatron.config.cli import unrecognized
-from megatron.config.declare import Tree
-from megatron.config.schema import (
-    ConfigError,
-    DistributedConfig,
-    MegatronConfig,
-    ModelConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    TokenizerConfig,
-)
+from megatron.config.declare import ConfigError, Tree
+from megatron.config.schema import MegatronConfig, ModelConfig, PrecisionConfig
+from megatron.config.schema_data import TokenizerConfig
+from megatron.config.schema_distributed import DistributedConfig
+from megatron.config.schema_parallel import ParallelConfig
 
 _LAYOUT = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size")
 _RUNTIME = (

@@ -13,7 +13,8 @@ AnnealingLR (megatron/training/learning_rates.py). Nothing here re-checks the fl
 
 from __future__ import annotations
 
-from megatron.config.schema import OptimizerConfig, TrainingConfig
+from megatron.config.schema_optimizer import OptimizerConfig
+from megatron.config.schema_training import TrainingConfig
 
 __all__ = ["schedule_steps", "scheduler_steps"]
 

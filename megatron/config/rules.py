@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.config.compat_v1 import V1_DEFAULT_TOKENIZER, validate_compat
-from megatron.config.declare import fail
+from megatron.config.declare import ConfigError, fail
 from megatron.config.deepspeed_json import build_ds_config, with_ds_json
 from megatron.config.rules_bert import refuse_bert_settings, validate_bert
 from megatron.config.rules_compute import validate_compute
@@ -33,11 +33,7 @@ from megatron.config.rules_mtp import validate_mtp
 from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.rules_pipeline import validate_pipeline_schedule
 from megatron.config.rules_training import validate_batch, validate_training
-from megatron.config.schema import (
-    ConfigError,
-    MegatronConfig,
-    ModelConfig,
-)
+from megatron.config.schema import MegatronConfig, ModelConfig
 
 
 def validate_model(m: ModelConfig, tp: int = 1) -> None:

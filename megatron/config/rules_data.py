@@ -3,9 +3,8 @@ setting's own limits are declared on it (megatron.config.schema)."""
 
 from __future__ import annotations
 
-from megatron.config.declare import fail
-from megatron.config.schema import ConfigError, DataConfig
-from megatron.config.schema_data import parse_blend, prefix_names_a_file, split_weights
+from megatron.config.declare import ConfigError, fail
+from megatron.config.schema_data import DataConfig, parse_blend, prefix_names_a_file, split_weights
 from megatron.config.schema_data_corpora import parse_corpus_list
 
 

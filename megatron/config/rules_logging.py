@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from megatron.config.declare import fail
-from megatron.config.schema import LoggingConfig
+from megatron.config.schema_logging import LoggingConfig
 
 
 def validate_logging(lg: LoggingConfig, world_size: int, deepspeed: bool = False) -> None:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron.config.declare import fail
-from megatron.config.schema import DistributedConfig, MegatronConfig
+from megatron.config.schema import MegatronConfig
+from megatron.config.schema_distributed import DistributedConfig
 
 
 def _default_bucket(d: DistributedConfig) -> int:

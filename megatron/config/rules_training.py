@@ -8,7 +8,9 @@ from megatron.config.declare import check_requires, fail
 from megatron.config.lr_schedule import schedule_steps
 from megatron.config.optimizers import get_kind
 from megatron.config.rules_logging import validate_logging
-from megatron.config.schema import MegatronConfig, OptimizerConfig, TrainingConfig
+from megatron.config.schema import MegatronConfig
+from megatron.config.schema_optimizer import OptimizerConfig
+from megatron.config.schema_training import TrainingConfig
 from megatron.config.tokenizer_files import validate_vocab
 
 

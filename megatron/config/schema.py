@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from megatron.config.declare import ConfigError, Section, setting
 from megatron.config.schema_checkpoint import CheckpointConfig
-from megatron.config.schema_data import DataConfig, TokenizerConfig
+from megatron.config.schema_data import DataConfig
 from megatron.config.schema_deepspeed import DeepSpeedConfig
 from megatron.config.schema_distributed import DistributedConfig
 from megatron.config.schema_kernels import KernelConfig
@@ -35,25 +35,9 @@ if TYPE_CHECKING:  # torch is imported lazily: the data tools start faster witho
     import torch
 
 # Every other section is declared in its own file, schema_<section>.py (the model section's MoE
-# and MLA fields in schema_model_moe.py and schema_model_mla.py), and belongs to this one tree.
-__all__ = [
-    "CheckpointConfig",
-    "ConfigError",
-    "DataConfig",
-    "DeepSpeedConfig",
-    "DistributedConfig",
-    "KernelConfig",
-    "LoggingConfig",
-    "MegatronConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelConfig",
-    "PrecisionConfig",
-    "RecomputeConfig",
-    "TokenizerConfig",
-    "TrainingConfig",
-    "model_config_from_saved",
-]
+# and MLA fields in schema_model_moe.py and schema_model_mla.py), and belongs to this one tree;
+# a section is imported from its own file (ConfigError from config.declare), not from here.
+__all__ = ["MegatronConfig", "ModelConfig", "PrecisionConfig", "model_config_from_saved"]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The checkpoint section of the config tree (`checkpoint.*`): --save, --load and how.
-Part of megatron.config.schema (import them from there); declared the same way, with
+Part of megatron.config.schema (import them from here); declared the same way, with
 `setting(default, help, *aliases, ...)`.
 """
 

@@ -1,5 +1,5 @@
 """The deepspeed section of the config tree (`deepspeed.*`): --deepspeed and the classic Megatron-
-DeepSpeed flags. Part of megatron.config.schema (import them from there); declared the same way,
+DeepSpeed flags. Part of megatron.config.schema (import them from here); declared the same way,
 with `setting(default, help, *aliases, ...)`.
 """
 

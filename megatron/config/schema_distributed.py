@@ -1,6 +1,6 @@
 """The distributed section of the config tree (`distributed.*`): the collective backend and how the
 data-parallel ranks reduce or shard gradients (our DDP buckets, torch DDP, FSDP2). Part of
-megatron.config.schema (import them from there); declared the same way, with
+megatron.config.schema (import them from here); declared the same way, with
 `setting(default, help, *aliases, ...)`.
 Rules between settings: megatron.config.rules (and its rules_fsdp2 module).
 """

@@ -1,6 +1,6 @@
 """The kernels section of the config tree (`kernels.*`): fused kernels, attention backends and
 compilation. Run-time switches that change no weight, so never saved in checkpoints. Part of
-megatron.config.schema (import them from there); declared the same way, with
+megatron.config.schema (import them from here); declared the same way, with
 `setting(default, help, *aliases, ...)`."""
 
 from __future__ import annotations

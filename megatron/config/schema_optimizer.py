@@ -1,5 +1,5 @@
 """The optimizer section of the config tree (`optimizer.*`): the optimizer, its learning-rate
-schedule, loss scaling, clipping. Part of megatron.config.schema (import them from there);
+schedule, loss scaling, clipping. Part of megatron.config.schema (import them from here);
 declared the same way, with `setting(default, help, *aliases, ...)`.
 """
 

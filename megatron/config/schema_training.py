@@ -1,5 +1,5 @@
 """The training section of the config tree (`training.*`): iterations, batch sizes, evaluation, the
-data loader. Part of megatron.config.schema (import them from there); declared the same way,
+data loader. Part of megatron.config.schema (import them from here); declared the same way,
 with `setting(default, help, *aliases, ...)`.
 """
 

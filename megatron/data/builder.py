@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron.config.schema import DataConfig
-from megatron.config.schema_data import parse_blend, split_weights
+from megatron.config.schema_data import DataConfig, parse_blend, split_weights
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.dataset_impl import make_indexed_dataset
 from megatron.data.dataset_pair import sidecar_path, tokenizer_mismatch

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from megatron.config.schema import ConfigError
+from megatron.config.declare import ConfigError
 from megatron.config.schema_data_corpora import CORPORA_ENV, parse_corpus_list
 
 

@@ -29,7 +29,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron.config.schema import ConfigError, DataConfig, TokenizerConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema_data import DataConfig, TokenizerConfig
 from megatron.data import preprocess
 from megatron.data.corpora import Corpus, resolve_corpora
 from megatron.data.indexed_dataset import MMapIndexedDataset, dataset_exists

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron.config.declare import section_from_args
-from megatron.config.schema import TokenizerConfig
+from megatron.config.schema_data import TokenizerConfig
 from megatron.data.dataset_pair import tokenizer_fingerprint
 from megatron.data.preprocess_args import build_parser
 from megatron.data.preprocess_inputs import (

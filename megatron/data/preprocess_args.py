@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.config.declare import add_section_args
-from megatron.config.schema import TokenizerConfig
+from megatron.config.schema_data import TokenizerConfig
 from megatron.data.preprocess_inputs import TXT_DOCUMENTS
 from megatron.data.preprocess_outputs import DATASET_IMPLS
 
@@ -16,7 +16,15 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=DESCRIPTION, allow_abbrev=False)
-    g = p.add_argument_group("input")
+    _add_input_args(p.add_argument_group("input"))
+    add_section_args(p, TokenizerConfig, title="tokenizer")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocab of the NullTokenizer")
+    _add_output_args(p.add_argument_group("output"))
+    _add_runtime_args(p.add_argument_group("runtime"))
+    return p
+
+
+def _add_input_args(g) -> None:
     g.add_argument(
         "--input",
         nargs="+",
@@ -69,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="malformed JSON, non-UTF-8 bytes, missing keys: fail (default; exit 1 and "
         "write nothing) or skip (leave them out and list where they were)",
     )
-    add_section_args(p, TokenizerConfig, title="tokenizer")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocab of the NullTokenizer")
-    g = p.add_argument_group("output")
+
+
+def _add_output_args(g) -> None:
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     g.add_argument(
         "--dataset-impl",
@@ -85,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="append the end-of-document token to every document",
     )
-    g = p.add_argument_group("runtime")
+
+
+def _add_runtime_args(g) -> None:
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     g.add_argument(
         "--log-interval",
@@ -99,4 +109,3 @@ def build_parser() -> argparse.ArgumentParser:
         default=1 << 20,
         help="input bytes per worker task (default 1 MiB)",
     )
-    return p

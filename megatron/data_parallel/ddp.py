@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config.schema import DistributedConfig
+from megatron.config.schema_distributed import DistributedConfig
 from megatron.mpu.utils import group_rank, group_size
 
 # Shard sizes are multiples of this (elements): aligned shard starts for the collectives.

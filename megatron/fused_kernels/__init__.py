@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.config.schema import KernelConfig
+from megatron.config.schema_kernels import KernelConfig
 from megatron.fused_kernels import liger, reference
 
 
@@ -156,7 +156,7 @@ class FusedOps:
             # Under --torch-compile the kernel runs between graphs, as it is (one graph break
             # at the end of the chunk), not traced into them.
             return _outside_graphs(vocab_parallel_cross_entropy_fused)(logits, target, group)
-        from megatron.mpu import vocab_parallel_cross_entropy
+        from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(
             logits, target, group, upcast=not self.fp16_lm_cross_entropy

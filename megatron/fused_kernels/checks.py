@@ -78,7 +78,7 @@ def _swiglu(device, kernel=None):
 
 def _cross_entropy(device):
     from megatron.fused_kernels.triton_cross_entropy import vocab_parallel_cross_entropy_fused
-    from megatron.mpu import vocab_parallel_cross_entropy
+    from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 
     logits, target = torch.randn(4, 50, device=device), torch.randint(0, 50, (4,), device=device)
     return _compare(

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from megatron.model.attention.mla import LatentKVCache
 from megatron.model.attention.standard import KVCache
-from megatron.mpu import ParallelState, gather_from_tensor_model_parallel_region
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
+from megatron.mpu.parallel_state import ParallelState
 
 
 class InferenceModel:

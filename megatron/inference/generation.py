@@ -129,7 +129,7 @@ def generate_greedy(
     max_length: int | None = None,
 ) -> list[int]:
     """Greedy continuation of one prompt with a causal language model on one pipeline stage."""
-    from megatron.mpu import single_process_state
+    from megatron.mpu.parallel_state import single_process_state
 
     state = model.state if tp_group is not None else single_process_state()
     engine = InferenceModel([model], state, model.cfg.vocab_size, model.cfg.hidden_size)

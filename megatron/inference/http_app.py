@@ -237,10 +237,18 @@ def build_app(
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)
     app.add_middleware(RequestLog, write=log)  # outermost: a 401 is logged too
+    _add_megatron_routes(app, scheduler, model, model_name, limits)
+    _add_openai_routes(app, scheduler, model, model_name, limits, template)
+    return app
+
+
+_BUSY = {"Retry-After": "2"}
+_CLOSE = {"Connection": "close"}  # after a 408 / 413 the rest of the body is not wanted
+
+
+def _add_megatron_routes(app: FastAPI, scheduler: Scheduler, model, model_name, limits) -> None:
+    """/health, /v1/models and Megatron's own PUT /api."""
     tokenizer = model.tokenizer
-    vocab = model.engine.vocab_size
-    busy = {"Retry-After": "2"}
-    close = {"Connection": "close"}  # after a 408 / 413 the rest of the body is not wanted
 
     @app.get("/health")
     async def health():
@@ -261,11 +269,11 @@ def build_app(
             await asyncio.to_thread(check_length, req, tokenizer, model.max_positions)
             result = await _wait(request, scheduler.submit("generate", req))
         except _Unread as e:
-            return _megatron_error(e.status, _noted(request, e), close)
+            return _megatron_error(e.status, _noted(request, e), _CLOSE)
         except BadRequest as e:
             return _megatron_error(400, _noted(request, e))
         except Busy as e:
-            return _megatron_error(503, _noted(request, f"{e}; retry in a few seconds"), busy)
+            return _megatron_error(503, _noted(request, f"{e}; retry in a few seconds"), _BUSY)
         except Exception as e:  # noqa: BLE001 - answer this client, keep serving the rest
             print(f"[server] generation failed: {e!r}", file=sys.stderr)
             return _megatron_error(500, _noted(request, f"generation failed: {e}"))
@@ -273,6 +281,14 @@ def build_app(
             return JSONResponse({}, 499)
         note_tokens(request, None, sum(len(t) for t in result["tokens"]))
         return JSONResponse(result)
+
+
+def _add_openai_routes(
+    app: FastAPI, scheduler: Scheduler, model, model_name, limits, template
+) -> None:
+    """/v1/completions and /v1/chat/completions (openai_api, chat)."""
+    tokenizer = model.tokenizer
+    vocab = model.engine.vocab_size
 
     async def openai_route(request: Request, parse, respond, chunks_of, what: str):
         """/v1/completions and /v1/chat/completions: `parse` (bytes -> completion_args' dict),
@@ -293,11 +309,13 @@ def build_app(
             _note_usage(request, args, results)
             return respond(args, results, tokenizer)
         except _Unread as e:
-            return _openai_error(e.status, _noted(request, e), headers=close)
+            return _openai_error(e.status, _noted(request, e), headers=_CLOSE)
         except openai_api.FieldError as e:
             return _openai_error(400, _noted(request, e), e.field)
         except Busy as e:
-            return _openai_error(503, _noted(request, f"{e}; retry in a few seconds"), headers=busy)
+            return _openai_error(
+                503, _noted(request, f"{e}; retry in a few seconds"), headers=_BUSY
+            )
         except Exception as e:  # noqa: BLE001 - answer this client, keep serving the rest
             print(f"[server] {what} failed: {e!r}", file=sys.stderr)
             return _openai_error(500, _noted(request, f"{what} failed: {e}"))
@@ -320,5 +338,3 @@ def build_app(
         return await openai_route(
             request, parse, chat.chat_response, chat.chat_chunks, "chat completion"
         )
-
-    return app

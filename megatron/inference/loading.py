@@ -7,7 +7,9 @@ import dataclasses
 
 from megatron.checkpoint.reading import load_shard, resolve_load_iteration
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import KernelConfig, TokenizerConfig, model_config_from_saved
+from megatron.config.schema import model_config_from_saved
+from megatron.config.schema_data import TokenizerConfig
+from megatron.config.schema_kernels import KernelConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.fused_kernels import TORCH_OPS, select_ops
 from megatron.model import families as registry

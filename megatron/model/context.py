@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.fused_kernels import TORCH_OPS, FusedOps
-from megatron.mpu import ParallelState, RNGStatesTracker, single_process_state
+from megatron.mpu.parallel_state import ParallelState, single_process_state
+from megatron.mpu.random import RNGStatesTracker
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,26 @@ class BuildContext:
     def __post_init__(self):
         if self.ops is None:  # "no kernel choice": plain torch
             object.__setattr__(self, "ops", TORCH_OPS)
+
+
+def start_chunk(model, cfg, ctx: BuildContext | None, pre_process: bool, post_process: bool):
+    """What a family's model chunk sets first: its config, the context's process groups, RNG
+    tracker and kernels, which ends of the pipeline it holds, and the recompute slot
+    megatron.model.parallelize fills (a LayerRecompute). Returns the context."""
+    ctx = ctx or BuildContext()
+    model.cfg, model.state, model.rng_tracker, model.ops = cfg, ctx.state, ctx.rng_tracker, ctx.ops
+    model.layer_recompute = None
+    model.pre_process, model.post_process = pre_process, post_process
+    return ctx
+
+
+def chunk_embedding(make, cfg, ctx: BuildContext, pre_process: bool, needed: bool):
+    """The chunk's embedding (`make(cfg, ctx, word_only=...)`), or None where not `needed`: the
+    whole one on the first stage, the word table alone on a later stage that reads it (a tied
+    head, MTP), marked shared there so that norms count it once."""
+    if not needed:
+        return None
+    embedding = make(cfg, ctx, word_only=not pre_process)
+    if not pre_process:
+        embedding.word_embeddings.weight.shared = True
+    return embedding

@@ -15,9 +15,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from megatron.config.schema import ConfigError, PrecisionConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import PrecisionConfig
 from megatron.model.transformer import TransformerLayer
-from megatron.mpu import ColumnParallelLinear, RowParallelLinear
 from megatron.mpu.fp8 import (
     ALIGNMENT,
     Float8Matmul,
@@ -25,6 +25,7 @@ from megatron.mpu.fp8 import (
     emulation_requested,
     import_torchao_float8,
 )
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclasses.dataclass

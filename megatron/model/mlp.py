@@ -15,7 +15,7 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
-from megatron.mpu import ColumnParallelLinear, RowParallelLinear
+from megatron.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(nn.Module):

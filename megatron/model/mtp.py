@@ -33,8 +33,9 @@ from megatron.model.context import BuildContext
 from megatron.model.layer_kinds import build_layer
 from megatron.model.norms import build_norm
 from megatron.model.recompute import run_layers
-from megatron.mpu import ColumnParallelLinear, scatter_to_sequence_parallel_region
 from megatron.mpu.context_parallel import context_parallel_slice, context_parallel_unslice
+from megatron.mpu.layers import ColumnParallelLinear
+from megatron.mpu.mappings import scatter_to_sequence_parallel_region
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -23,14 +23,16 @@ from collections.abc import Callable
 
 from torch import nn
 
-from megatron.config.schema import PrecisionConfig, RecomputeConfig
+from megatron.config.schema import PrecisionConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.model.attention.core import CoreAttention
 from megatron.model.fp8 import apply_fp8
 from megatron.model.moe import MoELayer
 from megatron.model.norms import NORM_TYPES
 from megatron.model.recompute import LayerRecompute
 from megatron.model.stages import ModelChunks
-from megatron.mpu import ParallelState, mark_sequence_parallel
+from megatron.mpu.layers import mark_sequence_parallel
+from megatron.mpu.parallel_state import ParallelState
 
 POSITION_TABLE = "position_embeddings.weight"
 

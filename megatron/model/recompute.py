@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron.mpu import checkpoint
+from megatron.mpu.random import checkpoint
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from megatron.model.attention.standard import KVCache, ParallelAttention
 from megatron.model.context import BuildContext
 from megatron.model.mlp import ParallelMLP
 from megatron.model.norms import RMSNorm, build_norm
-from megatron.mpu import ParallelState, RNGStatesTracker
+from megatron.mpu.parallel_state import ParallelState
+from megatron.mpu.random import RNGStatesTracker
 
 
 def build_attention(cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):

@@ -15,8 +15,9 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig
 from megatron.model.norms import NORM_TYPES
-from megatron.mpu import ParallelState, copy_full_into_param
 from megatron.mpu.expert_shards import cut_whole, whole_shape
+from megatron.mpu.layers import copy_full_into_param
+from megatron.mpu.parallel_state import ParallelState
 
 # Output projections of residual branches get std / sqrt(2 x num_layers) (GPT-2's scaled init).
 _SCALED_INIT_SUFFIXES = (

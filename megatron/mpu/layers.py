@@ -175,6 +175,16 @@ def gathered_linear(
     return _GatheredLinear.apply(x, weight, bias, group, fp8)
 
 
+def _add_sharded_weight(layer, shape, dim, stride, init_method, group, kw) -> None:
+    """A parallel linear's weight A (output_size x input_size), this rank's `shape` slice of it
+    along `dim`, initialized as the whole matrix would be, and the slots its forward reads."""
+    layer.fp8 = None  # a Float8Matmul: float8 GEMMs (megatron.model.fp8.apply_fp8)
+    layer.weight_grad_split = None  # a WeightGradSplit: dL/dA for a later W (module doc)
+    layer.weight = nn.Parameter(torch.empty(*shape, **kw))
+    set_tensor_model_parallel_attributes(layer.weight, True, dim, stride)
+    _init_param(layer.weight, (layer.output_size, layer.input_size), init_method, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A split along its output dimension: A = [A_1, ..., A_p], rank i holds A_i.
 
@@ -203,13 +213,9 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
-        self.fp8 = None  # a Float8Matmul: float8 GEMMs (megatron.model.fp8.apply_fp8)
-        self.weight_grad_split = None  # a WeightGradSplit: dL/dA for a later W (module doc)
         local = divide(output_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(local, input_size, **kw))
-        set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-        _init_param(self.weight, (output_size, input_size), init_method, group)
+        _add_sharded_weight(self, (local, input_size), 0, stride, init_method, group, kw)
         if bias:
             self.bias = nn.Parameter(torch.zeros(local, **kw))
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -263,13 +269,9 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel = group, input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
-        self.fp8 = None  # a Float8Matmul: float8 GEMMs (megatron.model.fp8.apply_fp8)
-        self.weight_grad_split = None  # a WeightGradSplit: dL/dA for a later W (module doc)
         local = divide(input_size, group_size(group))
         kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(output_size, local, **kw))
-        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
-        _init_param(self.weight, (output_size, input_size), init_method, group)
+        _add_sharded_weight(self, (output_size, local), 1, 1, init_method, group, kw)
         if bias:
             # The bias is added once, after the reduce, so every rank holds all of it.
             self.bias = nn.Parameter(torch.zeros(output_size, **kw))

@@ -233,6 +233,57 @@ def _embedding_ranks(pp_ranks: tuple[int, ...], pipeline_v: bool = False) -> tup
     return (pp_ranks[0],) if len(pp_ranks) == 1 or pipeline_v else (pp_ranks[0], pp_ranks[-1])
 
 
+def _my_groups(
+    rank: int, groups_by_axis: dict, timeout
+) -> dict[str, tuple[tuple[int, ...], object]]:
+    """Create every group of every axis in order (all ranks together); keep the ones holding
+    `rank`: axis -> (its ranks, the group)."""
+    mine = {}
+    for axis, groups in groups_by_axis.items():
+        for ranks in groups:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                mine[axis] = (ranks, group)
+    return mine
+
+
+def _embedding_group(grid, rank: int, pipeline_v: bool, timeout):
+    """This rank's embedding ranks and, where it holds the embedding on more than one stage,
+    the group that ties the copies."""
+    emb_ranks: tuple[int, ...] = ()
+    emb_group = None
+    for ranks in _groups_along(grid, "pp"):
+        e = _embedding_ranks(ranks, pipeline_v)
+        group = dist.new_group(list(e), timeout=timeout)
+        if rank in ranks:
+            emb_ranks = e
+            emb_group = group if rank in e and len(e) > 1 else None
+    return emb_ranks, emb_group
+
+
+def _direction_groups(grid, rank: int, timeout) -> dict[str, object]:
+    """One pipeline group per direction ("up", "down"): see ParallelState.pp_up_group."""
+    directions: dict[str, object] = {}
+    for ranks in _groups_along(grid, "pp"):
+        for direction in ("up", "down"):
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                directions[direction] = group
+    return directions
+
+
+def _check_expert_sizes(etp: int, tp: int, ep: int, dp: int, cp: int) -> None:
+    if etp not in (1, tp):
+        raise ValueError(
+            f"expert-tensor-parallel size {etp} is neither 1 nor the tensor-parallel size {tp}"
+        )
+    if (dp * cp) % ep:
+        raise ValueError(
+            f"expert-parallel size {ep} does not divide the data-parallel x context-parallel "
+            f"size {dp} x {cp}"
+        )
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -262,49 +313,22 @@ def initialize_model_parallel(
     world, rank = dist.get_world_size(), dist.get_rank()
     cp = context_parallel_size
     grid = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size, cp)
-    mine: dict[str, tuple[tuple[int, ...], object]] = {}
     axes = ["tp", "dp", "pp", "mp", "cp", "dp_cp"]
     if cp > 1 and tensor_model_parallel_size > 1:  # else it is the CP or the TP group
         axes.append("tp_cp")
-    for axis in axes:
-        for ranks in _groups_along(grid, axis):
-            group = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
-                mine[axis] = (ranks, group)
-    emb_ranks: tuple[int, ...] = ()
-    emb_group = None
-    for ranks in _groups_along(grid, "pp"):
-        e = _embedding_ranks(ranks, pipeline_v)
-        group = dist.new_group(list(e), timeout=timeout)
-        if rank in ranks:
-            emb_ranks = e
-            emb_group = group if rank in e and len(e) > 1 else None
+    mine = _my_groups(rank, {axis: _groups_along(grid, axis) for axis in axes}, timeout)
+    emb_ranks, emb_group = _embedding_group(grid, rank, pipeline_v, timeout)
     directions: dict[str, object] = {}
     if pipeline_model_parallel_size > 1:
-        for ranks in _groups_along(grid, "pp"):
-            for direction in ("up", "down"):
-                group = dist.new_group(list(ranks), timeout=timeout)
-                if rank in ranks:
-                    directions[direction] = group
-    etp = expert_tensor_parallel_size
-    if etp not in (1, tensor_model_parallel_size):
-        raise ValueError(
-            f"expert-tensor-parallel size {etp} is neither 1 nor the tensor-parallel size "
-            f"{tensor_model_parallel_size}"
-        )
-    ep = expert_model_parallel_size
-    if (grid.shape[1] * cp) % ep:
-        raise ValueError(
-            f"expert-parallel size {ep} does not divide the data-parallel x context-parallel "
-            f"size {grid.shape[1]} x {cp}"
-        )
+        directions = _direction_groups(grid, rank, timeout)
+    etp, ep = expert_tensor_parallel_size, expert_model_parallel_size
+    _check_expert_sizes(etp, tensor_model_parallel_size, ep, grid.shape[1], cp)
     if ep > 1:
-        for axis, groups in _expert_groups(grid, ep).items():
-            for ranks in groups:
-                group = dist.new_group(list(ranks), timeout=timeout)
-                if rank in ranks:
-                    mine[axis] = (ranks, group)
+        mine.update(_my_groups(rank, _expert_groups(grid, ep), timeout))
     pp_idx, dp_idx, cp_idx, tp_idx = (int(i[0]) for i in np.nonzero(grid == rank))
+    # each axis's ranks and group as ParallelState names them: tp_ranks, tp_group, ...
+    ranks = {f"{axis}_ranks": mine[axis][0] for axis in ("tp", "pp", "dp", "cp")}
+    groups = {f"{axis}_group": mine[axis][1] for axis in ("tp", "pp", "dp", "mp", "cp", "dp_cp")}
     return ParallelState(
         rank=rank,
         world_size=world,
@@ -314,14 +338,9 @@ def initialize_model_parallel(
         tp_rank=tp_idx,
         pp_rank=pp_idx,
         dp_rank=dp_idx,
-        tp_ranks=mine["tp"][0],
-        pp_ranks=mine["pp"][0],
-        dp_ranks=mine["dp"][0],
+        **ranks,
+        **groups,
         embedding_ranks=emb_ranks,
-        tp_group=mine["tp"][1],
-        pp_group=mine["pp"][1],
-        dp_group=mine["dp"][1],
-        mp_group=mine["mp"][1],
         embedding_group=emb_group,
         pp_up_group=directions.get("up"),
         pp_down_group=directions.get("down"),
@@ -330,9 +349,6 @@ def initialize_model_parallel(
         sequence_parallel=sequence_parallel,
         cp_size=cp,
         cp_rank=cp_idx,
-        cp_ranks=mine["cp"][0],
-        cp_group=mine["cp"][1],
-        dp_cp_group=mine["dp_cp"][1],
         tp_cp_group=mine["tp_cp"][1] if "tp_cp" in mine else None,
         ep_size=ep,
         ep_rank=(dp_idx * cp + cp_idx) % ep,

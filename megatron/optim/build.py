@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from megatron.config.optimizers import get_kind
-from megatron.config.schema import OptimizerConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 
 
 def param_groups(model: nn.Module) -> list[dict]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config.schema import OptimizerConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.data_parallel.ddp import DistributedDataParallel
-from megatron.mpu import ParallelState
+from megatron.mpu.parallel_state import ParallelState
 from megatron.optim.matrices import Sharded
 from megatron.optim.optimizer import MegatronOptimizer
 from megatron.optim.sharded import ShardPieces

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config.schema import OptimizerConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.data_parallel.fsdp2 import FullyShardedModel, local_rows, local_tensor
-from megatron.mpu import ParallelState
+from megatron.mpu.parallel_state import ParallelState
 from megatron.optim.matrices import RowSharded
 from megatron.optim.optimizer import MegatronOptimizer
 from megatron.optim.sharded import ShardPieces

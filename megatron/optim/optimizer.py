@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron.config.schema import OptimizerConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.optim.build import build_torch_optimizer, check_state_kind, takes_found_inf
 from megatron.optim.scaler import DynamicGradScaler, make_grad_scaler
 

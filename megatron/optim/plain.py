@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.config.schema import OptimizerConfig
-from megatron.mpu import ParallelState, clip_grad_norm
+from megatron.config.schema_optimizer import OptimizerConfig
+from megatron.mpu.grads import clip_grad_norm
+from megatron.mpu.parallel_state import ParallelState
 from megatron.mpu.utils import PARALLEL_ATTRS
 from megatron.optim.build import param_groups
 from megatron.optim.matrices import Feed, Whole

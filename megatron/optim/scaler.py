@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config.schema import OptimizerConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 
 
 class DynamicGradScaler:

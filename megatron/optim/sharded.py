@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint.experts import expert_offset, whole_index
-from megatron.mpu import ParallelState
 from megatron.mpu.expert_shards import is_etp_split
 from megatron.mpu.grads import counts_once, per_tensor_norms
+from megatron.mpu.parallel_state import ParallelState
 from megatron.mpu.utils import group_size
 from megatron.optim.build import param_groups
 from megatron.optim.matrices import Feed

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import MegatronConfig
 from megatron.planning.enumerate import Plan, Search, best_plan, candidate
 from megatron.planning.memory import Device, GiB
 from megatron.planning.timing import Hardware

@@ -14,8 +14,9 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.schema import MegatronConfig
 from megatron.planning.memory import (
     Device,
     GiB,

@@ -202,7 +202,9 @@ def hidden_all_to_all(lay: Layout, per_micro_batch: float, compute: float) -> fl
     backward's share up to the forward's (1/3). `per_micro_batch`, `compute`: one micro
     batch's all-to-all and forward + backward seconds."""
     P, M, schedule = lay.pp, lay.num_micro_batches, lay.pipeline
-    pairs = min(len(schedule.overlapped_pairs(schedule.actions(P, s, M, 2))) for s in range(P))
+    pairs = min(
+        len(schedule.overlapped_pairs(schedule.actions(P, s, M, 2), s == P - 1)) for s in range(P)
+    )
     forward_share = per_micro_batch * 2 / (6 if lay.recompute == "full" else 4)
     backward_share = per_micro_batch - forward_share
     per_pair = min(forward_share, compute * 2 / 3) + min(backward_share, compute / 3)

@@ -45,9 +45,9 @@ import torch
 from torch.distributed import ReduceOp
 
 from megatron.checkpoint.rng_state import rng_state_dict, set_rng_state
-from megatron.config.declare import Tree
-from megatron.config.schema import ConfigError, MegatronConfig
-from megatron.mpu import ParallelState
+from megatron.config.declare import ConfigError, Tree
+from megatron.config.schema import MegatronConfig
+from megatron.mpu.parallel_state import ParallelState
 
 _QUORUM_TIMEOUT = timedelta(seconds=60)
 

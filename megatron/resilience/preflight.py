@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 
 from megatron.checkpoint.storage import CheckpointError
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import MegatronConfig
 from megatron.config.schema_data import parse_blend
 from megatron.data.builder import check_tokenizer
 from megatron.data.dataset_impl import make_indexed_dataset

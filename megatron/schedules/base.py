@@ -60,7 +60,9 @@ class PipelineSchedule:
     cuts a stage into, and at least two). `v_shape`: two chunks placed in a V. `split_backward`:
     its B's leave the weight gradients to a W (megatron.mpu.weight_grad). `overlaps_pairs`: its
     steady state pairs a forward with a full backward of the other chunk, which the runtime
-    overlaps where MoE all-to-alls are there to hide (DualPipeV). `whole_rounds`: it needs the
+    overlaps where MoE all-to-alls are there to hide (DualPipeV); `last_stage_alone`: how many of
+    those pairs the last stage runs one half after the other, first to last (DualPipeV: one, as
+    DeepSeek's reference does, so the V's bottom turns sooner). `whole_rounds`: it needs the
     micro batches per step in whole rounds of P. `help`: what the flag's help says of it.
     """
 
@@ -71,6 +73,7 @@ class PipelineSchedule:
     v_shape: bool = False
     split_backward: bool = False
     overlaps_pairs: bool = False
+    last_stage_alone: int = 0
     whole_rounds: bool = False
     textbook_idle: TextbookIdle | None = None
 
@@ -110,20 +113,46 @@ class PipelineSchedule:
             return [("F", c, mb) for mb in range(M) for c in (0, 1)]
         return [("F", *forward_order(k, P, V)) for k in range(M * V)]
 
-    def overlapped_pairs(self, actions: list[Action]) -> set[int]:
-        """The steady-state pairs: the indices i where actions[i] is a forward and
-        actions[i + 1] a full backward (no W of its own) of the other chunk, which the runtime
-        overlaps (megatron.mpu.overlap) once both their inputs arrived. Empty unless the
-        schedule `overlaps_pairs`."""
+    def overlapped_pairs(self, actions: list[Action], last_stage: bool = False) -> set[int]:
+        """The steady-state pairs of a stage's `actions`: the indices i where actions[i] is a
+        forward and actions[i + 1] a full backward (no W of its own) of the other chunk, which
+        the runtime overlaps (megatron.mpu.overlap) once both their inputs arrived; on the
+        `last_stage`, less its first `last_stage_alone`. Empty unless the schedule
+        `overlaps_pairs`."""
         if not self.overlaps_pairs:
             return set()
         split = {(c, mb) for kind, c, mb in actions if kind == "W"}
-        pairs = set()
+        pairs = []
         for i in range(len(actions) - 1):
             (kind, c, _), (after, c2, mb2) = actions[i], actions[i + 1]
             if kind == "F" and after == "B" and c2 != c and (c2, mb2) not in split:
-                pairs.add(i)
-        return pairs
+                pairs.append(i)
+        return set(pairs[self.last_stage_alone if last_stage else 0 :])
+
+    def start_line(self, P: int, M: int, V: int = 1, overlap: bool = False) -> str:
+        """What the run's log says of its schedule at start: its name and shape and, for a
+        schedule with pairs, how many each stage overlaps (`overlap`) or that they run in turn."""
+        chunks = self.chunks_per_stage(V)
+        v = " in a V" if self.v_shape else ""
+        split = ", backward split into B and W" if self.split_backward else ""
+        per = "chunk" if chunks == 1 else "chunks"
+        line = (
+            f"pipeline schedule: {self} ({P} stages x {chunks} {per}{v}, {M} micro batches{split})"
+        )
+        if not self.overlaps_pairs:
+            return line
+        if not overlap:
+            return (
+                f"{line}; its forward/backward pairs run in turn (overlapped only where MoE "
+                "all-to-alls cross EP > 1 ranks, unless --no-overlap-moe-expert-parallel-comm)"
+            )
+        counts = [
+            len(self.overlapped_pairs(self.actions(P, s, M, chunks), s == P - 1)) for s in range(P)
+        ]
+        n = self.last_stage_alone
+        alone = f" (the last stage's first {n} run alone)" if n > 1 else ""
+        alone = " (the last stage's first pair runs alone)" if n == 1 else alone
+        return f"{line}; overlapped forward/backward pairs per stage: {counts}{alone}"
 
     def overlaps_moe_pairs(self, pp: int, ep: int, all_to_alls: bool = True) -> bool:
         """Whether the runtime overlaps this schedule's pairs: it has them, there are pipeline

@@ -113,8 +113,10 @@ def schedule_actions(
     return get_schedule(schedule).actions(P, s, M, V, forward_only)
 
 
-def overlapped_pairs(schedule: str | PipelineSchedule, actions: list[Action]) -> set[int]:
-    return get_schedule(schedule).overlapped_pairs(actions)
+def overlapped_pairs(
+    schedule: str | PipelineSchedule, actions: list[Action], last_stage: bool = False
+) -> set[int]:
+    return get_schedule(schedule).overlapped_pairs(actions, last_stage)
 
 
 def messages(schedule: str | PipelineSchedule, P: int, M: int, V: int = 1) -> tuple[dict, dict]:

@@ -113,7 +113,10 @@ class _Run:
         self.schedule, self.P, self.lists, self.comm = schedule, P, lists, comm
         self.last = P * V - 1
         self.split = [{(c, mb) for kind, c, mb in acts if kind == "W"} for acts in lists]
-        self.pairs = [schedule.overlapped_pairs(acts) if overlap else set() for acts in lists]
+        self.pairs = [
+            schedule.overlapped_pairs(acts, s == P - 1) if overlap else set()
+            for s, acts in enumerate(lists)
+        ]
         self.cost = {"F": costs.f / V, "B": costs.b / V, "W": costs.w / V}
         self.done: dict[tuple, float] = {}  # (stage, action) -> end time
         self.free, self.busy = [0.0] * P, [0.0] * P

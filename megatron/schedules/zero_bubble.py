@@ -7,7 +7,10 @@ waits for and so fills the holes).
 - ZBV: two chunks per stage placed in a V; the first micro batch's way down is all its idle;
 - DualPipeV: the V of ZBV whose steady state pairs a forward with a full backward of the other
   chunk (`PipelineSchedule.overlapped_pairs`), which the runtime overlaps when the stage has
-  expert-parallel all-to-alls to hide.
+  expert-parallel all-to-alls to hide. The last stage runs its first pair's halves one after
+  the other, as DeepSeek's reference does: a pair starts once both its inputs came, and alone
+  the forward runs while the backward's gradient is still on its way (the simulator finds the
+  step half a chunk's forward shorter whenever the two arrive apart).
 """
 
 from __future__ import annotations
@@ -165,4 +168,5 @@ DUALPIPEV = PipelineSchedule(
     v_shape=True,
     split_backward=True,
     overlaps_pairs=True,
+    last_stage_alone=1,
 )

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.config.schema import DataConfig, MegatronConfig
+from megatron.config.schema import MegatronConfig
+from megatron.config.schema_data import DataConfig
 from megatron.data.loose_json import CorpusError, prepare_loose_json
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import Runtime
-from megatron.mpu import ParallelState
 from megatron.mpu.context_parallel import context_parallel_slice
+from megatron.mpu.parallel_state import ParallelState
 from megatron.resilience.fault_tolerance import batch_share
 
 

@@ -9,7 +9,9 @@ import textwrap
 
 import torch
 
-from megatron.config.schema import LoggingConfig, ModelConfig
+from megatron.config.rules_pipeline import overlaps_moe_pairs
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_logging import LoggingConfig
 from megatron.planning import mla
 
 # Dense bf16/fp16 tensor-core peak of one device, TFLOP/s (for MFU when --peak-tflops is unset).
@@ -59,13 +61,20 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
 def start_lines(cfg, family) -> list[str]:
     """What a run says once, at start: the model's size (nanoGPT's "number of parameters"; the
     whole model, counted on a TP = 1 copy built on the meta device, for the causal-LM families),
-    and that nothing will be kept when --save is not given."""
+    the pipeline schedule that runs (with DualPipeV's overlapped pairs), and that nothing will
+    be kept when --save is not given."""
     lines = []
     if family.causal_lm:
         with torch.device("meta"):
             model = family.reference_model(cfg.model, family.name)
         n = sum(p.numel() for p in model.parameters())
         lines.append(f" number of parameters: {n / 1e6:.2f}M ({n:,}, the whole model)")
+    par, training = cfg.parallel, cfg.training
+    if par.pipeline_model_parallel_size > 1 and not cfg.deepspeed.enabled:
+        M = training.global_batch_size // (training.micro_batch_size * par.data_parallel_size)
+        V = par.virtual_pipeline_size(cfg.model.num_layers) or 1
+        P, overlap = par.pipeline_model_parallel_size, overlaps_moe_pairs(cfg)
+        lines.append(par.schedule.start_line(P, M, V, overlap))
     if not cfg.checkpoint.save:
         lines.append(
             "note: no --save: this run writes no checkpoint (pass --save DIR to keep the model)"

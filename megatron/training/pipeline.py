@@ -169,7 +169,9 @@ def forward_backward_pipelining(
     split = schedule.split_backward and not forward_only
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     reduce = _GradSync(model, chunks, actions) if not forward_only else None
-    pairs = schedule.overlapped_pairs(actions) if overlap and not forward_only else set()
+    pairs = (
+        schedule.overlapped_pairs(actions, s == P - 1) if overlap and not forward_only else set()
+    )
     with no_sync(), run.modes(split=split, overlap=bool(pairs)):
         _run_actions(run, actions, pairs, reduce)
         comm.wait_all()

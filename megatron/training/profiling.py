@@ -25,7 +25,7 @@ import sys
 import torch
 from torch.autograd.profiler import record_function
 
-from megatron.config.schema import LoggingConfig
+from megatron.config.schema_logging import LoggingConfig
 
 
 class Ranges:

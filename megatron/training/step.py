@@ -26,7 +26,7 @@ from megatron.model.context import BuildContext
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
 from megatron.model.parallelize import parallelize
-from megatron.mpu import all_reduce_sequence_parallel_grads
+from megatron.mpu.grads import all_reduce_sequence_parallel_grads
 from megatron.mpu.random import distributed_checkpoint
 from megatron.optim.distributed import distributed_optimizer
 from megatron.optim.fsdp2 import fsdp2_optimizer

@@ -11,7 +11,7 @@ import os
 
 import yaml
 
-from megatron.config.schema import LoggingConfig
+from megatron.config.schema_logging import LoggingConfig
 
 
 def wandb_dir(lg: LoggingConfig, save: str | None) -> str:

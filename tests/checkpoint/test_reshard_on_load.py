@@ -32,7 +32,7 @@ from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.families import vocab_sized_names
 from megatron.models.gpt.model import GPTModel
-from megatron.mpu import single_process_state
+from megatron.mpu.parallel_state import single_process_state
 from tests.helpers.checkpoints import _checkpoint_at
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import _losses, _train, flags

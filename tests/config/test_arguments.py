@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, ModelConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig
 from tests.helpers.paths import FIXTURES, ROOT
 from tests.helpers.training import BASE
 
@@ -318,8 +319,8 @@ def test_megatron_aliases_inverted_booleans_and_shortcuts():
 
 def test_the_data_tools_take_the_tokenizer_flags_from_the_declarations(capsys):
     from megatron.config.declare import section_from_args
-    from megatron.config.schema import TokenizerConfig
-    from megatron.data.preprocess import build_parser
+    from megatron.config.schema_data import TokenizerConfig
+    from megatron.data.preprocess_args import build_parser
 
     io = ["--input", "x.jsonl", "--output-prefix", "out"]
     ns = build_parser().parse_args(
@@ -339,26 +340,29 @@ _MAY_IMPORT = {
     # the pipeline schedules: pure, below config (whose --pipeline-schedule reads them)
     "schedules": set(),
     "config": {"schedules"},
-    "fused_kernels": {"config.schema", "mpu"},
-    "model": {"config.layer_pattern", "config.schema", "fused_kernels", "mpu", "schedules"},
+    "fused_kernels": {"config.schema", "config.schema_kernels", "mpu"},
+    "model": {"config.declare", "config.layer_pattern", "config.schema", "config.schema_recompute"}
+    | {"fused_kernels", "mpu", "schedules"},
     "data": {"config.schema", "config.declare", "config.schema_data", "config.schema_data_corpora"}
     | {"fileio", "progress"},
     "heartbeat": set(),
     "fileio": set(),
     # planning runs before any model or process group exists
-    "planning": {"config.optimizers", "config.schema", "config.rules", "schedules"},
+    "planning": {"config.declare", "config.optimizers", "config.schema", "config.rules"}
+    | {"schedules"},
     "progress": set(),
-    "initialize": {"config.schema", "config.schema_parallel", "heartbeat", "mpu"},
+    "initialize": {"config.declare", "config.schema", "config.schema_parallel", "heartbeat"}
+    | {"mpu"},
     # The generic code names no model family: it reads the families' registrations in
     # megatron.model.families, on its own floor (megatron.models sits above it).
     "checkpoint": {"config.schema", "fileio", "model", "mpu"},
     # the data-parallel wrappers sit beside the model, below the optimizers and the loop
-    "data_parallel": {"config.schema", "mpu"},
+    "data_parallel": {"config.schema", "config.schema_distributed", "mpu"},
     # start-up checks, torchft and the straggler detector: what the loop calls, never the loop
     "resilience": {"checkpoint", "config.declare", "config.schema", "config.schema_data", "data"}
     | {"fileio", "mpu"},
     "inference": {"checkpoint", "config.inference", "config.rules", "config.schema", "data"}
-    | {"fused_kernels"}
+    | {"config.schema_data", "config.schema_kernels", "fused_kernels"}
     | {"initialize", "progress"}
     | {"model", "mpu"},
 }
@@ -494,7 +498,7 @@ def test_checkpoints_record_the_architecture_and_old_ones_still_load():
 
     from megatron.checkpoint.reading import load_shard
     from megatron.config.schema import model_config_from_saved
-    from megatron.training.state import checkpoint_args
+    from megatron.training.checkpoint_args import checkpoint_args
 
     cfg = parse_args([*BASE, "--torch-compile", "--checkpoint-activations"], world_size=1)
     saved = checkpoint_args(cfg)["model"]
@@ -514,7 +518,8 @@ def test_checkpoints_record_the_architecture_and_old_ones_still_load():
 
 def test_a_declared_limit_is_enforced_from_flags_files_and_code(tmp_path):
     """One declaration (`setting(..., min=, below=)`), one message, whatever built the config."""
-    from megatron.config.schema import ParallelConfig, TrainingConfig
+    from megatron.config.schema_parallel import ParallelConfig
+    from megatron.config.schema_training import TrainingConfig
 
     want = "--hidden-dropout: must be in [0, 1), got 1.5. Fix: pass --hidden-dropout in [0, 1)"
     with pytest.raises(ConfigError, match=re.escape(want)):
@@ -604,7 +609,7 @@ def test_the_deepspeed_json_is_read_once_before_start_up(tmp_path):
 
 def test_building_the_tokenizer_section_never_touches_the_disk(tmp_path, monkeypatch):
     from megatron.config import schema_data as schema
-    from megatron.config.schema import TokenizerConfig
+    from megatron.config.schema_data import TokenizerConfig
 
     (tmp_path / "gpt2-vocab.json").write_text("{}")
     (tmp_path / "gpt2-merges.txt").write_text("")

@@ -7,7 +7,8 @@ import pytest
 
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError, Section, setting
-from megatron.config.schema import ModelConfig, OptimizerConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 from tests.helpers.training import BASE
 
 

@@ -4,8 +4,8 @@ where they cannot run (megatron.config.rules_fp8)."""
 import pytest
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 
 TRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 TRAIN += ["--seq-length", "32", "--vocab-size", "100", "--train-iters", "2", "--lr", "1e-3"]

@@ -9,8 +9,8 @@ import pytest
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate_model
-from megatron.config.schema import ConfigError
 from megatron.training.checkpoint_args import check_model_args, checkpoint_args
 from tests.helpers.models import tiny_gpt
 from tests.helpers.training import BASE

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules_pairs import GIVEN, PAIRS
-from megatron.config.schema import ConfigError
 from tests.helpers.training import BASE
 
 

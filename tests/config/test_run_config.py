@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.files import to_yaml
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.schema import MegatronConfig
 from tests.helpers.paths import ROOT
 
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, DataConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema_data import DataConfig
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.dataset_pair import tokenizer_fingerprint
 from megatron.data.gpt_dataset import DataError, GPTDataset

@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from megatron.config.schema import DataConfig
+from megatron.config.schema_data import DataConfig
 from megatron.data.blendable_dataset import BlendableDataset, build_blending_indices
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.gpt_dataset import (

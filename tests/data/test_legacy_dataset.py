@@ -12,7 +12,7 @@ import pytest
 from megatron.config.cli import parse_args
 from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import DataConfig
+from megatron.config.schema_data import DataConfig
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.convert_indexed_dataset import main as convert_main
 from megatron.data.dataset_impl import infer_dataset_impl, make_indexed_dataset

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron.config.schema_data import TOKENIZER_TYPES
+from megatron.data.tokenizers import build_tokenizer
 from tests.helpers.paths import MMAP, ROOT, load_tool
 
 DOCS = [json.loads(line)["text"] for line in (MMAP / "corpus.jsonl").open(encoding="utf-8")]

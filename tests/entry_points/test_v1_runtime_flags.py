@@ -10,9 +10,9 @@ import torch
 
 from megatron.config.cli import parse_args
 from megatron.config.compat_v1 import REFUSED
+from megatron.config.declare import ConfigError
 from megatron.config.deepspeed_json import build_ds_config
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from megatron.training.loop import pretrain, resolve_vocab
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import MMAP

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron.config.cli import parse_args  # noqa: E402
-from megatron.config.schema import KernelConfig  # noqa: E402
+from megatron.config.schema_kernels import KernelConfig  # noqa: E402
 from megatron.fused_kernels import select_ops  # noqa: E402
 from megatron.model.context import BuildContext  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron import fused_kernels
-from megatron.config.schema import KernelConfig, ModelConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_kernels import KernelConfig
 from megatron.fused_kernels import SLOWER_THAN_TORCH, FusedOps, checks, select_ops
 from megatron.model.context import BuildContext
 from megatron.model.transformer import TransformerLayer

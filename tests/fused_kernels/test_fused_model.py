@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron import mpu  # noqa: E402
-from megatron.config.schema import KernelConfig, ModelConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_kernels import KernelConfig  # noqa: E402
 from megatron.fused_kernels import TORCH_OPS, FusedOps, select_ops  # noqa: E402
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel  # noqa: E402

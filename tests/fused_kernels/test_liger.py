@@ -17,7 +17,7 @@ tl = pytest.importorskip("triton.language")
 
 pytestmark = pytest.mark.triton  # keeps TRITON_INTERPRET=1 (see conftest)
 
-from megatron.config.schema import KernelConfig  # noqa: E402
+from megatron.config.schema_kernels import KernelConfig  # noqa: E402
 from megatron.fused_kernels import FusedOps, liger, select_ops  # noqa: E402
 from megatron.fused_kernels import triton_activations as act  # noqa: E402
 from megatron.fused_kernels import triton_norms as norms  # noqa: E402

@@ -17,7 +17,8 @@ pytest.importorskip("triton", reason="the fused kernels need Triton (its interpr
 pytestmark = pytest.mark.triton  # keeps TRITON_INTERPRET=1 (see conftest)
 
 from megatron import mpu  # noqa: E402
-from megatron.config.schema import KernelConfig, ModelConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.schema_kernels import KernelConfig  # noqa: E402
 from megatron.fused_kernels import select_ops  # noqa: E402
 from megatron.fused_kernels import triton_cross_entropy as ce  # noqa: E402
 from megatron.fused_kernels.triton_linear_cross_entropy import TRITON_CHUNK_OPS  # noqa: E402

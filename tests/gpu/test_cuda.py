@@ -29,7 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron import mpu
 from megatron.checkpoint.resharding import load_full_state
 from megatron.checkpoint.rng_state import rng_state_dict, set_rng_state
-from megatron.config.schema import KernelConfig, ModelConfig, OptimizerConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_kernels import KernelConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.fused_kernels import TORCH_OPS, select_ops
 from megatron.inference.engine import InferenceModel
 from megatron.inference.evaluation import evaluate_loose_json

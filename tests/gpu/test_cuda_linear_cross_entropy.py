@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron import mpu
-from megatron.config.schema import KernelConfig
+from megatron.config.schema_kernels import KernelConfig
 from megatron.fused_kernels import select_ops
 
 TOKENS, HIDDEN, VOCAB, PADDED = 8 * 2048, 768, 50257, 50304

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from megatron.config.schema import KernelConfig, OptimizerConfig
+from megatron.config.schema_kernels import KernelConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
@@ -22,7 +23,9 @@ from megatron.model.attention.sdpa import attention_report
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel, build_model
-from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker, overlap, single_process_state
+from megatron.mpu import overlap
+from megatron.mpu.parallel_state import single_process_state
+from megatron.mpu.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from megatron.optim.plain import plain_optimizer
 from megatron.training.learning_rates import AnnealingLR
 from megatron.training.step import train_step

@@ -7,7 +7,9 @@ import functools
 
 import torch
 
-from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_optimizer import OptimizerConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config.schema import KernelConfig, ModelConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_kernels import KernelConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.context import BuildContext
 from megatron.model.memory import SavedActivations

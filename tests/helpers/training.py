@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.models.gpt.train import forward_step
 from megatron.training.loop import pretrain

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import KernelConfig, RecomputeConfig
+from megatron.config.schema_kernels import KernelConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.attention.sdpa import attention_report, sdpa_choice, sdpa_report
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel, build_model
-from megatron.mpu import MODEL_PARALLEL_RNG, RNGStatesTracker
+from megatron.mpu.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from tests.helpers.models import tiny_gpt
 
 LLAMA = dict(

@@ -3,8 +3,12 @@ boundaries in packed samples): the fields from known tokens, each document of a 
 scored exactly as alone (every attention backend, learned and RoPE positions, recompute), and
 TP x PP and DeepSpeed runs that equal one process."""
 
-import dataclasses
-import importlib.util
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (see conftest)
+
+import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 
 import numpy as np
 import pytest
@@ -12,7 +16,10 @@ import torch
 
 from megatron import mpu
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, KernelConfig, ModelConfig, RecomputeConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_kernels import KernelConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.fused_kernels import FusedOps, select_ops
 from megatron.model.attention.masks import document_attention_mask
@@ -97,13 +104,11 @@ DOCS = [[1, 2, 3, 4, EOD], [5, 6, 7, 8, 10, 11, EOD], [12, 13, 14, EOD]]
 ORDERS = [(0, 1, 2), (2, 0, 1)]
 
 
-def _ops(backend: str, monkeypatch):
+def _ops(backend: str):
     if backend == "fused":
         if importlib.util.find_spec("triton") is None:
             pytest.skip("Triton is not installed")
-        # Triton's interpreter on the CPU; read when the kernel is compiled (this test only:
-        # the ranks other tests here spawn must not inherit it).
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        # Triton's interpreter on the CPU (set at import, the test marked `triton`: conftest)
         off = {"layer_norm_fusion": False, "bias_gelu_fusion": False, "bias_swiglu_fusion": False}
         ops = select_ops(KernelConfig(attention_backend="fused", **off), "cpu")
         assert ops.softmax == "triton"  # only the softmax in Triton's (slow) interpreter
@@ -137,12 +142,13 @@ def _compare(packed, alone):
 
 
 @pytest.mark.parametrize(
-    "backend", ["sdpa", "unfused", pytest.param("fused", marks=pytest.mark.slow)]
+    "backend",
+    ["sdpa", "unfused", pytest.param("fused", marks=[pytest.mark.slow, pytest.mark.triton])],
 )
 @pytest.mark.slow  # over a second on 2 cores
 @pytest.mark.parametrize("cfg", [CFG, ROPE], ids=["learned", "rope"])
-def test_each_packed_document_scores_as_if_alone(backend, cfg, monkeypatch):
-    model = GPTModel(cfg, BuildContext(seed=3, ops=_ops(backend, monkeypatch)))
+def test_each_packed_document_scores_as_if_alone(backend, cfg):
+    model = GPTModel(cfg, BuildContext(seed=3, ops=_ops(backend)))
     packed, alone, loss_mask = _packed_and_alone(model)
     _compare(packed, alone)
     # Gradients too: the masked sum over the packed samples is the sum over the documents

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
-from megatron.config.schema import ConfigError, ModelConfig, PrecisionConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig, PrecisionConfig
 from megatron.model.context import BuildContext
 from megatron.model.fp8 import apply_fp8
 from megatron.model.parallelize import parallelize

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, ModelConfig, model_config_from_saved
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig, model_config_from_saved
 from megatron.model.context import BuildContext
 from megatron.model.moe import MoELayer, moe_step_stats, padded_bmm, set_moe_loss_scale
 from megatron.model.router import capacity_keep, route
@@ -274,8 +275,8 @@ def test_expert_shards_and_their_whole_indices(swiglu, bias):
     (drawn whole, as at one process), and `whole_index` names exactly those elements (what the
     distributed optimizer saves for an ETP shard)."""
     from megatron.checkpoint.experts import whole_index
-    from megatron.mpu import single_process_state
     from megatron.mpu.expert_shards import cut_whole
+    from megatron.mpu.parallel_state import single_process_state
 
     cfg = _cfg(swiglu=swiglu, add_bias_linear=bias, moe_ffn_hidden_size=8)
     whole = _layer(cfg).experts
@@ -430,19 +431,27 @@ def test_planner_counts_expert_parameters_and_shards_their_state_over_dp_over_ep
     )
 
 
-def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
-    from megatron.config.schema import MegatronConfig, OptimizerConfig, TrainingConfig
-    from megatron.planning.enumerate import Search, layouts, plans
-    from megatron.planning.memory import Layout, Training
-    from megatron.planning.timing import Hardware, step_time
+def _moe_to_plan():
+    """A model with 8 experts for the planner, at a 64-sample global batch."""
+    from megatron.config.schema import MegatronConfig
+    from megatron.config.schema_optimizer import OptimizerConfig
+    from megatron.config.schema_training import TrainingConfig
 
-    cfg = MegatronConfig(
+    return MegatronConfig(
         model=ModelConfig(
             num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, num_experts=8
         ),
         training=TrainingConfig(global_batch_size=64),
         optimizer=OptimizerConfig(lr=1e-4),
     )
+
+
+def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
+    from megatron.planning.enumerate import Search, layouts, plans
+    from megatron.planning.memory import Layout, Training
+    from megatron.planning.timing import Hardware, step_time
+
+    cfg = _moe_to_plan()
     search = Search(8, 80, micro_batches=(1,), recompute=(None,), context_parallel=(1,))
     found, _ = layouts(cfg, search)
     assert {x.ep for x in found} == {1, 2, 4, 8}
@@ -458,18 +467,11 @@ def test_planner_enumerates_expert_parallelism_with_all_to_all_time():
 def test_planner_takes_expert_parallelism_from_dp_x_cp():
     """With CP the planner offers EP sizes dividing DP x CP (an EP group may be the CP ranks of
     one replica) and shards the expert state over the DP x CP / EP ranks holding it."""
-    from megatron.config.schema import MegatronConfig, OptimizerConfig, TrainingConfig
     from megatron.planning.enumerate import Search, layouts
     from megatron.planning.memory import Layout, Training, stage_expert_params, stage_params
     from megatron.planning.pipeline_memory import estimate_memory
 
-    cfg = MegatronConfig(
-        model=ModelConfig(
-            num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, num_experts=8
-        ),
-        training=TrainingConfig(global_batch_size=64),
-        optimizer=OptimizerConfig(lr=1e-4),
-    )
+    cfg = _moe_to_plan()
     search = Search(8, 80, micro_batches=(1,), recompute=(None,), context_parallel=(2,))
     found, refused = layouts(cfg, search)
     assert found and all(x.cp == 2 and (x.dp * x.cp) % x.ep == 0 for x in found), refused
@@ -487,7 +489,7 @@ def test_planner_takes_expert_parallelism_from_dp_x_cp():
 def test_expert_init_is_the_same_at_any_ep_size():
     """Experts are drawn on the whole (E, ...) tensors and sliced: EP rank 1 of 2 holds experts
     2-3 of the one-process model; expert biases start at zero."""
-    from megatron.mpu import single_process_state
+    from megatron.mpu.parallel_state import single_process_state
 
     cfg = _cfg()
     whole = _layer(cfg).experts
@@ -503,7 +505,7 @@ def test_expert_init_is_the_same_at_any_ep_size():
 @pytest.mark.slow  # compiles
 def test_bias_dropout_fusion_runs_moe_layers_unchanged():
     """The fused residual add gets no MLP bias from an MoE layer (its output is complete)."""
-    from megatron.config.schema import KernelConfig
+    from megatron.config.schema_kernels import KernelConfig
     from megatron.fused_kernels import select_ops
 
     cfg = _cfg(moe_shared_expert_intermediate_size=16, moe_aux_loss_coeff=0.01)

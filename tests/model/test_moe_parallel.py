@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import ModelConfig, OptimizerConfig, RecomputeConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_optimizer import OptimizerConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.data_parallel.ddp import DistributedDataParallel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext

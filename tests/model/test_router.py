@@ -14,8 +14,9 @@ import torch
 
 from megatron import mpu
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.layer_pattern import parse_layer_freq
-from megatron.config.schema import ConfigError, ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.model.mlp import ParallelMLP
 from megatron.model.moe import MoELayer, moe_step_stats, update_expert_bias
 from megatron.model.router import route

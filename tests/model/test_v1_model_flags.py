@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 from megatron import mpu
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.fused_kernels import TORCH_OPS
 from megatron.model.attention.standard import KVCache, ParallelAttention
 from megatron.model.context import BuildContext

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from megatron import mpu
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.model.attention.standard import ParallelAttention
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize

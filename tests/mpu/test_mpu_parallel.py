@@ -29,16 +29,23 @@ def _randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
 
 
-def _check_column(state):
-    g = state.tp_group
-    x, w, b = _randn(3, 5, 8, seed=1), _randn(12, 8, seed=2), _randn(12, seed=3)
-    grad_out = _randn(3, 5, 12, seed=4)
-    ref = nn.Linear(8, 12, dtype=DT)
+def _reference_linear(x, w, b, grad_out):
+    """The unsharded twin: an nn.Linear holding w and b, and its input after a backward of
+    grad_out (dL/dX in .grad)."""
+    ref = nn.Linear(w.shape[1], w.shape[0], dtype=DT)
     with torch.no_grad():
         ref.weight.copy_(w)
         ref.bias.copy_(b)
     xr = x.clone().requires_grad_()
     ref(xr).backward(grad_out)
+    return ref, xr
+
+
+def _check_column(state):
+    g = state.tp_group
+    x, w, b = _randn(3, 5, 8, seed=1), _randn(12, 8, seed=2), _randn(12, seed=3)
+    grad_out = _randn(3, 5, 12, seed=4)
+    ref, xr = _reference_linear(x, w, b, grad_out)
     for gather in (True, False):
         layer = mpu.ColumnParallelLinear(
             8, 12, group=g, gather_output=gather, init_method=None, dtype=DT
@@ -69,12 +76,7 @@ def _check_row(state):
     g, r, p = state.tp_group, state.tp_rank, state.tp_size
     x, w, b = _randn(3, 5, 8, seed=5), _randn(6, 8, seed=6), _randn(6, seed=7)
     grad_out = _randn(3, 5, 6, seed=8)
-    ref = nn.Linear(8, 6, dtype=DT)
-    with torch.no_grad():
-        ref.weight.copy_(w)
-        ref.bias.copy_(b)
-    xr = x.clone().requires_grad_()
-    ref(xr).backward(grad_out)
+    ref, xr = _reference_linear(x, w, b, grad_out)
     for parallel_input in (False, True):
         layer = mpu.RowParallelLinear(
             8, 6, group=g, input_is_parallel=parallel_input, init_method=None, dtype=DT

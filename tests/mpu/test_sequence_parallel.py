@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from megatron import mpu
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, ModelConfig, RecomputeConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.fused_kernels import FusedOps
 from megatron.model.context import BuildContext
 from megatron.model.memory import SavedActivations

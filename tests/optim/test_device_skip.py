@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megatron import mpu
-from megatron.config.schema import OptimizerConfig
+from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.optim.plain import plain_optimizer
 from megatron.training.timers import Timers
 from megatron.training.train_loop import TrainingError

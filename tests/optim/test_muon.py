@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError, ModelConfig
+from megatron.config.declare import ConfigError
+from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from megatron.optim.build import check_state_kind

@@ -8,13 +8,10 @@ import dataclasses
 import pytest
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import (
-    ConfigError,
-    MegatronConfig,
-    ModelConfig,
-    OptimizerConfig,
-    TrainingConfig,
-)
+from megatron.config.declare import ConfigError
+from megatron.config.schema import MegatronConfig, ModelConfig
+from megatron.config.schema_optimizer import OptimizerConfig
+from megatron.config.schema_training import TrainingConfig
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from megatron.planning.auto import auto_parallel

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError
+from megatron.config.declare import ConfigError
 from megatron.resilience import preflight
 from tests.helpers.paths import MMAP, ROOT
 from tests.helpers.training import BASE

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from megatron.models.gpt.train import forward_step
 from megatron.resilience.straggler import StragglerDetector
 from megatron.resilience.straggler_report import RankTimes, report_lines

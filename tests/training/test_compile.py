@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError
+from megatron.config.declare import ConfigError
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import BASE, _losses, _train, flags
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.deepspeed_json import build_ds_config
-from megatron.config.schema import ConfigError
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.training import (

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
 from megatron.config.rules_pipeline import overlaps_moe_pairs
-from megatron.config.schema import ConfigError
 from tests.helpers.training import BASE
 
 _PP2 = ["--pipeline-model-parallel-size", "2"]

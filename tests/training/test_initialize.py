@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config.cli import parse_args
-from megatron.config.schema import ConfigError
+from megatron.config.declare import ConfigError
 from megatron.initialize import (
     LaunchEnv,
     init_distributed,
@@ -13,7 +13,8 @@ from megatron.initialize import (
     pick_backend,
     read_launch_env,
 )
-from megatron.mpu import MODEL_PARALLEL_RNG, destroy_model_parallel
+from megatron.mpu.parallel_state import destroy_model_parallel
+from megatron.mpu.random import MODEL_PARALLEL_RNG
 from tests.helpers.distributed import run_distributed
 
 ARGS = [

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.lr_schedule import scheduler_steps
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from megatron.training.learning_rates import AnnealingLR
 
 MAX_LR, MIN_LR, WARMUP, DECAY, WSD = 1.0, 0.1, 10, 110, 40

@@ -61,3 +61,27 @@ def test_a_short_fp16_run_says_why_its_steps_were_skipped(tmp_path):
     assert updated == [False] * 6
     said = [line for line in out.splitlines() if "skipped for fp16 loss scaling" in line]
     assert said == [said[0]] and said[0].startswith(" iterations 1-6 were skipped")
+
+
+def test_the_start_lines_say_which_pipeline_schedule_runs_and_which_pairs_overlap():
+    def schedule_line(*extra, world=2):
+        cfg = parse_args(flags("data/x", "--save", "ck", *extra), world_size=world)
+        found = [x for x in start_lines(cfg, get_spec("gpt")) if x.startswith("pipeline")]
+        return found[0] if found else None
+
+    assert schedule_line(world=1) is None  # no pipeline, no schedule
+    pp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+    assert schedule_line(*pp) == "pipeline schedule: 1f1b (2 stages x 1 chunk, 4 micro batches)"
+    assert schedule_line(*pp, "--pipeline-schedule", "zbv") == (
+        "pipeline schedule: zbv (2 stages x 2 chunks in a V, 4 micro batches, backward split "
+        "into B and W)"
+    )
+    dualpipev = [*pp, "--pipeline-schedule", "dualpipev", "--global-batch-size", "16"]
+    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+    assert "its forward/backward pairs run in turn" in schedule_line(*dualpipev)
+    overlapped = schedule_line(*dualpipev, *moe, "--moe-token-dispatcher-type", "alltoall", world=4)
+    # 4 micro batches per DP rank (16 / (2 x 2)): 3 pairs on stage 0, 4 - 1 on the last
+    assert overlapped.endswith(
+        "overlapped forward/backward pairs per stage: [3, 3] (the last stage's first pair runs "
+        "alone)"
+    )

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import ModelConfig, RecomputeConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_recompute import RecomputeConfig
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
 from megatron.models.gpt.model import GPTModel
@@ -142,8 +143,8 @@ def test_interleaved_micro_batch_rule_is_checked_before_any_work(batch_flags, ba
     """Every batch size of the run, the ramp's included, must be whole rounds of P micro
     batches; the schedule itself only keeps an internal check."""
     from megatron.config.cli import parse_args
+    from megatron.config.declare import ConfigError
     from megatron.config.rules import validate
-    from megatron.config.schema import ConfigError
 
     argv = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
     argv += ["--seq-length", "16", "--vocab-size", "100", "--lr", "1e-3"]

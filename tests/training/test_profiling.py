@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from megatron.training.timers import Timers
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import counting_corpus, flags, train_quietly

@@ -6,8 +6,8 @@ process (losses, gradient norms, final weights)."""
 import pytest
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from megatron.schedules.base import PipelineSchedule
 from megatron.schedules.registry import SCHEDULES, registered
 from megatron.schedules.sim import simulate, textbook_bubble

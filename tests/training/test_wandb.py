@@ -12,8 +12,8 @@ import pytest
 
 from megatron.config import rules_logging
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError
 from tests.helpers.distributed import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.training import counting_corpus, flags, train_quietly

@@ -15,7 +15,7 @@ from megatron.config.rules import validate
 from megatron.config.schema import MegatronConfig
 from megatron.initialize import initialize_megatron
 from megatron.models.bert import train as bert
-from megatron.mpu import vocab_parallel_cross_entropy
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.utils import group_rank
 from megatron.training.data import build_data_iterators
 from megatron.training.loop import resolve_vocab

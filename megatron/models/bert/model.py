@@ -27,14 +27,14 @@ from torch import nn
 from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
 from megatron.model.attention.masks import AttentionMask
-from megatron.model.context import BuildContext
+from megatron.model.context import BuildContext, chunk_embedding, start_chunk
 from megatron.model.layer_kinds import build_layer
 from megatron.model.norms import build_norm
-from megatron.model.recompute import LayerRecompute, run_layers
+from megatron.model.recompute import run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.weights import init_weights
-from megatron.mpu import VocabParallelEmbedding, copy_to_tensor_model_parallel_region
-from megatron.mpu.layers import set_tensor_model_parallel_attributes
+from megatron.mpu.layers import VocabParallelEmbedding, set_tensor_model_parallel_attributes
+from megatron.mpu.mappings import copy_to_tensor_model_parallel_region
 
 NUM_TOKENTYPES = 2  # segment A / segment B
 
@@ -126,17 +126,12 @@ class BertModel(nn.Module):
         super().__init__()
         if cfg.untie_embeddings_and_output_weights:
             raise ValueError("BERT ties its MLM output to the word embedding: drop --untie-*")
-        ctx = ctx or BuildContext()
-        self.cfg, self.state, self.rng_tracker, self.ops = cfg, ctx.state, ctx.rng_tracker, ctx.ops
-        self.layer_recompute: LayerRecompute | None = None  # set by megatron.model.parallelize
-        self.pre_process, self.post_process, self.tied = pre_process, post_process, True
-        self.shares_embedding = True
+        ctx = start_chunk(self, cfg, ctx, pre_process, post_process)
+        self.tied = self.shares_embedding = True
         layer_range = range(cfg.num_layers) if layer_range is None else layer_range
-        self.embedding = None
-        if pre_process or post_process:
-            self.embedding = BertEmbedding(cfg, ctx, word_only=not pre_process)
-            if not pre_process:
-                self.embedding.word_embeddings.weight.shared = True  # counted once in norms
+        self.embedding = chunk_embedding(
+            BertEmbedding, cfg, ctx, pre_process, pre_process or post_process
+        )
         self.layer_numbers = list(layer_range)
         kinds = layer_kinds(cfg)
         self.layers = nn.ModuleDict({str(i): build_layer(kinds, cfg, ctx, i) for i in layer_range})

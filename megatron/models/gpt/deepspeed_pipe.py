@@ -24,7 +24,7 @@ from megatron.model.transformer import TransformerLayer
 from megatron.model.weights import init_weights
 from megatron.models.gpt.model import Embedding, OutputHead
 from megatron.models.gpt.train import lm_loss
-from megatron.mpu import vocab_parallel_cross_entropy
+from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.training.deepspeed.engine import import_deepspeed
 from megatron.training.step import build_context
 

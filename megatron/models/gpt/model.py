@@ -19,23 +19,22 @@ from torch import nn
 from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
 from megatron.model.attention.masks import CAUSAL, AttentionMask
-from megatron.model.context import BuildContext
+from megatron.model.context import BuildContext, chunk_embedding, start_chunk
 from megatron.model.layer_kinds import build_layer, check_layer_kinds
 from megatron.model.mtp import MultiTokenPrediction
 from megatron.model.norms import build_norm
-from megatron.model.recompute import LayerRecompute, run_layers
+from megatron.model.recompute import run_layers
 from megatron.model.stages import ModelChunks, stage_layer_range
 from megatron.model.transformer import split_dropout_rng
 from megatron.model.weights import init_weights
-from megatron.mpu import (
+from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
+from megatron.mpu.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tensor_model_parallel_region,
     gathered_linear,
-    sequence_slice,
+    local_linear,
 )
-from megatron.mpu.context_parallel import context_parallel_positions, gather_documents
-from megatron.mpu.layers import local_linear
+from megatron.mpu.mappings import copy_to_tensor_model_parallel_region, sequence_slice
 from megatron.schedules.base import virtual_stage
 
 
@@ -192,19 +191,13 @@ class GPTModel(nn.Module):
         kinds: tuple[str, ...] | None = None,
     ):
         super().__init__()
-        ctx = ctx or BuildContext()
-        self.cfg, self.state, self.rng_tracker, self.ops = cfg, ctx.state, ctx.rng_tracker, ctx.ops
-        self.layer_recompute: LayerRecompute | None = None  # set by megatron.model.parallelize
-        self.pre_process, self.post_process = pre_process, post_process
+        ctx = start_chunk(self, cfg, ctx, pre_process, post_process)
         self.tied = not cfg.untie_embeddings_and_output_weights
         # the last stage reads the word embedding too: the tied head's, or MTP's input
         self.shares_embedding = self.tied or cfg.mtp_num_layers is not None
         layer_range = range(cfg.num_layers) if layer_range is None else layer_range
-        self.embedding = None
-        if pre_process or (post_process and self.shares_embedding):
-            self.embedding = Embedding(cfg, ctx, word_only=not pre_process)
-            if not pre_process:
-                self.embedding.word_embeddings.weight.shared = True  # counted once in norms
+        needed = pre_process or (post_process and self.shares_embedding)
+        self.embedding = chunk_embedding(Embedding, cfg, ctx, pre_process, needed)
         self.layer_numbers = list(layer_range)  # the layers this chunk runs, in order
         self.layers = nn.ModuleDict()  # their weights: owner layer -> module
         kinds = layer_kinds(cfg) if kinds is None else check_layer_kinds(kinds, cfg)

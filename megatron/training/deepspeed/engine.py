@@ -22,16 +22,15 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron.config.declare import ConfigError
 from megatron.config.deepspeed_json import build_ds_config, uses_deepspeed_checkpointing
 from megatron.config.optimizers import get_kind
-from megatron.config.schema import ConfigError, MegatronConfig
+from megatron.config.schema import MegatronConfig
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
-from megatron.mpu import (
-    ParallelState,
-    checkpoint,
-    reduce_sequence_parallel_grads_in_backward,
-)
+from megatron.mpu.grads import reduce_sequence_parallel_grads_in_backward
+from megatron.mpu.parallel_state import ParallelState
+from megatron.mpu.random import checkpoint
 from megatron.optim.build import build_torch_optimizer, param_groups
 from megatron.training.backend import global_loss, other_losses
 from megatron.training.data import get_batch

@@ -29,7 +29,7 @@ from torch import nn
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.model.moe import moe_layers
-from megatron.mpu import clip_grad_norm
+from megatron.mpu.grads import clip_grad_norm
 
 
 def expert_group_name(ep: int) -> str:

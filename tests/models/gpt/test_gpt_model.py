@@ -194,7 +194,7 @@ def _loss_and_grads(model, tokens, labels):
 
 @pytest.mark.parametrize("granularity", ["selective", "full"])
 def test_recompute_is_applied_after_building_by_name_and_changes_no_number(granularity):
-    from megatron.config.schema import RecomputeConfig
+    from megatron.config.schema_recompute import RecomputeConfig
     from megatron.model.parallelize import parallelize
     from megatron.model.recompute import LayerRecompute
 

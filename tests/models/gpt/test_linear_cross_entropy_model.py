@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules import validate
-from megatron.config.schema import ConfigError, KernelConfig, ModelConfig
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_kernels import KernelConfig
 from megatron.fused_kernels import select_ops
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, OutputHead
