@@ -20,7 +20,15 @@ from megatron.data.packing import (
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.training.data import collate, get_batch
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import _losses, _train, flags, refusal
+from tests.helpers.training import (
+    _losses,
+    _pp_worker,
+    _ref_worker,
+    assert_same_run,
+    counting_corpus,
+    flags,
+    refusal,
+)
 
 SEQ = 16  # samples of SEQ + 1 tokens
 
@@ -134,10 +142,26 @@ def test_packing_refusals():
     )
 
 
+def _layouts(rank, world, argv, layouts, ref_weights):
+    return {name: _pp_worker(rank, world, argv + extra, ref_weights)["history"]
+            for name, extra in layouts.items()}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_short_cpu_pretrain_with_first_fit(corpus):
-    argv = flags(corpus, "--sequence-packing", "first-fit", iters=4)
+def test_first_fit_pretrain_on_the_cpu_and_its_tp2_pp2_cp2_layouts(tmp_path):
+    """A short pretrain with first-fit learns; TP 2, PP 2 and CP 2 (ring attention within the
+    packed documents) give one process's losses, grad norms and final weights."""
+    counting = counting_corpus(tmp_path)  # learnable in a few steps
+    argv = flags(counting, "--sequence-packing", "first-fit", "--position-embedding-type", "rope")
     argv[argv.index("--split") + 1] = "80,20,0"
-    ((history, reason, iteration),) = run_distributed(_train, 1, argv)
-    losses = _losses(history)
-    assert iteration == 4 and np.isfinite(losses).all() and losses[-1] < losses[0]
+    ((ref, ref_weights),) = run_distributed(_ref_worker, 1, argv)
+    losses = _losses(ref)
+    assert len(losses) == 6 and np.isfinite(losses).all() and losses[-1] < losses[0]
+    layouts = {
+        "tp2": ["--tensor-model-parallel-size", "2"],
+        "pp2": ["--pipeline-model-parallel-size", "2"],
+        "cp2": ["--context-parallel-size", "2"],
+    }
+    for rank, histories in enumerate(run_distributed(_layouts, 2, argv, layouts, ref_weights)):
+        for name, history in histories.items():
+            assert_same_run(history, ref, f"{name} rank {rank}")

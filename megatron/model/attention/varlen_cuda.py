@@ -126,11 +126,12 @@ CUDA_VARLEN = register_backend(CudaVarlenBackend(), priority=40)
 
 
 def varlen_report(cfg, ops, cp_size: int, dtype, device) -> str | None:
-    """The build log's line for --reset-attention-mask: which path runs the packed documents
-    (`cfg` a MegatronConfig, `ops` its FusedOps), or None without the flag."""
-    if not cfg.data.reset_attention_mask:
+    """The build log's line for --reset-attention-mask and --sequence-packing first-fit: which
+    path runs the packed documents (`cfg` a MegatronConfig, `ops` its FusedOps), or None
+    without them."""
+    if not cfg.data.reset_attention_mask and cfg.data.sequence_packing == "concat":
         return None
-    head = "Packed documents (--reset-attention-mask):"
+    head = "Packed documents:"
     if cp_size > 1:
         return f"{head} ring attention within documents (--context-parallel-size {cp_size})"
     m, on = cfg.model, torch.device(device).type
