@@ -28,12 +28,9 @@ next document's first, and on the padding)}. The model attends within documents 
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-
 import numpy as np
 
-from megatron.data.gpt_dataset import DataError, GPTDataset, cached_indices
+from megatron.data.gpt_dataset import GPTDataset
 
 PACK_WINDOW = 1024  # documents per first-fit window: more packs tighter, builds slower
 PACK_VERSION = 1  # bump when the packing changes: old caches are then ignored
@@ -122,57 +119,23 @@ class PackedGPTDataset(GPTDataset):
     """Whole documents of documents [doc_range) packed first-fit into samples of
     seq_length + 1 tokens (the module doc); GPTDataset's arguments, and the same checks."""
 
-    def __init__(
-        self,
-        name: str,
-        indexed,
-        doc_range: range,
-        num_samples: int,
-        seq_length: int,
-        seed: int,
-        *,
-        cache_dir: str | None = None,
-        vocab_size: int | None = None,
-        is_builder: bool = True,
-        barrier: Callable[[], None] | None = None,
-    ):
-        if len(doc_range) == 0:
-            raise DataError(
-                f"{indexed.prefix}: the {name} split has no documents; "
-                "adjust --split or give this split its own data path"
-            )
-        self.name, self.indexed, self.seq_length = name, indexed, seq_length
-        self.vocab_size = vocab_size
-        documents = np.arange(doc_range.start, doc_range.stop, dtype=np.int64)
-        description = {
+    INDEX_NAMES = ("pieces", "bins", "shuffle_idx")
+
+    def __init__(self, name: str, indexed, *args, is_builder: bool = True, **kwargs):
+        super().__init__(name, indexed, *args, is_builder=is_builder, **kwargs)
+        if is_builder:
+            print(f" {self.summary()}", flush=True)
+
+    def describe(self, name: str) -> dict:
+        return {
             "name": f"{name}-packed",
             "version": PACK_VERSION,
             "packing": "first-fit",
             "window": PACK_WINDOW,
-            "prefix": os.path.abspath(indexed.prefix),
-            "sequences": len(indexed),
-            "documents": [doc_range.start, doc_range.stop],
-            "num_samples": int(num_samples),
-            "seq_length": seq_length,
-            "seed": seed,
         }
-        pair = getattr(indexed, "pair", None)
-        if pair and pair.get("pair_id"):
-            description["pair_id"] = pair["pair_id"]
-        cache_dir = cache_dir or os.path.join(
-            os.path.dirname(os.path.abspath(indexed.prefix)), "index-cache"
-        )
-        idx = cached_indices(
-            description,
-            lambda: build_packed_indices(indexed.sizes, documents, num_samples, seq_length, seed),
-            cache_dir,
-            is_builder=is_builder,
-            barrier=barrier,
-            names=("pieces", "bins", "shuffle_idx"),
-        )
-        self.pieces, self.bins, self.shuffle_idx = idx["pieces"], idx["bins"], idx["shuffle_idx"]
-        if is_builder:
-            print(f" {self.summary()}", flush=True)
+
+    def build(self, sizes, documents, num_samples: int, seq_length: int, seed: int) -> dict:
+        return build_packed_indices(sizes, documents, num_samples, seq_length, seed)
 
     def padding_fraction(self) -> float:
         """The share of the samples' tokens that are tail padding."""
