@@ -20,7 +20,8 @@ like the concat indices: deterministic per seed, and a resume at any iteration r
 samples (the sampler skips the consumed ones).
 
 A sample is {"text" (seq_length + 1,), and for its seq_length input tokens "document_ids"
-(its pieces 0, 1, ..., the tail padding one more), "position_ids" (restarting at each piece,
+(its pieces 0, 1, ..., the tail padding seq_length, by which the log line's padding fraction
+counts it: models/gpt/train.py), "position_ids" (restarting at each piece,
 as --reset-position-ids), "loss_mask" (0 on a piece's last token, whose label would be the
 next document's first, and on the padding)}. The model attends within documents by cu_seqlens
 (model/attention/varlen.py); the padding's id is PAD_ID and its loss is masked.
@@ -104,6 +105,7 @@ def packed_fields(lengths, seq_length: int) -> dict[str, np.ndarray]:
     pad = seq_length + 1 - int(lengths.sum())
     runs = np.append(lengths, pad) if pad else lengths
     ids = np.repeat(np.arange(len(runs)), runs)
+    ids[ids == len(lengths)] = seq_length  # the padding's: the model's log counts it
     starts = np.repeat(np.cumsum(runs) - runs, runs)
     positions = np.arange(seq_length + 1) - starts
     last = positions == np.repeat(runs - 1, runs)  # a piece's last token: its label crosses

@@ -18,6 +18,7 @@ from megatron.data.packing import (
     packed_fields,
 )
 from megatron.data.samplers import MegatronPretrainingSampler
+from megatron.models.gpt.train import make_forward_step
 from megatron.training.data import collate, get_batch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
@@ -28,6 +29,7 @@ from tests.helpers.training import (
     counting_corpus,
     flags,
     refusal,
+    train_run,
 )
 
 SEQ = 16  # samples of SEQ + 1 tokens
@@ -51,7 +53,7 @@ def test_first_fit_decreasing():
 
 def test_fields_of_a_packed_sample():
     f = packed_fields([3, 2, 1], 8)  # 6 tokens of documents, 3 of padding (9 = 8 + 1)
-    assert f["document_ids"].tolist() == [0, 0, 0, 1, 1, 2, 3, 3]
+    assert f["document_ids"].tolist() == [0, 0, 0, 1, 1, 2, 8, 8]  # the padding's id: 8
     assert f["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 0, 1]
     # a document's last token predicts the next document's first: not trained; nor is padding
     assert f["loss_mask"].tolist() == [1, 1, 0, 1, 0, 0, 0, 0]
@@ -142,6 +144,13 @@ def test_packing_refusals():
     )
 
 
+def _ref_with_padding(rank, world, argv):
+    """_ref_worker, and the history of a run through the GPT's own first-fit forward step
+    (which logs the padding fraction; the helpers' runs take the plain one)."""
+    step = make_forward_step(parse_args(argv, world_size=world))
+    return (*_ref_worker(rank, world, argv), train_run(rank, world, argv, step).history)
+
+
 def _layouts(rank, world, argv, layouts, ref_weights):
     return {name: _pp_worker(rank, world, argv + extra, ref_weights)["history"]
             for name, extra in layouts.items()}  # fmt: skip
@@ -154,9 +163,13 @@ def test_first_fit_pretrain_on_the_cpu_and_its_tp2_pp2_cp2_layouts(tmp_path):
     counting = counting_corpus(tmp_path)  # learnable in a few steps
     argv = flags(counting, "--sequence-packing", "first-fit", "--position-embedding-type", "rope")
     argv[argv.index("--split") + 1] = "80,20,0"
-    ((ref, ref_weights),) = run_distributed(_ref_worker, 1, argv)
+    argv[argv.index("--seq-length") + 1] = "24"  # some of the first samples have padding
+    ((ref, ref_weights, logged),) = run_distributed(_ref_with_padding, 1, argv)
     losses = _losses(ref)
     assert len(losses) == 6 and np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert _losses(logged) == losses
+    padding = [h["padding fraction"] for h in logged]  # beside the loss in the log line
+    assert all(0 <= p < 0.5 for p in padding) and max(padding) > 0
     layouts = {
         "tp2": ["--tensor-model-parallel-size", "2"],
         "pp2": ["--pipeline-model-parallel-size", "2"],

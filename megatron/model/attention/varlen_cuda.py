@@ -88,9 +88,10 @@ def _flex_attend(core, q, k, v, docs, p):
     total = q.size(0)
 
     def block_mask():
-        b, s = docs.shape
-        offset = torch.arange(b, device=q.device).unsqueeze(1) * s  # ids unique over samples
-        ids = (docs.document_ids.to(q.device) + offset).reshape(-1)
+        b = docs.shape[0]
+        ids = docs.document_ids.to(q.device)
+        ids = ids - ids.amin()  # 0 .. top, then unique over the samples:
+        ids = (ids + torch.arange(b, device=q.device).unsqueeze(1) * (ids.amax() + 1)).reshape(-1)
 
         def same_document_causal(_b, _h, qi, ki):
             return (ids[qi] == ids[ki]) & (qi >= ki)
