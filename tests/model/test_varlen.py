@@ -34,6 +34,8 @@ def test_documents_of_known_ids():
     assert torch.equal(keep, masks.document_attention_mask(ids))
     with pytest.raises(ValueError, match="covers 6 positions; 1 queries"):
         varlen_mask(ids).dense(1, 6, "cpu")
+    with pytest.raises(ValueError, match="document ids must not decrease along a sample"):
+        varlen_mask(torch.tensor([[0, 0, 1, 0]])).data.lengths()
     with pytest.raises(ValueError, match="carries VarlenDocuments"):
         masks.AttentionMask(VARLEN, data=ids)
 

@@ -51,8 +51,17 @@ class VarlenDocuments:
     def bounds(self) -> list[int]:
         """cu_seqlens as Python ints: 0, the start of each later document, b x s."""
         if "bounds" not in self._cache:
-            starts = self.starts().nonzero().flatten().tolist()  # the one host sync
-            self._cache["bounds"] = [*starts, self.document_ids.numel()]
+            ids = self.document_ids
+            ordered = (ids[:, 1:] >= ids[:, :-1]).all().reshape(1).long()
+            read = torch.cat([ordered, self.starts().nonzero().flatten()]).tolist()  # one sync
+            if not read[0]:
+                raise ValueError(
+                    "document ids must not decrease along a sample (each document one run of "
+                    "tokens, as the collate and the packer number them): a document id that "
+                    "comes back later would be a new document to cu_seqlens. Fix: number the "
+                    "documents of each sample in order (training/data.py document_fields)"
+                )
+            self._cache["bounds"] = [*read[1:], ids.numel()]
         return self._cache["bounds"]
 
     @property
