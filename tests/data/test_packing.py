@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
+from megatron.config.rules_bert import validate_bert
+from megatron.config.schema import ConfigError
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.packing import (
@@ -138,6 +140,9 @@ def test_blends_and_split_build_packed_datasets(corpus, tmp_path):
 
 
 def test_packing_refusals():
+    cfg = parse_args(["--vocab-size", "128", "--sequence-packing", "first-fit"])
+    with pytest.raises(ConfigError, match="--sequence-packing: packs GPT samples; BERT"):
+        validate_bert(cfg)
     assert "--mtp-num-layers" in refusal("--sequence-packing", "first-fit", "--mtp-num-layers", "1")
     assert "--sequence-packing" in refusal(
         "--sequence-packing", "first-fit", "--mtp-num-layers", "1"
