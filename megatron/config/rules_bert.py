@@ -68,6 +68,12 @@ def validate_bert(cfg: MegatronConfig) -> None:
             "drop it (or give native)",
         ),
         (
+            "--sequence-packing",
+            cfg.data.sequence_packing != "concat",
+            "packs GPT samples; BERT's sentence-pair samples are not packed yet",
+            "drop it (or give concat)",
+        ),
+        (
             "--reset-position-ids/--reset-attention-mask/--eod-mask-loss",
             cfg.data.uses_documents,
             "GPT's packed-document options; BERT samples hold one document",

@@ -30,4 +30,11 @@ def validate_mtp_model(m: ModelConfig) -> None:
 def validate_mtp(cfg: MegatronConfig) -> None:
     """MTP against the layout and the backends (training and conversion)."""
     validate_mtp_model(cfg.model)
+    if cfg.model.mtp_num_layers is not None and cfg.data.sequence_packing != "concat":
+        fail(
+            "--sequence-packing",
+            f"{cfg.data.sequence_packing} with --mtp-num-layers: the MTP depths' shifted "
+            "targets do not stop at document ends yet, so they would train across documents",
+            "use --sequence-packing concat, or drop --mtp-num-layers",
+        )
     refuse_pairs(cfg, "--mtp-num-layers")  # megatron.config.rules_pairs

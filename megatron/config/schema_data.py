@@ -120,6 +120,13 @@ class DataConfig(Section):
     mmap_warmup: bool = setting(
         False, "read every page of each .bin (and mmap .idx) once at load, so reads never fault"
     )
+    sequence_packing: str = setting(
+        "concat",
+        "how GPT samples are made of documents: concat (concatenate the shuffled documents and "
+        "cut every --seq-length tokens), first-fit (whole documents packed first-fit "
+        "decreasing, the tail padded, each attending within itself: docs/packing.md)",
+        choices=("concat", "first-fit"),
+    )
     # Document boundaries inside a packed sample (the tokenizer's end-of-document id marks them;
     # an EOD token ends the document it follows). Training semantics, never saved with a model.
     reset_position_ids: bool = setting(

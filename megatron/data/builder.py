@@ -22,6 +22,7 @@ from megatron.data.dataset_impl import make_indexed_dataset
 from megatron.data.dataset_pair import sidecar_path, tokenizer_mismatch
 from megatron.data.gpt_dataset import DataError, GPTDataset, split_document_ranges
 from megatron.data.indexed_dataset import dtype_vocab_problem, index_file_path
+from megatron.data.packing import PackedGPTDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -34,7 +35,7 @@ def _split_datasets(
     seed: int,
     common: dict,
 ) -> list[GPTDataset | None]:
-    reader = {k: common[k] for k in ("data_impl", "mmap_warmup", "tokenizer")}
+    reader = {k: common[k] for k in ("data_impl", "mmap_warmup", "tokenizer", "packing")}
     common = {k: v for k, v in common.items() if k not in reader}
     indexed = make_indexed_dataset(prefix, reader["data_impl"], reader["mmap_warmup"])
     check_tokenizer(prefix, indexed, common["vocab_size"], reader["tokenizer"])
@@ -47,8 +48,9 @@ def _split_datasets(
             stacklevel=2,
         )
     ranges = split_document_ranges(len(indexed), weights)
+    kind = PackedGPTDataset if reader["packing"] == "first-fit" else GPTDataset
     return [
-        GPTDataset(name, indexed, r, n, seq_length, seed, **common) if n > 0 and len(r) else None
+        kind(name, indexed, r, n, seq_length, seed, **common) if n > 0 and len(r) else None
         for name, r, n in zip(SPLIT_NAMES, ranges, num_samples, strict=True)
     ]
 
@@ -154,6 +156,7 @@ def build_train_valid_test_datasets(
         "tokenizer": tokenizer,
         "data_impl": data.data_impl,
         "mmap_warmup": data.mmap_warmup,
+        "packing": data.sequence_packing,
         "cache_dir": data.data_cache_path,
         "vocab_size": vocab_size,
         "is_builder": is_builder,

@@ -189,8 +189,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.vocab_size = vocab_size
         documents = np.arange(doc_range.start, doc_range.stop, dtype=np.int32)
         description = {
-            "name": name,
-            "version": INDEX_VERSION,
+            **self.describe(name),
             "prefix": os.path.abspath(indexed.prefix),
             "sequences": len(indexed),
             "documents": [doc_range.start, doc_range.stop],
@@ -208,16 +207,24 @@ class GPTDataset(torch.utils.data.Dataset):
         )
         idx = cached_indices(
             description,
-            lambda: build_indices(sizes, documents, num_samples, seq_length, seed),
+            lambda: self.build(sizes, documents, num_samples, seq_length, seed),
             cache_dir,
             is_builder=is_builder,
             barrier=barrier,
+            names=self.INDEX_NAMES,
         )
-        self.doc_idx, self.sample_idx, self.shuffle_idx = (
-            idx["doc_idx"],
-            idx["sample_idx"],
-            idx["shuffle_idx"],
-        )
+        for n in self.INDEX_NAMES:
+            setattr(self, n, idx[n])
+
+    INDEX_NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
+
+    def describe(self, name: str) -> dict:
+        """What names this kind of index in its cache (besides the data and the sizes)."""
+        return {"name": name, "version": INDEX_VERSION}
+
+    def build(self, sizes, documents, num_samples: int, seq_length: int, seed: int) -> dict:
+        """The indices INDEX_NAMES of `documents` (cached by the caller)."""
+        return build_indices(sizes, documents, num_samples, seq_length, seed)
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)

@@ -93,8 +93,13 @@ def collate(documents: DocumentMasking | None, samples: list[dict]) -> dict[str,
     """The default collate, plus the document fields of the input tokens text[:, :-1] (in the
     loader's workers, off the training loop)."""
     batch = torch.utils.data.default_collate(samples)
-    if documents is not None:
-        batch.update(document_fields(batch["text"][:, :-1], documents))
+    if documents is not None:  # packed samples (data/packing.py) bring their own fields
+        for name, value in document_fields(batch["text"][:, :-1], documents).items():
+            own = batch.get(name)
+            if own is None:
+                batch[name] = value
+            elif name == "loss_mask":  # --eod-mask-loss on top of the packing's own mask
+                batch[name] = own * value
     return batch
 
 

@@ -4,8 +4,8 @@ A backend is an AttentionBackend in its own file (ring.py, softmax.py, sdpa.py),
 with a priority: `choose_backend` asks them in priority order (lowest first) and takes the
 first whose `accepts(core, mask, q)` is true. The built-in order: the ring under context
 parallelism (0), the explicit masked softmax of --attention-backend fused / unfused and the
-v1.x fp32-softmax flags (10), torch SDPA, which runs every mask kind (100). A CUDA varlen
-kernel for packed documents would sit between them, accepting its mask kind on CUDA.
+v1.x fp32-softmax flags (10), the CUDA varlen kernels of packed documents (40, varlen_cuda.py),
+SDPA once per document (50, varlen_sdpa.py), torch SDPA, which runs every mask kind (100).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from megatron.config.schema import ModelConfig
 from megatron.model.attention import ring as _ring  # noqa: F401  (registers the backend)
 from megatron.model.attention import sdpa as _sdpa  # noqa: F401  (registers the backend)
 from megatron.model.attention import softmax as _softmax  # noqa: F401  (registers the backend)
+from megatron.model.attention import varlen_cuda as _varlen  # noqa: F401  (registers 2 backends)
 from megatron.model.attention.backends import choose_backend
 from megatron.model.attention.masks import CAUSAL, AttentionMask, causal_keep
 from megatron.model.context import BuildContext

@@ -4,8 +4,8 @@ what that kind carries; the backends (backends.py) ask the kind, never branch on
     CAUSAL     query i sees keys <= i; when there are fewer queries than keys (generation with
                a KV cache) the queries are the last positions, so the last query sees every key
     PADDING    bidirectional, every real (non-padding) key of the sample: BERT
-    ARBITRARY  a given keep-mask (b, 1, s_q, s_k): the documents of a packed sample
-               (--reset-attention-mask), or a KV-cache prefix
+    ARBITRARY  a given keep-mask (b, 1, s_q, s_k): a KV-cache prefix, or documents given as
+               a dense mask (--reset-attention-mask takes VARLEN, varlen.py: cu_seqlens)
     RING_DOCUMENTS  the documents of a packed sample under context parallelism: the whole
                sequences' document ids by chunk (mpu/ring_documents.py), from which ring
                attention builds each block's mask; no (s, s) tensor

@@ -33,8 +33,9 @@ class ParallelAttention(SelfAttention):
     """Self-attention over this rank's heads: torch SDPA, or (--attention-backend)
     softmax(scale q k^T) v with a Triton (fused) or torch (unfused) scaled softmax.
     The `attention_mask` (masks.py) says which keys each query sees: CAUSAL (the default),
-    or PADDING / ARBITRARY with a keep tensor (b, 1, s, s) (BERT's padding, the documents of a
-    packed sample): SDPA's attn_mask, or a masked softmax. Under context parallelism the ring
+    PADDING / ARBITRARY with a keep tensor (b, 1, s, s) (BERT's padding, a KV-cache prefix):
+    SDPA's attn_mask, or a masked softmax; or VARLEN, the documents of a packed sample by
+    cu_seqlens (varlen.py). Under context parallelism the ring
     takes CAUSAL or RING_DOCUMENTS (a packed sample's document ids by chunk).
 
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size

@@ -15,7 +15,8 @@ from torch import nn
 
 from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import MegatronConfig, ModelConfig
-from megatron.model.attention.masks import CAUSAL, AttentionMask
+from megatron.model.attention.masks import CAUSAL
+from megatron.model.attention.varlen import varlen_mask
 from megatron.model.context import BuildContext
 from megatron.model.layer_kinds import attention_feed_forward
 from megatron.model.norms import build_norm
@@ -63,7 +64,7 @@ class TransformerLayerPipe(TransformerLayer):
         if not isinstance(inputs, tuple):
             return super().forward(inputs)
         x, position_ids, document_ids = inputs
-        mask = AttentionMask.documents(document_ids) if self.document_mask else CAUSAL
+        mask = varlen_mask(document_ids) if self.document_mask else CAUSAL
         return super().forward(x, position_ids, None, mask), position_ids, document_ids
 
 

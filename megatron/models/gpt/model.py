@@ -19,6 +19,7 @@ from torch import nn
 from megatron.config.layer_pattern import layer_kinds
 from megatron.config.schema import ModelConfig
 from megatron.model.attention.masks import CAUSAL, AttentionMask
+from megatron.model.attention.varlen import varlen_mask
 from megatron.model.context import BuildContext, chunk_embedding, start_chunk
 from megatron.model.layer_kinds import build_layer, check_layer_kinds
 from megatron.model.mtp import MultiTokenPrediction
@@ -234,14 +235,14 @@ class GPTModel(nn.Module):
         self._input = x
 
     def _attention_mask(self, document_ids: torch.Tensor | None) -> AttentionMask:
-        """Causal, or within documents: an (s, s) mask, or under context parallelism every
-        chunk's document ids (one all-gather over CP per forward), which ring attention turns
-        into per-block masks."""
+        """Causal, or within documents: by cu_seqlens (model/attention/varlen.py), or under
+        context parallelism every chunk's document ids (one all-gather over CP per forward),
+        which ring attention turns into per-block masks."""
         if document_ids is None:
             return CAUSAL
         if self.state.cp_size > 1:
             return AttentionMask.ring_documents(gather_documents(document_ids, self.state))
-        return AttentionMask.documents(document_ids)
+        return varlen_mask(document_ids)
 
     def forward(
         self,

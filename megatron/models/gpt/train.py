@@ -55,6 +55,26 @@ def forward_step(data_iterator, model):
     """One GPT micro batch: the chunk's output and the loss function for the last stage."""
     state = _state_of(model)  # with context parallelism: this CP rank's chunks
     batch = get_batch(data_iterator, next(model.parameters()).device, state)
+    return _forward(batch, model, state)
+
+
+def packed_forward_step(seq_length: int, data_iterator, model):
+    """forward_step under --sequence-packing first-fit, with the share of the micro batch's
+    tokens that are tail padding (their document id is `seq_length`, data/packing.py), logged
+    beside the loss as "padding fraction"."""
+    state = _state_of(model)
+    batch = get_batch(data_iterator, next(model.parameters()).device, state)
+    output, loss_fn = _forward(batch, model, state)
+    padding = (batch.document_ids == seq_length).float().mean()
+
+    def with_padding(per_token):
+        loss, stats = loss_fn(per_token)
+        return loss, {**stats, "padding fraction": padding}
+
+    return output, with_padding
+
+
+def _forward(batch, model, state):
     output = model(  # per-token loss (b, s) on the last stage
         batch.tokens,
         position_ids=batch.position_ids,
@@ -89,4 +109,8 @@ def _state_of(model):
 
 
 def make_forward_step(cfg: MegatronConfig):
+    if cfg.data.sequence_packing == "first-fit":
+        step = functools.partial(packed_forward_step, cfg.model.seq_length)
+        step.other_losses = ("padding fraction",)
+        return step
     return forward_step
