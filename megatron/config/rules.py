@@ -33,6 +33,7 @@ from megatron.config.rules_mtp import validate_mtp
 from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.rules_pipeline import validate_pipeline_schedule
 from megatron.config.rules_training import validate_batch, validate_training
+from megatron.config.rules_window import validate_window_model, validate_window_parallel
 from megatron.config.schema import (
     ConfigError,
     MegatronConfig,
@@ -44,6 +45,7 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
     """Shape rules of the model alone (and of its split over `tp` tensor-parallel ranks); each
     setting's own limits are declared with it (megatron.config.schema)."""
     validate_mla_model(m, tp)
+    validate_window_model(m)
     if (
         not m.multi_latent_attention
         and m.kv_channels is None
@@ -207,6 +209,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
     validate_moe(cfg)
     validate_mtp(cfg)
     _validate_context_parallel(cfg)
+    validate_window_parallel(cfg)
     _validate_sequence_parallel(cfg)
     if m.num_layers % pp:
         fail(

@@ -12,17 +12,15 @@ the comparison needs no second spawn.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
-from tests.helpers.layouts import lm_forward_step, random_micro_batches, train_steps
+from tests.helpers.layouts import compare_layout, train_layout
 from tests.helpers.models import tiny_mla
 
 MODEL = tiny_mla()
@@ -35,44 +33,6 @@ LAYOUTS = [
     ("cp2", 1, 1, 2, False, None, {}),
     ("pp2-full", 1, 2, 1, False, "full", {}),
 ]
-
-
-def _train(cfg: ModelConfig, state, recompute: str | None):
-    """STEPS steps on the same micro batches; (losses and norms, weights, grads, model)."""
-    steps = [random_micro_batches(step, range(MICRO), state, BATCH) for step in range(STEPS)]
-    step = functools.partial(lm_forward_step, state)
-    results, model = train_steps(cfg, state, step, steps, BATCH, recompute)
-    history = [(float(r["lm_loss"]), float(r["grad_norm"])) for r in results]
-    grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
-    weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
-    return history, weights, grads, model
-
-
-def _local_view(full: torch.Tensor, param, state) -> torch.Tensor:
-    if mpu.is_tensor_parallel(param) and state.tp_size > 1:
-        return mpu.shard(
-            full, param.partition_dim, state.tp_rank, state.tp_size, param.partition_stride
-        )
-    return full
-
-
-def _compare(name, ref, mine, params, state):
-    torch.testing.assert_close(
-        torch.tensor(mine[0]),
-        torch.tensor(ref[0]),
-        rtol=1e-5,
-        atol=1e-6,
-        msg=lambda m: f"{name}: loss / grad norm: {m}",
-    )
-    for pname, value in mine[1].items():
-        for what, got, full in (("weight", value, ref[1]), ("grad", mine[2][pname], ref[2])):
-            torch.testing.assert_close(
-                got,
-                _local_view(full[pname], params[pname], state),
-                rtol=1e-4,
-                atol=1e-6,
-                msg=lambda m, p=pname, w=what: f"{name} {w} {p}: {m}",
-            )
 
 
 def _check_cached_generation(name, ref_model, model, state):
@@ -99,12 +59,12 @@ def _worker(rank, world):
     report = {}
     for name, tp, pp, cp, sp, recompute, changes in LAYOUTS:
         cfg = dataclasses.replace(MODEL, **changes)
-        ref = _train(cfg, mpu.single_process_state(), recompute)
+        ref = train_layout(cfg, mpu.single_process_state(), recompute, range(MICRO), BATCH, STEPS)
         state = initialize_model_parallel(tp, pp, sequence_parallel=sp, context_parallel_size=cp)
         try:
-            mine = _train(cfg, state, recompute)
+            mine = train_layout(cfg, state, recompute, range(MICRO), BATCH, STEPS)
             params = {n: p for c in mine[3].chunks for n, p in c.named_parameters()}
-            _compare(name, ref, mine, params, state)
+            compare_layout(name, ref, mine, params, state)
             if not sp and cp == 1:  # generation: the latent cache on every rank
                 _check_cached_generation(name, ref[3], mine[3], state)
             report[name] = mine[0]
