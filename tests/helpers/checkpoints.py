@@ -69,6 +69,8 @@ def _my_split(name: str, full: torch.Tensor, cfg: ModelConfig, tp: int, r: int) 
             gate, up = full.chunk(2)
             return torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
         return full.chunk(tp)[r].clone()
+    if suffix == "self_attention.core.softmax_offset":  # one sink logit per head
+        return full.chunk(tp)[r].clone()
     if suffix in ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight"):
         return full.chunk(tp, dim=1)[r].clone()
     return full.clone()
