@@ -1,6 +1,7 @@
 """Sliding-window attention (--window-size, --window-attn-skip-freq) and attention sinks
 (--softmax-type): windowed and sink logits equal an explicit-mask reference (every backend, with
-packed documents, through a KV cache), the layer pattern places windows where Megatron-core
+packed documents), windowed layers generate through a rolling cache of the window equal to
+the full computation, the layer pattern places windows where Megatron-core
 does, and bad input is refused with the flag and the fix."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from megatron import mpu
 from megatron.config.cli import parse_args
 from megatron.config.layer_pattern import (
     ATTENTION_MLP,
@@ -19,13 +21,15 @@ from megatron.config.layer_pattern import (
 )
 from megatron.config.schema import ConfigError
 from megatron.fused_kernels import TORCH_OPS
+from megatron.inference.engine import InferenceModel
+from megatron.inference.generation import SamplingParams, generate
 from megatron.model.attention.backends import choose_backend
 from megatron.model.attention.masks import AttentionMask
-from megatron.model.attention.standard import KVCache
+from megatron.model.attention.rolling_cache import RollingCache
 from megatron.model.attention.window import window_report
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
-from tests.helpers.models import tiny_gpt, tiny_moe
+from tests.helpers.models import tiny_gpt, tiny_mla, tiny_moe
 from tests.helpers.reference_gpt import RefGPT, load_from_megatron
 from tests.helpers.training import BASE
 
@@ -80,15 +84,28 @@ def test_a_documents_window_stops_at_its_start():
         _close(ours, ref(tokens, keep=keep), cfg.vocab_size)
 
 
-def test_a_kv_cache_step_sees_the_window_of_the_full_sequence():
-    cfg, model, ref, tokens = _models("sdpa", window_size=f"{LEFT},0")
-    s, groups = cfg.seq_length, cfg.query_groups
-    caches = {n: KVCache(2, s, groups, cfg.head_dim, "cpu", DT) for n in model.layer_numbers}
+@pytest.mark.parametrize("variant", ["gqa", "mla"])
+def test_windowed_layers_generate_through_a_rolling_cache_of_the_window(variant):
+    # layer 1 windowed (a cache of LEFT positions), layer 2 global (the full cache)
+    window = dict(window_size=f"{LEFT},0", window_attn_skip_freq="2")
+    cfg = (tiny_mla if variant == "mla" else tiny_gpt)(seq_length=16, **window)
+    model = GPTModel(cfg, BuildContext(seed=5, dtype=DT)).eval()
+    engine = InferenceModel([model], mpu.single_process_state(), cfg.vocab_size, cfg.hidden_size)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full = model(tokens)
-        first = model(tokens[:, :6], kv_caches=caches)  # a prompt, then one token at a time
-        steps = [model(tokens[:, i : i + 1], kv_caches=caches) for i in range(6, s)]
-    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, rtol=1e-9, atol=1e-9)
+        full = model(tokens)[..., : cfg.vocab_size].float()  # no cache
+    caches = engine.new_caches(2, 16)
+    rolling, whole = (caches[n] for n in model.layer_numbers)
+    assert isinstance(rolling, RollingCache) and not isinstance(whole, RollingCache)
+    positions = torch.arange(16).expand(2, -1)
+    for start, end in [(0, 6), *((p, p + 1) for p in range(6, 10)), (10, 13), (13, 16)]:
+        got = engine.next_token_logits(tokens[:, start:end], positions[:, start:end], caches)
+        torch.testing.assert_close(got, full[:, end - 1], msg=f"position {end - 1}")
+        assert rolling.held == min(end, LEFT) and rolling.length == end  # bounded by the window
+    prompts = [tokens[0, :3].tolist(), tokens[1, :7].tolist()]
+    params = SamplingParams(max_new_tokens=6, greedy=True)
+    cached = generate(engine, prompts, params, use_cache=True)
+    assert cached == generate(engine, prompts, params, use_cache=False)
 
 
 def _sink_models(softmax_type: str, backend: str):
