@@ -9,10 +9,17 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.checkpoint.reading import load_shard
-from megatron.checkpoint.resharding import load_full_state, model_config, save_resharded
+from megatron.checkpoint.resharding import load_full_state, model_config
 from megatron.models.gpt.hf import from_hf, hf_architecture, to_hf
-from tests.helpers.checkpoints import VARIANTS, _logits, _model, _tokens, _write_checkpoint
+from tests.helpers.checkpoints import (
+    VARIANTS,
+    _logits,
+    _model,
+    _tokens,
+    _write_checkpoint,
+    model_from_full_state,
+    save_jittered_hf,
+)
 
 MISTRAL = dataclasses.replace(VARIANTS["llama"], window_size="3,0")  # HF sliding_window 4
 
@@ -56,19 +63,11 @@ def test_mistral_import_reads_what_transformers_writes(tmp_path):
         tie_word_embeddings=False,
     )
     hf = transformers.MistralForCausalLM(config)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    hf.save_pretrained(str(tmp_path / "hf"))
+    save_jittered_hf(hf, str(tmp_path / "hf"))
     state, args = from_hf(str(tmp_path / "hf"))
     cfg = model_config(args)
     assert cfg.window == (4, 0) and all(cfg.window_layers)
-    save_resharded(state, args, str(tmp_path / "ck"), 1, 1, 0, quiet=True)
-    ours = _model(cfg, seed=11)
-    ours.load_state_dict(
-        load_shard(str(tmp_path / "ck"), 0, tp_rank=0, pp_rank=0, pp_size=1)["model"]
-    )
+    ours = model_from_full_state(state, args, str(tmp_path / "ck"))
     tokens = _tokens(cfg)
     with torch.no_grad():
         expected = hf.eval()(tokens).logits
