@@ -69,3 +69,12 @@ class WindowSettings(Section):
         --num-layers keeps its own, refused by megatron.config.rules_window)."""
         skip = self.window_attn_skip_freq
         return window_layer_pattern(self.window_size is not None, skip, self.num_layers)
+
+    def keys_per_query(self, seq: int) -> tuple[int, ...]:
+        """The keys each query of each layer is counted to score in the FLOPs (Megatron's
+        convention counts every query against all `seq` keys): seq for a global layer, the
+        window's LEFT + 1 (at most seq) for a windowed one."""
+        if self.window is None:
+            return (seq,) * self.num_layers
+        span = min(seq, self.window[0] + 1)
+        return tuple(span if w else seq for w in self.window_layers)

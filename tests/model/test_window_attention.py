@@ -26,7 +26,7 @@ from megatron.inference.generation import SamplingParams, generate
 from megatron.model.attention.backends import choose_backend
 from megatron.model.attention.masks import AttentionMask
 from megatron.model.attention.rolling_cache import RollingCache
-from megatron.model.attention.window import window_report
+from megatron.model.attention.window import has_flash_attn, window_report
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from tests.helpers.models import tiny_gpt, tiny_mla, tiny_moe
@@ -177,8 +177,19 @@ def test_the_pattern_places_windows_where_megatron_core_does(layers, skip, windo
 def test_the_build_log_names_the_window_kernel_and_the_sinks():
     cfg = tiny_gpt(window_size="4,0", window_attn_skip_freq="2", softmax_type="learnable")
     lines = window_report(cfg, "cpu", torch.float32, TORCH_OPS)
-    assert lines[0].startswith("window attention: 1 of 2 layers, LEFT 4: the dense window mask")
+    assert lines[0].startswith(
+        "window attention: 1 of 2 layers, LEFT 4: the window mask in the sink"
+    )
     assert lines[1].startswith("attention sinks (--softmax-type learnable)")
+    plain = window_report(tiny_gpt(window_size="4,0"), "cuda", torch.bfloat16, TORCH_OPS)
+    assert plain == [
+        "window attention: 2 of 2 layers, LEFT 4: "
+        + (
+            "flash-attn window_size=(4, 0), the blocks outside it skipped"
+            if has_flash_attn()
+            else "SDPA with a boolean window mask (install flash-attn to skip blocks)"
+        )
+    ]
     assert window_report(tiny_gpt(), "cpu", torch.float32, TORCH_OPS) == []
 
 

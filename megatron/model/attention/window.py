@@ -103,7 +103,9 @@ def window_report(m, device, dtype, ops) -> list[str]:
     if m.window is not None:
         left, path = m.window[0], ops.attention_backend
         half = dtype in (torch.float16, torch.bfloat16)
-        if torch.device(device).type == "cuda" and half and path == "sdpa":
+        if m.softmax_type != "vanilla":
+            kernel = "the window mask in the sink backend's explicit softmax"
+        elif torch.device(device).type == "cuda" and half and path == "sdpa":
             if has_flash_attn():
                 kernel = f"flash-attn window_size=({left}, 0), the blocks outside it skipped"
             else:
