@@ -33,7 +33,11 @@ from megatron.config.rules_mtp import validate_mtp
 from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.rules_pipeline import validate_pipeline_schedule
 from megatron.config.rules_training import validate_batch, validate_training
-from megatron.config.rules_window import validate_window_model, validate_window_parallel
+from megatron.config.rules_window import (
+    refuse_window_for_bert,
+    validate_window_model,
+    validate_window_parallel,
+)
 from megatron.config.schema import (
     ConfigError,
     MegatronConfig,
@@ -151,6 +155,7 @@ def validate(cfg: MegatronConfig, purpose: str = "config") -> MegatronConfig:
         refuse_bert_settings(cfg)
     if purpose in _BERT:
         validate_bert(cfg)
+        refuse_window_for_bert(cfg.model)
     if purpose in _TRAINING and cfg.deepspeed.enabled:
         cfg = with_ds_json(cfg)
         build_ds_config(cfg)  # its rules, before any process group exists

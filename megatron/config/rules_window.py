@@ -76,3 +76,14 @@ def validate_window_parallel(cfg: MegatronConfig) -> None:
             "logit",
             "drop --context-parallel-size (1), or use --softmax-type vanilla",
         )
+
+
+def refuse_window_for_bert(m: ModelConfig) -> None:
+    """BERT attends both ways: a causal window (LEFT back, nothing ahead of its own) would let
+    its queries see every key ahead; windows are the GPT's."""
+    if m.window_size is not None:
+        fail(
+            WINDOW_FLAG,
+            "BERT attends in both directions; the window is the causal GPT's (LEFT keys back)",
+            f"drop {WINDOW_FLAG} for BERT",
+        )

@@ -237,3 +237,8 @@ def test_context_parallelism_refuses_windows_and_sinks_before_any_work(flags, fl
         parse_args([*RUN, "--context-parallel-size", "2", *flags], world_size=2)
     msg = str(err.value)
     assert msg.startswith(f"{flag}: ring attention") and "drop --context-parallel-size" in msg
+
+
+def test_bert_refuses_the_causal_window():
+    with pytest.raises(ConfigError, match="^--window-size: BERT attends in both directions"):
+        parse_args([*RUN, "--window-size", "4,0"], world_size=1, purpose="train-bert")
