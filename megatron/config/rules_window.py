@@ -54,6 +54,15 @@ def validate_window_model(m: ModelConfig) -> None:
             f"{m.window_attn_skip_freq} leaves no layer windowed",
             f"use a frequency of 2 or more, a pattern with a 1, or drop {WINDOW_FLAG}",
         )
+    for i in range(m.num_layers):
+        owner = m.layer_owner(i)
+        if pattern[i] != pattern[owner]:
+            fail(
+                SKIP_FLAG,
+                f"layer {i} runs the weights of layer {owner} (--num-unique-layers) but one is "
+                "windowed and the other global",
+                "give layers that share weights the same entry",
+            )
 
 
 def validate_window_parallel(cfg: MegatronConfig) -> None:

@@ -212,6 +212,12 @@ def test_the_build_log_names_the_window_kernel_and_the_sinks():
             "use a frequency of 2 or more",
         ),
         (
+            ["--window-size", "4,0", "--window-attn-skip-freq", "[1,1,0,0]"]
+            + ["--num-unique-layers", "2"],
+            "--window-attn-skip-freq",
+            "give layers that share weights the same entry",
+        ),
+        (
             ["--window-size", "4,0", "--window-attn-skip-freq", "[1,2]"],
             "--window-attn-skip-freq",
             "a list of 1 (windowed) / 0 (global)",
