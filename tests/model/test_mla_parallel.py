@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.inference.engine import InferenceModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
-from tests.helpers.layouts import compare_layout, train_layout
+from tests.helpers.layouts import check_cached_generation, compare_layout, train_layout
 from tests.helpers.models import tiny_mla
 
 MODEL = tiny_mla()
@@ -35,25 +34,6 @@ LAYOUTS = [
 ]
 
 
-def _check_cached_generation(name, ref_model, model, state):
-    """Step-by-step logits through the latent KV cache on this layout == the one-process
-    model's uncached forward (the engine broadcasts them to every rank)."""
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
-    ref_chunk = ref_model.chunks[0]
-    ref_chunk.eval()
-    with torch.no_grad():
-        want = ref_chunk(tokens)[..., :64].float()  # (b, s, V)
-    engine = InferenceModel(model.chunks, state, 64, 32)
-    caches = engine.new_caches(2, 8)
-    positions = torch.arange(8).expand(2, -1)
-    for pos in range(3, 8):
-        window = slice(0, pos + 1) if pos == 3 else slice(pos, pos + 1)
-        got = engine.next_token_logits(tokens[:, window], positions[:, window], caches)
-        torch.testing.assert_close(
-            got, want[:, pos], rtol=1e-4, atol=1e-5, msg=lambda m, p=pos: f"{name} {p}: {m}"
-        )
-
-
 def _worker(rank, world):
     torch.manual_seed(0)
     report = {}
@@ -66,7 +46,7 @@ def _worker(rank, world):
             params = {n: p for c in mine[3].chunks for n, p in c.named_parameters()}
             compare_layout(name, ref, mine, params, state)
             if not sp and cp == 1:  # generation: the latent cache on every rank
-                _check_cached_generation(name, ref[3], mine[3], state)
+                check_cached_generation(name, ref[3], mine[3], state)
             report[name] = mine[0]
         finally:
             destroy_model_parallel(state)

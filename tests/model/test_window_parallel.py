@@ -1,7 +1,9 @@
 """Sliding windows (the first layer windowed, the second global) with learnable attention sinks
 against one process: loss, grad norm, gradients and updated weights after two steps at TP 2
-with sequence parallelism (the sink logits split with the heads), PP 2 (the windowed and the
-global layer on different stages) and DP 2, all in ONE 2-rank spawn."""
+with sequence parallelism (the sink logits split with the heads), TP 2, PP 2 (the windowed and
+the global layer on different stages) and DP 2; then the TP 2 and PP 2 models generate through
+the rolling cache of the windowed layer the one-process model's logits: all in ONE 2-rank
+spawn."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from megatron import mpu
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
-from tests.helpers.layouts import compare_layout, train_layout
+from tests.helpers.layouts import check_cached_generation, compare_layout, train_layout
 from tests.helpers.models import small_gpt
 
 MODEL = small_gpt(
@@ -21,7 +23,12 @@ MODEL = small_gpt(
     softmax_type="learnable",
 )
 MICRO, BATCH, STEPS = 2, 2, 2
-LAYOUTS = [("tp2-sp", 2, 1, True), ("pp2", 1, 2, False), ("dp2", 1, 1, False)]
+LAYOUTS = [
+    ("tp2-sp", 2, 1, True),
+    ("tp2", 2, 1, False),
+    ("pp2", 1, 2, False),
+    ("dp2", 1, 1, False),
+]
 
 
 def _worker(rank, world):
@@ -38,6 +45,8 @@ def _worker(rank, world):
             sinks = [n for n in params if n.endswith("core.softmax_offset")]
             assert sinks and all(params[n].numel() == 4 // tp for n in sinks), sinks
             compare_layout(name, ref, mine, params, state)
+            if not sp and state.dp_size == 1:  # generation: the rolling cache of layer 1
+                check_cached_generation(name, ref[3], mine[3], state)
             report[name] = mine[0]
         finally:
             destroy_model_parallel(state)
