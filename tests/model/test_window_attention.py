@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron import mpu
 from megatron.config.cli import parse_args
@@ -24,9 +25,10 @@ from megatron.fused_kernels import TORCH_OPS
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate
 from megatron.model.attention.backends import choose_backend
+from megatron.model.attention.flex_window import FLEX_WINDOW
 from megatron.model.attention.masks import AttentionMask
 from megatron.model.attention.rolling_cache import RollingCache
-from megatron.model.attention.window import has_flash_attn, window_report
+from megatron.model.attention.window import has_flash_attn, window_report, windowed
 from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel
 from tests.helpers.models import tiny_gpt, tiny_mla, tiny_moe
@@ -103,7 +105,7 @@ def test_windowed_layers_generate_through_a_rolling_cache_of_the_window(variant)
         torch.testing.assert_close(got, full[:, end - 1], msg=f"position {end - 1}")
         assert rolling.held == min(end, LEFT) and rolling.length == end  # bounded by the window
     prompts = [tokens[0, :3].tolist(), tokens[1, :7].tolist()]
-    params = SamplingParams(max_new_tokens=6, greedy=True)
+    params = SamplingParams(max_new_tokens=3, greedy=True)
     cached = generate(engine, prompts, params, use_cache=True)
     assert cached == generate(engine, prompts, params, use_cache=False)
 
@@ -187,7 +189,7 @@ def test_the_build_log_names_the_window_kernel_and_the_sinks():
         + (
             "flash-attn window_size=(4, 0), the blocks outside it skipped"
             if has_flash_attn()
-            else "SDPA with a boolean window mask (install flash-attn to skip blocks)"
+            else "flex attention's window block mask (compiled), the blocks outside it skipped"
         )
     ]
     assert window_report(tiny_gpt(), "cpu", torch.float32, TORCH_OPS) == []
@@ -248,3 +250,22 @@ def test_context_parallelism_refuses_windows_and_sinks_before_any_work(flags, fl
 def test_bert_refuses_the_causal_window():
     with pytest.raises(ConfigError, match="^--window-size: BERT attends in both directions"):
         parse_args([*RUN, "--window-size", "4,0"], world_size=1, purpose="train-bert")
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention:UserWarning")
+def test_flex_attentions_window_block_mask_equals_the_dense_window():
+    # CUDA runs it compiled (FlexWindowBackend.accepts is CUDA-only); here its eager form
+    cfg, model, ref, tokens = _models("sdpa", window_size=f"{LEFT},0")
+    core = model.layers["0"].self_attention.core
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 8, 16, 8, generator=gen, dtype=DT)
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=DT) for _ in range(2))
+    for s_q in (16, 5):  # every query, and a KV cache's last queries
+        mask = windowed(AttentionMask.causal(), LEFT)
+        got = FLEX_WINDOW.attend(core, q[:, :, -s_q:], k, v, mask, 0.0)
+        keep = mask.dense(s_q, 16, "cpu")
+        rep = (t.repeat_interleave(4, dim=1) for t in (k, v))
+        want = F.scaled_dot_product_attention(q[:, :, -s_q:], *rep, attn_mask=keep)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert not FLEX_WINDOW.accepts(core, mask, q)  # the CPU runs SDPA's boolean mask
+    assert choose_backend(core, mask, q).name == "sdpa"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
+from megatron.model.attention import flex_window as _flex  # noqa: F401  (registers it)
 from megatron.model.attention import ring as _ring  # noqa: F401  (registers the backend)
 from megatron.model.attention import sdpa as _sdpa  # noqa: F401  (registers the backend)
 from megatron.model.attention import softmax as _softmax  # noqa: F401  (registers the backend)

@@ -6,7 +6,8 @@ prefix) and LEFT: query i (at position p_i, the queries being the last s_q of s_
 sees key j where the base lets it and p_i - LEFT <= j. A document's window thus stops at the
 document's start. Every backend runs its dense form (SDPA's boolean mask on the CPU); on CUDA,
 a causal window in half precision runs flash-attn's `window_size` when flash-attn is
-installed, which skips the blocks outside the window. The ring (context parallelism) takes no
+installed, else flex attention's block mask (flex_window.py) without dropout: both skip the
+blocks outside the window. The ring (context parallelism) takes no
 window: megatron.config.rules_window refuses the pair before any work.
 """
 
@@ -105,11 +106,15 @@ def window_report(m, device, dtype, ops) -> list[str]:
         half = dtype in (torch.float16, torch.bfloat16)
         if m.softmax_type != "vanilla":
             kernel = "the window mask in the sink backend's explicit softmax"
-        elif torch.device(device).type == "cuda" and half and path == "sdpa":
-            if has_flash_attn():
+        elif torch.device(device).type == "cuda" and path == "sdpa":
+            if has_flash_attn() and half:
                 kernel = f"flash-attn window_size=({left}, 0), the blocks outside it skipped"
-            else:
-                kernel = "SDPA with a boolean window mask (install flash-attn to skip blocks)"
+            elif m.attention_dropout == 0:
+                kernel = (
+                    "flex attention's window block mask (compiled), the blocks outside it skipped"
+                )
+            else:  # flex takes no dropout
+                kernel = "SDPA with a boolean window mask (flex attention takes no dropout)"
         else:
             kernel = f"the dense window mask in the {path} path"
         layers = sum(m.window_layers)
