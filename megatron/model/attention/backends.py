@@ -5,8 +5,9 @@ with a priority: `choose_backend` asks them in priority order (lowest first) and
 first whose `accepts(core, mask, q)` is true. The built-in order: the ring under context
 parallelism (0), attention sinks (sinks.py, 5), the explicit masked softmax of
 --attention-backend fused / unfused and the v1.x fp32-softmax flags (10), flash-attn's
-sliding window on CUDA (window.py, 50), flex attention's (flex_window.py, 60), torch SDPA, which runs every mask kind (100). A CUDA varlen
-kernel for packed documents would sit between them, accepting its mask kind on CUDA.
+sliding window on CUDA (window.py, 50), flex attention's (flex_window.py, 60), torch SDPA,
+which runs every mask kind (100). A CUDA varlen kernel for packed documents would sit between
+them, accepting its mask kind on CUDA.
 """
 
 from __future__ import annotations
