@@ -6,7 +6,9 @@ only.
 
 A kind is a name the model's registry (megatron.model.layer_kinds) builds a layer from; a later
 pattern (a hybrid stack's string of Mamba / attention / MLP layers) is one more source of the
-same per-layer list."""
+same per-layer list. A windowed layer (--window-size, on the layers --window-attn-skip-freq
+leaves windowed, its list read by the same parser) is attention with a window: kinds of their
+own, WINDOW_ATTENTION_MLP and WINDOW_ATTENTION_MOE."""
 
 from __future__ import annotations
 
@@ -16,6 +18,14 @@ import re
 from megatron.config.declare import ConfigError
 
 FLAG = "--moe-layer-freq"
+WINDOW_FLAG = "--window-attn-skip-freq"
+_FIXES = {
+    FLAG: "pass an integer k (every k-th layer is MoE) or a list of 0 (dense) / 1 (MoE) per "
+    "layer written with lists, integers, * and +, e.g. '([0]*3+[1]*58)'",
+    WINDOW_FLAG: "pass an integer N (every N-th layer global, the others windowed) or a list "
+    "of 1 (windowed) / 0 (global) per layer written with lists, integers, * and +, e.g. "
+    "'([1]*5+[0]*1)*4'",
+}
 _LIMIT = 1_000_000  # no layer count, list or repeat is larger: a typo, not a model
 _TOKEN = re.compile(r"\d+|[\[\]\(\),*+]")
 _DEPTH = 100  # nested parentheses / lists: deeper is a typo, and would exhaust the stack
@@ -23,16 +33,35 @@ _DEPTH = 100  # nested parentheses / lists: deeper is a typo, and would exhaust 
 # The layer kinds of a transformer stack today (megatron.model.layer_kinds builds them).
 ATTENTION_MLP = "attention+mlp"  # self-attention, then the dense MLP
 ATTENTION_MOE = "attention+moe"  # self-attention, then a router and experts
+WINDOW_ATTENTION_MLP = "window-attention+mlp"  # sliding-window self-attention, dense MLP
+WINDOW_ATTENTION_MOE = "window-attention+moe"  # sliding-window self-attention, experts
+_WINDOWED = {ATTENTION_MLP: WINDOW_ATTENTION_MLP, ATTENTION_MOE: WINDOW_ATTENTION_MOE}
 
 
 def layer_kinds(model) -> tuple[str, ...]:
     """The kind of each of the model config's --num-layers layers: attention + MoE where
-    --moe-layer-freq says (with --num-experts), attention + dense MLP elsewhere."""
-    pattern = model.moe_layer_pattern
-    return tuple(
-        ATTENTION_MOE if i < len(pattern) and pattern[i] == 1 else ATTENTION_MLP
-        for i in range(model.num_layers)
-    )
+    --moe-layer-freq says (with --num-experts), attention + dense MLP elsewhere; its attention
+    windowed where --window-size and --window-attn-skip-freq say."""
+    pattern, windows = model.moe_layer_pattern, model.window_layers
+    kinds = []
+    for i in range(model.num_layers):
+        kind = ATTENTION_MOE if i < len(pattern) and pattern[i] == 1 else ATTENTION_MLP
+        kinds.append(_WINDOWED[kind] if i < len(windows) and windows[i] else kind)
+    return tuple(kinds)
+
+
+def window_layer_pattern(windowed: bool, skip_freq, num_layers: int) -> tuple[int, ...]:
+    """1 for each windowed layer, as Megatron-core's is_layer_window_attention: none without a
+    window; every layer without --window-attn-skip-freq; an int N: layer number (1-based) n is
+    global where n % N == 0; a list: its entries (its own length)."""
+    if not windowed:
+        return (0,) * num_layers
+    if skip_freq is None:
+        return (1,) * num_layers
+    freq = parse_layer_freq(str(skip_freq), WINDOW_FLAG)
+    if isinstance(freq, int):
+        return tuple(int((i + 1) % freq != 0) for i in range(num_layers))
+    return freq
 
 
 def expand_layer_freq(value, num_layers: int) -> tuple[int, ...]:
@@ -44,32 +73,29 @@ def expand_layer_freq(value, num_layers: int) -> tuple[int, ...]:
     return freq
 
 
-def _refuse(value: str, problem: str) -> ConfigError:
+def _refuse(value: str, problem: str, flag: str = FLAG) -> ConfigError:
     shown = repr(value) if len(value) <= 80 else f"{value[:60]!r}... ({len(value)} characters)"
-    return ConfigError(
-        f"{FLAG}: {shown} {problem}. Fix: pass an integer k (every k-th layer is MoE) or a "
-        "list of 0 (dense) / 1 (MoE) per layer written with lists, integers, * and +, "
-        "e.g. '([0]*3+[1]*58)'"
-    )
+    return ConfigError(f"{flag}: {shown} {problem}. Fix: {_FIXES[flag]}")
 
 
 @functools.lru_cache(maxsize=64)
-def parse_layer_freq(value: str) -> int | tuple[int, ...]:
-    """`value` as an int k >= 1 or a tuple of 0/1 per layer; ConfigError naming the flag."""
+def parse_layer_freq(value: str, flag: str = FLAG) -> int | tuple[int, ...]:
+    """`value` as an int k >= 1 or a tuple of 0/1 per layer; ConfigError naming `flag`
+    (--moe-layer-freq, or --window-attn-skip-freq, which is read alike)."""
     text = "".join(str(value).split())
     tokens = _TOKEN.findall(text)
     if not text or "".join(tokens) != text:
-        raise _refuse(value, "is not an integer or a list expression")
-    parser = _Parser(tokens, value)
+        raise _refuse(value, "is not an integer or a list expression", flag)
+    parser = _Parser(tokens, value, flag)
     out = parser.expr()
     if parser.pos != len(tokens):
-        raise _refuse(value, f"has an unexpected {tokens[parser.pos]!r}")
+        raise _refuse(value, f"has an unexpected {tokens[parser.pos]!r}", flag)
     if isinstance(out, int):
         if out < 1:
-            raise _refuse(value, "must be at least 1")
+            raise _refuse(value, "must be at least 1", flag)
         return out
     if any(v not in (0, 1) for v in out):
-        raise _refuse(value, "holds entries other than 0 and 1")
+        raise _refuse(value, "holds entries other than 0 and 1", flag)
     return tuple(out)
 
 
@@ -77,8 +103,12 @@ class _Parser:
     """expr := term ('+' term)*; term := atom ('*' atom)*; atom := INT | '[' exprs ']' |
     '(' expr ')'. Values are ints or lists of ints, with Python's + and * on them."""
 
-    def __init__(self, tokens: list[str], value: str):
+    def __init__(self, tokens: list[str], value: str, flag: str = FLAG):
         self.tokens, self.value, self.pos, self.depth = tokens, value, 0, 0
+        self.flag = flag
+
+    def _fail(self, problem: str) -> ConfigError:
+        return _refuse(self.value, problem, self.flag)
 
     def _peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -87,7 +117,7 @@ class _Parser:
         token = self._peek()
         if token is None or (expected is not None and token != expected):
             want = f"{expected!r}" if expected else "more"
-            raise _refuse(self.value, f"ends where {want} was expected")
+            raise self._fail(f"ends where {want} was expected")
         self.pos += 1
         return token
 
@@ -97,7 +127,7 @@ class _Parser:
             self._take()
             right = self.term()
             if isinstance(out, int) != isinstance(right, int):
-                raise _refuse(self.value, "adds a list and an integer")
+                raise self._fail("adds a list and an integer")
             self._check(len(out) + len(right) if isinstance(out, list) else out + right)
             out = out + right
         return out
@@ -108,7 +138,7 @@ class _Parser:
             self._take()
             right = self.atom()
             if isinstance(out, list) and isinstance(right, list):
-                raise _refuse(self.value, "multiplies two lists")
+                raise self._fail("multiplies two lists")
             size = (len(out) if isinstance(out, list) else out) * (
                 len(right) if isinstance(right, list) else right
             )
@@ -123,11 +153,11 @@ class _Parser:
         if token in ("(", "["):
             self.depth += 1
             if self.depth > _DEPTH:
-                raise _refuse(self.value, f"nests parentheses or lists deeper than {_DEPTH}")
+                raise self._fail(f"nests parentheses or lists deeper than {_DEPTH}")
             out = self._group(token)
             self.depth -= 1
             return out
-        raise _refuse(self.value, f"has an unexpected {token!r}")
+        raise self._fail(f"has an unexpected {token!r}")
 
     def _group(self, token: str):
         """'(' expr ')' or '[' exprs ']', its opening token taken."""
@@ -139,7 +169,7 @@ class _Parser:
         while self._peek() != "]":
             item = self.expr()
             if not isinstance(item, int):
-                raise _refuse(self.value, "nests lists")
+                raise self._fail("nests lists")
             items.append(item)
             if self._peek() != "]":
                 self._take(",")
@@ -148,5 +178,5 @@ class _Parser:
 
     def _check(self, v: int):
         if v > _LIMIT:
-            raise _refuse(self.value, f"is larger than {_LIMIT}")
+            raise self._fail(f"is larger than {_LIMIT}")
         return v

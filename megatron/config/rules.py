@@ -33,6 +33,11 @@ from megatron.config.rules_mtp import validate_mtp
 from megatron.config.rules_pairs import refuse_pairs
 from megatron.config.rules_pipeline import validate_pipeline_schedule
 from megatron.config.rules_training import validate_batch, validate_training
+from megatron.config.rules_window import (
+    refuse_window_for_bert,
+    validate_window_model,
+    validate_window_parallel,
+)
 from megatron.config.schema import MegatronConfig, ModelConfig
 
 
@@ -40,6 +45,7 @@ def validate_model(m: ModelConfig, tp: int = 1) -> None:
     """Shape rules of the model alone (and of its split over `tp` tensor-parallel ranks); each
     setting's own limits are declared with it (megatron.config.schema)."""
     validate_mla_model(m, tp)
+    validate_window_model(m)
     if (
         not m.multi_latent_attention
         and m.kv_channels is None
@@ -145,6 +151,7 @@ def validate(cfg: MegatronConfig, purpose: str = "config") -> MegatronConfig:
         refuse_bert_settings(cfg)
     if purpose in _BERT:
         validate_bert(cfg)
+        refuse_window_for_bert(cfg.model)
     if purpose in _TRAINING and cfg.deepspeed.enabled:
         cfg = with_ds_json(cfg)
         build_ds_config(cfg)  # its rules, before any process group exists
@@ -203,6 +210,7 @@ def _validate_settings(cfg: MegatronConfig) -> None:
     validate_moe(cfg)
     validate_mtp(cfg)
     _validate_context_parallel(cfg)
+    validate_window_parallel(cfg)
     _validate_sequence_parallel(cfg)
     if m.num_layers % pp:
         fail(

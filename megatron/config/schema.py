@@ -26,6 +26,7 @@ from megatron.config.schema_kernels import KernelConfig
 from megatron.config.schema_logging import LoggingConfig
 from megatron.config.schema_model_mla import MLASettings
 from megatron.config.schema_model_moe import MoESettings
+from megatron.config.schema_model_window import WindowSettings
 from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.config.schema_parallel import ParallelConfig
 from megatron.config.schema_recompute import RecomputeConfig
@@ -176,11 +177,12 @@ class _DenseModelFields(Section):
 
 
 @dataclass(frozen=True)
-class ModelConfig(MLASettings, MoESettings, _DenseModelFields):
+class ModelConfig(WindowSettings, MLASettings, MoESettings, _DenseModelFields):
     """Shape and architecture of the GPT (defaults are GPT-2's); saved in checkpoints. The
     mixture-of-experts fields (--num-experts, ...) follow, declared in
     megatron.config.schema_model_moe, then multi-latent attention's
-    (megatron.config.schema_model_mla)."""
+    (megatron.config.schema_model_mla), then the windows' and sinks'
+    (megatron.config.schema_model_window)."""
 
 
 def model_config_from_saved(saved: dict) -> ModelConfig:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.model.attention.mla import LatentKVCache
+from megatron.model.attention.rolling_cache import RollingCache
 from megatron.model.attention.standard import KVCache
 from megatron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron.mpu.mappings import gather_from_tensor_model_parallel_region
@@ -47,18 +48,19 @@ class InferenceModel:
 
     def new_caches(self, batch: int, max_length: int) -> dict[int, KVCache]:
         """One cache per layer run (shared weights or not): keys and values of this rank's
-        key/value heads, or with multi-latent attention the compressed latent (every rank)."""
+        key/value heads, or with multi-latent attention the compressed latent (every rank); a
+        windowed layer's (--window-size) keeps its window only (RollingCache)."""
         cfg, at = self.model.cfg, (self.device, self.dtype)
-        if cfg.multi_latent_attention:
-            dims = (cfg.kv_rank, cfg.qk_rope_dim)
-            return {
-                n: LatentKVCache(batch, max_length, *dims, *at) for n in self.model.layer_numbers
-            }
         groups = cfg.query_groups // self.state.tp_size
-        return {
-            n: KVCache(batch, max_length, groups, cfg.head_dim, *at)
-            for n in self.model.layer_numbers
-        }
+
+        def full():
+            if cfg.multi_latent_attention:
+                return LatentKVCache(batch, max_length, cfg.kv_rank, cfg.qk_rope_dim, *at)
+            return KVCache(batch, max_length, groups, cfg.head_dim, *at)
+
+        runs = zip(self.model.layer_numbers, self.model.run_order(), strict=True)
+        windows = {n: layer.self_attention.core.window for n, layer in runs}
+        return {n: full() if w is None else RollingCache(w) for n, w in windows.items()}
 
     def _stage_forward(self, tokens, position_ids, caches, labels=None):
         """This stage's part of one forward; the last stage's output (logits or losses)."""

@@ -16,7 +16,12 @@ from typing import Protocol
 
 from torch import nn
 
-from megatron.config.layer_pattern import ATTENTION_MLP, ATTENTION_MOE
+from megatron.config.layer_pattern import (
+    ATTENTION_MLP,
+    ATTENTION_MOE,
+    WINDOW_ATTENTION_MLP,
+    WINDOW_ATTENTION_MOE,
+)
 from megatron.config.schema import ModelConfig
 from megatron.model.context import BuildContext
 from megatron.model.mlp import ParallelMLP
@@ -34,17 +39,25 @@ class LayerKind(Protocol):
 @dataclass(frozen=True)
 class AttentionKind:
     """A TransformerLayer: pre-norm self-attention, then `feed_forward(cfg, ctx)` (its module
-    is the layer's `mlp`, so the checkpoint names are `layers.<i>.mlp.*` for every kind)."""
+    is the layer's `mlp`, so the checkpoint names are `layers.<i>.mlp.*` for every kind).
+    `windowed`: its attention sees the LEFT keys of --window-size before each query."""
 
     feed_forward: Callable[[ModelConfig, BuildContext], nn.Module]
+    windowed: bool = False
+
+    def window(self, cfg: ModelConfig) -> int | None:
+        """LEFT of this kind's window under `cfg`, or None (global attention)."""
+        return cfg.window[0] if self.windowed and cfg.window is not None else None
 
     def build(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int) -> nn.Module:
-        return TransformerLayer(cfg, ctx, layer_number, self.feed_forward)
+        return TransformerLayer(cfg, ctx, layer_number, self.feed_forward, self.window(cfg))
 
 
 _KINDS: dict[str, LayerKind] = {
     ATTENTION_MLP: AttentionKind(ParallelMLP),
     ATTENTION_MOE: AttentionKind(MoELayer),  # --num-experts: a router and experts
+    WINDOW_ATTENTION_MLP: AttentionKind(ParallelMLP, windowed=True),  # --window-size
+    WINDOW_ATTENTION_MOE: AttentionKind(MoELayer, windowed=True),
 }
 
 
@@ -75,9 +88,9 @@ def check_layer_kinds(kinds: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ..
     return tuple(kinds)
 
 
-def attention_feed_forward(name: str) -> Callable[[ModelConfig, BuildContext], nn.Module]:
-    """The feed-forward block of an attention kind (DeepSpeed's pipeline layers subclass
-    TransformerLayer, so they build attention kinds only)."""
+def attention_kind(name: str) -> AttentionKind:
+    """The attention kind `name` (DeepSpeed's pipeline layers subclass TransformerLayer, so
+    they build attention kinds only: its feed-forward block and window)."""
     kind = layer_kind(name)
     if not isinstance(kind, AttentionKind):
         raise ValueError(
@@ -85,4 +98,9 @@ def attention_feed_forward(name: str) -> Callable[[ModelConfig, BuildContext], n
             "pipeline (--deepspeed with pipeline parallelism) builds those only; use the "
             "native pipeline"
         )
-    return kind.feed_forward
+    return kind
+
+
+def attention_feed_forward(name: str) -> Callable[[ModelConfig, BuildContext], nn.Module]:
+    """The feed-forward block of the attention kind `name` (attention_kind)."""
+    return attention_kind(name).feed_forward

@@ -29,12 +29,12 @@ from megatron.mpu.parallel_state import ParallelState
 from megatron.mpu.random import RNGStatesTracker
 
 
-def build_attention(cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
+def build_attention(cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1, window=None):
     """The self-attention of a layer: multi-latent (--multi-latent-attention) or multi-head /
-    grouped-query attention."""
+    grouped-query attention; `window` LEFT of a windowed layer (None: global)."""
     if cfg.multi_latent_attention:
-        return MultiLatentAttention(cfg, ctx, layer_number)
-    return ParallelAttention(cfg, ctx, layer_number)
+        return MultiLatentAttention(cfg, ctx, layer_number, window)
+    return ParallelAttention(cfg, ctx, layer_number, window)
 
 
 def split_dropout_rng(state: ParallelState, rng_tracker: RNGStatesTracker | None):
@@ -89,6 +89,7 @@ class TransformerLayer(nn.Module):
         ctx: BuildContext,
         layer_number: int = 1,
         feed_forward: Callable[[ModelConfig, BuildContext], nn.Module] = ParallelMLP,
+        window: int | None = None,
     ):
         super().__init__()
         self.hidden_dropout, self.ops = cfg.hidden_dropout, ctx.ops
@@ -96,7 +97,7 @@ class TransformerLayer(nn.Module):
         self.bias_dropout_fusion = self.ops.bias_dropout_add == "compile"
         self.residual_rng = split_dropout_rng(ctx.state, ctx.rng_tracker)
         self.input_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
-        self.self_attention = build_attention(cfg, ctx, layer_number)
+        self.self_attention = build_attention(cfg, ctx, layer_number, window)
         self.post_attention_layernorm = build_norm(cfg, ctx.device, ctx.dtype)
         # the dense MLP, or a router and experts (its kind: megatron.model.layer_kinds)
         self.mlp = feed_forward(cfg, ctx)

@@ -65,9 +65,10 @@ def kv_cache_bytes_per_token(m: ModelConfig, dtype_bytes: int, tp: int = 1) -> i
     return m.num_layers * per_layer * dtype_bytes
 
 
-def attention_flops(m: ModelConfig, seq: int) -> int:
+def attention_flops(m: ModelConfig, seq: int, keys: int | None = None) -> int:
     """Matmul FLOPs of one MLA layer's forward on one sequence: 2 s x the projections' weights
-    (down, up, output), the scores 2 s^2 n d_qk and the weighted sum 2 s^2 n d_v."""
+    (down, up, output), the scores 2 s^2 n d_qk and the weighted sum 2 s^2 n d_v (s `keys`
+    per query instead of s for a windowed layer)."""
     h, n = m.hidden_size, m.num_attention_heads
     d_qk = m.qk_nope_dim + m.qk_rope_dim
     if m.q_lora_rank is None:
@@ -76,7 +77,8 @@ def attention_flops(m: ModelConfig, seq: int) -> int:
         q = h * m.q_lora_rank + m.q_lora_rank * n * d_qk
     kv = h * (m.kv_rank + m.qk_rope_dim) + m.kv_rank * n * (m.qk_nope_dim + m.v_dim)
     weights = q + kv + n * m.v_dim * h
-    return 2 * seq * weights + 2 * seq * seq * n * (d_qk + m.v_dim)
+    keys = seq if keys is None else keys
+    return 2 * seq * weights + 2 * seq * keys * n * (d_qk + m.v_dim)
 
 
 def core_flops(m: ModelConfig, micro_batch: int) -> int:

@@ -75,7 +75,8 @@ class Hardware:
 
 def layer_forward_flops(m: ModelConfig, micro_batch: int) -> tuple[float, float]:
     """(matmul FLOPs, attention-core FLOPs) of one layer's forward on one micro batch (all TP
-    ranks together); with MoE the mean over the layers of their active weights."""
+    ranks together); with MoE the mean over the layers of their active weights, with windows
+    (--window-size) the mean over the layers of the keys each query scores."""
     tokens = micro_batch * m.seq_length
     weights = layer_params(m, 1) - 2 * norm_params(m)  # the matmul weights (biases ~ 0)
     if m.moe:
@@ -84,6 +85,9 @@ def layer_forward_flops(m: ModelConfig, micro_batch: int) -> tuple[float, float]
     core = 4 * micro_batch * m.seq_length**2 * m.num_attention_heads * m.head_dim
     if m.multi_latent_attention:
         core = mla.core_flops(m, micro_batch)
+    if m.window is not None:  # windowed layers score LEFT + 1 keys per query, not s
+        spans = m.keys_per_query(m.seq_length)
+        core = core * sum(spans) / (len(spans) * m.seq_length)
     return 2.0 * tokens * weights, float(core)
 
 

@@ -9,9 +9,10 @@ import os
 
 from megatron.checkpoint.storage import CheckpointError
 from megatron.config.declare import ConfigError
-from megatron.config.layer_pattern import expand_layer_freq
+from megatron.config.layer_pattern import expand_layer_freq, window_layer_pattern
 from megatron.config.schema import MegatronConfig
 from megatron.config.schema_model_mla import YARN_DEFAULTS
+from megatron.config.schema_model_window import parse_window
 
 # Fields of ModelConfig that change parameter shapes: a resume must match them.
 SHAPE_FIELDS = (
@@ -91,6 +92,7 @@ def check_model_args(saved: dict, cfg: MegatronConfig, path: str) -> None:
             )
     _check_attention(saved_model, current, path)
     _check_rope(saved_model, current, path, cfg.checkpoint.finetune)
+    _check_window(saved_model, current, path, cfg.checkpoint.finetune)
     if cfg.checkpoint.finetune or not cfg.model.moe or saved_model.get("num_experts") is None:
         return
     for name in ROUTER_FIELDS:
@@ -194,4 +196,35 @@ def _check_rope(saved_model: dict, current: dict, path: str, finetune: bool) -> 
         f"this run has {flags(now)}; resuming would change its RoPE frequencies under the "
         f"trained weights. Fix: resume with {flags(saved)}, or pass --finetune to start a new "
         "run from these weights with the new RoPE (as a context extension does)"
+    )
+
+
+def _attention_span(model: dict) -> tuple:
+    """(each layer's window LEFT or None, --softmax-type) of recorded model arguments (older
+    checkpoints record neither: global layers, the vanilla softmax)."""
+    size, skip = model.get("window_size"), model.get("window_attn_skip_freq")
+    left = None if size is None else parse_window(size)[0]
+    layers = window_layer_pattern(size is not None, skip, model["num_layers"])
+    return tuple(left if w else None for w in layers), model.get("softmax_type", "vanilla")
+
+
+def _as_window_flags(model: dict) -> str:
+    flags = [f"--softmax-type {model.get('softmax_type', 'vanilla')}"]
+    if model.get("window_size") is not None:
+        flags.insert(0, f"--window-size {model['window_size']}")
+        if model.get("window_attn_skip_freq") is not None:
+            flags.insert(1, f"--window-attn-skip-freq {model['window_attn_skip_freq']}")
+    return " ".join(flags) if len(flags) > 1 else f"no --window-size, {flags[0]}"
+
+
+def _check_window(saved_model: dict, current: dict, path: str, finetune: bool) -> None:
+    """A checkpoint resumed with other windows or another softmax than it was trained with:
+    refused (the layers would see other keys than they learned with), unless --finetune."""
+    if finetune or _attention_span(saved_model) == _attention_span(current):
+        return
+    was, now = _as_window_flags(saved_model), _as_window_flags(current)
+    raise CheckpointError(
+        f"{path}: the checkpoint was trained with {was}, but this run has {now}; resuming "
+        f"would change which keys its layers attend to. Fix: resume with {was}, or pass "
+        "--finetune to start a new run from these weights with the new attention"
     )

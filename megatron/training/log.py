@@ -32,17 +32,20 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     MLP 2sh f x (3 with SwiGLU, else 2); plus the logits 2shV. An MoE layer (--num-experts)
     counts its active parameters: the router 2shE, k experts of width f_e and the shared one.
     Multi-latent attention: megatron.planning.mla.attention_flops. Each --mtp-num-layers
-    depth: a layer of the last layer's kind, eh_proj 2s(2h)h, the logits.
+    depth: a layer of the last layer's kind, eh_proj 2s(2h)h, the logits. A windowed layer
+    (--window-size) scores each query against its window's LEFT + 1 keys, not s.
     """
     h, d = m.hidden_size, m.head_dim
     attn_out = m.num_attention_heads * d
-    attention = (
-        2 * seq * h * (attn_out + 2 * m.query_groups * d)
-        + 4 * seq * seq * attn_out
-        + 2 * seq * attn_out * h
-    )
-    if m.multi_latent_attention:  # latents, up projections, scores over d_qk, values over d_v
-        attention = mla.attention_flops(m, seq)
+
+    def attention(keys: int) -> int:
+        if m.multi_latent_attention:  # latents, up projections, scores over d_qk, values d_v
+            return mla.attention_flops(m, seq, keys)
+        return (
+            2 * seq * h * (attn_out + 2 * m.query_groups * d)
+            + 4 * seq * keys * attn_out
+            + 2 * seq * attn_out * h
+        )
 
     def mlp(width: int) -> int:
         return 2 * seq * h * width * (3 if m.swiglu else 2)
@@ -50,10 +53,11 @@ def model_flops_per_sample(m: ModelConfig, seq: int, recompute: bool = False) ->
     dense = m.num_layers - m.moe_layers
     moe = 2 * seq * h * (m.num_experts or 0) + m.moe_router_topk * mlp(m.expert_ffn_size)
     moe += mlp(m.moe_shared_expert_intermediate_size or 0)
-    layers = m.num_layers * attention + dense * mlp(m.ffn_size) + m.moe_layers * moe
+    spans = m.keys_per_query(seq)
+    layers = sum(attention(k) for k in spans) + dense * mlp(m.ffn_size) + m.moe_layers * moe
     logits = 2 * seq * h * m.padded_vocab_size(1)
     last = moe if m.is_moe_layer(m.num_layers - 1) else mlp(m.ffn_size)
-    mtp = (m.mtp_num_layers or 0) * (attention + last + 4 * seq * h * h + logits)
+    mtp = (m.mtp_num_layers or 0) * (attention(spans[-1]) + last + 4 * seq * h * h + logits)
     forward = layers + logits + mtp
     return (4 if recompute else 3) * forward
 

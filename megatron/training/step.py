@@ -23,6 +23,7 @@ from megatron.fused_kernels import select_ops
 from megatron.initialize import Runtime
 from megatron.model.attention.sdpa import attention_report
 from megatron.model.attention.varlen_cuda import varlen_report
+from megatron.model.attention.window import window_report
 from megatron.model.context import BuildContext
 from megatron.model.moe import moe_step_stats, set_moe_loss_scale
 from megatron.model.mtp import mtp_step_stats, set_mtp_loss_scale
@@ -87,6 +88,8 @@ def build_parallelized_model(cfg: MegatronConfig, rt: Runtime, model_provider, c
         packed = varlen_report(cfg, ctx.ops, rt.state.cp_size, dtype, rt.device)
         if packed is not None:
             print(f" {packed}", file=sys.stderr, flush=True)
+        for line in window_report(cfg.model, rt.device, dtype, ctx.ops):
+            print(f" {line}", file=sys.stderr, flush=True)
         if k.torch_compile:
             graphs = ", replayed as CUDA graphs" if k.enable_cuda_graph else ""
             print(

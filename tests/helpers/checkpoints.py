@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from megatron.checkpoint.reading import load_shard
+from megatron.checkpoint.resharding import model_config, save_resharded
 from megatron.checkpoint.storage import (
     SHARD_NAME,
     checkpoint_dir,
@@ -68,6 +70,8 @@ def _my_split(name: str, full: torch.Tensor, cfg: ModelConfig, tp: int, r: int) 
         if cfg.swiglu:
             gate, up = full.chunk(2)
             return torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
+        return full.chunk(tp)[r].clone()
+    if suffix == "self_attention.core.softmax_offset":  # one sink logit per head
         return full.chunk(tp)[r].clone()
     if suffix in ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight"):
         return full.chunk(tp, dim=1)[r].clone()
@@ -247,3 +251,21 @@ def _tokens(cfg: ModelConfig) -> torch.Tensor:
 @torch.no_grad()
 def _logits(model: GPTModel, cfg: ModelConfig) -> torch.Tensor:
     return model(_tokens(cfg))[..., : cfg.vocab_size]
+
+
+def save_jittered_hf(hf, out_dir: str) -> None:
+    """Save a transformers model built from a config, its weights moved off their init (seeded)
+    so every mapping is tested."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    hf.save_pretrained(out_dir)
+
+
+def model_from_full_state(state: dict, args: dict, ckpt_dir: str) -> GPTModel:
+    """The TP 1 model that loads `state` (an import) through a resharded checkpoint."""
+    save_resharded(state, args, ckpt_dir, 1, 1, 0, quiet=True)
+    model = _model(model_config(args), seed=11)
+    model.load_state_dict(load_shard(ckpt_dir, 0, tp_rank=0, pp_rank=0, pp_size=1)["model"])
+    return model

@@ -7,10 +7,12 @@ import functools
 
 import torch
 
+from megatron import mpu
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_optimizer import OptimizerConfig
 from megatron.config.schema_recompute import RecomputeConfig
 from megatron.data_parallel.ddp import DistributedDataParallel
+from megatron.inference.engine import InferenceModel
 from megatron.initialize import Runtime
 from megatron.model.context import BuildContext
 from megatron.model.parallelize import parallelize
@@ -85,3 +87,64 @@ def train_steps(
         for batches in steps
     ]  # fmt: skip
     return results, model
+
+
+def train_layout(cfg: ModelConfig, state, recompute, groups, batch: int, steps: int):
+    """`steps` steps of this rank's micro batches `groups` (random_micro_batches) of `batch`
+    samples; (losses and grad norms, weights, grads, model)."""
+    batches = [random_micro_batches(step, groups, state, batch) for step in range(steps)]
+    step = functools.partial(lm_forward_step, state)
+    results, model = train_steps(cfg, state, step, batches, batch, recompute)
+    history = [(float(r["lm_loss"]), float(r["grad_norm"])) for r in results]
+    grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
+    weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
+    return history, weights, grads, model
+
+
+def _local_view(full: torch.Tensor, param, state) -> torch.Tensor:
+    if mpu.is_tensor_parallel(param) and state.tp_size > 1:
+        return mpu.shard(
+            full, param.partition_dim, state.tp_rank, state.tp_size, param.partition_stride
+        )
+    return full
+
+
+def compare_layout(name, ref, mine, params, state):
+    """`train_layout`'s results at a layout (`params` its named parameters) against one
+    process's: losses and grad norms, then each weight and grad as this rank's shard."""
+    torch.testing.assert_close(
+        torch.tensor(mine[0]),
+        torch.tensor(ref[0]),
+        rtol=1e-5,
+        atol=1e-6,
+        msg=lambda m: f"{name}: loss / grad norm: {m}",
+    )
+    for pname, value in mine[1].items():
+        for what, got, full in (("weight", value, ref[1]), ("grad", mine[2][pname], ref[2])):
+            torch.testing.assert_close(
+                got,
+                _local_view(full[pname], params[pname], state),
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, p=pname, w=what: f"{name} {w} {p}: {m}",
+            )
+
+
+def check_cached_generation(name, ref_model, model, state):
+    """Step-by-step logits through the KV caches (the latent one under MLA, the rolling one of
+    windowed layers) on this layout == the one-process model's uncached forward (the engine
+    broadcasts them to every rank). The small GPT's shapes: 8 tokens, vocab 64, hidden 32."""
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    ref_chunk = ref_model.chunks[0]
+    ref_chunk.eval()
+    with torch.no_grad():
+        want = ref_chunk(tokens)[..., :64].float()  # (b, s, V)
+    engine = InferenceModel(model.chunks, state, 64, 32)
+    caches = engine.new_caches(2, 8)
+    positions = torch.arange(8).expand(2, -1)
+    for pos in range(3, 8):
+        window = slice(0, pos + 1) if pos == 3 else slice(pos, pos + 1)
+        got = engine.next_token_logits(tokens[:, window], positions[:, window], caches)
+        torch.testing.assert_close(
+            got, want[:, pos], rtol=1e-4, atol=1e-5, msg=lambda m, p=pos: f"{name} {p}: {m}"
+        )

@@ -1,7 +1,9 @@
 """A plain PyTorch GPT (no parallel layers, no SDPA) to check GPTModel against.
 
 Written independently of megatron.model: separate q/k/v projections, explicit masked softmax,
-RoPE by explicit rotation of (i, i + d/2) pairs, an unpadded vocabulary.
+RoPE by explicit rotation of (i, i + d/2) pairs, an unpadded vocabulary. `keep` is one mask
+for every block or a list of one per block (sliding windows on some layers); a block's `sink`
+(heads,) adds one logit per head to every softmax row (attention sinks).
 """
 
 import math
@@ -42,6 +44,7 @@ class RefBlock(nn.Module):
             else (lambda: nn.LayerNorm(h, eps=c.layernorm_epsilon))
         )
         self.c, self.nq, self.ng, self.d = c, nq, ng, d
+        self.sink = None  # (nq,): an extra logit per head, its probability dropped
         self.ln1, self.ln2 = norm(), norm()
         self.q = nn.Linear(h, nq * d, bias=bias)
         self.k = nn.Linear(h, ng * d, bias=bias)
@@ -64,7 +67,13 @@ class RefBlock(nn.Module):
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.d)
         # keep (b, 1, s, s): True where query i sees key j (default causal)
         mask = torch.ones(s, s, dtype=torch.bool).triu(1) if keep is None else ~keep
-        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        if self.sink is None:
+            probs = scores.softmax(-1)
+        else:  # exp(x_j) / (exp(sink) + sum_k exp(x_k))
+            top = torch.maximum(scores.amax(-1, keepdim=True), self.sink.view(1, -1, 1, 1))
+            e = (scores - top).exp()
+            probs = e / (e.sum(-1, keepdim=True) + (self.sink.view(1, -1, 1, 1) - top).exp())
         return self.o((probs @ v).transpose(1, 2).reshape(b, s, self.nq * self.d))
 
     def forward(self, x, keep=None):
@@ -98,8 +107,9 @@ class RefGPT(nn.Module):
         x = self.wte(tokens)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(tokens.size(1)))
-        for blk in self.blocks:
-            x = blk(x, keep)
+        keeps = keep if isinstance(keep, list) else [keep] * len(self.blocks)
+        for blk, blk_keep in zip(self.blocks, keeps, strict=True):
+            x = blk(x, blk_keep)
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits

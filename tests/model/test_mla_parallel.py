@@ -12,17 +12,14 @@ the comparison needs no second spawn.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import ModelConfig
-from megatron.inference.engine import InferenceModel
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import run_distributed
-from tests.helpers.layouts import lm_forward_step, random_micro_batches, train_steps
+from tests.helpers.layouts import check_cached_generation, compare_layout, train_layout
 from tests.helpers.models import tiny_mla
 
 MODEL = tiny_mla()
@@ -37,76 +34,19 @@ LAYOUTS = [
 ]
 
 
-def _train(cfg: ModelConfig, state, recompute: str | None):
-    """STEPS steps on the same micro batches; (losses and norms, weights, grads, model)."""
-    steps = [random_micro_batches(step, range(MICRO), state, BATCH) for step in range(STEPS)]
-    step = functools.partial(lm_forward_step, state)
-    results, model = train_steps(cfg, state, step, steps, BATCH, recompute)
-    history = [(float(r["lm_loss"]), float(r["grad_norm"])) for r in results]
-    grads = {n: p.main_grad.clone() for c in model.chunks for n, p in c.named_parameters()}
-    weights = {n: p.detach().clone() for c in model.chunks for n, p in c.named_parameters()}
-    return history, weights, grads, model
-
-
-def _local_view(full: torch.Tensor, param, state) -> torch.Tensor:
-    if mpu.is_tensor_parallel(param) and state.tp_size > 1:
-        return mpu.shard(
-            full, param.partition_dim, state.tp_rank, state.tp_size, param.partition_stride
-        )
-    return full
-
-
-def _compare(name, ref, mine, params, state):
-    torch.testing.assert_close(
-        torch.tensor(mine[0]),
-        torch.tensor(ref[0]),
-        rtol=1e-5,
-        atol=1e-6,
-        msg=lambda m: f"{name}: loss / grad norm: {m}",
-    )
-    for pname, value in mine[1].items():
-        for what, got, full in (("weight", value, ref[1]), ("grad", mine[2][pname], ref[2])):
-            torch.testing.assert_close(
-                got,
-                _local_view(full[pname], params[pname], state),
-                rtol=1e-4,
-                atol=1e-6,
-                msg=lambda m, p=pname, w=what: f"{name} {w} {p}: {m}",
-            )
-
-
-def _check_cached_generation(name, ref_model, model, state):
-    """Step-by-step logits through the latent KV cache on this layout == the one-process
-    model's uncached forward (the engine broadcasts them to every rank)."""
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
-    ref_chunk = ref_model.chunks[0]
-    ref_chunk.eval()
-    with torch.no_grad():
-        want = ref_chunk(tokens)[..., :64].float()  # (b, s, V)
-    engine = InferenceModel(model.chunks, state, 64, 32)
-    caches = engine.new_caches(2, 8)
-    positions = torch.arange(8).expand(2, -1)
-    for pos in range(3, 8):
-        window = slice(0, pos + 1) if pos == 3 else slice(pos, pos + 1)
-        got = engine.next_token_logits(tokens[:, window], positions[:, window], caches)
-        torch.testing.assert_close(
-            got, want[:, pos], rtol=1e-4, atol=1e-5, msg=lambda m, p=pos: f"{name} {p}: {m}"
-        )
-
-
 def _worker(rank, world):
     torch.manual_seed(0)
     report = {}
     for name, tp, pp, cp, sp, recompute, changes in LAYOUTS:
         cfg = dataclasses.replace(MODEL, **changes)
-        ref = _train(cfg, mpu.single_process_state(), recompute)
+        ref = train_layout(cfg, mpu.single_process_state(), recompute, range(MICRO), BATCH, STEPS)
         state = initialize_model_parallel(tp, pp, sequence_parallel=sp, context_parallel_size=cp)
         try:
-            mine = _train(cfg, state, recompute)
+            mine = train_layout(cfg, state, recompute, range(MICRO), BATCH, STEPS)
             params = {n: p for c in mine[3].chunks for n, p in c.named_parameters()}
-            _compare(name, ref, mine, params, state)
+            compare_layout(name, ref, mine, params, state)
             if not sp and cp == 1:  # generation: the latent cache on every rank
-                _check_cached_generation(name, ref[3], mine[3], state)
+                check_cached_generation(name, ref[3], mine[3], state)
             report[name] = mine[0]
         finally:
             destroy_model_parallel(state)

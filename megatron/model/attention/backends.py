@@ -3,9 +3,11 @@
 A backend is an AttentionBackend in its own file (ring.py, softmax.py, sdpa.py), registered
 with a priority: `choose_backend` asks them in priority order (lowest first) and takes the
 first whose `accepts(core, mask, q)` is true. The built-in order: the ring under context
-parallelism (0), the explicit masked softmax of --attention-backend fused / unfused and the
-v1.x fp32-softmax flags (10), the CUDA varlen kernels of packed documents (40, varlen_cuda.py),
-SDPA once per document (50, varlen_sdpa.py), torch SDPA, which runs every mask kind (100).
+parallelism (0), attention sinks (sinks.py, 5), the explicit masked softmax of
+--attention-backend fused / unfused and the v1.x fp32-softmax flags (10), the CUDA varlen kernels
+of packed documents (40, varlen_cuda.py), SDPA once per document (50, varlen_sdpa.py),
+flash-attn's sliding window on CUDA (window.py, 50), flex attention's (flex_window.py, 60),
+torch SDPA, which runs every mask kind (100).
 """
 
 from __future__ import annotations

@@ -15,12 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
+from megatron.model.attention import flex_window as _flex  # noqa: F401  (registers it)
 from megatron.model.attention import ring as _ring  # noqa: F401  (registers the backend)
 from megatron.model.attention import sdpa as _sdpa  # noqa: F401  (registers the backend)
 from megatron.model.attention import softmax as _softmax  # noqa: F401  (registers the backend)
 from megatron.model.attention import varlen_cuda as _varlen  # noqa: F401  (registers 2 backends)
 from megatron.model.attention.backends import choose_backend
 from megatron.model.attention.masks import CAUSAL, AttentionMask, causal_keep
+from megatron.model.attention.sinks import learnable_sink
+from megatron.model.attention.window import windowed
 from megatron.model.context import BuildContext
 from megatron.mpu import RowParallelLinear, checkpoint
 from megatron.mpu.context_parallel import RingAttention
@@ -33,7 +36,10 @@ class CoreAttention(nn.Module):
     `softmax_scale`: None for 1 / sqrt(d). `qk_coeff`: L of --apply-query-key-layer-scaling,
     scores q k^T / (sqrt(d) L) from the GEMM, softmax(L x scores) in fp32 (v1.x's fp16 overflow
     guard; equal in exact math). `recompute`: recompute the core in backward (set by
-    megatron.model.parallelize for --recompute-granularity selective)."""
+    megatron.model.parallelize for --recompute-granularity selective). `window`: LEFT of a
+    windowed layer (window.py: each query sees the LEFT keys before it), None: global.
+    `softmax_type`: --softmax-type (sinks.py), `heads` this rank's query heads (a learnable
+    sink's logits)."""
 
     def __init__(
         self,
@@ -41,11 +47,17 @@ class CoreAttention(nn.Module):
         dropout: float,
         softmax_scale: float | None = None,
         qk_coeff: float | None = None,
+        window: int | None = None,
+        softmax_type: str = "vanilla",
+        heads: int = 1,
     ):
         super().__init__()
         self.ops, self.rng_tracker = ctx.ops, ctx.rng_tracker
         self.dropout, self.softmax_scale, self.qk_coeff = dropout, softmax_scale, qk_coeff
         self.recompute = False
+        self.window, self.softmax_type = window, softmax_type
+        if softmax_type == "learnable":
+            self.softmax_offset = learnable_sink(heads, ctx)  # (heads,), split over TP
         # sdpa: each ring block through SDPA's fused kernels where the device has one;
         # unfused (or the v1.x fp32-softmax flags in half precision): the explicit fp32 math
         fused = self.ops.attention_backend == "sdpa" and not self.fp32_softmax(ctx.dtype)
@@ -58,7 +70,15 @@ class CoreAttention(nn.Module):
         wanted = self.ops.softmax_in_fp32 or self.qk_coeff is not None
         return wanted and dtype in (torch.float16, torch.bfloat16)
 
+    def sink_logits(self, heads: int, device) -> torch.Tensor:
+        """(heads,): the extra softmax logit of each head (sinks.py)."""
+        if self.softmax_type == "learnable":
+            return self.softmax_offset
+        return torch.zeros(heads, device=device)  # off-by-one
+
     def forward(self, q, k, v, mask: AttentionMask = CAUSAL) -> torch.Tensor:
+        if self.window is not None:  # a windowed layer: the mask narrowed to the window
+            mask = windowed(mask, self.window)
         backend = choose_backend(self, mask, q)
         if k.size(1) < q.size(1) and not backend.grouped_kv:  # GQA: each key/value head
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # for its queries
@@ -121,9 +141,25 @@ class SelfAttention(nn.Module):
     (`core`) and the row-parallel output projection `dense` (built last, after the variant's
     own weights, so the parameters keep their order)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, softmax_scale=None, qk_coeff=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ctx: BuildContext,
+        softmax_scale=None,
+        qk_coeff=None,
+        window: int | None = None,
+    ):
         super().__init__()
-        self.core = CoreAttention(ctx, cfg.attention_dropout, softmax_scale, qk_coeff)
+        heads = cfg.num_attention_heads // ctx.state.tp_size
+        self.core = CoreAttention(
+            ctx,
+            cfg.attention_dropout,
+            softmax_scale,
+            qk_coeff,
+            window=window,
+            softmax_type=cfg.softmax_type,
+            heads=heads,
+        )
         self.defer_bias = ctx.ops.bias_dropout_add == "compile" and cfg.add_bias_linear
 
     def _build_dense(self, cfg: ModelConfig, ctx: BuildContext, in_features: int) -> None:

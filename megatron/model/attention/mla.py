@@ -80,8 +80,8 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 class MultiLatentAttention(SelfAttention):
     """Multi-latent self-attention over this rank's heads (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
-        super().__init__(cfg, ctx, softmax_scale=mla_softmax_scale(cfg))
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1, window=None):
+        super().__init__(cfg, ctx, softmax_scale=mla_softmax_scale(cfg), window=window)
         state, device, dtype = ctx.state, ctx.device, ctx.dtype
         self.tp_group, self.sequence_parallel = state.tp_group, state.sequence_parallel
         self.heads = divide(cfg.num_attention_heads, state.tp_size)

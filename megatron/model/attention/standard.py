@@ -41,12 +41,13 @@ class ParallelAttention(SelfAttention):
     query_key_value's output is laid out per query group as [q_1..q_{n/g}, k, v] (each of size
     head_dim), so a contiguous TP slice holds whole groups with their own keys and values.
 
-    `layer_number` (1-based) is L of --apply-query-key-layer-scaling (core.CoreAttention).
+    `layer_number` (1-based) is L of --apply-query-key-layer-scaling (core.CoreAttention);
+    `window`: LEFT of a windowed layer (--window-size), None for a global one.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer_number: int = 1, window=None):
         qk_coeff = float(layer_number) if cfg.apply_query_key_layer_scaling else None
-        super().__init__(cfg, ctx, qk_coeff=qk_coeff)
+        super().__init__(cfg, ctx, qk_coeff=qk_coeff, window=window)
         state, device, dtype = ctx.state, ctx.device, ctx.dtype
         self.head_dim = cfg.head_dim
         self.heads = divide(cfg.num_attention_heads, state.tp_size)  # local query heads

@@ -18,7 +18,7 @@ from megatron.config.schema import MegatronConfig, ModelConfig
 from megatron.model.attention.masks import CAUSAL
 from megatron.model.attention.varlen import varlen_mask
 from megatron.model.context import BuildContext
-from megatron.model.layer_kinds import attention_feed_forward
+from megatron.model.layer_kinds import attention_kind
 from megatron.model.norms import build_norm
 from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer
@@ -52,7 +52,8 @@ class TransformerLayerPipe(TransformerLayer):
     def __init__(
         self, cfg, ctx: BuildContext, number: int, kind: str, recompute, document_mask=False
     ):
-        super().__init__(cfg, ctx, number + 1, attention_feed_forward(kind))
+        kind_ = attention_kind(kind)
+        super().__init__(cfg, ctx, number + 1, kind_.feed_forward, kind_.window(cfg))
         init_weights(self, cfg, ctx.state, ctx.seed, prefix=f"layers.{number}.")
         if recompute.granularity == "selective":
             parallelize(self, ctx.state, recompute)

@@ -4,6 +4,7 @@ Two architectures match our GPT exactly (same logits in fp32):
   GPT2LMHeadModel   learned positions, LayerNorm, exact GeLU ("gelu") or with --openai-gelu
                     GPT-2's own tanh GeLU ("gelu_new"), biases, one KV head per head
   LlamaForCausalLM  RoPE (rotate-half, as ours), RMSNorm, SwiGLU; any GQA, biases optional
+  (with --window-size on every layer: MistralForCausalLM, megatron.models.gpt.hf_mistral)
 With --num-experts, MixtralForCausalLM or Qwen2MoeForCausalLM (megatron.models.gpt.hf_moe);
 with --multi-latent-attention, DeepseekV3ForCausalLM (megatron.models.gpt.hf_deepseek), whose
 config.json also carries the multi-token prediction depths (the other architectures drop them).
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 import torch
@@ -33,6 +33,7 @@ from megatron.checkpoint.resharding import (
 )
 from megatron.config.schema import ModelConfig
 from megatron.model.weights import OUTPUT_WEIGHTS, WORD_EMBEDDINGS
+from megatron.models.gpt import hf_mistral as mistral
 from megatron.models.gpt.hf_deepseek import (
     ARCH as DEEPSEEK,
 )
@@ -51,10 +52,11 @@ from megatron.models.gpt.hf_moe import (
     moe_state,
     moe_tensors,
 )
-from megatron.models.gpt.hf_read import HFTensors, read_safetensors
+from megatron.models.gpt.hf_read import HFTensors, not_accounted_for, read_safetensors
 from megatron.models.gpt.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")
+MISTRAL = mistral.ARCH
 
 
 _GPT2_NEEDS = {
@@ -78,6 +80,11 @@ def hf_architecture(cfg: ModelConfig) -> str:
             "--apply-residual-connection-post-layernorm: no Hugging Face GPT architecture "
             "takes its residuals after the layer norm (GPT-2 and Llama are pre-norm), so no "
             "export would compute this model's logits"
+        )
+    mistral.refuse_sinks(cfg)
+    if cfg.window is not None:  # no architecture may drop the window
+        return mistral.window_architecture(
+            cfg, [f for k, (v, f) in _LLAMA_NEEDS.items() if getattr(cfg, k) != v]
         )
     if cfg.multi_latent_attention:
         problems = deepseek_problems(cfg)
@@ -294,6 +301,8 @@ def _hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, eod: int | None)
     }
     if arch == DEEPSEEK:
         return deepseek_hf_config(cfg, common)
+    if arch == MISTRAL:
+        return mistral.mistral_hf_config(cfg, llama)
     return moe_hf_config(cfg, arch, llama) if arch in MOE_ARCHITECTURES else llama
 
 
@@ -419,6 +428,8 @@ def _import_config(hf_dir: str, hf_cfg: dict, hf: dict, tied: bool) -> ModelConf
             fields = _gpt2_config(hf_cfg)
         else:
             fields = _llama_config(hf_cfg)
+            if kind == MISTRAL:  # Llama's, with a window
+                fields.update(mistral.mistral_fields(hf_cfg, fields["seq_length"]))
         if kind in MOE_ARCHITECTURES:
             fields.update(moe_config(hf_cfg))
         vocab = hf_cfg["vocab_size"]
@@ -434,24 +445,6 @@ def _import_config(hf_dir: str, hf_cfg: dict, hf: dict, tied: bool) -> ModelConf
     )
 
 
-def _not_accounted_for(left: list[str], hf_cfg: dict) -> str:
-    """What is wrong with the tensors an import left: layers config.json does not count (it
-    under-reports num_hidden_layers: imported, the model would be silently truncated), else
-    names not understood."""
-    indices = {int(m[1]) for n in left if (m := re.match(r"(?:model\.layers|h)\.(\d+)\.", n))}
-    key = "n_layer" if "n_layer" in hf_cfg else "num_hidden_layers"  # GPT-2's spelling
-    layers = sorted(i for i in indices if i >= hf_cfg[key])
-    if not layers:
-        return f"tensors not understood: {', '.join(left[:6])}"
-    counted = f"{key} ({hf_cfg[key]})"
-    if "num_nextn_predict_layers" in hf_cfg:  # DeepSeek: the MTP depths it announces
-        counted += f" and num_nextn_predict_layers ({hf_cfg['num_nextn_predict_layers']})"
-    return (
-        f"the files hold layer(s) {', '.join(map(str, layers))} that config.json's {counted} "
-        f"do not account for (e.g. {left[0]}). Fix: correct config.json's layer count"
-    )
-
-
 def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(full state, checkpoint args at TP = PP = 1) of a GPT-2, Llama, Mixtral or Qwen2-MoE
     directory, offline."""
@@ -461,10 +454,10 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     with open(config_path, encoding="utf-8") as f:
         hf_cfg = json.load(f)
     kind = hf_cfg.get("model_type")
-    if kind not in ("gpt2", "llama", DEEPSEEK, *MOE_ARCHITECTURES):
+    if kind not in ("gpt2", "llama", MISTRAL, DEEPSEEK, *MOE_ARCHITECTURES):
         raise ValueError(
             f"--from-hf {hf_dir}: model_type {kind!r} is not supported (gpt2, llama, "
-            "mixtral, qwen2_moe, deepseek_v3; BERT: bert, megatron-bert)"
+            "mistral, mixtral, qwen2_moe, deepseek_v3; BERT: bert, megatron-bert)"
         )
     hf = read_safetensors(hf_dir)
     # transformers' default is tied when the key is absent (DeepseekV3's: untied)
@@ -489,7 +482,7 @@ def from_hf(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
         hf.pop("lm_head.weight", None)  # a tied head may be saved too; it is the embedding
     left = [n for n in hf if not n.endswith(ignored)]
     if left:
-        raise ValueError(f"--from-hf {hf_dir}: {_not_accounted_for(left, hf_cfg)}")
+        raise ValueError(f"--from-hf {hf_dir}: {not_accounted_for(left, hf_cfg)}")
     state = {n: t.contiguous() for n, t in state.items()}
     check_full_state(state, cfg, f"--from-hf {hf_dir}")
     args = whole_model_args(cfg, import_tokenizer(hf_dir), state[WORD_EMBEDDINGS].dtype)

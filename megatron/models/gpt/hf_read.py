@@ -75,3 +75,21 @@ def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
     for name in files:
         tensors.update(load_file(os.path.join(hf_dir, name)))
     return tensors
+
+
+def not_accounted_for(left: list[str], hf_cfg: dict) -> str:
+    """What is wrong with the tensors an import left: layers config.json does not count (it
+    under-reports num_hidden_layers: imported, the model would be silently truncated), else
+    names not understood."""
+    indices = {int(m[1]) for n in left if (m := re.match(r"(?:model\.layers|h)\.(\d+)\.", n))}
+    key = "n_layer" if "n_layer" in hf_cfg else "num_hidden_layers"  # GPT-2's spelling
+    layers = sorted(i for i in indices if i >= hf_cfg[key])
+    if not layers:
+        return f"tensors not understood: {', '.join(left[:6])}"
+    counted = f"{key} ({hf_cfg[key]})"
+    if "num_nextn_predict_layers" in hf_cfg:  # DeepSeek: the MTP depths it announces
+        counted += f" and num_nextn_predict_layers ({hf_cfg['num_nextn_predict_layers']})"
+    return (
+        f"the files hold layer(s) {', '.join(map(str, layers))} that config.json's {counted} "
+        f"do not account for (e.g. {left[0]}). Fix: correct config.json's layer count"
+    )
