@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.rules_bert import validate_bert
-from megatron.config.schema import ConfigError
 from megatron.data.builder import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.packing import (

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from megatron import mpu
 from megatron.config.cli import parse_args
+from megatron.config.declare import ConfigError
 from megatron.config.layer_pattern import (
     ATTENTION_MLP,
     WINDOW_ATTENTION_MLP,
     WINDOW_ATTENTION_MOE,
     layer_kinds,
 )
-from megatron.config.schema import ConfigError
 from megatron.fused_kernels import TORCH_OPS
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate
