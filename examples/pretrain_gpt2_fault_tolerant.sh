@@ -50,7 +50,7 @@ as w; w('$SMOKE_DIR/corpus.jsonl', 400_000)"
     rm -rf "$CKPT"  # a fresh run each time
     RUN=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
          --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size $((2 * FT_GROUP_SIZE))
-         --train-iters "${TRAIN_ITERS:-200}" --lr 1e-3 --lr-warmup-iters 10
+         --train-iters "${TRAIN_ITERS:-200}" --lr 1e-3 --lr-warmup-fraction 0.05
          --distributed-backend gloo --num-workers 0 --split 949,50,1
          --log-interval "${LOG_INTERVAL:-10}" --eval-interval 1000 --eval-iters 2
          --save-interval 100 --ft-timeout-seconds 5)

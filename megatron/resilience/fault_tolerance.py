@@ -386,6 +386,17 @@ class ReplicaGroup:
             )
             self.last_replicas = took_part
 
+    def log_view(self, global_batch: int) -> tuple[int, int, bool]:
+        """What the job's iteration line says of the last step: (the global batch it trained,
+        this group's share times the groups that took part; how many groups took part; whether
+        this group writes the line: the lowest replica id that took part, so a job of N groups
+        logs one line, not N, and another takes over when that group is gone)."""
+        took = self.took_part or []
+        if not took:
+            return global_batch, 1, True
+        share = global_batch * len(took) // self.group_size
+        return share, len(took), self.replica_id == min(took)
+
     def _print(self, line: str) -> None:
         if self.rt.state.rank == self.rt.state.world_size - 1:
             print(line, file=self.out, flush=True)

@@ -302,34 +302,39 @@ class TrainLoop:
 
     def _log(self, state: TrainState, gbs: int, w: Window) -> None:
         self._settle(w)  # before the clock is read: the window's time includes its device work
+        replicas = getattr(self.backend, "replicas", None)  # --fault-tolerance
+        groups, leads = 1, True
+        if replicas is not None:  # the groups that took part; one line for the whole job
+            gbs, groups, leads = replicas.log_view(gbs)
         iters = max(w.iters, 1)
         sec = w.seconds / iters
         read = w.summary()
         loss = read["loss"]
         tokens_per_s = gbs * self.cfg.model.seq_length / max(sec, 1e-9)
-        tflops = gbs * self.flops_per_sample / max(sec, 1e-9) / self.rt.state.world_size / 1e12
+        devices = self.rt.state.world_size * groups
+        tflops = gbs * self.flops_per_sample / max(sec, 1e-9) / devices / 1e12
         mfu = 100.0 * tflops / self.peak if self.peak else None
         grad_norm = read["grad_norm"]
         lr = self.backend.lr
-        self._print(
-            iteration_line(
-                iteration=state.iteration,
-                train_iters=self._total_iters(),
-                consumed=state.consumed_train_samples,
-                ms_per_iter=1000.0 * sec,
-                lr=lr,
-                global_batch=gbs,
-                loss=loss,
-                loss_scale=self.backend.loss_scale,
-                grad_norm=grad_norm,
-                skipped=read["skipped"],
-                nan=read["nan"],
-                tokens_per_s=tokens_per_s,
-                tflops=tflops,
-                mfu=mfu,
-                others=read["others"],
-            )
+        line = iteration_line(
+            iteration=state.iteration,
+            train_iters=self._total_iters(),
+            consumed=state.consumed_train_samples,
+            ms_per_iter=1000.0 * sec,
+            lr=lr,
+            global_batch=gbs,
+            loss=loss,
+            loss_scale=self.backend.loss_scale,
+            grad_norm=grad_norm,
+            skipped=read["skipped"],
+            nan=read["nan"],
+            tokens_per_s=tokens_per_s,
+            tflops=tflops,
+            mfu=mfu,
+            others=read["others"],
         )
+        if leads:  # the other replica groups' loggers stay silent
+            self._print(line)
         if self.cfg.logging.timing_log_level > 0:
             self._print(Timers.format(self.timers.pop_elapsed(), iters))
         spread = {}  # --log-straggler: a collective, on every rank

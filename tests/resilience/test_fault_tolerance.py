@@ -72,6 +72,23 @@ def _verdicts(groups):
     }
 
 
+def test_one_iteration_line_per_job_with_the_batch_of_the_groups_that_took_part():
+    """4 groups of 8 samples each (global batch 32): the lowest group that took part writes the
+    job's line, with the batch those groups trained (before: every group wrote one, each saying
+    32 even with a group gone)."""
+    group = object.__new__(ReplicaGroup)  # no torchft: only what the log reads
+    group.group_size = 4
+    for me, took, want in (
+        (0, [0, 1, 2, 3], (32, 4, True)),
+        (1, [0, 1, 2, 3], (32, 4, False)),
+        (1, [1, 2, 3], (24, 3, True)),  # group 0 is gone: group 1 takes over the line
+        (3, [1, 3], (16, 2, False)),
+        (2, None, (32, 1, True)),  # before the first step: as without fault tolerance
+    ):
+        group.replica_id, group.took_part = me, took
+        assert group.log_view(32) == want
+
+
 def test_replica_groups_refuse_a_group_with_other_settings_or_a_twin_id_and_go_on():
     """Only the odd group ends (named, with the setting that differs); the healthy ones drop
     that step and go on. Of twin ids the newer ends (a replacement beside an orphan)."""
