@@ -54,6 +54,10 @@ def test_nccl_without_cuda_names_the_flag():
 
 
 def test_multi_process_needs_master_address_and_matching_world():
+    # init_distributed keeps a process group it finds: start from none, whatever ran before in
+    # this worker (an in-process pretrain() of another test file leaves its group of one)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     cfg = parse_args(ARGS, world_size=2)
     with pytest.raises(ConfigError, match="MASTER_ADDR"):
         init_distributed(cfg, LaunchEnv(0, 2, 0, None, None), torch.device("cpu"))
