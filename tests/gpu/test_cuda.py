@@ -14,6 +14,7 @@ Do not run this module in one pytest process with the kernel tests of the CPU su
 they set TRITON_INTERPRET=1 when imported, and kernels defined then stay interpreted.
 """
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -44,30 +45,14 @@ from megatron.mpu import ring_blocks
 from megatron.optim.plain import plain_optimizer
 from tests.helpers.attention import two_block_row
 from tests.helpers.checkpoints import _write_checkpoint
+from tests.helpers.models import LLAMA as LLAMA_LAYER
+from tests.helpers.models import tiny_gpt
 from tests.helpers.paths import MMAP, ROOT
 from tests.helpers.reference_gpt import RefGPT, load_from_megatron
 from tests.helpers.training import flags
 
-GPT2 = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    seq_length=32,
-    vocab_size=100,
-    make_vocab_size_divisible_by=16,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-LLAMA = ModelConfig(
-    **{
-        **GPT2.__dict__,
-        "position_embedding_type": "rope",
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "num_query_groups": 2,
-        "add_bias_linear": False,
-    }
-)
+GPT2 = tiny_gpt(num_attention_heads=4, seq_length=32, make_vocab_size_divisible_by=16)
+LLAMA = dataclasses.replace(GPT2, **LLAMA_LAYER, num_query_groups=2)
 VARIANTS = {"gpt2": GPT2, "llama": LLAMA}
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "head.output_layer.weight")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -32,19 +32,35 @@ SMALL = dict(
 LLAMA = dict(
     position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False
 )
+
+
+def mla_fields(q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim) -> dict:
+    """Multi-latent attention's shape: the query and key/value latents, the query/key head's
+    non-rotary and rotary dims, the value head's dim."""
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank,
+        qk_head_dim=qk_head_dim,
+        qk_pos_emb_head_dim=qk_pos_emb_head_dim,
+        v_head_dim=v_head_dim,
+    )
+
+
 # Multi-latent attention with a query latent, value heads narrower than query / key heads, YaRN
 MLA = dict(
     position_embedding_type="rope",
     normalization="RMSNorm",
-    multi_latent_attention=True,
-    q_lora_rank=16,
-    kv_lora_rank=8,
-    qk_head_dim=4,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
+    **mla_fields(16, 8, 4, 4, 6),
     rotary_scaling_factor=2.0,
     original_max_position_embeddings=4,
     mscale_all_dim=1.0,
+)
+# DeepSeek-V3's router: sigmoid scores, a balancing bias on each expert, weights scaled by 2.5
+V3_ROUTER = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_topk_scaling_factor=2.5,
 )
 # DeepSeek-V3 in small: MLA, a dense first layer, routed + shared experts, the sigmoid router
 # with its expert bias and group limit, one MTP depth
@@ -56,12 +72,7 @@ DEEPSEEK = dict(
     vocab_size=96,
     layernorm_epsilon=1e-6,
     untie_embeddings_and_output_weights=True,
-    multi_latent_attention=True,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=8,
+    **mla_fields(16, 12, 8, 4, 8),
     rope_type="yarn",
     rotary_scaling_factor=4.0,
     original_max_position_embeddings=8,
@@ -70,13 +81,11 @@ DEEPSEEK = dict(
     moe_ffn_hidden_size=16,
     moe_shared_expert_intermediate_size=16,
     moe_router_topk=4,
-    moe_router_score_function="sigmoid",
     moe_layer_freq="([0]*1+[1]*2)",
-    moe_router_enable_expert_bias=True,
+    **V3_ROUTER,
     moe_router_bias_update_rate=0.02,
     moe_router_num_groups=4,
     moe_router_group_topk=2,
-    moe_router_topk_scaling_factor=2.5,
     mtp_num_layers=1,
 )
 

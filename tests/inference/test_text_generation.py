@@ -1,6 +1,7 @@
 """Generation: KV cache == recomputing the prefix, TP/PP == one process, top-k 1 == greedy,
 batches of different lengths; the CLI and the HTTP server agree and reject bad requests."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,6 @@ import pytest
 import torch
 
 from megatron import mpu
-from megatron.config.schema import ModelConfig
 from megatron.inference.engine import InferenceModel
 from megatron.inference.generation import SamplingParams, generate, generate_greedy
 from megatron.inference.streaming import RowsHook
@@ -21,26 +21,12 @@ from megatron.model.context import BuildContext
 from megatron.models.gpt.model import GPTModel, build_model
 from megatron.mpu.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.models import small_gpt
 from tests.helpers.paths import ROOT
 
-CFG = ModelConfig(
-    num_layers=4,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=32,
-    vocab_size=50,
-    make_vocab_size_divisible_by=16,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-ROPE = ModelConfig(
-    **{
-        **CFG.__dict__,
-        "position_embedding_type": "rope",
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "num_query_groups": 2,
-    }
+CFG = small_gpt(num_layers=4, seq_length=32, vocab_size=50, make_vocab_size_divisible_by=16)
+ROPE = dataclasses.replace(
+    CFG, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2
 )
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
 

@@ -17,7 +17,7 @@ from megatron.model.context import BuildContext
 from megatron.model.rope import RotaryEmbedding
 from megatron.model.weights import init_weights
 from megatron.models.gpt.model import GPTModel
-from tests.helpers.models import tiny_gpt
+from tests.helpers.models import mla_fields, tiny_gpt
 
 DT = torch.float64
 YARN = dict(
@@ -37,12 +37,7 @@ def mla_cfg(**overrides):
         layernorm_epsilon=1e-6,
         seq_length=32,
         add_bias_linear=False,
-        multi_latent_attention=True,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=4,
-        v_head_dim=6,
+        **mla_fields(24, 16, 8, 4, 6),
         **YARN,
     )
     return tiny_gpt(**{**base, **overrides})

@@ -22,7 +22,7 @@ from megatron.model.moe import MoELayer, moe_step_stats, update_expert_bias
 from megatron.model.router import route
 from megatron.models.gpt.hf_moe import moe_architecture, moe_config
 from megatron.models.gpt.model import GPTModel
-from tests.helpers.models import tiny_moe
+from tests.helpers.models import V3_ROUTER, tiny_moe
 from tests.helpers.training import BASE as SHAPE
 from tests.helpers.training import flags, train_run
 
@@ -30,11 +30,9 @@ V3 = tiny_moe(
     hidden_size=16,
     make_vocab_size_divisible_by=128,
     num_experts=8,
-    moe_router_score_function="sigmoid",
-    moe_router_topk_scaling_factor=2.5,
+    **V3_ROUTER,
     moe_router_num_groups=2,
     moe_router_group_topk=1,
-    moe_router_enable_expert_bias=True,
 )
 
 

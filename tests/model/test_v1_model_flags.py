@@ -26,17 +26,9 @@ from megatron.model.parallelize import parallelize
 from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from tests.helpers.distributed import run_distributed
+from tests.helpers.models import SMALL
 
-BASE = dict(
-    num_layers=4,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=8,
-    vocab_size=50,
-    make_vocab_size_divisible_by=8,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+BASE = dict(SMALL, num_layers=4, vocab_size=50, make_vocab_size_divisible_by=8)
 V1 = dict(
     apply_query_key_layer_scaling=True,
     openai_gelu=True,

@@ -16,22 +16,13 @@ from megatron.model.transformer import TransformerLayer
 from megatron.models.gpt.model import GPTModel
 from megatron.planning import mla
 from megatron.planning.memory import Device, Layout, Training, layer_activation_bytes, layer_params
-from tests.helpers.models import LLAMA, tiny_gpt
+from tests.helpers.models import LLAMA, mla_fields, tiny_gpt
 
 _BASE = dict(hidden_size=128, seq_length=64, **LLAMA)
 
 
 def _cfg(**overrides):
-    base = dict(
-        **_BASE,
-        num_attention_heads=4,
-        multi_latent_attention=True,
-        q_lora_rank=48,
-        kv_lora_rank=32,
-        qk_head_dim=32,
-        qk_pos_emb_head_dim=16,
-        v_head_dim=24,
-    )
+    base = dict(**_BASE, num_attention_heads=4, **mla_fields(48, 32, 32, 16, 24))
     return tiny_gpt(**{**base, **overrides})
 
 
