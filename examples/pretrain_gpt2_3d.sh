@@ -23,11 +23,8 @@ PP=${PP:-2}
 VP_LAYERS=${VP_LAYERS:-}   # e.g. 3: interleaved schedule, 3 layers per virtual stage
 SMOKE=${SMOKE:-0}
 
-TOKENIZER=(--tokenizer-type GPT2BPETokenizer)
-if [ -n "${VOCAB:-}" ] || [ -n "${MERGES:-}" ]; then
-    TOKENIZER+=(--vocab-file "${VOCAB:?VOCAB and MERGES go together}"
-                --merge-file "${MERGES:?VOCAB and MERGES go together}")
-fi
+# shellcheck source=gpt2_smoke_common.sh
+source "$ROOT/examples/gpt2_smoke_common.sh"  # TOKENIZER, smoke_corpus
 
 if [ "$SMOKE" = 1 ]; then
     SMOKE_DIR=${SMOKE_DIR:-smoke_out}
@@ -35,13 +32,7 @@ if [ "$SMOKE" = 1 ]; then
     CKPT=${CKPT:-$SMOKE_DIR/checkpoints}
     TRAIN_ITERS=${TRAIN_ITERS:-20}
     LOG_INTERVAL=${LOG_INTERVAL:-5}
-    if [ ! -f "$DATA.idx" ]; then  # a small corpus: the Python standard library's sources
-        mkdir -p "$SMOKE_DIR"
-        PYTHONPATH="$ROOT" "$PY" -c "from megatron.data.stdlib_corpus import write_stdlib_corpus \
-as w; w('$SMOKE_DIR/corpus.jsonl', 400_000)"
-        "$PY" "$ROOT/tools/preprocess_data.py" --input "$SMOKE_DIR/corpus.jsonl" \
-            --output-prefix "$SMOKE_DIR/corpus" "${TOKENIZER[@]}" --append-eod
-    fi
+    smoke_corpus "$SMOKE_DIR" "$DATA"  # the Python standard library's sources
     rm -rf "$CKPT"  # a fresh run each time (--load would find the last one finished)
     MODEL=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
            --micro-batch-size 2 --global-batch-size 16 --distributed-backend gloo --num-workers 0)

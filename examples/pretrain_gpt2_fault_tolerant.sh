@@ -29,24 +29,15 @@ LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
 # unless RUST_LOG says otherwise (RUST_LOG=info to see each quorum)
 export RUST_LOG=${RUST_LOG:-warn}
 
-TOKENIZER=(--tokenizer-type GPT2BPETokenizer)
-if [ -n "${VOCAB:-}" ] || [ -n "${MERGES:-}" ]; then
-    TOKENIZER+=(--vocab-file "${VOCAB:?VOCAB and MERGES go together}"
-                --merge-file "${MERGES:?VOCAB and MERGES go together}")
-fi
+# shellcheck source=gpt2_smoke_common.sh
+source "$ROOT/examples/gpt2_smoke_common.sh"  # TOKENIZER, smoke_corpus
 
 if [ "$SMOKE" = 1 ]; then
     SMOKE_DIR=${SMOKE_DIR:-smoke_out}
     DATA=${DATA:-$SMOKE_DIR/corpus_text_document}
     CKPT=${CKPT:-$SMOKE_DIR/checkpoints-ft}
     LIGHTHOUSE_HOST=${LIGHTHOUSE_HOST:-127.0.0.1}
-    if [ ! -f "$DATA.idx" ]; then  # a small corpus: the Python standard library's sources
-        mkdir -p "$SMOKE_DIR"
-        PYTHONPATH="$ROOT" "$PY" -c "from megatron.data.stdlib_corpus import write_stdlib_corpus \
-as w; w('$SMOKE_DIR/corpus.jsonl', 400_000)"
-        "$PY" "$ROOT/tools/preprocess_data.py" --input "$SMOKE_DIR/corpus.jsonl" \
-            --output-prefix "$SMOKE_DIR/corpus" "${TOKENIZER[@]}" --append-eod
-    fi
+    smoke_corpus "$SMOKE_DIR" "$DATA"  # the Python standard library's sources
     rm -rf "$CKPT"  # a fresh run each time
     RUN=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
          --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size $((2 * FT_GROUP_SIZE))

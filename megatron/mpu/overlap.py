@@ -80,7 +80,7 @@ class _Generators:
 
     def __init__(self, trackers: Sequence, device: torch.device | None):
         self.trackers, self.module, self.index = trackers, _accelerator(device), None
-        if self.module is not None:  # "cuda" alone: the current device
+        if self.module is not None:  # a device type without an index: the current device
             self.index = device.index if device.index is not None else self.module.current_device()
 
     def get(self) -> tuple:
